@@ -1,0 +1,22 @@
+from dataclasses import dataclass
+
+from .fields import arg
+
+
+@dataclass
+class DataArgs:
+    train_datasets: str = arg("", "Training prompts: jsonl/parquet file(s), comma separated.")
+    eval_datasets: str = arg("", "Held-out prompts for evaluation, comma separated.")
+    prompt_key: str = arg("src", "Record key of the prompt.")
+    response_key: str = arg("tgt", "Record key of the label / ground truth.")
+    max_prompt_len: int = arg(512, "Prompts longer than this (in tokens) are truncated or dropped.")
+    prompt_overflow: str = arg("truncate", "What to do with prompts over max_prompt_len: truncate (keep the end) | drop.")
+    dataloader_drop_last: bool = arg(False, "Drop the last incomplete batch of an epoch.")
+    dataloader_shuffle: bool = arg(True, "Shuffle prompts each epoch (seeded).")
+    max_eval_samples: int = arg(-1, "Evaluate on at most this many held-out prompts (-1: all).")
+
+    def _validate_data(self, errors):
+        if self.max_prompt_len <= 0:
+            errors.append(f"max_prompt_len: must be > 0, got {self.max_prompt_len}")
+        if self.prompt_overflow not in ("truncate", "drop"):
+            errors.append(f"prompt_overflow: must be truncate or drop, got {self.prompt_overflow!r}")

@@ -1,0 +1,181 @@
+"""YAML + overrides -> RLConfig, with errors that name the key and suggest the right one."""
+import dataclasses
+import difflib
+import logging
+import os
+import typing
+from typing import Any, Iterable, Optional
+
+import yaml
+
+from .fields import ACTED, ALIASES
+
+logger = logging.getLogger("paddle_rl")
+
+
+class ConfigError(ValueError):
+    """A configuration problem; the message names the key (and the file)."""
+
+
+def _config_class():
+    from . import RLConfig
+    return RLConfig
+
+
+def _fields():
+    return {f.name: f for f in dataclasses.fields(_config_class())}
+
+
+def _aliases():
+    return {alias: f.name for f in dataclasses.fields(_config_class()) for alias in f.metadata.get(ALIASES, ())}
+
+
+def _suggest(key: str, names: Iterable[str]) -> str:
+    close = difflib.get_close_matches(key, list(names), n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _coerce(key: str, value: Any, annotation) -> Any:
+    origin = typing.get_origin(annotation)
+    if origin is typing.Union:
+        args = [a for a in typing.get_args(annotation) if a is not type(None)]
+        if value is None or (isinstance(value, str) and value.lower() in ("none", "null")):
+            return None
+        annotation = args[0]
+    if annotation is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
+            return value.lower() in ("true", "1", "yes")
+        if isinstance(value, int) and value in (0, 1):
+            return bool(value)
+        raise ConfigError(f"{key}: expected true or false, got {value!r}")
+    if annotation is int:
+        if isinstance(value, bool):
+            raise ConfigError(f"{key}: expected an integer, got {value!r}")
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        try:
+            return int(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{key}: expected an integer, got {value!r}") from None
+    if annotation is float:
+        if isinstance(value, bool):
+            raise ConfigError(f"{key}: expected a number, got {value!r}")
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{key}: expected a number, got {value!r}") from None
+    if annotation is str:
+        if isinstance(value, (dict, list)):
+            raise ConfigError(f"{key}: expected a string, got {value!r}")
+        return "" if value is None else str(value)
+    if annotation is list or typing.get_origin(annotation) is list:
+        if value is None:
+            return []
+        if isinstance(value, str):
+            return [v.strip() for v in value.replace(",", " ").split() if v.strip()]
+        if isinstance(value, (list, tuple)):
+            return list(value)
+        return [value]
+    if annotation is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: expected a mapping, got {value!r}")
+        return value
+    return value
+
+
+def parse_overrides(items: Iterable[str]) -> dict:
+    """`key=value` strings -> dict; values parsed as YAML scalars/lists."""
+    out = {}
+    for item in items:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r}: expected key=value")
+        key, raw = item.split("=", 1)
+        key = key.strip().lstrip("-")
+        out[key] = yaml.safe_load(raw) if raw.strip() else ""
+    return out
+
+
+def _read_yaml(path: str) -> dict:
+    if not os.path.isfile(path):
+        raise ConfigError(f"config file not found: {path}")
+    with open(path, encoding="utf-8") as f:
+        try:
+            data = yaml.safe_load(f)
+        except yaml.YAMLError as e:
+            mark = getattr(e, "problem_mark", None)
+            where = f"{path}:{mark.line + 1}" if mark else path
+            raise ConfigError(f"{where}: invalid YAML: {getattr(e, 'problem', e)}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping of key: value at the top level")
+    return data
+
+
+def load_config(path: Optional[str] = None, overrides: Optional[Iterable[str] | dict] = None, warn_unused: bool = True):
+    """Read `path` (YAML) and apply overrides; raise ConfigError listing every bad key or value."""
+    cls = _config_class()
+    fields, aliases = _fields(), _aliases()
+    raw = _read_yaml(path) if path else {}
+    if overrides:
+        raw.update(overrides if isinstance(overrides, dict) else parse_overrides(overrides))
+    where = f"{path}: " if path else ""
+    errors, values = [], {}
+    for key, value in raw.items():
+        name = aliases.get(key, key)
+        if name not in fields:
+            errors.append(f"{where}unknown key {key!r}{_suggest(key, list(fields) + list(aliases))}")
+            continue
+        try:
+            values[name] = _coerce(key, value, fields[name].type if not isinstance(fields[name].type, str)
+                                   else typing.get_type_hints(cls)[name])
+        except ConfigError as e:
+            errors.append(f"{where}{e}")
+    if errors:
+        raise ConfigError("invalid configuration:\n  " + "\n  ".join(errors))
+    config = cls(**values)
+    problems = []
+    for method in sorted(m for m in dir(config) if m.startswith("_validate_")):
+        getattr(config, method)(problems)
+    if problems:
+        raise ConfigError("invalid configuration" + (f" in {path}" if path else "") + ":\n  " + "\n  ".join(problems))
+    if warn_unused:
+        ignored = sorted(k for k in values if not fields[k].metadata.get(ACTED, True))
+        if ignored:
+            logger.warning("accepted but not acted on in this build: %s", ", ".join(ignored))
+    config.unacted_keys = sorted(k for k in values if not fields[k].metadata.get(ACTED, True))
+    return config
+
+
+def config_to_dict(config) -> dict:
+    return {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
+
+
+def _dataset_paths(spec: str):
+    return [p.strip() for p in spec.split(",") if p.strip()]
+
+
+def check_paths(config) -> None:
+    """Fail before any model loads when a model or data path is missing."""
+    problems = []
+    model = config.actor_model_name_or_path
+    if not os.path.isdir(model):
+        problems.append(f"actor_model_name_or_path: folder not found: {model}")
+    elif not os.path.isfile(os.path.join(model, "config.json")):
+        problems.append(f"actor_model_name_or_path: {os.path.join(model, 'config.json')} not found")
+    for key in ("reference_model_name_or_path", "tokenizer_name_or_path"):
+        value = getattr(config, key)
+        if value and not os.path.isdir(value):
+            problems.append(f"{key}: folder not found: {value}")
+    if not config.train_datasets:
+        problems.append("train_datasets: required")
+    for key in ("train_datasets", "eval_datasets"):
+        for p in _dataset_paths(getattr(config, key)):
+            if not os.path.isfile(p):
+                problems.append(f"{key}: file not found: {p}")
+    if config.do_eval and not config.eval_datasets:
+        problems.append("eval_datasets: required when do_eval is true")
+    if problems:
+        raise ConfigError("invalid configuration:\n  " + "\n  ".join(problems))

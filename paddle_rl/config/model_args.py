@@ -1,0 +1,36 @@
+from dataclasses import dataclass
+from typing import Optional
+
+from .fields import arg
+
+
+@dataclass
+class ModelArgs:
+    actor_model_name_or_path: str = arg("", "Folder of the actor checkpoint (Hugging Face layout).")
+    reference_model_name_or_path: Optional[str] = arg(None, "Reference checkpoint; defaults to the actor's.")
+    tokenizer_name_or_path: Optional[str] = arg(None, "Tokenizer folder; defaults to the actor's.")
+    reward_model_name_or_path: str = arg("", "Neural reward model (not used: rule rewards and the reward server).", acted=False)
+    use_fp32_compute: bool = arg(False, "Compute log-probs, rewards and losses in fp32.", acted=False)
+    bf16: bool = arg(False, "bf16 mixed precision (this CPU build computes in fp32).", acted=False)
+    fp16_opt_level: str = arg("O1", acted=False)
+    amp_master_grad: bool = arg(False, acted=False)
+    amp_custom_black_list: str = arg("", acted=False)
+    amp_custom_white_list: str = arg("", acted=False)
+    use_flash_attention: bool = arg(False, acted=False)
+    use_fused_rms_norm: bool = arg(False, acted=False)
+    use_fused_rope: bool = arg(False, acted=False)
+    use_fused_head_and_loss_fn: bool = arg(False, acted=False)
+    use_fused_linear: bool = arg(False, acted=False)
+    fused_linear: bool = arg(False, acted=False)
+    recompute: bool = arg(False, "Recompute decoder layers in the backward pass to save memory.")
+    recompute_use_reentrant: bool = arg(True, acted=False)
+    recompute_granularity: str = arg("full", acted=False)
+    offload_level: str = arg("", acted=False)
+    release_grads: bool = arg(False, acted=False)
+    offload_optim: bool = arg(False, acted=False)
+    quant_type: str = arg("", acted=False)
+    rollout_quant_type: str = arg("", acted=False)
+
+    def _validate_model(self, errors):
+        if not self.actor_model_name_or_path:
+            errors.append("actor_model_name_or_path: required (a folder with config.json and model.safetensors)")

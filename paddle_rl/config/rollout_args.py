@@ -1,0 +1,37 @@
+from dataclasses import dataclass
+from typing import Optional
+
+from .fields import arg
+
+
+@dataclass
+class RolloutArgs:
+    rollout_n: int = arg(8, "Responses sampled per prompt (the group size G).")
+    max_dec_len: int = arg(4096, "Maximum response length in tokens.")
+    min_dec_len: int = arg(32, "EOS is banned until a response has this many tokens.")
+    temperature: float = arg(0.7, "Sampling temperature; log-probs use logits / temperature.")
+    top_p: float = arg(1.0, "Nucleus sampling mass.")
+    top_k: int = arg(0, "Keep the k most likely tokens (0: off).")
+    repetition_penalty: float = arg(1.0, "CTRL-style penalty on tokens already in the sequence.")
+    stop_token_ids: list = arg([], "Extra token ids that end a response (EOS ids of the tokenizer always do).")
+    rollout_max_num_seqs: int = arg(-1, "Sequences decoded at once (-1: all of a batch).")
+    per_device_rollout_batch_size: int = arg(-1, acted=False)
+    eval_max_dec_len: Optional[int] = arg(None, "Response length for evaluation; defaults to max_dec_len.")
+
+    def _validate_rollout(self, errors):
+        if self.rollout_n < 1:
+            errors.append(f"rollout_n: must be >= 1, got {self.rollout_n}")
+        if self.max_dec_len < 1:
+            errors.append(f"max_dec_len: must be >= 1, got {self.max_dec_len}")
+        if self.min_dec_len < 0:
+            errors.append(f"min_dec_len: must be >= 0, got {self.min_dec_len}")
+        elif self.min_dec_len > self.max_dec_len:
+            errors.append(f"min_dec_len: {self.min_dec_len} exceeds max_dec_len {self.max_dec_len}")
+        if self.temperature < 0:
+            errors.append(f"temperature: must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            errors.append(f"top_p: must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            errors.append(f"top_k: must be >= 0, got {self.top_k}")
+        if self.repetition_penalty <= 0:
+            errors.append(f"repetition_penalty: must be > 0, got {self.repetition_penalty}")

@@ -1,0 +1,73 @@
+from dataclasses import dataclass
+from typing import Optional
+
+from .fields import arg
+
+LR_SCHEDULES = ("constant", "constant_with_warmup", "linear", "cosine")
+
+
+@dataclass
+class TrainingArgs:
+    output_dir: str = arg("output", "Checkpoints and metrics.jsonl go here.")
+    seed: int = arg(42, "Seeds sampling, shuffling and initialization.")
+    global_batch_size: int = arg(8, "Prompts per RL step.")
+    global_gen_batch_size: int = arg(-1, "Prompts generated per round under dynamic sampling (-1: global_batch_size).")
+    global_mini_batch_size: int = arg(-1, "Prompts per optimizer step (-1: global_batch_size).", aliases=("mini_batch_size",))
+    update_iters: int = arg(1, "Passes over each rollout batch.")
+    per_device_train_batch_size: int = arg(8, "Sequences per micro-batch in the update (gradient accumulation fills the mini-batch).")
+    per_device_logprob_batch_size: int = arg(8, "Sequences per forward pass for reference / old log-probs.")
+    per_device_reward_batch_size: int = arg(8, "Responses per reward call.")
+    per_device_value_batch_size: int = arg(8, acted=False)
+    num_train_epochs: float = arg(1.0, "Epochs over the training prompts (max_steps wins when > 0).")
+    max_steps: int = arg(-1, "RL steps to run (-1: from num_train_epochs).")
+    max_length: int = arg(-1, "Maximum prompt + response length (-1: max_prompt_len + max_dec_len).")
+    learning_rate: float = arg(5e-7, "Peak learning rate.")
+    lr_scheduler_type: str = arg("constant", "constant | constant_with_warmup | linear | cosine.")
+    warmup_steps: int = arg(0, "Linear warm-up steps (optimizer steps).")
+    warmup_ratio: float = arg(0.0, "Warm-up as a share of all optimizer steps (used when warmup_steps is 0).")
+    min_lr_ratio: float = arg(0.0, "Final learning rate of linear / cosine decay, as a share of the peak.")
+    weight_decay: float = arg(0.0, "AdamW decoupled weight decay (not applied to norms and biases).")
+    adam_beta1: float = arg(0.9)
+    adam_beta2: float = arg(0.999)
+    adam_epsilon: float = arg(1e-8)
+    max_grad_norm: float = arg(1.0, "Clip the global gradient norm (0: off).")
+    save_steps: int = arg(500, "Save a checkpoint every this many steps.")
+    save_strategy: str = arg("steps", "steps | no.")
+    save_total_limit: int = arg(-1, "Keep at most this many checkpoints (-1: all).")
+    ignore_save_lr_and_optim: bool = arg(False, "Save only model weights (such a checkpoint cannot resume exactly).")
+    resume_from_checkpoint: Optional[str] = arg(None, "auto (latest in output_dir) | PATH.")
+    do_train: bool = arg(True, acted=False)
+    do_eval: bool = arg(False, "Evaluate on eval_datasets at step 0 and every eval_steps.")
+    evaluation_strategy: str = arg("steps", "steps | no.")
+    eval_steps: int = arg(20, "Evaluate every this many steps.")
+    per_device_eval_batch_size: int = arg(32, "Prompts decoded at once in evaluation.")
+    balance_batch: bool = arg(False, acted=False)
+    use_remove_padding: bool = arg(False, acted=False)
+
+    def _validate_training(self, errors):
+        positive = ("global_batch_size", "update_iters", "per_device_train_batch_size",
+                    "per_device_logprob_batch_size", "per_device_reward_batch_size", "per_device_eval_batch_size")
+        for key in positive:
+            if getattr(self, key) < 1:
+                errors.append(f"{key}: must be >= 1, got {getattr(self, key)}")
+        if self.lr_scheduler_type not in LR_SCHEDULES:
+            errors.append(f"lr_scheduler_type: {self.lr_scheduler_type!r} is not one of {', '.join(LR_SCHEDULES)}")
+        if self.learning_rate < 0:
+            errors.append(f"learning_rate: must be >= 0, got {self.learning_rate}")
+        if self.save_strategy not in ("steps", "no", "epoch"):
+            errors.append(f"save_strategy: must be steps or no, got {self.save_strategy!r}")
+        if self.save_steps < 1:
+            errors.append(f"save_steps: must be >= 1, got {self.save_steps}")
+        if self.eval_steps < 1:
+            errors.append(f"eval_steps: must be >= 1, got {self.eval_steps}")
+        if self.max_steps == 0 or self.max_steps < -1:
+            errors.append(f"max_steps: must be > 0 or -1, got {self.max_steps}")
+        mini = self.mini_batch_prompts
+        if self.global_batch_size >= 1 and mini >= 1 and self.global_batch_size % mini:
+            errors.append(f"global_mini_batch_size: {mini} does not divide global_batch_size {self.global_batch_size}")
+        if mini < 1:
+            errors.append(f"global_mini_batch_size: must be >= 1 or -1, got {mini}")
+
+    @property
+    def mini_batch_prompts(self) -> int:
+        return self.global_batch_size if self.global_mini_batch_size == -1 else self.global_mini_batch_size

@@ -1,0 +1,215 @@
+"""The decoder family: Qwen2/Qwen2.5 (q/k/v bias), Qwen3 (q/k RMSNorm) and Llama, in one definition.
+
+Activations are [batch, tokens, hidden]. q/k/v and gate/up projections are stored fused
+(one matmul each); `layout.py` maps them to and from the Hugging Face tensor names.
+"""
+import math
+from typing import List, Optional
+
+import paddle
+import paddle.nn as nn
+import paddle.nn.functional as F
+
+from .config import ModelConfig
+
+NEG_INF = -1e9
+
+
+class RMSNorm(nn.Layer):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = self.create_parameter([dim], default_initializer=nn.initializer.Constant(1.0))
+
+    def forward(self, x):
+        variance = x.pow(2).mean(-1, keepdim=True)
+        return x * paddle.rsqrt(variance + self.eps) * self.weight
+
+
+class RotaryEmbedding:
+    """cos/sin tables of rotate-half RoPE for arbitrary position ids."""
+
+    def __init__(self, head_dim: int, theta: float):
+        exponents = paddle.arange(0, head_dim, 2, dtype="int64").astype("float32") / head_dim
+        self.inv_freq = 1.0 / (theta ** exponents)
+
+    def __call__(self, position_ids):
+        freqs = position_ids.astype("float32").unsqueeze(-1) * self.inv_freq
+        emb = paddle.concat([freqs, freqs], axis=-1).unsqueeze(2)  # [B, T, 1, head_dim]
+        return emb.cos(), emb.sin()
+
+
+def rotate_half(x):
+    x1, x2 = x.chunk(2, axis=-1)
+    return paddle.concat([-x2, x1], axis=-1)
+
+
+def apply_rotary(x, cos, sin):
+    return x * cos + rotate_half(x) * sin
+
+
+class LayerCache:
+    """Keys and values of one layer for the tokens seen so far: [B, kv_heads, T, head_dim]."""
+
+    def __init__(self):
+        self.k = None
+        self.v = None
+
+    def update(self, k, v):
+        if self.k is not None:
+            k = paddle.concat([self.k, k], axis=2)
+            v = paddle.concat([self.v, v], axis=2)
+        self.k, self.v = k, v
+        return k, v
+
+    def repeat_interleave(self, n: int):
+        if n > 1:
+            self.k = paddle.repeat_interleave(self.k, n, axis=0)
+            self.v = paddle.repeat_interleave(self.v, n, axis=0)
+
+    def select(self, index):
+        self.k = paddle.gather(self.k, index, axis=0)
+        self.v = paddle.gather(self.v, index, axis=0)
+
+
+def new_cache(config: ModelConfig) -> List[LayerCache]:
+    return [LayerCache() for _ in range(config.num_hidden_layers)]
+
+
+class Attention(nn.Layer):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.scale = 1.0 / math.sqrt(self.head_dim)
+        self.split_sizes = [self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim,
+                            self.num_kv_heads * self.head_dim]
+        self.qkv_proj = nn.Linear(config.hidden_size, sum(self.split_sizes),
+                                  bias_attr=None if config.attention_bias else False)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias_attr=False)
+        self.qk_norm = config.uses_qk_norm
+        if self.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+
+    def forward(self, x, cos, sin, attention_bias, cache: Optional[LayerCache] = None):
+        batch, length = x.shape[0], x.shape[1]
+        q, k, v = paddle.split(self.qkv_proj(x), self.split_sizes, axis=-1)
+        q = q.reshape([batch, length, self.num_heads, self.head_dim])
+        k = k.reshape([batch, length, self.num_kv_heads, self.head_dim])
+        v = v.reshape([batch, length, self.num_kv_heads, self.head_dim])
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rotary(q, cos, sin).transpose([0, 2, 1, 3])
+        k = apply_rotary(k, cos, sin).transpose([0, 2, 1, 3])
+        v = v.transpose([0, 2, 1, 3])
+        if cache is not None:
+            k, v = cache.update(k, v)
+        groups = self.num_heads // self.num_kv_heads
+        # heads h = kv * groups + j share kv head `kv`: fold the group into the query axis
+        q = q.reshape([batch, self.num_kv_heads, groups * length, self.head_dim])
+        scores = paddle.matmul(q, k, transpose_y=True) * self.scale
+        key_len = scores.shape[-1]
+        scores = scores.reshape([batch, self.num_kv_heads, groups, length, key_len]) + attention_bias.unsqueeze(2)
+        probs = F.softmax(scores, axis=-1).reshape([batch, self.num_kv_heads, groups * length, key_len])
+        out = paddle.matmul(probs, v).reshape([batch, self.num_heads, length, self.head_dim])
+        out = out.transpose([0, 2, 1, 3]).reshape([batch, length, self.num_heads * self.head_dim])
+        return self.o_proj(out)
+
+
+class MLP(nn.Layer):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.intermediate_size = config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias_attr=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias_attr=False)
+
+    def forward(self, x):
+        gate, up = paddle.split(self.gate_up_proj(x), 2, axis=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Layer):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, x, cos, sin, attention_bias, cache=None):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attention_bias, cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+def attention_bias_from_mask(key_mask, query_len: int, causal: bool):
+    """Additive bias [B, 1, query_len, key_len]: 0 where a query may attend, NEG_INF elsewhere.
+
+    key_mask [B, key_len] is 1 on real tokens; queries are the last `query_len` keys.
+    """
+    key_len = key_mask.shape[1]
+    allowed = key_mask.astype("bool").unsqueeze(1).unsqueeze(1)  # [B,1,1,K]
+    if causal and query_len > 1:
+        q_pos = paddle.arange(key_len - query_len, key_len).unsqueeze(1)
+        k_pos = paddle.arange(key_len).unsqueeze(0)
+        allowed = paddle.logical_and(allowed, (k_pos <= q_pos).unsqueeze(0).unsqueeze(0))
+    zeros = paddle.zeros(allowed.shape, dtype="float32")
+    return paddle.where(allowed, zeros, paddle.full_like(zeros, NEG_INF))
+
+
+def position_ids_from_mask(mask):
+    """Positions counting only real tokens (left padding gets position 0)."""
+    return paddle.clip(paddle.cumsum(mask.astype("int64"), axis=-1) - 1, min=0)
+
+
+class CausalLM(nn.Layer):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.LayerList([DecoderLayer(config) for _ in range(config.num_hidden_layers)])
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta)
+        if not config.tie_word_embeddings:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias_attr=False)
+        self.recompute = False
+
+    def init_weights(self, std: Optional[float] = None):
+        std = self.config.initializer_range if std is None else std
+        for name, param in self.named_parameters():
+            if "norm" in name:
+                param.set_value(paddle.ones_like(param))
+            elif name.endswith("bias"):
+                param.set_value(paddle.zeros_like(param))
+            else:
+                param.set_value(paddle.normal(0.0, std, param.shape).astype(param.dtype))
+
+    def hidden_states(self, input_ids, position_ids, attention_bias, cache=None):
+        x = self.embed_tokens(input_ids)
+        cos, sin = self.rotary(position_ids)
+        for i, layer in enumerate(self.layers):
+            if self.recompute and self.training and cache is None:
+                from paddle.distributed.fleet.utils import recompute
+                x = recompute(layer, x, cos, sin, attention_bias, use_reentrant=False)
+            else:
+                x = layer(x, cos, sin, attention_bias, None if cache is None else cache[i])
+        return self.norm(x)
+
+    @property
+    def lm_head_weight(self):
+        """[hidden, vocab] view of the output projection."""
+        return self.embed_tokens.weight.T if self.config.tie_word_embeddings else self.lm_head.weight
+
+    def logits(self, hidden):
+        if self.config.tie_word_embeddings:
+            return paddle.matmul(hidden, self.embed_tokens.weight, transpose_y=True)
+        return self.lm_head(hidden)
+
+    def forward(self, input_ids, attention_mask=None):
+        """Full-sequence logits (no cache): [B, T, vocab]."""
+        if attention_mask is None:
+            attention_mask = paddle.ones_like(input_ids)
+        bias = attention_bias_from_mask(attention_mask, input_ids.shape[1], causal=True)
+        hidden = self.hidden_states(input_ids, position_ids_from_mask(attention_mask), bias)
+        return self.logits(hidden)

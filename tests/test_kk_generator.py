@@ -1,0 +1,303 @@
+"""Knights-and-Knaves generator: uniqueness checked independently, determinism, layouts, CLI."""
+
+import argparse
+import itertools
+import json
+import re
+
+import pytest
+
+from paddle_rl.data.kk import (
+    NAMES,
+    SYSTEM_PROMPT,
+    Is,
+    generate_puzzles,
+    render_chat,
+    render_paddlenlp,
+    render_prompt,
+    solve,
+    think_text,
+    write_dataset,
+)
+from paddle_rl.data.kk_cli import add_kk_subparser, run_kk
+
+# ---------------------------------------------------------------------------
+# An independent reader: parse the English wording back into a formula and
+# brute-force it, without touching the generator's statement objects.
+# ---------------------------------------------------------------------------
+
+ATOM = re.compile(r"([A-Z][a-z]+) is (not )?a (knight|knave)")
+
+
+def _top_level(text, token):
+    """Start offsets of `token` in `text` outside parentheses."""
+    hits, depth = [], 0
+    for i, ch in enumerate(text):
+        if ch == "(":
+            depth += 1
+        elif ch == ")":
+            depth -= 1
+        elif depth == 0 and text.startswith(token, i):
+            hits.append(i)
+    return hits
+
+
+def _split(text, token):
+    cuts = _top_level(text, token)
+    parts, start = [], 0
+    for cut in cuts:
+        parts.append(text[start:cut])
+        start = cut + len(token)
+    parts.append(text[start:])
+    return parts
+
+
+def _wrapped(text):
+    if not text.startswith("("):
+        return False
+    depth = 0
+    for i, ch in enumerate(text):
+        depth += ch == "("
+        depth -= ch == ")"
+        if depth == 0:
+            return i == len(text) - 1
+    return False
+
+
+def parse_formula(text):
+    text = text.strip()
+    if _wrapped(text):
+        return parse_formula(text[1:-1])
+    if _top_level(text, " if and only if "):
+        left, right = _split(text, " if and only if ")
+        return ("iff", parse_formula(left), parse_formula(right))
+    if text[:3] in ("If ", "if ") and _top_level(text, " then "):
+        cond, then = _split(text[3:], " then ")
+        return ("implies", parse_formula(cond), parse_formula(then))
+    if _top_level(text, " and "):
+        return ("and",) + tuple(parse_formula(p) for p in _split(text, " and "))
+    if _top_level(text, " or "):
+        return ("or",) + tuple(parse_formula(p) for p in _split(text, " or "))
+    for prefix in ("It is not the case that ", "it is not the case that "):
+        if text.startswith(prefix):
+            return ("not", parse_formula(text[len(prefix):]))
+    m = ATOM.fullmatch(text)
+    assert m, f"cannot read {text!r}"
+    atom = ("is", m.group(1), m.group(3) == "knight")
+    return ("not", atom) if m.group(2) else atom
+
+
+def holds(formula, roles):
+    op = formula[0]
+    if op == "is":
+        return roles[formula[1]] == formula[2]
+    if op == "not":
+        return not holds(formula[1], roles)
+    if op == "and":
+        return all(holds(f, roles) for f in formula[1:])
+    if op == "or":
+        return any(holds(f, roles) for f in formula[1:])
+    if op == "implies":
+        return (not holds(formula[1], roles)) or holds(formula[2], roles)
+    if op == "iff":
+        return holds(formula[1], roles) == holds(formula[2], roles)
+    raise AssertionError(op)
+
+
+def read_full_text(text):
+    m = re.search(r"You meet (\d+) inhabitants: (.*?)\. ", text)
+    names = re.split(r", and |, | and ", m.group(2))
+    assert len(names) == int(m.group(1))
+    claims = re.findall(r'([A-Z][a-z]+) [a-z ]+, "([^"]*)\."', text)
+    assert [speaker for speaker, _ in claims] == names
+    assert text.endswith("So who is a knight and who is a knave?")
+    return names, [parse_formula(claim) for _, claim in claims]
+
+
+def read_compact_text(text):
+    assert text.startswith("Knights tell the truth, knaves lie. ")
+    claims = re.findall(r"([A-Z][a-z]+): ([^:]*?)\.(?= [A-Z][a-z]+:| Who is)", text)
+    return [s for s, _ in claims], [parse_formula(c) for _, c in claims]
+
+
+def brute_force(names, formulas):
+    found = []
+    for roles in itertools.product([True, False], repeat=len(names)):
+        world = dict(zip(names, roles))
+        if all(holds(f, world) == world[name] for name, f in zip(names, formulas)):
+            found.append(roles)
+    return found
+
+
+@pytest.fixture(scope="module")
+def puzzles_by_people():
+    return {people: generate_puzzles(people, 40, seed=7) for people in range(2, 9)}
+
+
+# ---------------------------------------------------------------------------
+
+
+def test_names_do_not_contain_each_other():
+    assert len(NAMES) >= 100 and len(set(NAMES)) == len(NAMES)
+    lowered = [n.lower() for n in NAMES]
+    assert not [(a, b) for a in lowered for b in lowered if a != b and a in b]
+    assert all(ATOM.fullmatch(f"{n} is a knight") for n in NAMES)
+
+
+def test_every_puzzle_has_exactly_one_solution_by_independent_check(puzzles_by_people):
+    for people, puzzles in puzzles_by_people.items():
+        assert len(puzzles) == 40
+        for puzzle in puzzles:
+            assert len(puzzle.names) == people == len(set(puzzle.names))
+            names, formulas = read_full_text(puzzle.text())
+            assert tuple(names) == puzzle.names
+            assert brute_force(names, formulas) == [puzzle.solution]
+            short_names, short_formulas = read_compact_text(puzzle.text(compact=True))
+            assert short_names == names and short_formulas == formulas
+            assert solve(puzzle) == [puzzle.solution]
+            assert solve(puzzle.statements, people) == [puzzle.solution]
+
+
+def test_deeper_statements_read_unambiguously():
+    for people in (3, 5):
+        for puzzle in generate_puzzles(people, 30, seed=3, max_depth=3):
+            names, formulas = read_full_text(puzzle.text())
+            assert brute_force(names, formulas) == [puzzle.solution]
+
+
+def test_solve_reports_every_consistent_assignment():
+    puzzle = generate_puzzles(2, 1, seed=0)[0]
+    # Two speakers who each only vouch for themselves: all four roles fit.
+    assert len(solve([Is(0, True), Is(1, True)])) == 4
+    assert solve([Is(0, False), Is(1, True)]) == []
+    assert len(solve(puzzle)) == 1
+
+
+def test_ground_truth_lines(puzzles_by_people):
+    for puzzles in puzzles_by_people.values():
+        for puzzle in puzzles[:5]:
+            lines = puzzle.ground_truth().split("\n")
+            assert len(lines) == len(puzzle.names)
+            for i, (line, name, knight) in enumerate(zip(lines, puzzle.names, puzzle.solution), 1):
+                assert line == f"({i}) {name} is a {'knight' if knight else 'knave'}"
+            # the reward rule: one "NAME is a role" per name, and as many role words as people
+            tgt = puzzle.ground_truth()
+            for name, knight in zip(puzzle.names, puzzle.solution):
+                m = re.search(rf"\b{name} is a (knight|knave)\b", tgt)
+                assert m.group(1) == ("knight" if knight else "knave")
+            assert len(re.findall(r"\b(knight|knave)\b", tgt)) == len(puzzle.names)
+
+
+def test_generation_is_seeded_and_extends():
+    a = generate_puzzles(4, 12, seed=11)
+    assert a == generate_puzzles(4, 12, seed=11)
+    assert generate_puzzles(4, 5, seed=11) == a[:5]
+    assert a != generate_puzzles(4, 12, seed=12)
+    assert len({(p.names, p.statements) for p in a}) == len(a)
+    with pytest.raises(ValueError):
+        generate_puzzles(9, 1, seed=0)
+    with pytest.raises(ValueError):
+        generate_puzzles(3, 1, seed=0, max_depth=1)
+
+
+def test_templates_and_records():
+    puzzle = generate_puzzles(3, 1, seed=5)[0]
+    qwen = render_paddlenlp(puzzle)
+    assert qwen["tgt"] == puzzle.ground_truth()
+    assert qwen["src"].startswith(f"<|im_start|>system\n{SYSTEM_PROMPT}<|im_end|>\n<|im_start|>user\n")
+    assert qwen["src"].endswith(f"{puzzle.text()}<|im_end|>\n<|im_start|>assistant\n<think>")
+    tiny = render_paddlenlp(puzzle, template="tiny", compact=True)["src"]
+    assert tiny == (f"<|im_start|>user\n{puzzle.text(compact=True)}<|im_end|>\n"
+                    "<|im_start|>assistant\n<think>")
+    assert render_prompt(puzzle.text(), "plain") == puzzle.text()
+    with pytest.raises(ValueError):
+        render_prompt("x", "chatml")
+    chat = render_chat(puzzle)
+    assert list(chat) == ["messages", "solution", "data_source"]
+    assert [m["role"] for m in chat["messages"]] == ["system", "user"]
+    assert chat["messages"][1]["content"] == puzzle.text()
+    assert chat["solution"] == puzzle.ground_truth() and chat["data_source"] == "kk"
+    for tag in ("<think>", "</think>", "<answer>", "</answer>"):
+        assert tag in SYSTEM_PROMPT
+
+
+def test_think_text_is_short_and_agrees(puzzles_by_people):
+    for people in (2, 3):
+        for puzzle in puzzles_by_people[people]:
+            text = think_text(puzzle)
+            assert len(text.split()) <= 40
+            for name, knight in zip(puzzle.names, puzzle.solution):
+                assert f"{name} is a {'knight' if knight else 'knave'}" in text
+                assert f"{name}'s" in text
+            assert f"{puzzle.names[0]}'s statement is {'true' if puzzle.solution[0] else 'false'}" in text
+
+
+def _read_bytes(folder):
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
+
+
+def test_same_seed_same_bytes_other_seed_differs(tmp_path):
+    args = dict(people_counts=[2, 5], num=15, template="qwen2.5", compact=False, split_name="train")
+    first = write_dataset(str(tmp_path / "a"), seed=1, **args)
+    write_dataset(str(tmp_path / "b"), seed=1, **args)
+    write_dataset(str(tmp_path / "c"), seed=2, **args)
+    assert [p.rsplit("/", 1)[1] for p in first] == ["train.jsonl", "train.chat.jsonl"]
+    a, b, c = (_read_bytes(tmp_path / d) for d in "abc")
+    assert a == b
+    assert a["train.jsonl"] != c["train.jsonl"]
+    rows = [json.loads(line) for line in a["train.jsonl"].decode("utf-8").splitlines()]
+    assert len(rows) == 30 and all(list(r) == ["src", "tgt"] for r in rows)
+    chats = [json.loads(line) for line in a["train.chat.jsonl"].decode("utf-8").splitlines()]
+    assert [c["solution"] for c in chats] == [r["tgt"] for r in rows]
+
+
+def _data_parser():
+    parser = argparse.ArgumentParser(prog="paddle-rl data")
+    add_kk_subparser(parser.add_subparsers(dest="data_command"))
+    return parser
+
+
+def test_cli_writes_split_and_test_fraction(tmp_path, capsys):
+    parser = _data_parser()
+    out = tmp_path / "kk"
+    args = parser.parse_args(["kk", "--people", "2,3", "--num", "10", "--seed", "4",
+                              "--template", "tiny", "--compact", "--test-fraction", "0.2",
+                              "--out", str(out)])
+    paths = args.func(args)
+    assert sorted(p.name for p in out.iterdir()) == [
+        "test.chat.jsonl", "test.jsonl", "train.chat.jsonl", "train.jsonl"]
+    assert len(paths) == 4
+    train = (out / "train.jsonl").read_text(encoding="utf-8").splitlines()
+    test = (out / "test.jsonl").read_text(encoding="utf-8").splitlines()
+    assert len(train) == 16 and len(test) == 4 and not set(train) & set(test)
+    assert json.loads(train[0])["src"].startswith("<|im_start|>user\nKnights tell the truth")
+    assert "wrote" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        parser.parse_args(["kk", "--people", "1,3"])
+
+
+def test_cli_preset_layout_is_disjoint_and_reproducible(tmp_path):
+    parser = _data_parser()
+    outputs = []
+    for name in ("p1", "p2"):
+        args = parser.parse_args(["kk", "--preset", "logic-rl", "--num", "8",
+                                  "--out", str(tmp_path / name)])
+        run_kk(args)
+        outputs.append(_read_bytes(tmp_path / name))
+    assert outputs[0] == outputs[1]
+    files = outputs[0]
+    train = [json.loads(l) for l in files["train.jsonl"].decode("utf-8").splitlines()]
+    test = [json.loads(l) for l in files["test.jsonl"].decode("utf-8").splitlines()]
+    assert len(train) == 8 * 5 and len(test) == 100
+    assert {r["tgt"].count("\n") + 1 for r in train} == {3, 4, 5, 6, 7}
+    assert {r["tgt"].count("\n") + 1 for r in test} == {5}
+    assert not {r["src"] for r in train} & {r["src"] for r in test}
+    with pytest.raises(ValueError):
+        run_kk(argparse.Namespace(preset="logic-rl", people=(3,), out=str(tmp_path / "x")))
+
+
+def test_ground_truth_scores_full_marks_with_kk_reward():
+    kk = pytest.importorskip("paddle_rl.rewards.kk")
+    for people in (2, 5, 8):
+        tgt = generate_puzzles(people, 1, seed=9)[0].ground_truth()
+        assert kk.kk_score("reasoning</think>\n<answer>" + tgt + "</answer>", tgt) == 3.0
