@@ -1,8 +1,16 @@
-"""Advantage estimators: scores [B] (+ token data [B, T]) -> advantages [B, T]. Pure functions."""
+"""Advantage estimators: scores [B] (+ token data [B, T]) -> advantages, float32 Paddle tensor [B, T].
+
+Each estimator is a pure function registered by name. Statistics are computed in float64.
+Group statistics need every response of a group in the call (shard data-parallel ranks by prompt);
+batch-wide statistics (scale_rewards=batch, the REINFORCE++ whitening, gdpo's batch z-score) are
+summed over ranks through the `reduce` hook (see stats.py; default "auto").
+"""
 import numpy as np
 import paddle
 
-from ._tensor import as_tensor
+from ._tensor import to_numpy
+from .kl import kl_penalty
+from .stats import global_mean_var, masked_whiten
 
 ADVANTAGE_ESTIMATORS = {}
 
@@ -14,72 +22,167 @@ def register_advantage(name):
     return wrap
 
 
+# --- helpers ----------------------------------------------------------------------------------
+
 def group_index(group_ids):
     """Group ids of any hashable kind -> dense int64 index [B] and the number of groups."""
-    ids = group_ids.numpy() if isinstance(group_ids, paddle.Tensor) else np.asarray(group_ids)
+    ids = to_numpy(group_ids, dtype=None)
+    if ids.size == 0:
+        return np.zeros(0, dtype=np.int64), 0
     _, dense = np.unique(ids, return_inverse=True)
-    return dense.reshape(-1), int(dense.max()) + 1 if dense.size else 0
+    return dense.reshape(-1).astype(np.int64), int(dense.max()) + 1
 
 
-def group_mean_std(scores, group_ids):
-    """Per-sample mean and unbiased std of its group; a group of one gets mean 0, std 1."""
+def group_mean_std(scores, group_ids, ddof: int = 1):
+    """Per-sample mean and std (ddof 1: unbiased) of its group; a group of one gets mean 0, std 1."""
     dense, n_groups = group_index(group_ids)
-    s = scores.numpy().astype(np.float64) if isinstance(scores, paddle.Tensor) else np.asarray(scores, np.float64)
+    s = to_numpy(scores)
     mean, std = np.zeros_like(s), np.ones_like(s)
     for g in range(n_groups):
         idx = dense == g
         if idx.sum() > 1:
             mean[idx] = s[idx].mean()
-            std[idx] = s[idx].std(ddof=1)
+            std[idx] = s[idx].std(ddof=ddof)
     return mean, std
 
 
-def masked_whiten(values, mask, eps: float = 1e-8):
-    """(x - mean) * rsqrt(var + eps) over the masked entries; var unbiased."""
-    mask = mask.astype(values.dtype)
-    count = mask.sum()
-    mean = (values * mask).sum() / count
-    var = ((values - mean).square() * mask).sum() / paddle.clip(count - 1, min=1.0)
-    return (values - mean) * paddle.rsqrt(var + eps) * mask
+def broadcast(per_sample, response_mask):
+    """[B] -> float32 tensor [B, T], zero outside the mask."""
+    m = to_numpy(response_mask)
+    return paddle.to_tensor((np.asarray(per_sample, np.float64)[:, None] * m).astype(np.float32))
 
+
+def reward_kl_per_token(old_logp, ref_logp, response_mask, kind: str = "kl"):
+    """KL(old || ref) estimate on each response token, float64 numpy [B, T] (zero outside the mask)."""
+    if old_logp is None or ref_logp is None:
+        raise ValueError("kl_coeff > 0 needs old_logp and ref_logp (the reward KL compares rollout and reference)")
+    kl = to_numpy(kl_penalty(paddle.to_tensor(to_numpy(old_logp)), paddle.to_tensor(to_numpy(ref_logp)), kind))
+    return kl * to_numpy(response_mask)
+
+
+def outcome_scores(scores, response_mask, old_logp=None, ref_logp=None, kl_coeff: float = 0.0,
+                   kl_penalty_kind: str = "kl"):
+    """Sequence scores with the reward KL folded in: s_i - kl_coeff * sum_t kl_t (outcome estimators)."""
+    s = to_numpy(scores)
+    if kl_coeff:
+        s = s - kl_coeff * reward_kl_per_token(old_logp, ref_logp, response_mask, kl_penalty_kind).sum(-1)
+    return s
+
+
+def last_token_index(mask: np.ndarray) -> np.ndarray:
+    """Index of the last response token of each row (0 for an empty row)."""
+    length = mask.shape[1]
+    return length - 1 - np.argmax(mask[:, ::-1] > 0, axis=1)
+
+
+def discounted_returns(token_rewards, mask, gamma: float = 1.0) -> np.ndarray:
+    """G_t = r_t + gamma * G_{t+1} over the masked tokens, reset outside the mask. float64 [B, T]."""
+    r, m = to_numpy(token_rewards), to_numpy(mask)
+    out = np.zeros_like(r)
+    running = np.zeros(r.shape[0], dtype=np.float64)
+    for t in range(r.shape[1] - 1, -1, -1):
+        running = (r[:, t] + gamma * running) * m[:, t]
+        out[:, t] = running
+    return out
+
+
+# --- outcome estimators -----------------------------------------------------------------------
 
 @register_advantage("grpo")
-def grpo_advantages(scores, response_mask, group_ids, eps: float = 1e-6, **_):
-    mean, std = group_mean_std(scores, group_ids)
-    s = as_tensor(scores).numpy().astype(np.float64)
-    adv = ((s - mean) / (std + eps)).astype(np.float32)
-    mask = as_tensor(response_mask)
-    return paddle.to_tensor(adv).unsqueeze(-1) * mask
+def grpo_advantages(scores, response_mask, group_ids, eps: float = 1e-6, scale_rewards: str = "group",
+                    norm_adv_by_std: bool = True, reduce="auto", **options):
+    """(s - group mean) / (std + eps); std of the group (scale_rewards=group), of the whole batch (batch),
+    or no division (none, or norm_adv_by_std=False)."""
+    s = outcome_scores(scores, response_mask, **_kl_options(options))
+    mean, std = group_mean_std(s, group_ids)
+    if not norm_adv_by_std or scale_rewards == "none":
+        return broadcast(s - mean, response_mask)
+    if scale_rewards == "batch":
+        _, var = global_mean_var(s, reduce=reduce)
+        std = np.full_like(s, np.sqrt(var))
+    elif scale_rewards != "group":
+        raise ValueError(f"scale_rewards: {scale_rewards!r} is not one of group, batch, none")
+    return broadcast((s - mean) / (std + eps), response_mask)
 
 
-def discounted_returns(token_rewards, mask, gamma: float):
-    """G_t = r_t + gamma * G_{t+1}, reset outside the mask. [B, T]."""
-    rewards = (token_rewards * mask).numpy()
-    m = mask.numpy()
-    out = np.zeros_like(rewards)
-    running = np.zeros(rewards.shape[0], dtype=rewards.dtype)
-    for t in range(rewards.shape[1] - 1, -1, -1):
-        running = rewards[:, t] + gamma * running * m[:, t]
-        running = running * m[:, t]
-        out[:, t] = running
-    return paddle.to_tensor(out)
+@register_advantage("dr_grpo")
+def dr_grpo_advantages(scores, response_mask, group_ids, **options):
+    """s - group mean (no std division; pair with loss_agg_mode seq-mean-token-sum-norm)."""
+    s = outcome_scores(scores, response_mask, **_kl_options(options))
+    mean, _ = group_mean_std(s, group_ids)
+    return broadcast(s - mean, response_mask)
 
 
-def last_token_index(mask):
-    m = mask.numpy()
-    length = m.shape[1]
-    return length - 1 - np.argmax(m[:, ::-1] > 0, axis=1)
+@register_advantage("rloo")
+def rloo_advantages(scores, response_mask, group_ids, **options):
+    """s_i - mean of the other G-1 scores of the group = G/(G-1) (s_i - mean); a group of one keeps s_i."""
+    s = outcome_scores(scores, response_mask, **_kl_options(options))
+    dense, n_groups = group_index(group_ids)
+    adv = s.copy()
+    for g in range(n_groups):
+        idx = dense == g
+        n = int(idx.sum())
+        if n > 1:
+            adv[idx] = (s[idx] * n - s[idx].sum()) / (n - 1)
+    return broadcast(adv, response_mask)
+
+
+@register_advantage("gdpo")
+def gdpo_advantages(scores, response_mask, group_ids, per_function_scores=None, reward_weights=None,
+                    eps: float = 1e-6, reduce="auto", **options):
+    """Each reward function z-scored within its group, weighted sum, then z-scored over the batch.
+
+    per_function_scores: {name: [B]}; reward_weights: {name: weight} (default 1). Without per-function
+    scores the total score is the only function. The reward KL (kl_coeff) lowers the summed score.
+    """
+    functions = per_function_scores or {"score": scores}
+    weights = reward_weights or {}
+    total = np.zeros(len(to_numpy(scores)), dtype=np.float64)
+    for name, values in functions.items():
+        mean, std = group_mean_std(values, group_ids)
+        total += float(weights.get(name, 1.0)) * (to_numpy(values) - mean) / (std + eps)
+    total = outcome_scores(total, response_mask, **_kl_options(options))
+    mean, var = global_mean_var(total, reduce=reduce)
+    return broadcast((total - mean) / (np.sqrt(var) + eps), response_mask)
+
+
+# --- token-level estimators -------------------------------------------------------------------
+
+def reinforce_returns(scores, response_mask, old_logp=None, ref_logp=None, kl_coeff: float = 0.0,
+                      kl_penalty_kind: str = "kl", gamma: float = 1.0, clip_range_score: float = 10.0):
+    """Token rewards (-kl_coeff * KL on every token, clipped score on the last) -> discounted returns."""
+    m = to_numpy(response_mask)
+    rewards = np.zeros_like(m)
+    if kl_coeff:
+        rewards -= kl_coeff * reward_kl_per_token(old_logp, ref_logp, m, kl_penalty_kind)
+    s = np.clip(to_numpy(scores), -clip_range_score, clip_range_score)
+    has_tokens = m.sum(-1) > 0
+    rows = np.arange(m.shape[0])[has_tokens]
+    rewards[rows, last_token_index(m)[has_tokens]] += s[has_tokens]
+    return discounted_returns(rewards, m, gamma)
 
 
 @register_advantage("reinforce_plus_plus")
-def reinforce_pp_advantages(scores, response_mask, group_ids=None, old_logp=None, ref_logp=None, kl_coeff: float = 0.0,
-                            gamma: float = 1.0, clip_range_score: float = 10.0, whiten=masked_whiten, **_):
-    mask = as_tensor(response_mask)
-    rewards = paddle.zeros_like(mask)
-    if kl_coeff and old_logp is not None and ref_logp is not None:
-        rewards = -kl_coeff * (as_tensor(old_logp) - as_tensor(ref_logp)) * mask
-    s = np.clip(as_tensor(scores).numpy(), -clip_range_score, clip_range_score)
-    bonus = np.zeros(mask.shape, dtype=np.float32)
-    bonus[np.arange(mask.shape[0]), last_token_index(mask)] = s
-    rewards = rewards + paddle.to_tensor(bonus) * mask
-    return whiten(discounted_returns(rewards, mask, gamma), mask)
+def reinforce_pp_advantages(scores, response_mask, group_ids=None, old_logp=None, ref_logp=None,
+                            kl_coeff: float = 0.0, kl_penalty_kind: str = "kl", gamma: float = 1.0,
+                            clip_range_score: float = 10.0, reduce="auto", **_):
+    """REINFORCE++: token returns whitened over every valid token of the global batch."""
+    returns = reinforce_returns(scores, response_mask, old_logp, ref_logp, kl_coeff, kl_penalty_kind, gamma,
+                                clip_range_score)
+    return paddle.to_tensor(masked_whiten(returns, to_numpy(response_mask), reduce=reduce).astype(np.float32))
+
+
+@register_advantage("reinforce_plus_plus_baseline")
+def reinforce_pp_baseline_advantages(scores, response_mask, group_ids, old_logp=None, ref_logp=None,
+                                     kl_coeff: float = 0.0, kl_penalty_kind: str = "kl", gamma: float = 1.0,
+                                     clip_range_score: float = 10.0, reduce="auto", **_):
+    """REINFORCE++ with the group mean subtracted from the scores first."""
+    clipped = np.clip(to_numpy(scores), -clip_range_score, clip_range_score)
+    mean, _ = group_mean_std(clipped, group_ids)
+    return reinforce_pp_advantages(clipped - mean, response_mask, None, old_logp, ref_logp, kl_coeff,
+                                   kl_penalty_kind, gamma, clip_range_score=np.inf, reduce=reduce)
+
+
+def _kl_options(options: dict) -> dict:
+    keys = ("old_logp", "ref_logp", "kl_coeff", "kl_penalty_kind")
+    return {k: options[k] for k in keys if k in options}

@@ -4,43 +4,170 @@ from typing import Optional
 from .fields import arg
 
 RL_ALGORITHMS = ("grpo", "reinforce_plus_plus")
+ADVANTAGE_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "gdpo", "reinforce_plus_plus", "reinforce_plus_plus_baseline")
+POLICY_LOSSES = ("ppo", "gspo", "cispo", "sapo")
+KL_ESTIMATORS = ("kl", "abs", "mse", "low_var_kl")
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+SCALE_REWARDS = ("group", "batch", "none")
+DYNAMIC_SAMPLING_FALLBACKS = ("error", "keep")
+
+# Conventions an `algorithm_preset` fills in for keys left unset (None). docs/algorithms.md has the table.
+ALGORITHM_PRESETS = {
+    "paddlenlp": {"grpo_eps": 1e-6, "loss_agg_mode": "token-mean"},
+    "verl": {"grpo_eps": 1e-6, "loss_agg_mode": "token-mean"},
+    "trl": {"grpo_eps": 1e-4, "loss_agg_mode": "token-mean"},
+}
+# Estimators / losses whose own papers aggregate differently; used when loss_agg_mode is unset.
+LOSS_AGG_FOR_ESTIMATOR = {"dr_grpo": "seq-mean-token-sum-norm"}
+LOSS_AGG_FOR_POLICY_LOSS = {"gspo": "seq-mean-token-mean"}
+GRPO_FAMILY = ("grpo", "dr_grpo", "rloo", "gdpo")
 
 
 @dataclass
 class AlgorithmArgs:
-    rl_algorithm: str = arg("grpo", "Preset: grpo | reinforce_plus_plus.")
-    advantage_estimator: Optional[str] = arg(None, "Overrides the preset's estimator (grpo, reinforce_plus_plus, ...).")
-    kl_coeff: float = arg(0.0, "KL penalty folded into the token rewards (REINFORCE++ style, old vs reference).")
+    rl_algorithm: str = arg("grpo", "Preset: grpo (KL in the loss) | reinforce_plus_plus (KL in the reward, "
+                            "none in the loss).")
+    advantage_estimator: Optional[str] = arg(None, "Overrides the preset's estimator: grpo | dr_grpo | rloo | gdpo | "
+                                             "reinforce_plus_plus | reinforce_plus_plus_baseline.")
+    algorithm_preset: str = arg("paddlenlp", "Conventions for keys left unset: paddlenlp | verl | trl "
+                                "(grpo_eps, loss_agg_mode; see docs/algorithms.md).")
+    # advantages
+    grpo_eps: Optional[float] = arg(None, "Epsilon added to the std in GRPO-family estimators "
+                                    "(default from algorithm_preset: 1e-6, trl 1e-4).")
+    scale_rewards: str = arg("group", "GRPO std: group (group std) | batch (batch std) | none (no division).")
+    norm_adv_by_std: bool = arg(True, "GRPO divides by the std (false: Dr.GRPO-style, like scale_rewards: none).")
+    gamma: float = arg(1.0, "Discount of the REINFORCE++ token return.")
+    normalize_reward: bool = arg(False, "Running mean/std normalization of scores (REINFORCE++; ignored by the "
+                                 "rl_algorithm grpo preset, as in PaddleNLP).")
+    normalize_advantage: bool = arg(False, "Global masked mean/std normalization of advantages (REINFORCE++; "
+                                    "ignored by the rl_algorithm grpo preset, as in PaddleNLP).")
+    clip_range_score: float = arg(10.0, "Scores are clipped to [-clip_range_score, clip_range_score].")
+    # KL
+    kl_coeff: float = arg(0.0, "KL penalty folded into the rewards (old vs reference policy).")
     kl_penalty: str = arg("kl", "Estimator of the reward KL: kl | abs | mse | low_var_kl.")
-    kl_loss_coeff: float = arg(0.0, "KL term in the loss (GRPO style, current vs reference).")
+    adaptive_kl: bool = arg(False, "Adapt kl_coeff toward kl_target (PPO proportional controller).")
+    kl_target: float = arg(0.1, "Target reward KL of the adaptive controller.")
+    kl_horizon: float = arg(10000.0, "Horizon (samples) of the adaptive controller.")
+    kl_loss_coeff: float = arg(0.0, "KL term in the loss (current vs reference policy).")
     kl_loss_type: str = arg("low_var_kl", "Estimator of the loss KL: kl | abs | mse | low_var_kl.")
+    # policy loss
+    policy_loss: str = arg("ppo", "ppo | gspo | cispo | sapo.")
     pg_loss_coeff: float = arg(1.0, "Weight of the policy-gradient loss.")
     entropy_coeff: float = arg(0.0, "Entropy bonus weight.")
-    policy_loss: str = arg("ppo", "ppo | gspo | cispo | sapo.")
-    loss_agg_mode: Optional[str] = arg(None, "token-mean | seq-mean-token-mean | seq-mean-token-sum | seq-mean-token-sum-norm (default: token-mean).")
-    clip_range_ratio: float = arg(0.2, "PPO ratio clip.")
+    clip_range_ratio: float = arg(0.2, "Ratio clip.")
     clip_range_ratio_low: Optional[float] = arg(None, "Lower ratio clip (default clip_range_ratio).")
     clip_range_ratio_high: Optional[float] = arg(None, "Upper ratio clip (default clip_range_ratio; DAPO uses 0.28).")
-    clip_ratio_c: Optional[float] = arg(None, "Dual-clip bound for negative advantages (> 1, e.g. 3).")
-    clip_range_score: float = arg(10.0, "Scores are clipped to [-clip_range_score, clip_range_score].")
+    clip_ratio_c: Optional[float] = arg(None, "Dual-clip bound for negative advantages (> 1, e.g. 3; policy_loss ppo).")
+    tau_pos: float = arg(1.0, "SAPO gate temperature for positive advantages.")
+    tau_neg: float = arg(1.05, "SAPO gate temperature for negative advantages.")
+    loss_agg_mode: Optional[str] = arg(None, "token-mean | seq-mean-token-mean | seq-mean-token-sum | "
+                                       "seq-mean-token-sum-norm (default token-mean; dr_grpo: "
+                                       "seq-mean-token-sum-norm; gspo: seq-mean-token-mean).")
+    loss_scale_factor: Optional[float] = arg(None, "Divisor of seq-mean-token-sum-norm (default max_dec_len).")
     clip_range_value: float = arg(5.0, acted=False)
-    gamma: float = arg(1.0, "Discount of the REINFORCE++ token return.")
-    grpo_eps: float = arg(1e-6, "Epsilon added to the group std in GRPO.")
-    normalize_reward: bool = arg(False, "Running mean/std normalization of scores (REINFORCE++).")
-    normalize_advantage: bool = arg(False, "Global masked mean/std normalization of advantages (REINFORCE++).")
+    # DAPO
     enable_overlong_reward_buffer: bool = arg(False, "DAPO soft overlong penalty.")
     overlong_reward_buffer: int = arg(256, "DAPO overlong buffer length L_buf.")
     overlong_penalty_factor: float = arg(1.0, "DAPO overlong penalty factor.")
-    dynamic_sampling: bool = arg(False, "DAPO: drop groups whose scores are all equal.")
+    overlong_filter: bool = arg(False, "DAPO: responses that hit max_dec_len without EOS get no loss.")
+    dynamic_sampling: bool = arg(False, "DAPO: drop prompt groups whose scores are all equal and generate more.")
     max_gen_batches: int = arg(2, "DAPO: generation rounds before giving up on filling a batch.")
+    dynamic_sampling_fallback: str = arg("error", "After max_gen_batches rounds without enough groups: error | keep "
+                                         "(fill up with zero-variance groups).")
 
     def _validate_algorithm(self, errors):
-        if self.rl_algorithm not in RL_ALGORITHMS:
-            errors.append(f"rl_algorithm: {self.rl_algorithm!r} is not one of {', '.join(RL_ALGORITHMS)}")
-        for key in ("kl_coeff", "kl_loss_coeff", "entropy_coeff", "clip_range_ratio", "clip_range_score"):
+        for key, allowed in (("rl_algorithm", RL_ALGORITHMS), ("algorithm_preset", tuple(ALGORITHM_PRESETS)),
+                             ("policy_loss", POLICY_LOSSES), ("kl_penalty", KL_ESTIMATORS),
+                             ("kl_loss_type", KL_ESTIMATORS), ("scale_rewards", SCALE_REWARDS),
+                             ("dynamic_sampling_fallback", DYNAMIC_SAMPLING_FALLBACKS)):
+            if getattr(self, key) not in allowed:
+                errors.append(f"{key}: {getattr(self, key)!r} is not one of {', '.join(allowed)}")
+        for key, allowed in (("advantage_estimator", ADVANTAGE_ESTIMATORS), ("loss_agg_mode", LOSS_AGG_MODES)):
+            value = getattr(self, key)
+            if value is not None and value not in allowed:
+                errors.append(f"{key}: {value!r} is not one of {', '.join(allowed)}")
+        for key in ("kl_coeff", "kl_loss_coeff", "entropy_coeff", "pg_loss_coeff", "clip_range_ratio",
+                    "clip_range_score", "overlong_penalty_factor"):
             if getattr(self, key) < 0:
                 errors.append(f"{key}: must be >= 0, got {getattr(self, key)}")
+        for key in ("clip_range_ratio_low", "clip_range_ratio_high", "grpo_eps"):
+            value = getattr(self, key)
+            if value is not None and value < 0:
+                errors.append(f"{key}: must be >= 0, got {value}")
+        low = self.clip_range_ratio if self.clip_range_ratio_low is None else self.clip_range_ratio_low
+        if low > 1:
+            errors.append(f"clip_range_ratio_low: must be <= 1 (the ratio floor is 1 - clip), got {low}")
+        if self.clip_ratio_c is not None:
+            if self.clip_ratio_c <= 1:
+                errors.append(f"clip_ratio_c: must be > 1, got {self.clip_ratio_c}")
+            if self.policy_loss != "ppo":
+                errors.append(f"clip_ratio_c: dual clip applies to policy_loss ppo only, not {self.policy_loss!r}")
+        for key in ("tau_pos", "tau_neg", "kl_target", "kl_horizon"):
+            if getattr(self, key) <= 0:
+                errors.append(f"{key}: must be > 0, got {getattr(self, key)}")
+        if not 0 <= self.gamma <= 1:
+            errors.append(f"gamma: must be in [0, 1], got {self.gamma}")
+        if self.loss_scale_factor is not None and self.loss_scale_factor <= 0:
+            errors.append(f"loss_scale_factor: must be > 0, got {self.loss_scale_factor}")
+        if self.adaptive_kl and self.kl_coeff <= 0:
+            errors.append("adaptive_kl: needs kl_coeff > 0 (the controller's starting value)")
+        if not self.norm_adv_by_std and self.scale_rewards == "batch":
+            errors.append("norm_adv_by_std: false contradicts scale_rewards: batch (use scale_rewards: none)")
+        if self.max_gen_batches < 1:
+            errors.append(f"max_gen_batches: must be >= 1, got {self.max_gen_batches}")
+        max_dec_len = getattr(self, "max_dec_len", None)
+        if self.enable_overlong_reward_buffer:
+            if self.overlong_reward_buffer < 1:
+                errors.append(f"overlong_reward_buffer: must be >= 1, got {self.overlong_reward_buffer}")
+            elif max_dec_len is not None and self.overlong_reward_buffer > max_dec_len:
+                errors.append(f"overlong_reward_buffer: {self.overlong_reward_buffer} exceeds max_dec_len {max_dec_len}")
+
+    # --- resolved settings (what the run actually uses) --------------------------------------
+    @property
+    def resolved_estimator(self) -> str:
+        return self.advantage_estimator or self.rl_algorithm
+
+    @property
+    def uses_rl_algorithm_preset(self) -> bool:
+        """True when the estimator comes from rl_algorithm (PaddleNLP semantics), not advantage_estimator."""
+        return self.advantage_estimator is None
+
+    @property
+    def resolved_grpo_eps(self) -> float:
+        if self.grpo_eps is not None:
+            return self.grpo_eps
+        return ALGORITHM_PRESETS.get(self.algorithm_preset, ALGORITHM_PRESETS["paddlenlp"])["grpo_eps"]
+
+    @property
+    def resolved_loss_agg_mode(self) -> str:
+        if self.loss_agg_mode is not None:
+            return self.loss_agg_mode
+        if self.resolved_estimator in LOSS_AGG_FOR_ESTIMATOR:
+            return LOSS_AGG_FOR_ESTIMATOR[self.resolved_estimator]
+        if self.policy_loss in LOSS_AGG_FOR_POLICY_LOSS:
+            return LOSS_AGG_FOR_POLICY_LOSS[self.policy_loss]
+        return ALGORITHM_PRESETS.get(self.algorithm_preset, ALGORITHM_PRESETS["paddlenlp"])["loss_agg_mode"]
+
+    @property
+    def resolved_loss_scale_factor(self) -> float:
+        if self.loss_scale_factor is not None:
+            return float(self.loss_scale_factor)
+        return float(getattr(self, "max_dec_len", 1))
+
+    @property
+    def loss_kl_coeff(self) -> float:
+        """kl_loss_coeff in effect: the rl_algorithm reinforce_plus_plus preset has no KL term in the loss."""
+        if self.uses_rl_algorithm_preset and self.rl_algorithm == "reinforce_plus_plus":
+            return 0.0
+        return self.kl_loss_coeff
+
+    @property
+    def score_normalization(self) -> tuple:
+        """(normalize_reward, normalize_advantage) in effect: the rl_algorithm grpo preset forces both off."""
+        if self.uses_rl_algorithm_preset and self.rl_algorithm == "grpo":
+            return False, False
+        return self.normalize_reward, self.normalize_advantage
 
     @property
     def needs_reference_model(self) -> bool:
-        return self.kl_coeff > 0 or self.kl_loss_coeff > 0
+        return self.kl_coeff > 0 or self.loss_kl_coeff > 0

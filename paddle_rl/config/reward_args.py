@@ -1,15 +1,83 @@
+import os
 from dataclasses import dataclass
 
 from .fields import arg
 
+COSINE_ACCURACY = ("math", "accuracy", "gsm8k", "gsm8k_flexible", "kk")
+SERVER_PROTOCOLS = ("auto", "v1", "paddlenlp")
+ON_FAILURE = ("error", "skip")
+
 
 @dataclass
 class RewardArgs:
-    reward_funcs: list = arg(["kk"], "Rule rewards to sum (with reward_weights).")
+    reward_funcs: list = arg(["kk"], "Reward functions to sum (with reward_weights): kk, gsm8k, gsm8k_flexible, "
+                                     "math (alias accuracy), format, cosine, repetition, soft_overlong, or a "
+                                     "function of reward_plugins.")
     reward_weights: list = arg([], "Weights of reward_funcs (default: all 1).")
+    reward_plugins: list = arg([], "Python files (or module names) whose functions become reward functions "
+                                   "(ms-swift or verl signature).")
+    reward_routes: dict = arg({}, "data_source -> reward functions (list, or mapping name: weight) for records "
+                                  "with that data_source; others use reward_funcs.")
+    cosine_max_len: int = arg(-1, "Length T of the cosine reward (-1: max_dec_len).")
+    cosine_accuracy: str = arg("math", "Correctness behind the cosine reward: math | gsm8k | gsm8k_flexible | kk.")
+    cosine_min_len_value_correct: float = arg(1.0, "Cosine reward of a correct answer at length 0.")
+    cosine_max_len_value_correct: float = arg(0.5, "Cosine reward of a correct answer at length T.")
+    cosine_min_len_value_wrong: float = arg(-0.5, "Cosine reward of a wrong answer at length 0.")
+    cosine_max_len_value_wrong: float = arg(0.0, "Cosine reward of a wrong answer at length T.")
+    repetition_n_grams: int = arg(3, "n of the repetition reward's word n-grams.")
+    repetition_max_penalty: float = arg(1.0, "Magnitude of the repetition penalty (its sign is ignored).")
     use_rm_server: bool = arg(False, "Score through the HTTP reward server at reward_server.")
     reward_server: str = arg("http://127.0.0.1:8731", "URL of the reward server.")
+    reward_server_protocol: str = arg("auto", "v1 (POST /v1/score, per-function scores) | paddlenlp (POST src/tgt/"
+                                              "response to the URL) | auto (v1, else paddlenlp).")
+    reward_server_timeout: float = arg(60.0, "Seconds to wait for one reward request.")
+    reward_server_retries: int = arg(3, "Retries of a failed reward request (connection errors, timeouts, 5xx).")
+    reward_server_backoff: float = arg(1.0, "First retry delay in seconds; doubles on each retry.")
+    reward_server_on_failure: str = arg("error", "error: stop with an error naming the URL | skip: mark the "
+                                                 "samples skipped (dropped, counted as reward/skipped).")
+    reward_server_api_key: str = arg("", "API key for the reward server (default: $PADDLE_RL_REWARD_API_KEY).")
 
     def _validate_reward(self, errors):
         if self.reward_weights and len(self.reward_weights) != len(self.reward_funcs):
             errors.append(f"reward_weights: {len(self.reward_weights)} weights for {len(self.reward_funcs)} reward_funcs")
+        for w in self.reward_weights:
+            try:
+                float(w)
+            except (TypeError, ValueError):
+                errors.append(f"reward_weights: {w!r} is not a number")
+        if not self.use_rm_server:
+            if not self.reward_funcs:
+                errors.append("reward_funcs: at least one reward function is required")
+            if not self.reward_plugins:
+                from ..rewards.rules import RULE_REWARDS
+                named = list(self.reward_funcs)
+                for spec in self.reward_routes.values():
+                    named += list(spec) if isinstance(spec, (list, dict)) else [spec]
+                unknown = sorted({str(n) for n in named if str(n) not in RULE_REWARDS})
+                if unknown:
+                    errors.append(f"reward_funcs: unknown {unknown} (available: {', '.join(sorted(RULE_REWARDS))}; "
+                                  f"or load your own with reward_plugins)")
+            for spec in self.reward_plugins:
+                spec = str(spec)
+                if (spec.endswith(".py") or os.sep in spec) and not os.path.isfile(spec):
+                    errors.append(f"reward_plugins: file not found: {spec}")
+        if self.cosine_accuracy not in COSINE_ACCURACY:
+            errors.append(f"cosine_accuracy: {self.cosine_accuracy!r} is not one of {', '.join(COSINE_ACCURACY)}")
+        if self.cosine_max_len == 0 or self.cosine_max_len < -1:
+            errors.append(f"cosine_max_len: must be > 0 or -1, got {self.cosine_max_len}")
+        if self.repetition_n_grams < 1:
+            errors.append(f"repetition_n_grams: must be >= 1, got {self.repetition_n_grams}")
+        if self.reward_server_protocol not in SERVER_PROTOCOLS:
+            errors.append(f"reward_server_protocol: {self.reward_server_protocol!r} is not one of "
+                          f"{', '.join(SERVER_PROTOCOLS)}")
+        if self.reward_server_on_failure not in ON_FAILURE:
+            errors.append(f"reward_server_on_failure: {self.reward_server_on_failure!r} is not one of "
+                          f"{', '.join(ON_FAILURE)}")
+        if self.reward_server_timeout <= 0:
+            errors.append(f"reward_server_timeout: must be > 0, got {self.reward_server_timeout}")
+        if self.reward_server_retries < 0:
+            errors.append(f"reward_server_retries: must be >= 0, got {self.reward_server_retries}")
+        if self.reward_server_backoff < 0:
+            errors.append(f"reward_server_backoff: must be >= 0, got {self.reward_server_backoff}")
+        if self.use_rm_server and not str(self.reward_server).startswith(("http://", "https://")):
+            errors.append(f"reward_server: expected an http(s):// URL, got {self.reward_server!r}")

@@ -1,38 +1,28 @@
-"""Rewards: rule functions, user plugins and the reward-server client behind one callable."""
-from typing import List
+"""Rewards: rule functions, user plugins and the reward-server client behind one callable.
 
-import numpy as np
-
+`build_reward(config)` returns `fn(samples: list[RewardSample]) -> RewardResult`:
+- in process (default): the weighted sum of `reward_funcs` (rules and `reward_plugins` functions), routed by a
+  record's data_source through `reward_routes`;
+- `use_rm_server: true`: a client of the reward server at `reward_server`.
+"""
 from .base import RewardResult, RewardSample, concat_results
-from .rules import RULE_REWARDS, register_rule
+from .client import RewardServerClient, RewardServerError
+from .composite import RewardError, RuleReward, build_local_reward
+from .plugins import PluginError, load_plugins
+from .rules import RULE_REWARDS, SampleError, register_rule
 
 
-class RuleReward:
-    """Weighted sum of named rule rewards; `correct` comes from the first function that defines it."""
+def build_reward(config, broadcast_group=None):
+    """The reward callable a config asks for.
 
-    def __init__(self, names, weights=None):
-        unknown = [n for n in names if n not in RULE_REWARDS]
-        if unknown:
-            raise ValueError(f"reward_funcs: unknown {unknown} (available: {', '.join(sorted(RULE_REWARDS))})")
-        self.names = list(names)
-        self.weights = list(weights) if weights else [1.0] * len(self.names)
-
-    def __call__(self, samples: List[RewardSample]) -> RewardResult:
-        total = np.zeros(len(samples), dtype=np.float32)
-        per, correct = {}, None
-        for name, weight in zip(self.names, self.weights):
-            scores, is_correct = RULE_REWARDS[name](samples)
-            per[name] = scores
-            total += weight * scores
-            if correct is None and is_correct is not None:
-                correct = is_correct
-        return RewardResult(total, per, correct)
+    `broadcast_group` (optional, a paddle.distributed group) is used only with `use_rm_server`: the group's
+    first rank calls the server and broadcasts the scores to the other ranks.
+    """
+    if config.use_rm_server:
+        return RewardServerClient.from_config(config, broadcast_group=broadcast_group)
+    return build_local_reward(config)
 
 
-def build_reward(config):
-    """The reward callable a config asks for."""
-    return RuleReward(config.reward_funcs, config.reward_weights)
-
-
-__all__ = ["RewardSample", "RewardResult", "RuleReward", "build_reward", "register_rule", "concat_results",
-           "RULE_REWARDS"]
+__all__ = ["RewardSample", "RewardResult", "RuleReward", "build_reward", "build_local_reward", "register_rule",
+           "concat_results", "RULE_REWARDS", "RewardServerClient", "RewardServerError", "RewardError",
+           "PluginError", "SampleError", "load_plugins"]

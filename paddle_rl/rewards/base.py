@@ -19,27 +19,79 @@ class RewardSample:
         for key in ("ground_truth", "tgt", "solution"):
             if key in rec and rec[key] is not None:
                 return rec[key]
+        nested = rec.get("reward_model")
+        if isinstance(nested, dict) and nested.get("ground_truth") is not None:
+            return nested["ground_truth"]
         return None
+
+    @property
+    def data_source(self) -> Optional[str]:
+        value = self.record.get("data_source")
+        return None if value is None else str(value)
 
 
 @dataclass
 class RewardResult:
-    scores: np.ndarray                                   # [B] weighted sum of the reward functions
+    """Scores of a batch.
+
+    scores:       [B] float32, weighted sum of the reward functions. NaN exactly where `skipped` is True.
+    per_function: name -> [B] float32, each function's unweighted score; NaN where that function did not
+                  apply to the sample (routed elsewhere by data_source, or returned None) or it was skipped.
+    correct:      [B] bool where the task defines correctness (kk, math, gsm8k), else None.
+    skipped:      [B] bool, or None when nothing was skipped. True marks a sample the reward server could not
+                  score under `reward_server_on_failure: skip`; such samples carry no training signal and must be
+                  dropped by the caller (metrics() counts them as reward/skipped).
+    """
+    scores: np.ndarray
     per_function: Dict[str, np.ndarray] = field(default_factory=dict)
-    correct: Optional[np.ndarray] = None                 # [B] bool where the task defines correctness
+    correct: Optional[np.ndarray] = None
+    skipped: Optional[np.ndarray] = None
+
+    def __len__(self) -> int:
+        return len(self.scores)
+
+    @property
+    def kept(self) -> np.ndarray:
+        """[B] bool: samples that were scored."""
+        if self.skipped is None:
+            return np.ones(len(self.scores), dtype=bool)
+        return ~np.asarray(self.skipped, dtype=bool)
 
     def metrics(self, prefix: str = "reward") -> dict:
-        out = {f"{prefix}/mean": float(self.scores.mean()), f"{prefix}/std": float(self.scores.std())}
+        kept = self.kept
+        scores = np.asarray(self.scores, dtype=np.float64)[kept]
+        out = {
+            f"{prefix}/mean": float(scores.mean()) if scores.size else float("nan"),
+            f"{prefix}/std": float(scores.std()) if scores.size else float("nan"),
+        }
         for name, values in self.per_function.items():
-            out[f"{prefix}/{name}_mean"] = float(values.mean())
+            values = np.asarray(values, dtype=np.float64)[kept]
+            values = values[~np.isnan(values)]
+            out[f"{prefix}/{name}_mean"] = float(values.mean()) if values.size else float("nan")
+        if self.skipped is not None:
+            out[f"{prefix}/skipped"] = float(np.asarray(self.skipped, dtype=bool).sum())
         if self.correct is not None:
-            out["accuracy"] = float(self.correct.mean())
+            correct = np.asarray(self.correct, dtype=bool)[kept]
+            out["accuracy"] = float(correct.mean()) if correct.size else float("nan")
         return out
 
 
 def concat_results(parts: List[RewardResult]) -> RewardResult:
-    scores = np.concatenate([p.scores for p in parts])
-    names = parts[0].per_function.keys() if parts else []
-    per = {n: np.concatenate([p.per_function[n] for p in parts]) for n in names}
-    correct = None if any(p.correct is None for p in parts) else np.concatenate([p.correct for p in parts])
-    return RewardResult(scores, per, correct)
+    if not parts:
+        return RewardResult(np.zeros(0, dtype=np.float32))
+    scores = np.concatenate([np.asarray(p.scores, dtype=np.float32) for p in parts])
+    names = []
+    for p in parts:
+        names += [n for n in p.per_function if n not in names]
+    per = {n: np.concatenate([np.asarray(p.per_function[n], dtype=np.float32) if n in p.per_function
+                              else np.full(len(p.scores), np.nan, dtype=np.float32) for p in parts])
+           for n in names}
+    correct = None
+    if any(p.correct is not None for p in parts):
+        correct = np.concatenate([np.asarray(p.correct, dtype=bool) if p.correct is not None
+                                  else np.zeros(len(p.scores), dtype=bool) for p in parts])
+    skipped = None
+    if any(p.skipped is not None for p in parts):
+        skipped = np.concatenate([np.asarray(p.skipped, dtype=bool) if p.skipped is not None
+                                  else np.zeros(len(p.scores), dtype=bool) for p in parts])
+    return RewardResult(scores, per, correct, skipped)

@@ -1,22 +1,327 @@
-"""Registry of in-process rule rewards: name -> fn(samples) -> (scores [B], correct [B] bool or None)."""
-from typing import Callable, Dict, List
+"""Registry of in-process rule rewards.
+
+A rule is registered under a name with a factory `make(config) -> fn(samples) -> (scores [B] float32, correct
+[B] bool or None)`. A NaN score means "does not apply to this sample". Rules that need no configuration are
+registered with `register_rule(name)` around `fn(samples)` directly.
+
+A rule reports a problem with one sample by raising `SampleError(index, message)`; the caller turns it into
+an error naming the reward function and the sample's index in the batch.
+"""
+import math
+import re
+import threading
+from dataclasses import dataclass
+from decimal import Decimal, InvalidOperation
+from typing import Callable, Dict, List, Optional
 
 import numpy as np
 
 from .base import RewardSample
-from .kk import CORRECT_SCORE, kk_score
-
-RULE_REWARDS: Dict[str, Callable] = {}
+from .kk import ANSWER, CORRECT_SCORE, kk_score, scored_text
 
 
-def register_rule(name):
+class SampleError(ValueError):
+    """A reward function could not score one sample (index local to the list it was given)."""
+
+    def __init__(self, index: int, message: str):
+        super().__init__(message)
+        self.index = index
+        self.message = message
+
+
+@dataclass
+class Rule:
+    name: str
+    make: Callable            # make(config) -> fn(samples) -> (scores, correct or None)
+    doc: str = ""
+
+
+RULE_REWARDS: Dict[str, Rule] = {}
+
+
+def register_rule(name: str, needs_config: bool = False, aliases: tuple = ()):
+    """Decorator. Without `needs_config` it wraps `fn(samples)`; with it, a factory `make(config) -> fn`."""
     def wrap(fn):
-        RULE_REWARDS[name] = fn
+        make = fn if needs_config else (lambda config, _fn=fn: _fn)
+        doc = (fn.__doc__ or "").strip().splitlines()[0] if fn.__doc__ else ""
+        for key in (name,) + tuple(aliases):
+            RULE_REWARDS[key] = Rule(key, make, doc)
         return fn
     return wrap
 
 
+def _each(samples: List[RewardSample], score_one: Callable) -> np.ndarray:
+    out = np.empty(len(samples), dtype=np.float32)
+    for i, sample in enumerate(samples):
+        try:
+            out[i] = score_one(sample)
+        except SampleError:
+            raise
+        except Exception as e:  # noqa: BLE001 - reported with the sample index
+            raise SampleError(i, f"{type(e).__name__}: {e}") from e
+    return out
+
+
+# ----------------------------------------------------------------------------------------------- text helpers
+
+SPECIAL_TAIL = re.compile(r"(?:\s|<\|[A-Za-z0-9_.:\- ]{1,64}\|>|<｜[^｜<>]{1,64}｜>|</s>|<eos>|<pad>|<eot>)+\Z")
+
+
+def strip_special_tail(text: str) -> str:
+    """Drop trailing special tokens (<|im_end|>, <|endoftext|>, </s>, ...) and whitespace."""
+    return SPECIAL_TAIL.sub("", text)
+
+
+def completion_text(response: str) -> str:
+    """The assistant turn as the rules see it: the kk rule's view, trailing special tokens removed."""
+    return strip_special_tail(scored_text(response))
+
+
+def _ground_truth(sample: RewardSample, index: int) -> str:
+    truth = sample.ground_truth
+    if truth is None:
+        raise SampleError(index, "no ground truth (record has none of ground_truth, tgt, solution, "
+                                 "reward_model.ground_truth)")
+    return str(truth)
+
+
+def _length(sample: RewardSample, index: int, rule: str) -> int:
+    length = int(sample.response_length or 0)
+    if length <= 0 and sample.response:
+        raise SampleError(index, f"{rule} needs response_length (tokens); none was given for a non-empty response")
+    return length
+
+
+# ----------------------------------------------------------------------------------------------- kk
+
 @register_rule("kk")
 def kk_rule(samples: List[RewardSample]):
-    scores = np.array([kk_score(s.response, str(s.ground_truth)) for s in samples], dtype=np.float32)
+    """Knights and Knaves: format +1/-1 plus answer +2/-1.5/-2 (3, -0.5, -1, -3)."""
+    scores = _each(samples, lambda s: kk_score(s.response, str(s.ground_truth)))
     return scores, scores >= CORRECT_SCORE
+
+
+# ----------------------------------------------------------------------------------------------- format
+
+FORMAT = re.compile(r"^<think>.*?</think>\s*<answer>.*?</answer>$", re.DOTALL)
+
+
+def format_score(response: str) -> float:
+    return 1.0 if FORMAT.fullmatch(completion_text(response)) else 0.0
+
+
+@register_rule("format")
+def format_rule(samples: List[RewardSample]):
+    """1 if the completion is <think>...</think> <answer>...</answer> (after the kk prefix rule), else 0."""
+    return _each(samples, lambda s: format_score(s.response)), None
+
+
+# ----------------------------------------------------------------------------------------------- gsm8k
+
+GSM8K_STRICT = re.compile(r"####\s*(-?[$0-9.,]*[0-9][$0-9.,]*)")
+GSM8K_FLEX = re.compile(r"-?\$?[0-9][0-9,]*(?:\.[0-9]+)?")
+
+
+def _clean_number(text: str) -> str:
+    return text.replace(",", "").replace("$", "").strip().rstrip(".")
+
+
+def _numbers_equal(a: str, b: str) -> bool:
+    a, b = _clean_number(a), _clean_number(b)
+    try:
+        return Decimal(a) == Decimal(b)
+    except InvalidOperation:
+        return a == b
+
+
+def gsm8k_answer(text: str, flexible: bool = False) -> Optional[str]:
+    """The strict answer (last `#### <number>`) or, flexibly, the last number in the text."""
+    found = (GSM8K_FLEX if flexible else GSM8K_STRICT).findall(text)
+    return _clean_number(found[-1]) if found else None
+
+
+def gsm8k_solution(truth: str) -> str:
+    """A gsm8k ground truth: the number after the last `####` when the full solution text is given."""
+    if "####" in truth:
+        answer = gsm8k_answer(truth)
+        if answer is not None:
+            return answer
+    return _clean_number(truth)
+
+
+def gsm8k_score(response: str, ground_truth, flexible: bool = False) -> float:
+    answer = gsm8k_answer(strip_special_tail(response), flexible)
+    if answer is None:
+        return 0.0
+    return 1.0 if _numbers_equal(answer, gsm8k_solution(str(ground_truth))) else 0.0
+
+
+def _gsm8k(samples, flexible):
+    def one(i_s):
+        i, s = i_s
+        return gsm8k_score(s.response, _ground_truth(s, i), flexible)
+    scores = _each(list(enumerate(samples)), lambda pair: one(pair))
+    return scores, scores >= 1.0
+
+
+@register_rule("gsm8k")
+def gsm8k_rule(samples: List[RewardSample]):
+    """1 if the last `#### <number>` (commas, $ removed) equals the solution, else 0."""
+    return _gsm8k(samples, flexible=False)
+
+
+@register_rule("gsm8k_flexible")
+def gsm8k_flexible_rule(samples: List[RewardSample]):
+    """1 if the last number in the response equals the solution, else 0."""
+    return _gsm8k(samples, flexible=True)
+
+
+# ----------------------------------------------------------------------------------------------- math
+
+LATEX_MARKERS = ("$", "\\(", "\\[", "\\boxed", "\\fbox")
+PROSE = re.compile(r"(?<![\\A-Za-z])[A-Za-z]{2,}\s+[A-Za-z]{2,}\b")
+
+
+def last_boxed(text: str) -> Optional[str]:
+    """The last `\\boxed{...}` (or `\\fbox{...}`) with balanced braces, including the command."""
+    start = max(text.rfind("\\boxed"), text.rfind("\\fbox"))
+    if start < 0:
+        return None
+    i = text.find("{", start)
+    if i < 0:
+        return None
+    depth = 0
+    for j in range(i, len(text)):
+        if text[j] == "{":
+            depth += 1
+        elif text[j] == "}":
+            depth -= 1
+            if depth == 0:
+                return text[start:j + 1]
+    return None
+
+
+def math_answer(response: str) -> Optional[str]:
+    """The text inside the last <answer>...</answer> if present, else the last \\boxed{...}."""
+    text = strip_special_tail(response)
+    answers = ANSWER.findall(text)
+    if answers:
+        return answers[-1].strip()
+    return last_boxed(text)
+
+
+def _math_parse(text: str, timeouts: bool):
+    from math_verify import parse
+    kwargs = {} if timeouts else {"parsing_timeout": None}
+    text = text.strip()
+    if not text:
+        return []
+    if not any(m in text for m in LATEX_MARKERS) and not PROSE.search(text):
+        parsed = parse(f"${text}$", **kwargs)
+        if parsed:
+            return parsed
+    return parse(text, **kwargs)
+
+
+def math_score(response: str, ground_truth) -> float:
+    """1.0 if the answer is equivalent to the ground truth under math-verify, else 0.0."""
+    from math_verify import verify
+    # math-verify's own timeouts use SIGALRM, which only the main thread may set
+    timeouts = threading.current_thread() is threading.main_thread()
+    gold = _math_parse(str(ground_truth), timeouts)
+    if not gold:
+        raise ValueError(f"math-verify cannot parse the ground truth {str(ground_truth)[:200]!r}")
+    answer = math_answer(response)
+    if answer is None:
+        return 0.0
+    predicted = _math_parse(answer, timeouts)
+    if not predicted:
+        return 0.0
+    kwargs = {} if timeouts else {"timeout_seconds": None}
+    return 1.0 if verify(gold, predicted, **kwargs) else 0.0
+
+
+@register_rule("math", aliases=("accuracy",))
+def math_rule(samples: List[RewardSample]):
+    """1 if the <answer> (else last \\boxed{}) is equivalent to the solution under math-verify, else 0."""
+    scores = _each(list(enumerate(samples)), lambda pair: math_score(pair[1].response, _ground_truth(pair[1], pair[0])))
+    return scores, scores >= 1.0
+
+
+CORRECTNESS_RULES = {"math": math_score, "accuracy": math_score,
+                     "gsm8k": lambda r, t: gsm8k_score(r, t, False),
+                     "gsm8k_flexible": lambda r, t: gsm8k_score(r, t, True),
+                     "kk": lambda r, t: 1.0 if kk_score(r, str(t)) >= CORRECT_SCORE else 0.0}
+
+
+# ----------------------------------------------------------------------------------------------- cosine
+
+def cosine_value(length: int, max_len: int, value_at_zero: float, value_at_max: float) -> float:
+    """b - (b - a) * (1 - cos(pi * t / T)) / 2 with b the value at t=0 and a the value at t=T; t clamped to T."""
+    t = min(max(length, 0), max_len)
+    return value_at_zero - (value_at_zero - value_at_max) * (1.0 - math.cos(math.pi * t / max_len)) / 2.0
+
+
+@register_rule("cosine", needs_config=True)
+def cosine_rule(config):
+    """Length-aware correctness: correct 1.0 -> 0.5, wrong -0.5 -> 0.0 as the length goes 0 -> max."""
+    max_len = config.cosine_max_len if config.cosine_max_len > 0 else config.max_dec_len
+    correct_fn = CORRECTNESS_RULES[config.cosine_accuracy]
+    c0, c1 = config.cosine_min_len_value_correct, config.cosine_max_len_value_correct
+    w0, w1 = config.cosine_min_len_value_wrong, config.cosine_max_len_value_wrong
+
+    def fn(samples):
+        correct = np.zeros(len(samples), dtype=bool)
+
+        def one(pair):
+            i, s = pair
+            length = _length(s, i, "cosine")
+            correct[i] = correct_fn(s.response, _ground_truth(s, i)) >= 1.0
+            return cosine_value(length, max_len, c0, c1) if correct[i] else cosine_value(length, max_len, w0, w1)
+        return _each(list(enumerate(samples)), one), correct
+    return fn
+
+
+# ----------------------------------------------------------------------------------------------- repetition
+
+def repetition_penalty(text: str, n: int = 3, max_penalty: float = 1.0) -> float:
+    """-(1 - unique n-grams / total n-grams) * |max_penalty| over lower-cased words; 0 below n words."""
+    words = text.lower().split()
+    if len(words) < n:
+        return 0.0
+    grams = list(zip(*[words[i:] for i in range(n)]))
+    return -(1.0 - len(set(grams)) / len(grams)) * abs(max_penalty)
+
+
+@register_rule("repetition", needs_config=True)
+def repetition_rule(config):
+    """Repeated word n-grams: -(1 - unique/total) * repetition_max_penalty."""
+    n, max_penalty = config.repetition_n_grams, config.repetition_max_penalty
+
+    def fn(samples):
+        return _each(samples, lambda s: repetition_penalty(strip_special_tail(s.response), n, max_penalty)), None
+    return fn
+
+
+# ----------------------------------------------------------------------------------------------- soft overlong
+
+def soft_overlong_penalty(length: int, max_len: int, buffer: int, factor: float) -> float:
+    """DAPO: 0 up to max_len - buffer, linear down to -factor at max_len, -factor beyond."""
+    expected = max_len - buffer
+    if length <= expected:
+        return 0.0
+    if length <= max_len:
+        return (expected - length) / buffer * factor
+    return -factor
+
+
+@register_rule("soft_overlong", needs_config=True)
+def soft_overlong_rule(config):
+    """DAPO soft overlong penalty from max_dec_len, overlong_reward_buffer, overlong_penalty_factor."""
+    max_len, buffer, factor = config.max_dec_len, config.overlong_reward_buffer, config.overlong_penalty_factor
+
+    def fn(samples):
+        return _each(list(enumerate(samples)),
+                     lambda pair: soft_overlong_penalty(_length(pair[1], pair[0], "soft_overlong"),
+                                                        max_len, buffer, factor)), None
+    return fn

@@ -1,0 +1,23 @@
+"""CPU thread settings, applied before Paddle is imported.
+
+Paddle's CPU fp32 matmul runs ~5x faster with one OpenMP thread per core and MKL told to use
+its AVX2 path on AMD CPUs (MKL_DEBUG_CPU_TYPE=5; ignored by Intel CPUs). Values already in the
+environment win.
+"""
+import os
+
+
+def cpu_count() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def configure_threads(processes_per_node: int = 1) -> None:
+    if "paddle" in __import__("sys").modules:
+        return
+    local = int(os.environ.get("PADDLE_LOCAL_SIZE", os.environ.get("PADDLE_TRAINERS_NUM", processes_per_node)) or 1)
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, cpu_count() // max(1, local))))
+    os.environ.setdefault("MKL_DEBUG_CPU_TYPE", "5")
+    os.environ.setdefault("GLOG_minloglevel", "2")

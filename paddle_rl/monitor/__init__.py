@@ -1,0 +1,4 @@
+from .metrics_log import METRICS_FILE, TIMING_PREFIXES, MetricsLog, read_metrics
+from .timer import StageTimer
+
+__all__ = ["MetricsLog", "read_metrics", "METRICS_FILE", "TIMING_PREFIXES", "StageTimer"]

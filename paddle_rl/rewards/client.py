@@ -1,0 +1,290 @@
+"""Scoring through an HTTP reward server, with timeouts, retries and no silent zeros.
+
+Responses are sent `batch_size` at a time (per_device_reward_batch_size), several requests in flight. A request
+is retried on connection errors, timeouts and HTTP 408/429/5xx, waiting backoff, 2*backoff, 4*backoff, ...
+seconds; other 4xx answers and scoring errors are not retried. When a request still fails:
+
+- on_failure="error" (default): RewardServerError naming the URL, the samples and every attempt.
+- on_failure="skip": its samples come back with `skipped=True` and NaN scores (a warning is logged); the caller
+  drops them. Configuration errors (401/403/404/413/400) raise even then.
+
+Under tensor parallelism, pass `broadcast_group` (a paddle.distributed group): its first rank calls the server
+and broadcasts scores, correctness and skip marks to the others (per-function scores stay on that rank).
+"""
+import json
+import logging
+import math
+import os
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import List, Optional
+
+import numpy as np
+
+from .base import RewardResult, RewardSample, concat_results
+
+logger = logging.getLogger("paddle_rl")
+
+API_KEY_ENV = "PADDLE_RL_REWARD_API_KEY"
+RETRY_STATUS = {408, 429, 500, 502, 503, 504}
+SKIPPABLE_STATUS = {422}
+
+
+class RewardServerError(RuntimeError):
+    """The reward server could not score a batch; the message names the URL and each attempt."""
+
+
+class _Failure(Exception):
+    def __init__(self, message: str, retry: bool, skippable: bool = True):
+        super().__init__(message)
+        self.retry, self.skippable = retry, skippable
+
+
+def _jsonable(value):
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    if isinstance(value, (set, tuple)):
+        return list(value)
+    return str(value)
+
+
+def _error_text(resp) -> str:
+    try:
+        body = resp.json()
+        if isinstance(body, dict) and ("error_msg" in body or "detail" in body):
+            return f"error_code {body.get('error_code')}: {body.get('error_msg') or body.get('detail')}"
+    except ValueError:
+        pass
+    return resp.text[:300]
+
+
+class RewardServerClient:
+    def __init__(self, url: str, batch_size: int = 8, timeout: float = 60.0, retries: int = 3,
+                 backoff: float = 1.0, on_failure: str = "error", protocol: str = "auto",
+                 api_key: Optional[str] = None, broadcast_group=None, max_concurrency: int = 8):
+        if on_failure not in ("error", "skip"):
+            raise ValueError(f"on_failure: expected error or skip, got {on_failure!r}")
+        if protocol not in ("auto", "v1", "paddlenlp"):
+            raise ValueError(f"protocol: expected auto, v1 or paddlenlp, got {protocol!r}")
+        self.url = url
+        self.batch_size = max(1, int(batch_size))
+        self.timeout, self.retries, self.backoff = float(timeout), int(retries), float(backoff)
+        self.on_failure, self.protocol = on_failure, protocol
+        self.api_key = api_key if api_key is not None else os.environ.get(API_KEY_ENV, "")
+        self.broadcast_group = broadcast_group
+        self.max_concurrency = max(1, int(max_concurrency))
+        self._http = None
+        self._lock = threading.Lock()
+
+    @classmethod
+    def from_config(cls, config, broadcast_group=None) -> "RewardServerClient":
+        return cls(config.reward_server, batch_size=config.per_device_reward_batch_size,
+                   timeout=config.reward_server_timeout, retries=config.reward_server_retries,
+                   backoff=config.reward_server_backoff, on_failure=config.reward_server_on_failure,
+                   protocol=config.reward_server_protocol, api_key=config.reward_server_api_key or None,
+                   broadcast_group=broadcast_group)
+
+    # ------------------------------------------------------------------------------------------ endpoints
+    @property
+    def v1_url(self) -> str:
+        base = self.url.rstrip("/")
+        return base if base.endswith("/v1/score") else base + "/v1/score"
+
+    def _client(self):
+        with self._lock:
+            if self._http is None:
+                import httpx
+                limits = httpx.Limits(max_connections=self.max_concurrency, max_keepalive_connections=self.max_concurrency)
+                self._http = httpx.Client(timeout=self.timeout, limits=limits)
+            return self._http
+
+    def close(self):
+        if self._http is not None:
+            self._http.close()
+            self._http = None
+
+    def _headers(self):
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    # ------------------------------------------------------------------------------------------ one request
+    def _post(self, url: str, payload: dict):
+        import httpx
+        body = json.dumps(payload, default=_jsonable, ensure_ascii=False).encode("utf-8")
+        headers = {"Content-Type": "application/json", **self._headers()}
+        try:
+            resp = self._client().post(url, content=body, headers=headers)
+        except httpx.TimeoutException as e:
+            raise _Failure(f"timed out after {self.timeout:g}s ({type(e).__name__})", retry=True) from None
+        except httpx.TransportError as e:
+            raise _Failure(f"{type(e).__name__}: {e}", retry=True) from None
+        return resp
+
+    def _v1(self, samples: List[RewardSample]) -> Optional[RewardResult]:
+        payload = {"samples": [{"prompt": s.prompt, "response": s.response, "response_length": int(s.response_length),
+                                "truncated": bool(s.truncated), "record": s.record} for s in samples]}
+        resp = self._post(self.v1_url, payload)
+        if resp.status_code in (404, 405) and self.protocol == "auto":
+            return None
+        body = self._checked(resp, len(samples))
+        per = {name: np.array([np.nan if v is None else float(v) for v in values], dtype=np.float32)
+               for name, values in (body.get("per_function") or {}).items()}
+        correct = body.get("correct")
+        correct = None if correct is None else np.array(correct, dtype=bool)
+        if body.get("timed_out"):
+            logger.warning("reward server %s: samples %s timed out and got the server's timeout score",
+                           self.url, body["timed_out"])
+        return RewardResult(np.array(body["score"], dtype=np.float32), per, correct)
+
+    def _paddlenlp(self, samples: List[RewardSample]) -> RewardResult:
+        payload = {"src": [s.prompt for s in samples],
+                   "tgt": [None if s.ground_truth is None else str(s.ground_truth) for s in samples],
+                   "response": [s.response for s in samples]}
+        body = self._checked(self._post(self.url, payload), len(samples))
+        return RewardResult(np.array(body["score"], dtype=np.float32))
+
+    def _checked(self, resp, n: int) -> dict:
+        status = resp.status_code
+        if status >= 400:
+            retry = status in RETRY_STATUS
+            raise _Failure(f"HTTP {status}: {_error_text(resp)}", retry=retry,
+                           skippable=retry or status in SKIPPABLE_STATUS)
+        try:
+            body = resp.json()
+        except ValueError:
+            raise _Failure(f"HTTP {status}: not JSON: {resp.text[:200]!r}", retry=True) from None
+        if not isinstance(body, dict):
+            raise _Failure(f"HTTP {status}: expected a JSON object, got {type(body).__name__}", retry=False)
+        if body.get("error_code", 0) != 0:
+            raise _Failure(f"error_code {body.get('error_code')}: {body.get('error_msg')}", retry=False)
+        scores = body.get("score")
+        if not isinstance(scores, list) or len(scores) != n:
+            got = len(scores) if isinstance(scores, list) else type(scores).__name__
+            raise _Failure(f"expected {n} scores, got {got}", retry=False, skippable=False)
+        for i, v in enumerate(scores):
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v):
+                raise _Failure(f"score of sample {i} is {v!r}, not a finite number", retry=False, skippable=False)
+        return body
+
+    def _request(self, samples: List[RewardSample]) -> RewardResult:
+        if self.protocol != "paddlenlp":
+            result = self._v1(samples)
+            if result is not None:
+                return result
+            logger.info("reward server %s has no /v1/score: using the PaddleNLP protocol (POST %s)", self.url, self.url)
+            self.protocol = "paddlenlp"
+        return self._paddlenlp(samples)
+
+    def _score_chunk(self, samples: List[RewardSample], first: int) -> RewardResult:
+        attempts, failure = [], None
+        where = f"samples {first}..{first + len(samples) - 1}"
+        for attempt in range(self.retries + 1):
+            if attempt:
+                time.sleep(self.backoff * 2 ** (attempt - 1))
+            try:
+                return self._request(samples)
+            except _Failure as e:
+                failure = e
+                attempts.append(f"attempt {attempt + 1}: {e}")
+                if not e.retry:
+                    break
+        message = (f"reward server {self.url} failed to score {where} after {len(attempts)} attempt"
+                   f"{'s' if len(attempts) > 1 else ''}:\n  " + "\n  ".join(attempts))
+        if self.on_failure == "skip" and failure.skippable:
+            logger.warning("%s\n  -> %d samples marked skipped", message, len(samples))
+            n = len(samples)
+            return RewardResult(np.full(n, np.nan, dtype=np.float32), {}, None, np.ones(n, dtype=bool))
+        raise RewardServerError(message)
+
+    # ------------------------------------------------------------------------------------------ batch
+    def score(self, samples: List[RewardSample]) -> RewardResult:
+        """Score on this process (no broadcast)."""
+        if not samples:
+            return RewardResult(np.zeros(0, dtype=np.float32))
+        starts = list(range(0, len(samples), self.batch_size))
+        chunks = [(samples[s:s + self.batch_size], s) for s in starts]
+        if len(chunks) == 1:
+            parts = [self._score_chunk(*chunks[0])]
+        else:
+            with ThreadPoolExecutor(max_workers=min(self.max_concurrency, len(chunks))) as pool:
+                futures = [pool.submit(self._score_chunk, c, s) for c, s in chunks]
+                errors, parts = [], []
+                for f in futures:
+                    try:
+                        parts.append(f.result())
+                    except RewardServerError as e:
+                        errors.append(str(e))
+                if errors:
+                    raise RewardServerError("\n".join(errors))
+        result = concat_results(parts)
+        if result.skipped is not None and not result.skipped.any():
+            result.skipped = None
+        return result
+
+    def __call__(self, samples: List[RewardSample]) -> RewardResult:
+        group = self.broadcast_group
+        if group is not None and _distributed_ready() and getattr(group, "nranks", 1) > 1:
+            return self._score_and_broadcast(samples, group)
+        return self.score(samples)
+
+    # ------------------------------------------------------------------------------------------ tensor parallel
+    def _score_and_broadcast(self, samples, group) -> RewardResult:
+        import paddle
+        import paddle.distributed as dist
+        src = group.ranks[0]
+        n = len(samples)
+        error, result = None, None
+        if dist.get_rank() == src:
+            try:
+                result = self.score(samples)
+            except Exception as e:  # noqa: BLE001 - re-raised after the others are told
+                error = e
+            packed = pack_result(result, n, error is not None)
+        else:
+            packed = np.zeros((n + 1, 3), dtype=np.float32)
+        tensor = paddle.to_tensor(packed)
+        dist.broadcast(tensor, src=src, group=group)
+        if error is not None:
+            raise error
+        if result is not None:
+            return result
+        unpacked = unpack_result(tensor.numpy())
+        if unpacked is None:
+            raise RewardServerError(f"reward server {self.url}: rank {src} of the tensor-parallel group failed "
+                                    f"to score the batch (its log has the reason)")
+        return unpacked
+
+
+def _distributed_ready() -> bool:
+    try:
+        import paddle.distributed as dist
+        return dist.is_initialized()
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def pack_result(result: Optional[RewardResult], n: int, failed: bool) -> np.ndarray:
+    """[n+1, 3] float32: row 0 = (failed, has correct, has skipped); rows 1.. = (score, correct, skipped)."""
+    packed = np.zeros((n + 1, 3), dtype=np.float32)
+    if failed or result is None:
+        packed[0, 0] = 1.0
+        return packed
+    packed[0, 1] = float(result.correct is not None)
+    packed[0, 2] = float(result.skipped is not None)
+    packed[1:, 0] = result.scores
+    if result.correct is not None:
+        packed[1:, 1] = result.correct
+    if result.skipped is not None:
+        packed[1:, 2] = result.skipped
+    return packed
+
+
+def unpack_result(packed: np.ndarray) -> Optional[RewardResult]:
+    """Inverse of pack_result (None when the packing rank failed); per-function scores are not carried."""
+    if packed[0, 0]:
+        return None
+    correct = packed[1:, 1] > 0.5 if packed[0, 1] else None
+    skipped = packed[1:, 2] > 0.5 if packed[0, 2] else None
+    return RewardResult(packed[1:, 0].astype(np.float32), {}, correct, skipped)

@@ -1,0 +1,132 @@
+"""Batched KV-cached generation: prefill each prompt once, fan out to n samples, decode step by step."""
+from dataclasses import dataclass
+from typing import List, Optional, Sequence
+
+import numpy as np
+import paddle
+
+from ..models.decoder import CausalLM, attention_bias_from_mask, new_cache, position_ids_from_mask
+from .keys import uniforms_for
+from .sampling import SamplingParams, next_tokens
+
+
+@dataclass
+class RolloutOutput:
+    """Row r is sample r % n of prompt r // n. Response arrays are right-padded to the longest response."""
+    prompt_ids: List[List[int]]      # per row, unpadded
+    response_ids: np.ndarray         # [B, T] int64, pad_id after the end
+    response_mask: np.ndarray        # [B, T] float32, 1 on generated tokens (EOS included)
+    logprobs: np.ndarray             # [B, T] float32, log softmax(logits / T) of the drawn token; 0 on padding
+    lengths: np.ndarray              # [B] int64
+    truncated: np.ndarray            # [B] bool: reached max_dec_len without a stop token
+
+    def responses(self) -> List[List[int]]:
+        return [row[:n].tolist() for row, n in zip(self.response_ids, self.lengths)]
+
+
+def left_pad(seqs: Sequence[Sequence[int]], pad_id: int):
+    width = max(len(s) for s in seqs)
+    ids = np.full((len(seqs), width), pad_id, dtype=np.int64)
+    mask = np.zeros((len(seqs), width), dtype=np.int64)
+    for i, s in enumerate(seqs):
+        if len(s):
+            ids[i, width - len(s):] = s
+            mask[i, width - len(s):] = 1
+    return ids, mask
+
+
+class RolloutEngine:
+    def __init__(self, model: CausalLM, pad_id: int, eos_ids: Sequence[int], max_num_seqs: int = -1):
+        self.model = model
+        self.pad_id = pad_id
+        self.eos_ids = list(eos_ids)
+        self.max_num_seqs = max_num_seqs
+
+    @paddle.no_grad()
+    def generate(self, prompts: Sequence[Sequence[int]], n: int, params: SamplingParams,
+                 keys: Optional[Sequence] = None) -> RolloutOutput:
+        """`keys[i * n + j]` seeds sample j of prompt i (required unless greedy)."""
+        if not params.greedy and keys is None:
+            raise ValueError("sampling needs one key per sample")
+        per_chunk = len(prompts) if self.max_num_seqs <= 0 else max(1, self.max_num_seqs // n)
+        parts = []
+        for start in range(0, len(prompts), per_chunk):
+            chunk = prompts[start:start + per_chunk]
+            chunk_keys = None if keys is None else keys[start * n:(start + len(chunk)) * n]
+            parts.append(self._generate_chunk(chunk, n, params, chunk_keys))
+        return parts[0] if len(parts) == 1 else _concat(parts, self.pad_id)
+
+    def _generate_chunk(self, prompts, n, params: SamplingParams, keys) -> RolloutOutput:
+        model = self.model
+        was_training = model.training
+        model.eval()
+        stop_ids = sorted(set(params.stop_token_ids) | set(self.eos_ids))
+        ids, mask = left_pad(prompts, self.pad_id)
+        cache = new_cache(model.config)
+        ids_t, mask_t = paddle.to_tensor(ids), paddle.to_tensor(mask)
+        hidden = model.hidden_states(ids_t, position_ids_from_mask(mask_t),
+                                     attention_bias_from_mask(mask_t, ids.shape[1], causal=True), cache)
+        logits = model.logits(hidden[:, -1])
+        if n > 1:
+            for layer in cache:
+                layer.repeat_interleave(n)
+            logits = paddle.repeat_interleave(logits, n, axis=0)
+            mask = np.repeat(mask, n, axis=0)
+        batch = logits.shape[0]
+        rows_prompts = [list(p) for p in prompts for _ in range(n)]
+        next_pos = paddle.to_tensor(mask.sum(1, keepdims=True).astype(np.int64))
+        key_mask = paddle.to_tensor(mask)
+        uniforms = None if params.greedy else paddle.to_tensor(uniforms_for(keys, params.max_dec_len))
+        seen = None
+        if params.repetition_penalty != 1.0:
+            seen_np = np.zeros((batch, logits.shape[-1]), dtype=np.float32)
+            for r, p in enumerate(rows_prompts):
+                seen_np[r, p] = 1.0
+            seen = paddle.to_tensor(seen_np)
+        stop_t = paddle.to_tensor(stop_ids, dtype="int64") if stop_ids else None
+        finished = paddle.zeros([batch], dtype="bool")
+        tokens_out, logp_out, alive_out = [], [], []
+        for t in range(params.max_dec_len):
+            ban_rows = paddle.ones([batch], dtype="bool") if t < params.min_dec_len else None
+            u = None if uniforms is None else uniforms[:, t]
+            tokens, logp = next_tokens(logits, params, seen, u, ban_rows, stop_ids)
+            alive = paddle.logical_not(finished)
+            tokens = paddle.where(alive, tokens, paddle.full_like(tokens, self.pad_id))
+            tokens_out.append(tokens)
+            logp_out.append(paddle.where(alive, logp, paddle.zeros_like(logp)))
+            alive_out.append(alive)
+            if stop_t is not None:
+                finished = paddle.logical_or(finished, paddle.any(tokens.unsqueeze(-1) == stop_t, axis=-1))
+            if t + 1 == params.max_dec_len or bool(finished.all()):
+                break
+            if seen is not None:
+                seen = paddle.put_along_axis(seen, tokens.unsqueeze(-1), paddle.ones([batch, 1]), axis=-1)
+            key_mask = paddle.concat([key_mask, paddle.ones([batch, 1], dtype="int64")], axis=1)
+            step_ids = tokens.unsqueeze(-1)
+            hidden = model.hidden_states(step_ids, next_pos, attention_bias_from_mask(key_mask, 1, causal=False), cache)
+            logits = model.logits(hidden[:, -1])
+            next_pos = next_pos + 1
+        if was_training:
+            model.train()
+        response = paddle.stack(tokens_out, axis=1).numpy()
+        alive = paddle.stack(alive_out, axis=1).numpy().astype(np.float32)
+        logprobs = paddle.stack(logp_out, axis=1).numpy() * alive
+        lengths = alive.sum(1).astype(np.int64)
+        last = response[np.arange(batch), np.maximum(lengths - 1, 0)]
+        ended = np.isin(last, stop_ids) & (lengths > 0)
+        return RolloutOutput(rows_prompts, response, alive, logprobs.astype(np.float32), lengths, ~ended)
+
+
+def _concat(parts: List[RolloutOutput], pad_id: int) -> RolloutOutput:
+    width = max(p.response_ids.shape[1] for p in parts)
+
+    def pad(a, value):
+        return np.pad(a, ((0, 0), (0, width - a.shape[1])), constant_values=value)
+
+    return RolloutOutput(
+        prompt_ids=[p for part in parts for p in part.prompt_ids],
+        response_ids=np.concatenate([pad(p.response_ids, pad_id) for p in parts]),
+        response_mask=np.concatenate([pad(p.response_mask, 0) for p in parts]),
+        logprobs=np.concatenate([pad(p.logprobs, 0) for p in parts]),
+        lengths=np.concatenate([p.lengths for p in parts]),
+        truncated=np.concatenate([p.truncated for p in parts]))

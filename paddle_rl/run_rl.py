@@ -1,0 +1,37 @@
+"""The script `python -m paddle.distributed.launch --nproc_per_node N paddle_rl/run_rl.py CONFIG [key=value ...]` runs."""
+import os
+import sys
+
+if __package__ in (None, ""):
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from paddle_rl.env import configure_threads  # noqa: E402
+
+configure_threads()
+
+
+def main(argv=None) -> int:
+    import argparse
+    import logging
+
+    from paddle_rl.config import ConfigError, load_config
+    from paddle_rl.data.loader import DatasetError
+
+    parser = argparse.ArgumentParser(prog="run_rl.py", description="GRPO / REINFORCE++ training from a YAML file.")
+    parser.add_argument("config", help="YAML argument file (PaddleNLP key names)")
+    parser.add_argument("overrides", nargs="*", help="key=value overrides")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
+    try:
+        config = load_config(args.config, args.overrides)
+        from paddle_rl.trainer import RLTrainer
+        trainer = RLTrainer(config)
+        trainer.train()
+    except (ConfigError, DatasetError, FileNotFoundError, KeyError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

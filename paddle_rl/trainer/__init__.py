@@ -1,0 +1,3 @@
+from .trainer import RLTrainer
+
+__all__ = ["RLTrainer"]

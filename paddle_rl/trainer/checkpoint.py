@@ -1,0 +1,109 @@
+"""checkpoint-N/: the model in the Hugging Face layout + optimizer, scheduler, sampler, objective and RNG state.
+
+Written into a temporary folder and renamed into place, so an interrupted save leaves the
+previous checkpoints untouched and every checkpoint-N folder is complete.
+"""
+import json
+import os
+import random
+import re
+import shutil
+from typing import Optional
+
+import numpy as np
+import paddle
+
+from ..models.pretrained import save_model
+
+STATE_FILE = "trainer_state.json"
+OPTIMIZER_FILE = "optimizer.pdopt"
+RNG_FILE = "rng_state.pdstate"
+PREFIX = "checkpoint-"
+
+
+def checkpoint_dirs(output_dir: str):
+    if not os.path.isdir(output_dir):
+        return []
+    found = []
+    for name in os.listdir(output_dir):
+        m = re.fullmatch(rf"{PREFIX}(\d+)", name)
+        if m and os.path.isfile(os.path.join(output_dir, name, STATE_FILE)):
+            found.append((int(m.group(1)), os.path.join(output_dir, name)))
+    return [path for _, path in sorted(found)]
+
+
+def resolve_resume(spec: Optional[str], output_dir: str) -> Optional[str]:
+    if not spec:
+        return None
+    if spec == "auto":
+        dirs = checkpoint_dirs(output_dir)
+        return dirs[-1] if dirs else None
+    if not os.path.isdir(spec):
+        raise FileNotFoundError(f"resume_from_checkpoint: folder not found: {spec}")
+    if not os.path.isfile(os.path.join(spec, STATE_FILE)):
+        raise FileNotFoundError(f"resume_from_checkpoint: {os.path.join(spec, STATE_FILE)} not found")
+    return spec
+
+
+def rng_state() -> dict:
+    version, internal, gauss = random.getstate()
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    return {"python": [version, list(internal), gauss],
+            "numpy": [name, keys.tolist(), int(pos), int(has_gauss), float(cached)]}
+
+
+def set_rng_state(state: dict, path: str) -> None:
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+    rng_path = os.path.join(path, RNG_FILE)
+    if os.path.isfile(rng_path):
+        paddle.set_rng_state(paddle.load(rng_path))
+
+
+def save_checkpoint(output_dir: str, step: int, model, tokenizer_folder: str, optimizer, scheduler,
+                    trainer_state: dict, save_optimizer: bool = True, total_limit: int = -1) -> str:
+    final = os.path.join(output_dir, f"{PREFIX}{step}")
+    tmp = os.path.join(output_dir, f".tmp-{PREFIX}{step}")
+    if os.path.isdir(tmp):
+        shutil.rmtree(tmp)
+    os.makedirs(tmp)
+    save_model(model, tmp, tokenizer_folder=tokenizer_folder)
+    state = dict(trainer_state, step=step, rng=rng_state(), has_optimizer=save_optimizer)
+    paddle.save(paddle.get_rng_state(), os.path.join(tmp, RNG_FILE))
+    if save_optimizer:
+        paddle.save(optimizer.state_dict(), os.path.join(tmp, OPTIMIZER_FILE))
+        state["scheduler"] = scheduler.state_dict()
+    with open(os.path.join(tmp, STATE_FILE), "w", encoding="utf-8") as f:
+        json.dump(state, f, indent=2, sort_keys=True, default=_json_default)
+    if os.path.isdir(final):
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    if total_limit > 0:
+        for old in checkpoint_dirs(output_dir)[:-total_limit]:
+            shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def _json_default(value):
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    if isinstance(value, (np.floating, np.integer)):
+        return value.item()
+    raise TypeError(f"not JSON serializable: {type(value).__name__}")
+
+
+def load_trainer_state(path: str) -> dict:
+    with open(os.path.join(path, STATE_FILE), encoding="utf-8") as f:
+        return json.load(f)
+
+
+def load_optimizer(path: str, optimizer, scheduler, state: dict) -> None:
+    if not state.get("has_optimizer"):
+        raise ValueError(f"{path}: saved without optimizer state (ignore_save_lr_and_optim); cannot resume exactly")
+    opt_path = os.path.join(path, OPTIMIZER_FILE)
+    if not os.path.isfile(opt_path):
+        raise FileNotFoundError(f"checkpoint file not found: {opt_path}")
+    optimizer.set_state_dict(paddle.load(opt_path))
+    scheduler.set_state_dict(state["scheduler"])

@@ -1,0 +1,55 @@
+"""AdamW with decoupled weight decay (not on norms and biases), lr schedules and global-norm clipping."""
+import math
+from typing import Callable, Iterable, Optional
+
+import paddle
+
+
+def lr_factor(schedule: str, total_steps: int, warmup_steps: int, min_lr_ratio: float = 0.0) -> Callable[[int], float]:
+    """Multiplier of the peak learning rate at optimizer step `step` (0-based)."""
+    total_steps = max(total_steps, 1)
+
+    def factor(step: int) -> float:
+        if warmup_steps > 0 and step < warmup_steps:
+            return (step + 1) / warmup_steps
+        if schedule in ("constant", "constant_with_warmup"):
+            return 1.0
+        progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+        if schedule == "linear":
+            return min_lr_ratio + (1.0 - min_lr_ratio) * (1.0 - progress)
+        if schedule == "cosine":
+            return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+        raise ValueError(f"lr_scheduler_type: unknown {schedule!r}")
+    return factor
+
+
+def build_optimizer(model, config, total_optimizer_steps: int):
+    warmup = config.warmup_steps or int(config.warmup_ratio * total_optimizer_steps)
+    scheduler = paddle.optimizer.lr.LambdaDecay(
+        config.learning_rate, lr_factor(config.lr_scheduler_type, total_optimizer_steps, warmup, config.min_lr_ratio))
+    no_decay = {p.name for n, p in model.named_parameters() if "norm" in n or n.endswith("bias")}
+    optimizer = paddle.optimizer.AdamW(
+        learning_rate=scheduler, parameters=model.parameters(), weight_decay=config.weight_decay,
+        beta1=config.adam_beta1, beta2=config.adam_beta2, epsilon=config.adam_epsilon,
+        apply_decay_param_fun=lambda name: name not in no_decay)
+    return optimizer, scheduler
+
+
+def clip_grad_norm_(parameters: Iterable, max_norm: float,
+                    reduce_sum: Optional[Callable] = None) -> float:
+    """Scale gradients so their global L2 norm is at most max_norm; returns the norm before clipping.
+
+    reduce_sum, when given, sums the squared norm across the ranks that hold disjoint gradient shards.
+    """
+    grads = [p.grad for p in parameters if p.grad is not None]
+    if not grads:
+        return 0.0
+    squared = paddle.add_n([paddle.sum(g.astype("float32").square()) for g in grads])
+    if reduce_sum is not None:
+        squared = reduce_sum(squared)
+    norm = float(squared.sqrt())
+    if max_norm > 0 and norm > max_norm:
+        scale = max_norm / (norm + 1e-6)
+        for g in grads:
+            g.scale_(scale)
+    return norm

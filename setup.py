@@ -1,0 +1,33 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="paddle-rl",
+    version="0.1.0",
+    description="GRPO, REINFORCE++ and their family for language models on PaddlePaddle",
+    long_description=open("README.md", encoding="utf-8").read() if __import__("os").path.exists("README.md") else "",
+    long_description_content_type="text/markdown",
+    python_requires=">=3.9",
+    packages=find_packages(include=["paddle_rl", "paddle_rl.*", "reward_server", "reward_server.*"]),
+    package_data={"paddle_rl": ["../csrc/*"]},
+    install_requires=[
+        "paddlepaddle==3.3.1",
+        "pyyaml",
+        "numpy",
+        "fastapi",
+        "uvicorn",
+        "visualdl",
+        "tokenizers",
+        "safetensors",
+        "jinja2",
+        "math-verify",
+        "tqdm",
+        "requests",
+        "httpx",
+    ],
+    extras_require={
+        # parity checks against Hugging Face transformers (PyTorch CPU); torch is pinned: an unpinned torch
+        # pulls a multi-GB CUDA build
+        "test": ["pytest", "torch==2.13.0", "transformers"],
+    },
+    entry_points={"console_scripts": ["paddle-rl=paddle_rl.cli:main"]},
+)
