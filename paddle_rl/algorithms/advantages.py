@@ -49,7 +49,8 @@ def group_mean_std(scores, group_ids, ddof: int = 1):
 def broadcast(per_sample, response_mask):
     """[B] -> float32 tensor [B, T], zero outside the mask."""
     m = to_numpy(response_mask)
-    return paddle.to_tensor((np.asarray(per_sample, np.float64)[:, None] * m).astype(np.float32))
+    values = np.where(m > 0, np.asarray(per_sample, np.float64)[:, None], 0.0)
+    return paddle.to_tensor(values.astype(np.float32))
 
 
 def reward_kl_per_token(old_logp, ref_logp, response_mask, kind: str = "kl"):

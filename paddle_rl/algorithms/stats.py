@@ -78,7 +78,7 @@ def masked_whiten(values, mask, eps: float = 1e-8, shift_mean: bool = True, redu
     out = (v - mean) / np.sqrt(var + eps)
     if not shift_mean:
         out = out + mean
-    out = out * m
+    out = np.where(m > 0, out, 0.0)
     return paddle.to_tensor(out.astype(np.float32)) if is_tensor else out
 
 

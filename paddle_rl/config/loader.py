@@ -98,7 +98,7 @@ def parse_overrides(items: Iterable[str]) -> dict:
 
 
 def _read_yaml(path: str) -> dict:
-    if not os.path.isfile(path):
+    if not os.path.exists(path) or os.path.isdir(path):
         raise ConfigError(f"config file not found: {path}")
     with open(path, encoding="utf-8") as f:
         try:

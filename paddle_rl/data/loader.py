@@ -3,7 +3,7 @@ import json
 import logging
 import os
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import Iterator, List, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -11,46 +11,86 @@ from .records import RecordError, to_prompt_record
 
 logger = logging.getLogger("paddle_rl")
 
+OVERFLOW_MODES = ("truncate", "drop")
+_CHUNK = 512
+
 
 class DatasetError(ValueError):
     pass
 
 
-def read_records(path: str) -> List[dict]:
-    """Raw records of a .jsonl / .json / .parquet file; a malformed line fails with path:line and the reason."""
-    if not os.path.isfile(path):
-        raise DatasetError(f"dataset file not found: {path}")
-    if path.endswith(".parquet"):
-        try:
-            import pandas as pd
-            return pd.read_parquet(path).to_dict(orient="records")
-        except ImportError as e:
-            raise DatasetError(f"{path}: reading parquet needs pandas and pyarrow ({e})") from None
+def _read_parquet(path: str) -> Iterator[Tuple[str, int, dict]]:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise DatasetError(f"{path}: reading parquet files needs the pyarrow package (pip install pyarrow)") from None
+    try:
+        table = pq.read_table(path)
+    except Exception as e:  # noqa: BLE001 - any reader failure names the file
+        raise DatasetError(f"{path}: cannot read parquet: {e}") from None
+    for row, record in enumerate(table.to_pylist(), 1):
+        yield f"{path}: row {row}", row, record
+
+
+def _read_json(path: str) -> Iterator[Tuple[str, int, dict]]:
     with open(path, encoding="utf-8") as f:
-        if path.endswith(".json"):
-            try:
-                data = json.load(f)
-            except json.JSONDecodeError as e:
-                raise DatasetError(f"{path}:{e.lineno}: invalid JSON: {e.msg}") from None
-            if not isinstance(data, list):
-                raise DatasetError(f"{path}: expected a JSON list of records")
-            return data
-        records = []
+        text = f.read()
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        if e.msg == "Extra data":          # JSON lines under a .json name
+            yield from _read_jsonl(path)
+            return
+        raise DatasetError(f"{path}:{e.lineno}: invalid JSON: {e.msg} (column {e.colno})") from None
+    if isinstance(data, dict):
+        data = [data]
+    if not isinstance(data, list):
+        raise DatasetError(f"{path}: expected a JSON list of records, got {type(data).__name__}")
+    for index, record in enumerate(data, 1):
+        yield f"{path}: record {index}", index, record
+
+
+def _read_jsonl(path: str) -> Iterator[Tuple[str, int, dict]]:
+    with open(path, encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue
             try:
-                records.append(json.loads(line))
+                record = json.loads(line)
             except json.JSONDecodeError as e:
                 raise DatasetError(f"{path}:{lineno}: invalid JSON: {e.msg} (column {e.colno})") from None
-            records[-1] = (records[-1], lineno)
-        return records
+            yield f"{path}:{lineno}", lineno, record
+
+
+def iter_records(path: str) -> Iterator[Tuple[str, int, dict]]:
+    """(location, number, record) for each record of a .jsonl / .json / .parquet file.
+
+    location is "path:LINE" for JSON lines, "path: row N" for parquet, "path: record N" for a JSON list;
+    a malformed line fails with its location and the reason."""
+    if not os.path.isfile(path):
+        raise DatasetError(f"dataset file not found: {path}")
+    if path.endswith(".parquet"):
+        return _read_parquet(path)
+    if path.endswith(".json"):
+        return _read_json(path)
+    return _read_jsonl(path)
+
+
+def read_records(path: str) -> List[dict]:
+    """Raw records of a .jsonl / .json / .parquet file; a malformed line fails with path:line and the reason."""
+    return [record for _, _, record in iter_records(path)]
+
+
+def split_paths(paths: Union[str, Sequence[str]]) -> List[str]:
+    if isinstance(paths, str):
+        paths = paths.split(",")
+    return [p.strip() for p in paths if p and p.strip()]
 
 
 @dataclass
 class PromptDataset:
     items: List[dict]                           # prompt, ground_truth, data_source, record, prompt_ids, uid
-    stats: dict = field(default_factory=dict)   # truncated / dropped counts
+    stats: dict = field(default_factory=dict)   # records, kept, truncated, dropped, longest_prompt, max_prompt_len
 
     def __len__(self):
         return len(self.items)
@@ -59,60 +99,120 @@ class PromptDataset:
         return self.items[i]
 
 
-def load_prompt_dataset(paths: str, tokenizer, prompt_key: str = "src", response_key: str = "tgt",
-                        max_prompt_len: int = 512, overflow: str = "truncate", limit: int = -1) -> PromptDataset:
+def _uid_names(paths: List[str]) -> dict:
+    """The file part of each uid: the base name, or the whole path where two base names coincide."""
+    names = [os.path.basename(p) for p in paths]
+    return {p: (n if names.count(n) == 1 else p) for p, n in zip(paths, names)}
+
+
+def load_prompt_dataset(paths: Union[str, Sequence[str]], tokenizer, prompt_key: str = "src",
+                        response_key: str = "tgt", max_prompt_len: int = 512, overflow: str = "truncate",
+                        limit: int = -1, require_ground_truth: bool = True) -> PromptDataset:
+    """Prompts of every file in `paths` (comma separated), tokenized.
+
+    A prompt over `max_prompt_len` tokens is truncated (the end is kept: the generation prompt lives there)
+    or dropped, per `overflow`; the counts land in `stats` and in a log line. `limit` > 0 keeps at most that
+    many prompts. Every problem names the file and line."""
+    if overflow not in OVERFLOW_MODES:
+        raise DatasetError(f"prompt_overflow: must be one of {', '.join(OVERFLOW_MODES)}, got {overflow!r}")
+    if max_prompt_len < 1:
+        raise DatasetError(f"max_prompt_len: must be > 0, got {max_prompt_len}")
+    files = split_paths(paths)
+    if not files:
+        raise DatasetError("no dataset files given")
     render = None
     if getattr(tokenizer, "chat_template", None):
         def render(messages):
             return tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-    items, truncated, dropped = [], 0, 0
-    for path in [p.strip() for p in paths.split(",") if p.strip()]:
-        for index, entry in enumerate(read_records(path)):
-            raw, lineno = entry if isinstance(entry, tuple) else (entry, index + 1)
-            try:
-                item = to_prompt_record(raw, prompt_key, response_key, render)
-            except RecordError as e:
-                raise DatasetError(f"{path}:{lineno}: {e}") from None
-            items.append((item, path, lineno))
-    texts = [it[0]["prompt"] for it in items]
-    encoded = tokenizer.encode_batch(texts) if texts else []
-    kept = []
-    for (item, path, lineno), ids in zip(items, encoded):
-        if not ids:
-            raise DatasetError(f"{path}:{lineno}: empty prompt")
-        if len(ids) > max_prompt_len:
-            if overflow == "drop":
-                dropped += 1
-                continue
-            ids = ids[-max_prompt_len:]
-            truncated += 1
-        item["prompt_ids"] = ids
-        item["uid"] = f"{os.path.basename(path)}:{lineno}"
-        kept.append(item)
-        if 0 < limit <= len(kept):
-            break
-    if truncated or dropped:
-        logger.warning("%s: %d prompts over max_prompt_len=%d %s", paths, truncated or dropped, max_prompt_len,
-                       "truncated (kept the end)" if truncated else "dropped")
+    uid_name = _uid_names(files)
+    stats = {"files": len(files), "records": 0, "kept": 0, "truncated": 0, "dropped": 0, "longest_prompt": 0,
+             "max_prompt_len": max_prompt_len, "overflow": overflow}
+    kept: List[dict] = []
+
+    def records():
+        for path in files:
+            for location, number, raw in iter_records(path):
+                try:
+                    item = to_prompt_record(raw, prompt_key, response_key, render, require_ground_truth)
+                except RecordError as e:
+                    raise DatasetError(f"{location}: {e}") from None
+                except Exception as e:  # noqa: BLE001 - e.g. a chat template that rejects the messages
+                    raise DatasetError(f"{location}: cannot build the prompt: {type(e).__name__}: {e}") from None
+                item["uid"] = f"{uid_name[path]}:{number}"
+                yield location, item
+
+    def take(chunk) -> bool:
+        """Tokenize a chunk and keep what fits; True once `limit` prompts are kept."""
+        encoded = tokenizer.encode_batch([item["prompt"] for _, item in chunk])
+        for (location, item), ids in zip(chunk, encoded):
+            ids = list(ids)
+            stats["records"] += 1
+            if not ids:
+                raise DatasetError(f"{location}: the prompt has no tokens")
+            stats["longest_prompt"] = max(stats["longest_prompt"], len(ids))
+            if len(ids) > max_prompt_len:
+                if overflow == "drop":
+                    stats["dropped"] += 1
+                    continue
+                ids = ids[-max_prompt_len:]
+                stats["truncated"] += 1
+            item["prompt_ids"] = ids
+            kept.append(item)
+            if 0 < limit <= len(kept):
+                return True
+        return False
+
+    chunk = []
+    for entry in records():
+        chunk.append(entry)
+        if len(chunk) >= _CHUNK:
+            if take(chunk):
+                chunk = []
+                break
+            chunk = []
+    if chunk:
+        take(chunk)
+    stats["kept"] = len(kept)
+    where = ",".join(files)
     if not kept:
-        raise DatasetError(f"{paths}: no usable prompts")
-    return PromptDataset(kept, {"truncated": truncated, "dropped": dropped})
+        raise DatasetError(f"{where}: no usable prompts ({stats['records']} records, {stats['dropped']} dropped "
+                           f"over max_prompt_len={max_prompt_len})")
+    logger.info("%s: %d prompts from %d records (longest %d tokens; %d truncated, %d dropped over "
+                "max_prompt_len=%d)", where, stats["kept"], stats["records"], stats["longest_prompt"],
+                stats["truncated"], stats["dropped"], max_prompt_len)
+    if stats["truncated"]:
+        logger.warning("%s: %d prompts over max_prompt_len=%d truncated (their first tokens removed); "
+                       "raise max_prompt_len or set prompt_overflow: drop", where, stats["truncated"], max_prompt_len)
+    if stats["dropped"]:
+        logger.warning("%s: %d prompts over max_prompt_len=%d dropped", where, stats["dropped"], max_prompt_len)
+    return PromptDataset(kept, stats)
 
 
 class PromptSampler:
-    """Batches of dataset indices; seeded shuffle per epoch; (epoch, position) is the whole state."""
+    """Batches of dataset indices; seeded shuffle per epoch; (epoch, position) is the whole state.
+
+    Epoch e visits the permutation drawn from (seed, e), so a sampler restored with set_state_dict
+    yields exactly the batches the original would have, across epoch boundaries too."""
 
     def __init__(self, size: int, batch_size: int, seed: int, shuffle: bool = True, drop_last: bool = True):
+        if size < 1:
+            raise DatasetError("no training prompts")
+        if batch_size < 1:
+            raise DatasetError(f"global_batch_size must be >= 1, got {batch_size}")
         if batch_size > size:
             raise DatasetError(f"global_batch_size {batch_size} exceeds the {size} training prompts")
         self.size, self.batch_size, self.seed = size, batch_size, seed
         self.shuffle, self.drop_last = shuffle, drop_last
         self.epoch, self.position = 0, 0
+        self._cached = (None, None)
 
     def _order(self, epoch: int) -> np.ndarray:
-        if not self.shuffle:
-            return np.arange(self.size)
-        return np.random.default_rng([self.seed, epoch]).permutation(self.size)
+        if self._cached[0] == epoch:
+            return self._cached[1]
+        order = (np.random.default_rng([self.seed, epoch]).permutation(self.size) if self.shuffle
+                 else np.arange(self.size))
+        self._cached = (epoch, order)
+        return order
 
     @property
     def batches_per_epoch(self) -> int:
@@ -128,7 +228,14 @@ class PromptSampler:
         return batch
 
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "position": self.position}
+        return {"epoch": self.epoch, "position": self.position, "size": self.size, "batch_size": self.batch_size,
+                "seed": self.seed, "shuffle": self.shuffle, "drop_last": self.drop_last}
 
     def set_state_dict(self, state: dict) -> None:
+        changed = [f"{key} {state[key]!r} -> {getattr(self, key)!r}"
+                   for key in ("size", "batch_size", "seed", "shuffle", "drop_last")
+                   if key in state and state[key] != getattr(self, key)]
+        if changed:
+            logger.warning("resuming the prompt sampler with different settings (%s): the order of prompts "
+                           "will not continue the checkpointed run exactly", ", ".join(changed))
         self.epoch, self.position = int(state["epoch"]), int(state["position"])

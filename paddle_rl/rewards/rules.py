@@ -73,8 +73,9 @@ def strip_special_tail(text: str) -> str:
 
 
 def completion_text(response: str) -> str:
-    """The assistant turn as the rules see it: the kk rule's view, trailing special tokens removed."""
-    return strip_special_tail(scored_text(response))
+    """The assistant turn as the rules see it: the kk rule's view, outer whitespace and trailing special tokens
+    removed."""
+    return strip_special_tail(scored_text(response)).lstrip()
 
 
 def _ground_truth(sample: RewardSample, index: int) -> str:

@@ -1,0 +1,232 @@
+"""`paddle-rl bench`: time RL steps of a synthetic workload through the real trainer.
+
+Workload W1 (the default): a random-init Qwen2-architecture decoder (hidden 256, 4 layers, 4 heads, 2 KV
+heads, ffn 688, vocab 4096, untied head), 8 prompts of ~32 tokens x rollout_n 8, exactly 64 response tokens
+(min_dec_len = max_dec_len), kl_loss_coeff 0.04 (reference model on), one optimizer step per rollout, fp32.
+
+    paddle-rl bench --steps 3                       # W1
+    paddle-rl bench --rollout-n 16 --response-len 128
+    paddle-rl bench --model qwen2.5-0.5b --prompts 1 --rollout-n 2 --steps 1 --set recompute=true
+
+Prints seconds per step and its split by stage, generated and trained tokens/s, effective GFLOP/s against a
+matmul peak measured in the same process, peak RSS; the last line is one JSON object.
+"""
+import argparse
+import json
+import os
+import resource
+import sys
+import tempfile
+import time
+
+MODELS = {
+    "w1": dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=4,
+               num_key_value_heads=2, vocab_size=4096, tie_word_embeddings=False),
+    "qwen2.5-0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                         num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
+}
+STAGES = ("rollout", "reward", "ref_logprob", "old_logprob", "advantage", "update")
+SPECIALS = ["<|endoftext|>", "<|im_end|>"]
+
+
+def _register_bench_rule():
+    """A reward defined on any text: the share of distinct characters (varies between samples)."""
+    import numpy as np
+    from .rewards.rules import RULE_REWARDS, register_rule
+    if "bench_distinct_chars" in RULE_REWARDS:
+        return
+
+    @register_rule("bench_distinct_chars")
+    def bench_distinct_chars(samples):
+        """Share of distinct characters in the response (synthetic benchmark reward)."""
+        return np.array([len(set(s.response)) / max(1, len(s.response)) for s in samples], np.float32), None
+
+
+def build_workload(folder: str, model: str, prompts: int, prompt_len: int, seed: int = 0) -> dict:
+    """Random model + WordLevel tokenizer (one token per word) + a jsonl of synthetic prompts in `folder`."""
+    import numpy as np
+    import paddle
+    from tokenizers import Tokenizer as HFTokenizer, models, pre_tokenizers
+
+    from .models import CausalLM, ModelConfig
+    from .models.pretrained import save_model, write_generation_config
+
+    shape = MODELS[model]
+    vocab_size = shape["vocab_size"]
+    words = SPECIALS + [f"w{i}" for i in range(vocab_size - len(SPECIALS))]
+    tok = HFTokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<|endoftext|>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.add_special_tokens(SPECIALS)
+    model_dir = os.path.join(folder, "model")
+    os.makedirs(model_dir, exist_ok=True)
+    tok.save(os.path.join(model_dir, "tokenizer.json"))
+    with open(os.path.join(model_dir, "tokenizer_config.json"), "w", encoding="utf-8") as f:
+        json.dump({"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "model_max_length": 4096}, f)
+    paddle.seed(seed)
+    config = ModelConfig(model_type="qwen2", max_position_embeddings=4096, eos_token_id=1, pad_token_id=0, **shape)
+    net = CausalLM(config)
+    net.init_weights()
+    save_model(net, model_dir)
+    write_generation_config(model_dir, [1], 0)
+    del net
+    rng = np.random.default_rng(seed)
+    data = os.path.join(folder, "prompts.jsonl")
+    with open(data, "w", encoding="utf-8") as f:
+        for i in range(max(prompts, 1) * 4):
+            length = int(rng.integers(max(1, prompt_len - 4), prompt_len + 5))
+            text = " ".join(f"w{int(t)}" for t in rng.integers(0, vocab_size - len(SPECIALS), size=length))
+            f.write(json.dumps({"src": text, "tgt": ""}) + "\n")
+    return {"model_dir": model_dir, "data": data}
+
+
+def matmul_peak(size: int = 1024, repeat: int = 5) -> float:
+    """GFLOP/s of a square fp32 matmul in this process (best of `repeat`)."""
+    import paddle
+    a = paddle.randn([size, size])
+    b = paddle.randn([size, size])
+    paddle.matmul(a, b).numpy()
+    best = float("inf")
+    for _ in range(repeat):
+        start = time.perf_counter()
+        paddle.matmul(a, b).numpy()
+        best = min(best, time.perf_counter() - start)
+    return 2 * size ** 3 / best / 1e9
+
+
+def step_flops(shape: dict, prompt_tokens: float, response_tokens: float, rows: int, reference: bool,
+               old_pass: bool) -> dict:
+    """Matmul FLOPs per stage (weights and attention; norms and element-wise work left out)."""
+    h, f, layers = shape["hidden_size"], shape["intermediate_size"], shape["num_hidden_layers"]
+    heads, kv, vocab = shape["num_attention_heads"], shape["num_key_value_heads"], shape["vocab_size"]
+    head_dim = h // heads
+    per_token = 2 * layers * (h * (heads + 2 * kv) * head_dim + heads * head_dim * h + 3 * h * f)
+    head = 2 * h * vocab
+    seq = (prompt_tokens + response_tokens) / max(rows, 1)
+    attention = 2 * 2 * layers * heads * head_dim * seq / 2  # per token, causal average context
+    tokens = prompt_tokens + response_tokens
+    forward = tokens * (per_token + attention) + response_tokens * head
+    rollout = prompt_tokens / max(rows, 1) * per_token + response_tokens * (per_token + attention + head)
+    out = {"rollout": rollout, "ref_logprob": forward if reference else 0.0,
+           "old_logprob": forward if old_pass else 0.0, "update": 3 * forward}
+    out["step"] = sum(out.values())
+    return out
+
+
+def _read_metrics(path: str) -> list:
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def run(args) -> dict:
+    from .env import configure_threads
+    configure_threads()
+    import logging
+
+    import numpy as np
+
+    from .config import load_config
+    from .trainer import RLTrainer
+
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    _register_bench_rule()
+    steps = args.warmup + args.steps
+    with tempfile.TemporaryDirectory(prefix="paddle_rl_bench_") as tmp:
+        start = time.perf_counter()
+        work = build_workload(tmp, args.model, args.prompts, args.prompt_len, args.seed)
+        build_s = time.perf_counter() - start
+        overrides = {
+            "actor_model_name_or_path": work["model_dir"], "train_datasets": work["data"],
+            "prompt_key": "src", "response_key": "tgt", "output_dir": os.path.join(tmp, "out"),
+            "max_prompt_len": args.prompt_len + 8, "max_dec_len": args.response_len,
+            "min_dec_len": args.response_len, "temperature": 1.0, "top_p": 1.0, "rollout_n": args.rollout_n,
+            "global_batch_size": args.prompts, "global_mini_batch_size": -1, "update_iters": 1,
+            "per_device_train_batch_size": args.prompts * args.rollout_n,
+            "per_device_logprob_batch_size": args.prompts * args.rollout_n, "kl_loss_coeff": args.kl_loss_coeff,
+            "learning_rate": 1e-5, "max_steps": steps, "save_strategy": "no", "do_eval": False,
+            "report_to": "none", "disable_tqdm": True, "reward_funcs": ["bench_distinct_chars"], "seed": args.seed,
+        }
+        for item in args.set or []:
+            key, value = item.split("=", 1)
+            import yaml
+            overrides[key.strip()] = yaml.safe_load(value)
+        config = load_config(None, overrides)
+        peak = matmul_peak()
+        trainer = RLTrainer(config)
+        trainer.train()
+        records = _read_metrics(os.path.join(config.output_dir, "metrics.jsonl"))
+    timed = records[args.warmup:] or records[-1:]
+
+    def mean(key):
+        values = [r[key] for r in timed if isinstance(r.get(key), (int, float))]
+        return float(np.mean(values)) if values else 0.0
+
+    step_s = mean("time/step")
+    rows = args.prompts * args.rollout_n
+    response_tokens = mean("response_length/mean") * rows
+    prompt_tokens = float(args.prompt_len * rows)
+    shape = MODELS[args.model]
+    flops = step_flops(shape, prompt_tokens, response_tokens, rows, config.kl_loss_coeff > 0 or config.kl_coeff > 0,
+                       mean("time/old_logprob") > 0 and "time/old_logprob" in timed[-1])
+    result = {
+        "workload": args.model, "prompts": args.prompts, "rollout_n": args.rollout_n, "prompt_len": args.prompt_len,
+        "response_len": args.response_len, "steps_timed": len(timed), "step_s": step_s,
+        **{f"{s}_s": mean(f"time/{s}") for s in STAGES},
+        "generated_tokens_per_s": mean("perf/generated_tokens_per_s"),
+        "trained_tokens_per_s": mean("perf/trained_tokens_per_s"),
+        "effective_gflops": flops["step"] / max(step_s, 1e-9) / 1e9,
+        "rollout_gflops": flops["rollout"] / max(mean("time/rollout"), 1e-9) / 1e9,
+        "update_gflops": flops["update"] / max(mean("time/update"), 1e-9) / 1e9,
+        "matmul_peak_gflops": peak, "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "threads": os.environ.get("OMP_NUM_THREADS"), "setup_s": build_s,
+        "overrides": args.set or [],
+    }
+    return result
+
+
+def report(result: dict) -> str:
+    lines = [f"workload {result['workload']}: {result['prompts']} prompts x rollout_n {result['rollout_n']}, "
+             f"prompt ~{result['prompt_len']}, response {result['response_len']} tokens; "
+             f"{result['steps_timed']} timed step(s), OMP_NUM_THREADS={result['threads']}",
+             f"  step          {result['step_s']:8.3f} s"]
+    for stage in STAGES:
+        lines.append(f"  {stage:<13} {result[f'{stage}_s']:8.3f} s")
+    lines += [f"  generated     {result['generated_tokens_per_s']:8.0f} tokens/s",
+              f"  trained       {result['trained_tokens_per_s']:8.0f} tokens/s",
+              f"  effective     {result['effective_gflops']:8.1f} GFLOP/s (rollout {result['rollout_gflops']:.1f}, "
+              f"update {result['update_gflops']:.1f}; matmul peak {result['matmul_peak_gflops']:.1f})",
+              f"  peak RSS      {result['peak_rss_mb']:8.0f} MB"]
+    return "\n".join(lines)
+
+
+def _bench(args) -> int:
+    result = run(args)
+    print(report(result))
+    print(json.dumps(result, sort_keys=True))
+    sys.stdout.flush()
+    return 0
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", choices=sorted(MODELS), default="w1", help="model shape (random init)")
+    p.add_argument("--steps", type=int, default=3, help="timed steps")
+    p.add_argument("--warmup", type=int, default=1, help="untimed first steps")
+    p.add_argument("--prompts", type=int, default=8, help="prompts per step")
+    p.add_argument("--prompt-len", type=int, default=32, help="prompt length (+-4 tokens)")
+    p.add_argument("--rollout-n", type=int, default=8)
+    p.add_argument("--response-len", type=int, default=64, help="exact response length (min = max_dec_len)")
+    p.add_argument("--kl-loss-coeff", type=float, default=0.04, help="> 0 loads the reference model")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--set", action="append", metavar="KEY=VALUE", help="any configuration override (repeatable)")
+
+
+def add_bench_subparser(subparsers) -> None:
+    p = subparsers.add_parser("bench", help="time RL steps on a synthetic workload (W1 by default)")
+    add_arguments(p)
+    p.set_defaults(func=_bench)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="paddle-rl bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(p)
+    return _bench(p.parse_args(argv))

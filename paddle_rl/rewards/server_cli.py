@@ -1,0 +1,151 @@
+"""`paddle-rl reward-server` (also `python -m reward_server`): the HTTP reward server's command line."""
+import argparse
+import ipaddress
+import logging
+import os
+import typing
+
+API_KEY_ENV = "PADDLE_RL_REWARD_API_KEY"
+LOOPBACK = ("localhost",)
+
+
+def add_reward_server_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    parser.add_argument("--host", default="127.0.0.1", help="Address to bind (default 127.0.0.1: this machine only).")
+    parser.add_argument("--port", type=int, default=8731, help="Port (default 8731).")
+    parser.add_argument("--reward", action="append", metavar="NAME[,NAME...]",
+                        help="Reward functions to sum (repeatable or comma-separated; default: the config's "
+                             "reward_funcs, else kk).")
+    parser.add_argument("--weights", metavar="W[,W...]", help="Weights of the reward functions (default all 1).")
+    parser.add_argument("--plugin", action="append", default=[], metavar="FILE.py",
+                        help="Python file whose functions become reward functions (repeatable).")
+    parser.add_argument("--route", action="append", default=[], metavar="DATA_SOURCE=NAME[,NAME...]",
+                        help="Score records with this data_source by these functions (repeatable).")
+    parser.add_argument("--config", metavar="YAML", help="Read reward keys (reward_funcs, max_dec_len, cosine_*, "
+                                                         "...) from a training config; other keys are ignored.")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="overrides",
+                        help="Override a config key (repeatable), e.g. --set max_dec_len=2048.")
+    parser.add_argument("--workers", type=int, default=max(1, min(4, os.cpu_count() or 1)),
+                        help="Scoring processes (default min(4, CPUs)).")
+    parser.add_argument("--sample-timeout", type=float, default=10.0,
+                        help="Seconds one sample may take before its worker is replaced (default 10).")
+    parser.add_argument("--timeout-score", type=float, default=None,
+                        help="Score given to a timed-out sample (default: the request fails with error_code 2002).")
+    parser.add_argument("--max-request-mb", type=float, default=32.0, help="Largest request body (default 32 MiB).")
+    parser.add_argument("--max-samples", type=int, default=16384, help="Most samples in one request.")
+    parser.add_argument("--api-key", default=None,
+                        help=f"Require this key (Authorization: Bearer KEY or X-API-Key: KEY); default ${API_KEY_ENV}.")
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    parser.add_argument("--access-log", action="store_true", help="Log every request.")
+    return parser
+
+
+def add_reward_server_subparser(subparsers):
+    """Register `reward-server` on an argparse subparsers object; returns the new parser."""
+    parser = subparsers.add_parser("reward-server", help="Serve rule / plugin rewards over HTTP.",
+                                   description="Serve rule / plugin rewards over HTTP (PaddleNLP protocol at POST /, "
+                                               "per-function scores at POST /v1/score, docs at /docs).")
+    add_reward_server_arguments(parser)
+    parser.set_defaults(func=run_reward_server)
+    return parser
+
+
+def _split(values):
+    out = []
+    for value in values or []:
+        out += [v.strip() for v in str(value).split(",") if v.strip()]
+    return out
+
+
+def reward_config_values(config_path=None, overrides=None) -> dict:
+    """Validated RLConfig keys for the reward functions: a YAML file's known keys plus overrides.
+
+    Keys of other groups are read (max_dec_len, overlong_* matter to some rewards) but only the reward group is
+    validated, so a training config without model paths serves as well.
+    """
+    from paddle_rl.config import ConfigError, RLConfig
+    from paddle_rl.config import loader
+
+    raw = loader._read_yaml(config_path) if config_path else {}
+    raw.update(overrides or {})
+    fields, aliases = loader._fields(), loader._aliases()
+    hints = typing.get_type_hints(RLConfig)
+    values, errors = {}, []
+    for key, value in raw.items():
+        name = aliases.get(key, key)
+        if name not in fields:
+            errors.append(f"unknown key {key!r}{loader._suggest(key, list(fields) + list(aliases))}")
+            continue
+        try:
+            values[name] = loader._coerce(key, value, hints[name])
+        except ConfigError as e:
+            errors.append(str(e))
+    values["use_rm_server"] = False
+    if not errors:
+        config = RLConfig(**values)
+        config._validate_reward(errors)
+        if config.max_dec_len < 1:
+            errors.append(f"max_dec_len: must be >= 1, got {config.max_dec_len}")
+    if errors:
+        raise ConfigError("invalid reward server configuration:\n  " + "\n  ".join(errors))
+    return values
+
+
+def settings_from_args(args):
+    from paddle_rl.config import parse_overrides
+    from reward_server.app import ServerSettings
+
+    overrides = parse_overrides(args.overrides)
+    if args.reward:
+        overrides["reward_funcs"] = _split(args.reward)
+    if args.weights:
+        overrides["reward_weights"] = [float(w) for w in _split([args.weights])]
+    if args.plugin:
+        overrides["reward_plugins"] = [os.path.abspath(p) for p in args.plugin]
+    if args.route:
+        routes = dict(overrides.get("reward_routes") or {})
+        for item in args.route:
+            source, _, names = item.partition("=")
+            if not source or not names:
+                raise SystemExit(f"--route {item!r}: expected DATA_SOURCE=NAME[,NAME...]")
+            routes[source.strip()] = _split([names])
+        overrides["reward_routes"] = routes
+    values = reward_config_values(args.config, overrides)
+    if values.get("reward_plugins"):
+        values["reward_plugins"] = [os.path.abspath(p) if p.endswith(".py") else p for p in values["reward_plugins"]]
+    api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV, "")
+    if args.workers < 1:
+        raise SystemExit("--workers: must be >= 1")
+    if args.sample_timeout <= 0:
+        raise SystemExit("--sample-timeout: must be > 0")
+    return ServerSettings(config_values=values, workers=args.workers, sample_timeout=args.sample_timeout,
+                          timeout_score=args.timeout_score, max_request_bytes=int(args.max_request_mb * 1024 * 1024),
+                          max_samples=args.max_samples, api_key=api_key)
+
+
+def _is_loopback(host: str) -> bool:
+    if host in LOOPBACK:
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def run_reward_server(args) -> int:
+    import uvicorn
+    from paddle_rl.config import ConfigError
+    from reward_server.app import create_app
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    log = logging.getLogger("reward_server")
+    try:
+        settings = settings_from_args(args)
+        app = create_app(settings)
+    except (ConfigError, ValueError) as e:
+        log.error("%s", e)
+        return 2
+    if not _is_loopback(args.host) and not settings.api_key:
+        log.warning("binding %s without an API key: anyone who can reach this port can use the server "
+                    "(set --api-key or $%s)", args.host, API_KEY_ENV)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=args.access_log)
+    return 0

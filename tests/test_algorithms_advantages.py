@@ -1,0 +1,186 @@
+"""Advantage estimators, whitening and KL estimators against numbers worked out by hand."""
+import numpy as np
+import paddle
+import pytest
+
+from paddle_rl.algorithms import compute_advantages, kl_penalty, masked_whiten
+from paddle_rl.algorithms.advantages import discounted_returns, reinforce_returns
+from paddle_rl.algorithms.stats import masked_moments
+
+EPS = 1e-6
+
+# group "a": [1, 0, 0, 1] (mean 0.5, unbiased std sqrt(1/3)); "b": [3, 3] (std 0); "c": [5] (a group of one)
+SCORES = np.array([1.0, 0.0, 0.0, 1.0, 3.0, 3.0, 5.0])
+GROUPS = np.array(["a", "a", "a", "a", "b", "b", "c"])
+MASK = np.array([[1, 1], [1, 0], [1, 1], [1, 1], [1, 1], [1, 1], [1, 1]], dtype=np.float32)
+
+
+def rows(per_sample, mask=MASK):
+    """Per-sample values broadcast over the response tokens (zero on padding)."""
+    return np.asarray(per_sample, dtype=np.float64)[:, None] * mask
+
+
+def adv(name, scores=SCORES, mask=MASK, groups=GROUPS, **options):
+    return compute_advantages(name, scores, mask, groups, **options).numpy()
+
+
+def test_grpo_group_std():
+    a = 0.5 / (np.sqrt(1 / 3) + EPS)
+    expected = rows([a, -a, -a, a, 0.0, 0.0, 5.0 / (1.0 + EPS)])
+    out = adv("grpo", eps=EPS)
+    assert out.dtype == np.float32 and out.shape == (7, 2)
+    np.testing.assert_allclose(out, expected, rtol=1e-6, atol=1e-6)
+
+
+def test_grpo_eps_option_and_tensor_inputs():
+    a = 0.5 / (np.sqrt(1 / 3) + 1e-4)
+    out = compute_advantages("grpo", paddle.to_tensor(SCORES[:4]), paddle.to_tensor(MASK[:4]),
+                             np.array([7, 7, 7, 7]), eps=1e-4).numpy()
+    np.testing.assert_allclose(out, rows([a, -a, -a, a], MASK[:4]), rtol=1e-6)
+
+
+def test_grpo_scale_rewards_batch_and_none():
+    # batch std of [1, 0, 0, 1, 3, 3, 5]: mean 13/7, sum of squared deviations 1022/49, unbiased var 1022/294
+    batch_std = np.sqrt(1022 / 294)
+    centered = [0.5, -0.5, -0.5, 0.5, 0.0, 0.0, 5.0]   # a group of one keeps mean 0
+    np.testing.assert_allclose(adv("grpo", eps=EPS, scale_rewards="batch"),
+                               rows(np.array(centered) / (batch_std + EPS)), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(adv("grpo", scale_rewards="none"), rows(centered), atol=1e-7)
+    np.testing.assert_allclose(adv("grpo", norm_adv_by_std=False), rows(centered), atol=1e-7)
+    with pytest.raises(ValueError, match="scale_rewards"):
+        adv("grpo", scale_rewards="global")
+
+
+def test_dr_grpo_no_std_division():
+    np.testing.assert_allclose(adv("dr_grpo"), rows([0.5, -0.5, -0.5, 0.5, 0.0, 0.0, 5.0]), atol=1e-7)
+
+
+def test_rloo_leave_one_out():
+    # 1 - mean(0, 0, 1) = 2/3 ; 0 - mean(1, 0, 1) = -2/3 ; a group of one keeps its score
+    two_thirds = 2 / 3
+    expected = rows([two_thirds, -two_thirds, -two_thirds, two_thirds, 0.0, 0.0, 5.0])
+    np.testing.assert_allclose(adv("rloo"), expected, rtol=1e-6, atol=1e-7)
+
+
+def test_reward_kl_lowers_outcome_scores():
+    # k1 per token = old - ref: row 0 [0.5, 0.5] (sum 1), row 1 [0, 2] (sum 2); kl_coeff 0.1
+    old = np.array([[-1.0, -2.0], [-1.0, -1.0]])
+    ref = np.array([[-1.5, -2.5], [-1.0, -3.0]])
+    scores, mask, groups = np.array([1.0, 1.0]), np.ones((2, 2), np.float32), np.array([0, 0])
+    # shaped scores 0.9 and 0.8: mean 0.85, unbiased std sqrt(2 * 0.05**2) = 0.05 * sqrt(2)
+    out = compute_advantages("dr_grpo", scores, mask, groups, old_logp=old, ref_logp=ref, kl_coeff=0.1).numpy()
+    np.testing.assert_allclose(out, [[0.05, 0.05], [-0.05, -0.05]], rtol=1e-5)
+    out = compute_advantages("grpo", scores, mask, groups, old_logp=old, ref_logp=ref, kl_coeff=0.1, eps=EPS).numpy()
+    a = 0.05 / (0.05 * np.sqrt(2) + EPS)
+    np.testing.assert_allclose(out, [[a, a], [-a, -a]], rtol=1e-5)
+    with pytest.raises(ValueError, match="old_logp and ref_logp"):
+        compute_advantages("grpo", scores, mask, groups, kl_coeff=0.1)
+
+
+def test_gdpo_per_function_group_then_batch_zscore():
+    groups = np.array([0, 0, 1, 1])
+    functions = {"acc": np.array([1.0, 0.0, 1.0, 1.0]), "fmt": np.array([1.0, 1.0, 0.0, 1.0])}
+    mask = np.ones((4, 3), np.float32)
+    a = 0.5 / (np.sqrt(0.5) + EPS)                      # a pair {1, 0}: mean 0.5, unbiased std sqrt(0.5)
+    total = np.array([a, -a, -0.5 * a, 0.5 * a])        # acc (weight 1) + fmt (weight 0.5); equal pairs give 0
+    std = np.sqrt((2 * a * a + 2 * 0.25 * a * a) / 3)   # batch mean is 0
+    out = compute_advantages("gdpo", np.zeros(4), mask, groups, per_function_scores=functions,
+                             reward_weights={"acc": 1.0, "fmt": 0.5}, eps=EPS).numpy()
+    np.testing.assert_allclose(out, rows(total / (std + EPS), mask), rtol=1e-6)
+
+
+def test_discounted_returns_and_reset_outside_mask():
+    rewards = np.array([[-0.1, 1.0, 0.0], [0.0, -0.2, -2.0]])
+    mask = np.array([[1, 1, 0], [1, 1, 1]], np.float32)
+    np.testing.assert_allclose(discounted_returns(rewards, mask, 1.0), [[0.9, 1.0, 0.0], [-2.2, -2.2, -2.0]])
+    # gamma 0.5: row 0: t1 = 1, t0 = -0.1 + 0.5; row 1: t2 = -2, t1 = -0.2 - 1, t0 = 0.5 * -1.2
+    np.testing.assert_allclose(discounted_returns(rewards, mask, 0.5), [[0.4, 1.0, 0.0], [-0.6, -1.2, -2.0]])
+    # a hole in the mask stops the return from flowing back across it
+    np.testing.assert_allclose(discounted_returns([[1.0, 0.0, 2.0]], [[1, 0, 1]], 1.0), [[1.0, 0.0, 2.0]])
+
+
+RPP_MASK = np.array([[1, 1, 0], [1, 1, 1]], np.float32)
+RPP_OLD = np.array([[-1.0, -1.0, 0.0], [-1.0, -1.0, -1.0]])
+RPP_REF = np.array([[-2.0, -1.0, 0.0], [-1.0, -3.0, -1.0]])   # k1 = [[1, 0, 0], [0, 2, 0]]
+
+
+def test_reinforce_plus_plus_by_hand():
+    # token rewards: -0.1 * k1, plus the score on the last response token:
+    #   row 0: [-0.1, 1, 0] -> returns [0.9, 1];  row 1: [0, -0.2, -2] -> returns [-2.2, -2.2, -2]
+    returns = reinforce_returns([1.0, -2.0], RPP_MASK, RPP_OLD, RPP_REF, kl_coeff=0.1)
+    np.testing.assert_allclose(returns, [[0.9, 1.0, 0.0], [-2.2, -2.2, -2.0]], atol=1e-12)
+    # whitening over the 5 valid tokens: mean -0.9, squared deviations sum 11.44, unbiased var 2.86
+    expected = (np.array([[0.9, 1.0, 0.0], [-2.2, -2.2, -2.0]]) + 0.9) / np.sqrt(2.86 + 1e-8) * RPP_MASK
+    out = compute_advantages("reinforce_plus_plus", [1.0, -2.0], RPP_MASK, None, old_logp=RPP_OLD,
+                             ref_logp=RPP_REF, kl_coeff=0.1).numpy()
+    np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_reinforce_plus_plus_clips_scores():
+    returns = reinforce_returns([20.0], [[1, 1]], clip_range_score=10.0)
+    np.testing.assert_allclose(returns, [[10.0, 10.0]])
+
+
+def test_reinforce_plus_plus_baseline_by_hand():
+    # one group [1, 3]: mean 2 -> [-1, 1]; returns row 0 [-1, -1], row 1 [1, pad]
+    # valid [-1, -1, 1]: mean -1/3, squared deviations 4/9 + 4/9 + 16/9, unbiased var (24/9)/2 = 4/3
+    mask = np.array([[1, 1], [1, 0]], np.float32)
+    out = compute_advantages("reinforce_plus_plus_baseline", [1.0, 3.0], mask, [0, 0]).numpy()
+    low, high = (-2 / 3) / np.sqrt(4 / 3 + 1e-8), (4 / 3) / np.sqrt(4 / 3 + 1e-8)
+    np.testing.assert_allclose(out, [[low, low], [high, 0.0]], rtol=1e-6)
+
+
+def test_masked_whiten_by_hand_and_across_ranks():
+    values = np.array([[1.0, 2.0], [3.0, 9.0]])
+    mask = np.array([[1, 1], [1, 0]], np.float32)
+    # valid [1, 2, 3]: mean 2, unbiased var 1
+    whole = masked_whiten(values, mask)
+    np.testing.assert_allclose(whole, [[-1.0, 0.0], [1.0, 0.0]] / np.sqrt(1 + 1e-8))
+    # two "ranks", each holding one row: the hook adds the other rank's [count, sum, sumsq]
+    rank0 = masked_whiten(values[:1], mask[:1], reduce=lambda v: v + masked_moments(values[1:], mask[1:]))
+    rank1 = masked_whiten(values[1:], mask[1:], reduce=lambda v: v + masked_moments(values[:1], mask[:1]))
+    np.testing.assert_allclose(np.concatenate([rank0, rank1]), whole)
+    # tensors in, float32 tensors out
+    out = masked_whiten(paddle.to_tensor(values), paddle.to_tensor(mask))
+    assert isinstance(out, paddle.Tensor) and out.dtype == paddle.float32
+
+
+def test_reinforce_plus_plus_statistics_are_global():
+    scores = [1.0, -2.0]
+    hook0 = lambda v: v + masked_moments(reinforce_returns(scores[1:], RPP_MASK[1:], RPP_OLD[1:], RPP_REF[1:], 0.1),
+                                         RPP_MASK[1:])
+    part = compute_advantages("reinforce_plus_plus", scores[:1], RPP_MASK[:1], None, old_logp=RPP_OLD[:1],
+                              ref_logp=RPP_REF[:1], kl_coeff=0.1, reduce=hook0).numpy()
+    # row 0 of the whole-batch result: returns [0.9, 1.0], mean -0.9, var 2.86
+    np.testing.assert_allclose(part, [[1.8, 1.9, 0.0]] / np.sqrt(2.86 + 1e-8), rtol=1e-5)
+
+
+def test_unknown_estimator():
+    with pytest.raises(ValueError, match="unknown advantage estimator"):
+        compute_advantages("ppo_gae", SCORES, MASK, GROUPS)
+
+
+# --- KL estimators ----------------------------------------------------------------------------
+
+LOGP = np.array([[-1.0, -2.0, -0.5]])
+REF = np.array([[-1.5, -1.0, -0.5]])          # d = logp - ref = [0.5, -1, 0]
+
+
+@pytest.mark.parametrize("kind, expected", [
+    ("kl", [[0.5, -1.0, 0.0]]),
+    ("abs", [[0.5, 1.0, 0.0]]),
+    ("mse", [[0.125, 0.5, 0.0]]),
+    ("low_var_kl", [[np.exp(-0.5) + 0.5 - 1.0, np.exp(1.0) - 1.0 - 1.0, 0.0]]),
+])
+def test_kl_estimators(kind, expected):
+    out = kl_penalty(paddle.to_tensor(LOGP), paddle.to_tensor(REF), kind)
+    assert out.dtype == paddle.float64
+    np.testing.assert_allclose(out.numpy(), expected, rtol=1e-12, atol=1e-12)
+
+
+def test_low_var_kl_clamps():
+    # ref - logp = +-30 is clamped to +-20: exp(-20) + 20 - 1 = 19.0..., exp(20) - 21: both clamp to 10
+    out = kl_penalty(np.array([[0.0, -30.0, -1.0]]), np.array([[-30.0, 0.0, -1.0]]), "low_var_kl").numpy()
+    np.testing.assert_allclose(out, [[10.0, 10.0, 0.0]])
+    with pytest.raises(ValueError, match="unknown KL estimator"):
+        kl_penalty(LOGP, REF, "k4")

@@ -1,0 +1,86 @@
+"""The argument set: PaddleNLP files load, typos get suggestions, bad values are named before any model loads."""
+import logging
+import os
+
+import pytest
+
+from paddle_rl.config import ConfigError, check_paths, load_config, parse_overrides
+
+FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "paddlenlp_grpo_argument.yaml")
+MODEL = "actor_model_name_or_path=some/model"
+
+
+def test_paddlenlp_grpo_argument_file_loads_with_one_warning(caplog):
+    with caplog.at_level(logging.WARNING, logger="paddle_rl"):
+        cfg = load_config(FIXTURE)
+    assert cfg.rl_algorithm == "grpo" and cfg.tensor_parallel_degree == 2 and cfg.sharding == "stage2"
+    assert cfg.learning_rate == 5e-7 and cfg.weight_decay == 0.01  # YAML reads "5e-7" as a string
+    assert cfg.global_mini_batch_size == 2  # PaddleNLP's mini_batch_size
+    assert cfg.mini_batch_prompts == 2 and cfg.rollout_n == 8 and cfg.max_dec_len == 4096
+    warnings = [r for r in caplog.records if "not acted on" in r.getMessage()]
+    assert len(warnings) == 1
+    message = warnings[0].getMessage()
+    for key in ("use_flash_attention", "bf16", "offload_level", "wandb_http_proxy"):
+        assert key in message
+    assert "rollout_n" not in message
+
+
+def test_unknown_key_suggests_the_closest_name(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("actor_model_name_or_path: m\nrollout_nn: 4\nlearning_rat: 1.0e-5\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(str(path))
+    text = str(err.value)
+    assert "unknown key 'rollout_nn' (did you mean 'rollout_n'?)" in text
+    assert "'learning_rat' (did you mean 'learning_rate'?)" in text
+    assert str(path) in text
+
+
+@pytest.mark.parametrize("override,message", [
+    ("rollout_n=0", "rollout_n: must be >= 1"),
+    ("global_mini_batch_size=3", "global_mini_batch_size: 3 does not divide global_batch_size 8"),
+    ("max_dec_len=-5", "max_dec_len: must be >= 1"),
+    ("min_dec_len=-1", "min_dec_len: must be >= 0"),
+    ("max_prompt_len=-1", "max_prompt_len: must be > 0"),
+    ("top_p=1.5", "top_p: must be in (0, 1]"),
+    ("lr_scheduler_type=warmup_cosine", "lr_scheduler_type: 'warmup_cosine' is not one of"),
+    ("rl_algorithm=ppo", "rl_algorithm: 'ppo' is not one of"),
+    ("rollout_n=four", "rollout_n: expected an integer"),
+    ("do_eval=maybe", "do_eval: expected true or false"),
+])
+def test_invalid_values_name_the_key(override, message):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [MODEL, override])
+    assert message in str(err.value)
+
+
+def test_missing_model_is_named():
+    with pytest.raises(ConfigError, match="actor_model_name_or_path: required"):
+        load_config(None, ["rollout_n=2"])
+
+
+def test_check_paths_names_missing_files(tmp_path):
+    cfg = load_config(None, [f"actor_model_name_or_path={tmp_path / 'nope'}", f"train_datasets={tmp_path / 'x.jsonl'}",
+                             "do_eval=true"])
+    with pytest.raises(ConfigError) as err:
+        check_paths(cfg)
+    text = str(err.value)
+    assert "actor_model_name_or_path: folder not found" in text
+    assert f"train_datasets: file not found: {tmp_path / 'x.jsonl'}" in text
+    assert "eval_datasets: required when do_eval is true" in text
+
+
+def test_overrides_parse_yaml_scalars_and_lists():
+    assert parse_overrides(["a=1", "b=0.5", "c=true", "d=[kk, format]", "e=x=y"]) == {
+        "a": 1, "b": 0.5, "c": True, "d": ["kk", "format"], "e": "x=y"}
+    cfg = load_config(FIXTURE, ["rollout_n=4", "learning_rate=1e-5", "reward_funcs=kk"])
+    assert cfg.rollout_n == 4 and cfg.learning_rate == 1e-5 and cfg.reward_funcs == ["kk"]
+    with pytest.raises(ConfigError, match="expected key=value"):
+        parse_overrides(["rollout_n"])
+
+
+def test_invalid_yaml_names_the_line(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("rollout_n: 4\nkl_coeff: [1, 2\n")
+    with pytest.raises(ConfigError, match=rf"{path}:\d+: invalid YAML"):
+        load_config(str(path))

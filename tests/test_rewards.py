@@ -1,0 +1,343 @@
+"""Rule rewards, plugins, routing and results, in process, against hand-computed numbers."""
+import math
+import textwrap
+
+import numpy as np
+import pytest
+
+from paddle_rl.config import ConfigError, RLConfig, load_config
+from paddle_rl.rewards import (RewardError, RewardResult, RewardSample, RuleReward, build_reward, concat_results,
+                               load_plugins)
+from paddle_rl.rewards.kk import kk_score
+from paddle_rl.rewards.rules import (cosine_value, gsm8k_score, math_answer, math_score, repetition_penalty,
+                                     soft_overlong_penalty, strip_special_tail)
+
+KK_TRUTH = "(1) Zoey is a knight\n(2) Oliver is a knave"
+
+
+def sample(response, length=0, **record):
+    return RewardSample(prompt="p", response=response, record=record, response_length=length)
+
+
+def score(names, samples, **config):
+    return build_reward(RLConfig(reward_funcs=list(names), **config))(samples)
+
+
+# ---------------------------------------------------------------------------------------------------- kk
+
+KK_CASES = [
+    # correct: format +1, answer +2
+    ("Zoey tells the truth.</think>\n<answer>(1) Zoey is a knight\n(2) Oliver is a knave</answer><|im_end|>", 3.0),
+    # well-formed, parsed, wrong roles: +1 - 1.5
+    ("hmm</think><answer>(1) Zoey is a knave\n(2) Oliver is a knave</answer>", -0.5),
+    # well-formed, unparseable (one role word for two people): +1 - 2
+    ("hmm</think><answer>Zoey is a knight</answer>", -1.0),
+    # bad format: the prompt already opened <think>, so a second one breaks it
+    ("<think>hmm</think><answer>(1) Zoey is a knight\n(2) Oliver is a knave</answer>", -3.0),
+    # bad format: no </answer>
+    ("hmm</think><answer>(1) Zoey is a knight (2) Oliver is a knave", -3.0),
+    # full transcript: only the text after the last <|im_start|>assistant counts, which carries its own <think>
+    ("<|im_start|>user\nwho?<|im_end|>\n<|im_start|>assistant\n<think>ok</think><answer>(1) Zoey is a knight\n"
+     "(2) Oliver is a knave</answer><|im_end|>", 3.0),
+    # ... and without the <think> there, the format fails
+    ("<|im_start|>assistant\nok</think><answer>(1) Zoey is a knight\n(2) Oliver is a knave</answer>", -3.0),
+]
+
+
+@pytest.mark.parametrize("response,expected", KK_CASES)
+def test_kk_every_branch(response, expected):
+    assert kk_score(response, KK_TRUTH) == expected
+    result = score(["kk"], [sample(response, tgt=KK_TRUTH)])
+    assert result.scores[0] == expected
+    assert result.correct[0] == (expected == 3.0)
+
+
+# ---------------------------------------------------------------------------------------------------- gsm8k
+
+def test_gsm8k_strict_and_flexible():
+    assert gsm8k_score("so 1000 + 234 = 1234\n#### 1,234", "1234") == 1.0
+    assert gsm8k_score("#### $5", "5") == 1.0
+    assert gsm8k_score("#### 5.00", "5") == 1.0
+    assert gsm8k_score("#### 3\nno wait\n#### 4<|im_end|>", "4") == 1.0
+    assert gsm8k_score("#### 3\nno wait\n#### 4", "3") == 0.0
+    assert gsm8k_score("the answer is 72.", "72") == 0.0          # strict needs ####
+    assert gsm8k_score("the answer is 72.", "72", flexible=True) == 1.0
+    assert gsm8k_score("first 10, then $1,072.", "1072", flexible=True) == 1.0
+    assert gsm8k_score("no number here", "3", flexible=True) == 0.0
+    # a full gsm8k solution as ground truth: its #### number counts
+    assert gsm8k_score("#### 72", "48 + 24 = <<48+24=72>>72\n#### 72") == 1.0
+    result = score(["gsm8k", "gsm8k_flexible"], [sample("x = 7", solution="7"), sample("#### 7", solution="7")])
+    np.testing.assert_array_equal(result.per_function["gsm8k"], [0.0, 1.0])
+    np.testing.assert_array_equal(result.per_function["gsm8k_flexible"], [1.0, 1.0])
+    np.testing.assert_array_equal(result.scores, [1.0, 2.0])
+    np.testing.assert_array_equal(result.correct, [False, True])
+
+
+# ---------------------------------------------------------------------------------------------------- math
+
+def test_math_accuracy():
+    assert math_answer("so \\boxed{2} and then \\boxed{\\frac{1}{2}}<|im_end|>") == "\\boxed{\\frac{1}{2}}"
+    assert math_answer("\\boxed{2} <answer>3</answer>") == "3"
+    assert math_score("thus \\boxed{\\frac{1}{2}}", "0.5") == 1.0
+    assert math_score("thus \\boxed{\\frac12}", "$\\frac{1}{2}$") == 1.0
+    assert math_score("x</think><answer>3\\pi</answer>", "3\\pi") == 1.0
+    assert math_score("\\boxed{2} <answer>3</answer>", "3") == 1.0            # <answer> wins over \boxed
+    assert math_score("\\boxed{2} <answer>3</answer>", "2") == 0.0
+    assert math_score("thus \\boxed{0.4}", "\\frac{1}{2}") == 0.0
+    assert math_score("the answer is 5", "5") == 0.0                           # neither <answer> nor \boxed
+    assert math_score("The solution is \\boxed{42}.", "solution text ... \\boxed{42}") == 1.0
+    result = score(["accuracy"], [sample("\\boxed{4}", solution="4"), sample("\\boxed{5}", solution="4")])
+    np.testing.assert_array_equal(result.scores, [1.0, 0.0])
+    with pytest.raises(RewardError, match=r"'math' failed on sample 1: .*ground truth"):
+        score(["math"], [sample("\\boxed{4}", solution="4"), sample("\\boxed{4}", solution="")])
+
+
+# ---------------------------------------------------------------------------------------------------- format
+
+@pytest.mark.parametrize("response,expected", [
+    ("plan</think>\n<answer>42</answer>", 1.0),
+    ("plan</think>\n<answer>42</answer><|im_end|>", 1.0),
+    ("plan</think><answer>42</answer>\n<|im_end|><|endoftext|>", 1.0),
+    ("plan</think>\n<answer>42</answer> and more", 0.0),
+    ("plan</think>\nno answer tags", 0.0),
+    ("<answer>42</answer>", 0.0),
+    ("<|im_start|>assistant\n<think>plan</think><answer>42</answer><|im_end|>", 1.0),
+    ("<|im_start|>assistant\nplan</think><answer>42</answer>", 0.0),
+])
+def test_format(response, expected):
+    assert score(["format"], [sample(response)]).scores[0] == expected
+
+
+def test_strip_special_tail():
+    assert strip_special_tail("x</answer><|im_end|>\n<|endoftext|>  ") == "x</answer>"
+    assert strip_special_tail("x</s>") == "x"
+    assert strip_special_tail("<|im_end|> inside") == "<|im_end|> inside"
+
+
+# ---------------------------------------------------------------------------------------------------- cosine
+
+def test_cosine_hand_numbers():
+    # swift defaults: correct 1.0 (t=0) -> 0.5 (t=T), wrong -0.5 -> 0.0; T=100
+    assert cosine_value(0, 100, 1.0, 0.5) == pytest.approx(1.0)
+    assert cosine_value(50, 100, 1.0, 0.5) == pytest.approx(0.75)
+    assert cosine_value(100, 100, 1.0, 0.5) == pytest.approx(0.5)
+    assert cosine_value(25, 100, 1.0, 0.5) == pytest.approx(1.0 - 0.5 * (1 - math.cos(math.pi / 4)) / 2)
+    samples = [sample("\\boxed{7}", 0, solution="7"), sample("\\boxed{7}", 50, solution="7"),
+               sample("\\boxed{7}", 100, solution="7"), sample("\\boxed{7}", 400, solution="7"),
+               sample("\\boxed{8}", 1, solution="7"), sample("\\boxed{8}", 50, solution="7"),
+               sample("\\boxed{8}", 100, solution="7")]
+    samples[0].response = ""
+    result = score(["cosine"], samples, cosine_max_len=100)
+    np.testing.assert_allclose(result.scores, [-0.5, 0.75, 0.5, 0.5, -0.5 + 0.5 * (1 - math.cos(math.pi / 100)) / 2,
+                                               -0.25, 0.0], atol=1e-6)
+    # T defaults to max_dec_len; correctness can come from gsm8k
+    result = score(["cosine"], [sample("#### 7", 50, solution="7")], max_dec_len=50, cosine_accuracy="gsm8k")
+    assert result.scores[0] == pytest.approx(0.5)
+    with pytest.raises(RewardError, match="cosine.*sample 0.*response_length"):
+        score(["cosine"], [sample("\\boxed{7}", 0, solution="7")])
+
+
+# ---------------------------------------------------------------------------------------------------- repetition
+
+def test_repetition_hand_numbers():
+    # 6 words -> 4 trigrams, 3 distinct: -(1 - 3/4)
+    assert repetition_penalty("a b c a b c") == pytest.approx(-0.25)
+    assert repetition_penalty("A b C a B c", 3, 2.0) == pytest.approx(-0.5)
+    assert repetition_penalty("A b C a B c", 3, -2.0) == pytest.approx(-0.5)   # ms-swift writes it negative
+    assert repetition_penalty("one two three four") == 0.0
+    assert repetition_penalty("too short") == 0.0
+    # 5 identical words -> 3 bigrams... with n=2: 4 bigrams, 1 distinct
+    assert repetition_penalty("go go go go go", 2) == pytest.approx(-0.75)
+    result = score(["repetition"], [sample("a b c a b c<|im_end|>")], repetition_max_penalty=1.0)
+    assert result.scores[0] == pytest.approx(-0.25)
+
+
+# ---------------------------------------------------------------------------------------------------- soft overlong
+
+def test_soft_overlong_hand_numbers():
+    # L_max 100, buffer 20 -> L_exp 80
+    assert soft_overlong_penalty(80, 100, 20, 1.0) == 0.0
+    assert soft_overlong_penalty(90, 100, 20, 1.0) == pytest.approx(-0.5)
+    assert soft_overlong_penalty(100, 100, 20, 1.0) == pytest.approx(-1.0)
+    assert soft_overlong_penalty(101, 100, 20, 1.0) == -1.0
+    assert soft_overlong_penalty(95, 100, 20, 2.0) == pytest.approx(-1.5)
+    samples = [sample("x", n) for n in (10, 85, 100)]
+    result = score(["soft_overlong"], samples, max_dec_len=100, overlong_reward_buffer=20, overlong_penalty_factor=2.0)
+    np.testing.assert_allclose(result.scores, [0.0, -0.5, -2.0])
+
+
+# ---------------------------------------------------------------------------------------------------- weights / metrics
+
+def test_weights_and_per_function_metrics():
+    samples = [sample("ok</think><answer>\\boxed{3}</answer>", solution="3"),
+               sample("ok</think>\n\\boxed{4}", solution="3")]
+    result = score(["math", "format"], samples, reward_weights=[2.0, 0.5])
+    np.testing.assert_allclose(result.scores, [2.5, 0.0])
+    m = result.metrics()
+    assert m["reward/mean"] == pytest.approx(1.25)
+    assert m["reward/math_mean"] == pytest.approx(0.5)
+    assert m["reward/format_mean"] == pytest.approx(0.5)
+    assert m["accuracy"] == pytest.approx(0.5)
+    assert "reward/skipped" not in m
+
+
+def test_skipped_results_and_concat():
+    a = RewardResult(np.array([1.0, 2.0], dtype=np.float32), {"kk": np.array([1.0, 2.0])}, np.array([True, False]))
+    b = RewardResult(np.array([np.nan, 4.0], dtype=np.float32), {}, None, np.array([True, False]))
+    both = concat_results([a, b])
+    np.testing.assert_array_equal(both.skipped, [False, False, True, False])
+    m = both.metrics()
+    assert m["reward/skipped"] == 1.0
+    assert m["reward/mean"] == pytest.approx(7.0 / 3)
+    assert m["reward/kk_mean"] == pytest.approx(1.5)
+    np.testing.assert_array_equal(both.kept, [True, True, False, True])
+
+
+def test_config_keys_and_validation():
+    with pytest.raises(ConfigError, match=r"reward_funcs: unknown \['acc'\]"):
+        load_config(overrides={"actor_model_name_or_path": "m", "reward_funcs": ["acc"]})
+    with pytest.raises(ConfigError, match="reward_server_on_failure"):
+        load_config(overrides={"actor_model_name_or_path": "m", "reward_server_on_failure": "ignore"})
+    with pytest.raises(ConfigError, match="reward_plugins: file not found"):
+        load_config(overrides={"actor_model_name_or_path": "m", "reward_plugins": ["nope/missing.py"]})
+    config = load_config(overrides={"actor_model_name_or_path": "m", "reward_funcs": "math,format",
+                                    "reward_weights": [1, 0.5]})
+    assert config.reward_funcs == ["math", "format"] and config.cosine_max_len == -1
+    assert config.reward_server_retries == 3 and config.reward_server_on_failure == "error"
+    with pytest.raises(ValueError, match="unknown"):
+        RuleReward(["nonsense"])
+
+
+# ---------------------------------------------------------------------------------------------------- plugins
+
+PLUGIN = textwrap.dedent('''
+    import math
+
+    def contains(completions, solution=None, **kwargs):
+        bonus = kwargs.get("bonus") or [0] * len(completions)
+        return [float(str(s) in c) + b for c, s, b in zip(completions, solution, bonus)]
+
+    def declared_only(completions, level):
+        return [float(l) for l in level]
+
+    def maybe(completions, **kwargs):
+        return [None if "skip" in c else 0.25 for c in completions]
+
+    def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+        scale = (extra_info or {}).get("scale", 1.0)
+        if data_source == "upper":
+            return {"score": scale * float(solution_str.upper() == solution_str), "acc": True}
+        return scale * float(solution_str.strip() == str(ground_truth))
+
+    def explode(completions, **kwargs):
+        for c in completions:
+            if "BOOM" in c:
+                raise ZeroDivisionError("boom")
+        return [1.0] * len(completions)
+
+    def short(completions, **kwargs):
+        return [1.0]
+
+    def nan(completions, **kwargs):
+        return [math.nan] * len(completions)
+
+    def format(completions, **kwargs):
+        return [7.0] * len(completions)
+
+    def _private(completions, **kwargs):
+        raise AssertionError("never registered")
+''')
+
+
+@pytest.fixture
+def plugin_file(tmp_path):
+    path = tmp_path / "my_rewards.py"
+    path.write_text(PLUGIN)
+    return str(path)
+
+
+def test_plugin_signatures_and_fields(plugin_file):
+    plugins = load_plugins([plugin_file])
+    assert "_private" not in plugins and plugins["compute_score"].style == "verl"
+    assert plugins["contains"].style == "swift"
+    samples = [sample("it is 42<|im_end|>", solution="42", bonus=1, level=3, data_source="x",
+                      extra_info={"scale": 2.0}),
+               sample("it is 41", solution="42", bonus=0, level=1, data_source="x")]
+    config = RLConfig(reward_funcs=["contains", "declared_only", "compute_score"], reward_plugins=[plugin_file])
+    result = build_reward(config)(samples)
+    np.testing.assert_allclose(result.per_function["contains"], [2.0, 0.0])
+    np.testing.assert_allclose(result.per_function["declared_only"], [3.0, 1.0])
+    # verl: special tokens stripped from solution_str, extra_info passed through
+    np.testing.assert_allclose(result.per_function["compute_score"], [0.0, 0.0])
+    np.testing.assert_allclose(result.scores, [5.0, 1.0])
+    verl = build_reward(RLConfig(reward_funcs=["compute_score"], reward_plugins=[plugin_file]))
+    np.testing.assert_allclose(verl([sample("42", solution="42", extra_info={"scale": 3.0})]).scores, [3.0])
+
+
+def test_plugin_none_means_not_applicable(plugin_file):
+    config = RLConfig(reward_funcs=["maybe", "format"], reward_plugins=[plugin_file])
+    result = build_reward(config)([sample("a"), sample("skip me")])
+    assert np.isnan(result.per_function["maybe"][1])
+    np.testing.assert_allclose(result.scores, [7.25, 7.0])        # the plugin's `format` replaces the rule
+    only = RLConfig(reward_funcs=["maybe"], reward_plugins=[plugin_file])
+    with pytest.raises(RewardError, match="sample 1: none of"):
+        build_reward(only)([sample("a"), sample("skip me")])
+
+
+def test_routing_by_data_source(plugin_file):
+    config = RLConfig(reward_funcs=["kk"], reward_plugins=[plugin_file],
+                      reward_routes={"upper": ["compute_score"], "gsm": {"gsm8k": 2.0, "contains": 1.0}})
+    samples = [sample("hmm</think><answer>(1) Zoey is a knight\n(2) Oliver is a knave</answer>", tgt=KK_TRUTH),
+               sample("SHOUT", data_source="upper", solution="x"),
+               sample("#### 12", data_source="gsm", solution="12"),
+               sample("hmm</think><answer>(1) Zoey is a knave\n(2) Oliver is a knave</answer>", tgt=KK_TRUTH,
+                      data_source="not-routed")]
+    result = build_reward(config)(samples)
+    np.testing.assert_allclose(result.scores, [3.0, 1.0, 3.0, -0.5])
+    assert np.isnan(result.per_function["kk"][1]) and result.per_function["kk"][3] == -0.5
+    np.testing.assert_array_equal(result.correct, [True, True, True, False])
+    assert result.metrics()["reward/kk_mean"] == pytest.approx(1.25)
+
+
+def test_plugin_failures_name_plugin_and_sample(plugin_file):
+    samples = [sample("fine"), sample("fine"), sample("BOOM"), sample("fine")]
+    config = RLConfig(reward_funcs=["explode"], reward_plugins=[plugin_file])
+    with pytest.raises(RewardError) as e:
+        build_reward(config)(samples)
+    assert "'explode'" in str(e.value) and "my_rewards.py" in str(e.value) and "sample 2" in str(e.value)
+    assert "ZeroDivisionError" in str(e.value)
+    with pytest.raises(RewardError, match=r"'short'.*my_rewards\.py.*returned 1 scores for 4 samples.*samples 0\.\.3"):
+        build_reward(RLConfig(reward_funcs=["short"], reward_plugins=[plugin_file]))(samples)
+    with pytest.raises(RewardError, match=r"'nan'.*sample 0.*returned nan"):
+        build_reward(RLConfig(reward_funcs=["nan"], reward_plugins=[plugin_file]))(samples)
+    # routed subsets report indices of the whole batch
+    routed = RLConfig(reward_funcs=["kk"], reward_plugins=[plugin_file], reward_routes={"b": ["explode"]})
+    batch = [sample("x", tgt=KK_TRUTH), sample("fine", data_source="b"), sample("BOOM", data_source="b")]
+    with pytest.raises(RewardError, match="'explode'.*sample 2"):
+        build_reward(routed)(batch)
+
+
+def test_plugin_load_errors(tmp_path):
+    bad = tmp_path / "broken.py"
+    bad.write_text("import not_a_module_anywhere\n")
+    with pytest.raises(ValueError, match=r"broken\.py: import failed: ModuleNotFoundError"):
+        load_plugins([str(bad)])
+    with pytest.raises(ValueError, match="file not found"):
+        load_plugins([str(tmp_path / "absent.py")])
+    empty = tmp_path / "empty.py"
+    empty.write_text("X = 1\n")
+    with pytest.raises(ValueError, match="defines no reward functions"):
+        load_plugins([str(empty)])
+
+
+def test_swift_orms_registry(tmp_path):
+    path = tmp_path / "swift_plugin.py"
+    path.write_text(textwrap.dedent('''
+        class LengthORM:
+            def __call__(self, completions, **kwargs):
+                return [float(len(c)) for c in completions]
+
+        orms = {"length_orm": LengthORM}
+    '''))
+    reward = build_reward(RLConfig(reward_funcs=["length_orm"], reward_plugins=[str(path)]))
+    np.testing.assert_allclose(reward([sample("abc"), sample("abcde<|im_end|>")]).scores, [3.0, 5.0])

@@ -1,0 +1,148 @@
+"""End-to-end training on the micro model: metrics, dashboards, checkpoints, exact resume after kill -9."""
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from micro_model import micro_overrides
+from paddle_rl.config import load_config
+from paddle_rl.monitor import TIMING_PREFIXES, read_metrics
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+STEP_KEYS = ["reward/mean", "reward/std", "reward/kk_mean", "accuracy", "actor/entropy", "actor/pg_loss",
+             "actor/clipfrac_low", "actor/clipfrac_high", "actor/approx_kl", "actor/grad_norm", "actor/lr",
+             "response_length/mean", "response_length/max", "response_length/clipped_share",
+             "zero_variance_group_share", "time/rollout", "time/reward", "time/old_logprob", "time/update",
+             "time/step", "perf/tokens_per_s", "perf/generated_tokens_per_s"]
+
+
+def run_cli(args, env=None, **kw):
+    full_env = dict(os.environ, PYTHONPATH=ROOT, **(env or {}))
+    return subprocess.run([sys.executable, "-m", "paddle_rl", *args], cwd=ROOT, env=full_env, capture_output=True,
+                          text=True, **kw)
+
+
+def comparable(rows):
+    return [{k: v for k, v in r.items() if not k.startswith(TIMING_PREFIXES)} for r in rows]
+
+
+def train_in_process(overrides):
+    from paddle_rl.trainer import RLTrainer
+    trainer = RLTrainer(load_config(None, overrides))
+    trainer.train()
+    return trainer
+
+
+def test_grpo_run_writes_every_metric_checkpoint_and_dashboard(micro, tmp_path):
+    out = tmp_path / "run"
+    trainer = train_in_process(micro_overrides(micro, str(out), kl_loss_coeff=0.05))
+    assert trainer.reference is not None
+    rows = read_metrics(str(out / "metrics.jsonl"))
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    assert "eval/accuracy" in rows[0] and "eval/reward_mean" in rows[0] and "reward/mean" not in rows[0]
+    for row in rows[1:]:
+        for key in STEP_KEYS + ["kl", "actor/kl_loss", "time/ref_logprob"]:
+            assert key in row, key
+            assert isinstance(row[key], float) and math.isfinite(row[key]), (key, row[key])
+        assert -3.0 <= row["reward/mean"] <= 3.0 and 1 <= row["response_length/max"] <= 12
+        assert row["actor/lr"] == pytest.approx(1e-3)
+    assert "eval/accuracy" in rows[2] and "eval/accuracy" in rows[3]
+    ckpt = out / "checkpoint-2"
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "optimizer.pdopt",
+                 "trainer_state.json"):
+        assert (ckpt / name).is_file(), name
+    state = json.loads((ckpt / "trainer_state.json").read_text())
+    assert state["step"] == 2 and state["sampler"]["position"] == 8
+    from visualdl import LogReader
+    logdir = out / "logs"
+    files = [f for f in os.listdir(logdir) if f.startswith("vdlrecords")]
+    reader = LogReader(file_path=str(logdir / files[0]))
+    assert "reward/mean" in reader.get_tags()["scalar"]
+    values = reader.get_data("scalar", "reward/mean")
+    assert [v.id for v in values] == [1, 2, 3]
+    assert values[-1].value == pytest.approx(rows[3]["reward/mean"], rel=1e-6)
+
+
+def test_no_reference_model_without_kl(micro, tmp_path):
+    from paddle_rl.trainer import RLTrainer
+    trainer = RLTrainer(load_config(None, micro_overrides(micro, str(tmp_path), max_steps=1, do_eval=False)))
+    assert trainer.reference is None
+    metrics = trainer.train_step()
+    assert "kl" not in metrics and "time/ref_logprob" not in metrics
+
+
+def test_reinforce_pp_run(micro, tmp_path):
+    trainer = train_in_process(micro_overrides(micro, str(tmp_path), rl_algorithm="reinforce_plus_plus",
+                                               kl_coeff=0.01, do_eval=False))
+    rows = read_metrics(str(tmp_path / "metrics.jsonl"))
+    assert trainer.reference is not None and len(rows) == 3
+    for row in rows:
+        assert math.isfinite(row["actor/pg_loss"]) and "kl" in row
+        # REINFORCE++ whitens advantages over all valid tokens of the batch
+        assert abs(row["advantage/mean"]) < 1e-4
+
+
+def test_kill_9_and_resume_reproduces_metrics(micro, tmp_path):
+    base = micro_overrides(micro, str(tmp_path / "a"), max_steps=6, save_steps=2, eval_steps=3)
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text("\n".join(f"{o.split('=', 1)[0]}: {o.split('=', 1)[1]}" for o in base) + "\n")
+    ref = run_cli(["train", str(cfg)])
+    assert ref.returncode == 0, ref.stderr[-2000:]
+    expected = comparable(read_metrics(str(tmp_path / "a" / "metrics.jsonl")))
+    assert [r["step"] for r in expected] == list(range(7))
+
+    out_b = tmp_path / "b"
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    proc = subprocess.Popen([sys.executable, "-m", "paddle_rl", "train", str(cfg), f"output_dir={out_b}"],
+                            cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 300
+    while not (out_b / "checkpoint-2").is_dir() and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL, "the run ended before it could be killed"
+    assert not (out_b / "checkpoint-6").exists()
+    resumed = run_cli(["train", str(cfg), f"output_dir={out_b}", "resume_from_checkpoint=auto"])
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    got = comparable(read_metrics(str(out_b / "metrics.jsonl")))
+    assert got == expected
+    a = np.load if False else None  # noqa: F841
+    from paddle_rl.models.safetensors_io import load_state
+    wa, wb = load_state(str(tmp_path / "a" / "checkpoint-6")), load_state(str(out_b / "checkpoint-6"))
+    assert all(np.array_equal(wa[k], wb[k]) for k in wa)
+
+
+def test_auto_resume_skips_incomplete_checkpoints(tmp_path):
+    from paddle_rl.trainer.checkpoint import resolve_resume
+    (tmp_path / "checkpoint-2").mkdir()
+    (tmp_path / "checkpoint-2" / "trainer_state.json").write_text("{}")
+    (tmp_path / "checkpoint-4").mkdir()              # no state file: an older, interrupted layout
+    (tmp_path / ".tmp-checkpoint-6").mkdir()          # a save cut short
+    assert resolve_resume("auto", str(tmp_path)) == str(tmp_path / "checkpoint-2")
+    with pytest.raises(FileNotFoundError, match="trainer_state.json"):
+        resolve_resume(str(tmp_path / "checkpoint-4"), str(tmp_path))
+
+
+def test_bad_dataset_line_is_named(micro, tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    lines = open(micro["train"], encoding="utf-8").read().splitlines()[:5]
+    lines.insert(3, '{"src": "unterminated')
+    bad.write_text("\n".join(lines) + "\n")
+    result = run_cli(["train", "/dev/null", *micro_overrides(micro, str(tmp_path / "o"), train_datasets=str(bad))])
+    assert result.returncode == 2
+    assert f"{bad}:4: invalid JSON" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_bad_config_fails_before_loading(micro, tmp_path):
+    result = run_cli(["train", "/dev/null", *micro_overrides(micro, str(tmp_path), rollout_nn=3)])
+    assert result.returncode == 2 and "did you mean 'rollout_n'" in result.stderr
+    result = run_cli(["train", "/dev/null", *micro_overrides(micro, str(tmp_path),
+                                                             actor_model_name_or_path=str(tmp_path / "nope"))])
+    assert result.returncode == 2 and "actor_model_name_or_path: folder not found" in result.stderr
