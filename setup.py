@@ -19,6 +19,7 @@ setup(
         "tokenizers",
         "safetensors",
         "jinja2",
+        "pyarrow",
         "math-verify",
         "tqdm",
         "requests",

@@ -6,7 +6,6 @@ from ._tensor import to_numpy
 from .advantages import group_index
 
 ZERO_VARIANCE_TOL = 1e-6
-DYNAMIC_SAMPLING_FALLBACKS = ("error", "keep")
 
 
 def soft_overlong_penalty(lengths, max_len: int, buffer: int, factor: float = 1.0) -> np.ndarray:

@@ -113,11 +113,11 @@ def policy_loss(name, logp, old_logp, advantages, response_mask, **options):
     Metrics (token means over this call's mask): clipfrac_low, clipfrac_high, clipfrac_dual,
     approx_kl (mean of (logp - old_logp)^2 / 2, to the rollout policy).
     """
-    loss, metrics = _policy_loss_tensors(name, logp, old_logp, advantages, response_mask, **options)
+    loss, metrics = policy_loss_tensors(name, logp, old_logp, advantages, response_mask, **options)
     return loss, metrics_to_floats(metrics)
 
 
-def _policy_loss_tensors(name, logp, old_logp, advantages, response_mask, **options):
+def policy_loss_tensors(name, logp, old_logp, advantages, response_mask, **options):
     if name not in POLICY_LOSSES:
         raise ValueError(f"unknown policy_loss {name!r} (choose from {', '.join(POLICY_LOSSES)})")
     logp = as_tensor(logp)

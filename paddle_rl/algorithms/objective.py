@@ -21,7 +21,7 @@ from .advantages import ADVANTAGE_ESTIMATORS, reward_kl_per_token
 from .aggregation import aggregate_loss, loss_normalizers
 from .dapo import overlong_filtered_mask, select_groups, soft_overlong_penalty, zero_variance_groups
 from .kl import AdaptiveKLController, FixedKLController, kl_penalty
-from .losses import _policy_loss_tensors, masked_mean
+from .losses import masked_mean, policy_loss_tensors
 from .stats import RunningMoments, global_sum, masked_whiten
 
 logger = logging.getLogger("paddle_rl")
@@ -206,7 +206,7 @@ class Objective:
         cfg = self.config
         logp = as_tensor(logp)
         mask = as_tensor(response_mask, like=logp)
-        pg, metrics = _policy_loss_tensors(cfg.policy_loss, logp, old_logp, advantages, mask,
+        pg, metrics = policy_loss_tensors(cfg.policy_loss, logp, old_logp, advantages, mask,
                                            clip_low=self.clip_low, clip_high=self.clip_high,
                                            clip_ratio_c=cfg.clip_ratio_c, tau_pos=cfg.tau_pos, tau_neg=cfg.tau_neg)
         total = cfg.pg_loss_coeff * pg

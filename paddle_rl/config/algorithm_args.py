@@ -120,7 +120,8 @@ class AlgorithmArgs:
             if self.overlong_reward_buffer < 1:
                 errors.append(f"overlong_reward_buffer: must be >= 1, got {self.overlong_reward_buffer}")
             elif max_dec_len is not None and self.overlong_reward_buffer > max_dec_len:
-                errors.append(f"overlong_reward_buffer: {self.overlong_reward_buffer} exceeds max_dec_len {max_dec_len}")
+                errors.append(f"overlong_reward_buffer: {self.overlong_reward_buffer} exceeds "
+                              f"max_dec_len {max_dec_len}")
 
     # --- resolved settings (what the run actually uses) --------------------------------------
     @property

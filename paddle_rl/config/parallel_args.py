@@ -5,10 +5,15 @@ from .fields import arg
 
 @dataclass
 class ParallelArgs:
-    tensor_parallel_degree: int = arg(1, "Tensor-parallel group size.")
-    pipeline_parallel_degree: int = arg(1, "Pipeline stages.")
-    sharding_parallel_degree: int = arg(1, "Sharding group size.")
-    sharding: str = arg("", "stage1 (optimizer states) | stage2 (+ gradients).")
+    tensor_parallel_degree: int = arg(1, "Tensor-parallel group size (attention heads, MLP and vocabulary split).")
+    pipeline_parallel_degree: int = arg(1, "Pipeline stages (decoder layers split into consecutive stages).")
+    sharding_parallel_degree: int = arg(1, "Sharding group size: ranks that split the batch and partition the "
+                                           "optimizer states (and with stage2 the gradients).")
+    data_parallel_degree: int = arg(-1, "Data-parallel replicas (-1: world size / (tensor x pipeline x sharding)).")
+    sharding: str = arg("", "stage1 (optimizer states) | stage2 (+ gradients); empty means stage1 when "
+                            "sharding_parallel_degree > 1.")
+    rollout_tensor_parallel_degree: int = arg(-1, "Tensor-parallel size of the rollout (-1: tensor_parallel_degree); "
+                                                  "weights are resharded in memory before and after each rollout.")
     sharding_parallel_config: str = arg("", acted=False)
     sequence_parallel: bool = arg(False, acted=False)
     virtual_pp_degree: int = arg(1, acted=False)
@@ -17,5 +22,10 @@ class ParallelArgs:
         for key in ("tensor_parallel_degree", "pipeline_parallel_degree", "sharding_parallel_degree", "virtual_pp_degree"):
             if getattr(self, key) < 1:
                 errors.append(f"{key}: must be >= 1, got {getattr(self, key)}")
+        for key in ("data_parallel_degree", "rollout_tensor_parallel_degree"):
+            if getattr(self, key) == 0 or getattr(self, key) < -1:
+                errors.append(f"{key}: must be >= 1 or -1, got {getattr(self, key)}")
         if self.sharding not in ("", "stage1", "stage2", "stage3"):
             errors.append(f"sharding: must be stage1 or stage2, got {self.sharding!r}")
+        if self.sharding == "stage3" and self.sharding_parallel_degree > 1:
+            errors.append("sharding: stage3 (parameter partitioning) is not implemented; use stage1 or stage2")

@@ -10,6 +10,7 @@ import paddle
 import paddle.nn as nn
 import paddle.nn.functional as F
 
+from ..parallel import tensor_parallel as tp
 from .config import ModelConfig
 
 NEG_INF = -1e9
@@ -77,17 +78,19 @@ def new_cache(config: ModelConfig) -> List[LayerCache]:
 
 
 class Attention(nn.Layer):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, tp_group=None):
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
+        # this rank's heads: all of them without tensor parallelism
+        self.num_heads, self.num_kv_heads = tp.local_heads(config, tp_group)
         self.head_dim = config.head_dim
         self.scale = 1.0 / math.sqrt(self.head_dim)
         self.split_sizes = [self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim,
                             self.num_kv_heads * self.head_dim]
-        self.qkv_proj = nn.Linear(config.hidden_size, sum(self.split_sizes),
-                                  bias_attr=None if config.attention_bias else False)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias_attr=False)
+        q_size = config.num_attention_heads * self.head_dim
+        kv_size = config.num_key_value_heads * self.head_dim
+        self.qkv_proj = tp.column_linear(config.hidden_size, [q_size, kv_size, kv_size], config.attention_bias,
+                                         tp_group)
+        self.o_proj = tp.row_linear(q_size, config.hidden_size, False, tp_group)
         self.qk_norm = config.uses_qk_norm
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -119,11 +122,11 @@ class Attention(nn.Layer):
 
 
 class MLP(nn.Layer):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, tp_group=None):
         super().__init__()
         self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias_attr=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias_attr=False)
+        self.gate_up_proj = tp.column_linear(config.hidden_size, [config.intermediate_size] * 2, False, tp_group)
+        self.down_proj = tp.row_linear(config.intermediate_size, config.hidden_size, False, tp_group)
 
     def forward(self, x):
         gate, up = paddle.split(self.gate_up_proj(x), 2, axis=-1)
@@ -131,12 +134,12 @@ class MLP(nn.Layer):
 
 
 class DecoderLayer(nn.Layer):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, tp_group=None):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config)
+        self.self_attn = Attention(config, tp_group)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        self.mlp = MLP(config, tp_group)
 
     def forward(self, x, cos, sin, attention_bias, cache=None):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, attention_bias, cache)
@@ -164,15 +167,18 @@ def position_ids_from_mask(mask):
 
 
 class CausalLM(nn.Layer):
-    def __init__(self, config: ModelConfig):
+    """`tp_group` (a paddle.distributed group) builds the tensor-parallel layers of parallel/tensor_parallel.py."""
+
+    def __init__(self, config: ModelConfig, tp_group=None):
         super().__init__()
         self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.LayerList([DecoderLayer(config) for _ in range(config.num_hidden_layers)])
+        self.tp_group = tp_group
+        self.embed_tokens = tp.embedding(config.vocab_size, config.hidden_size, tp_group)
+        self.layers = nn.LayerList([DecoderLayer(config, tp_group) for _ in range(config.num_hidden_layers)])
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta)
         if not config.tie_word_embeddings:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias_attr=False)
+            self.lm_head = tp.column_linear(config.hidden_size, [config.vocab_size], False, tp_group)
         self.recompute = False
 
     def init_weights(self, std: Optional[float] = None):
@@ -202,8 +208,13 @@ class CausalLM(nn.Layer):
         return self.embed_tokens.weight.T if self.config.tie_word_embeddings else self.lm_head.weight
 
     def logits(self, hidden):
+        """Full-vocabulary logits (gathered over the tensor-parallel group)."""
+        return tp.gather_from_group(self.local_logits(hidden), self.tp_group)
+
+    def local_logits(self, hidden):
+        """Logits of this rank's vocabulary slice (all of it without tensor parallelism)."""
         if self.config.tie_word_embeddings:
-            return paddle.matmul(hidden, self.embed_tokens.weight, transpose_y=True)
+            return paddle.matmul(tp.copy_to_group(hidden, self.tp_group), self.embed_tokens.weight, transpose_y=True)
         return self.lm_head(hidden)
 
     def forward(self, input_ids, attention_mask=None):

@@ -16,15 +16,25 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config
                    "special_tokens_map.json")
 
 
-def load_model(folder: str, config: Optional[ModelConfig] = None) -> CausalLM:
+def load_model(folder: str, config: Optional[ModelConfig] = None, tp_group=None) -> CausalLM:
+    """The model of a Hugging Face folder; with `tp_group` each rank builds tensor-parallel layers and keeps
+    its own shard of every split tensor."""
     config = config or ModelConfig.from_pretrained(folder)
-    model = CausalLM(config)
+    model = CausalLM(config, tp_group)
+    load_local_state(model, read_local_state(folder, config, tp_group), source=folder)
+    return model
+
+
+def read_local_state(folder: str, config: ModelConfig, tp_group=None) -> dict:
+    """A checkpoint's tensors under this decoder's names (this rank's shards under tensor parallelism)."""
     try:
         local = hf_to_local(config, load_state(folder))
     except KeyError as e:
         raise KeyError(f"{folder}: checkpoint lacks tensor {e.args[0]}") from None
-    load_local_state(model, local, source=folder)
-    return model
+    if tp_group is not None:
+        from ..parallel.tensor_parallel import shard_state
+        local = shard_state(config, local, tp_group.rank, tp_group.nranks)
+    return local
 
 
 def load_local_state(model: CausalLM, local: dict, source: str = "state") -> None:
@@ -39,14 +49,25 @@ def load_local_state(model: CausalLM, local: dict, source: str = "state") -> Non
 
 
 def model_state_numpy(model: CausalLM) -> dict:
+    """Full (unsharded) numpy state; a tensor-parallel model gathers its shards (collective over its group)."""
+    if getattr(model, "tp_group", None) is not None:
+        from ..parallel.tensor_parallel import gather_state
+        return gather_state(model, model.tp_group)
     return {name: param.numpy() for name, param in model.named_parameters()}
 
 
 def save_model(model: CausalLM, folder: str, tokenizer_folder: Optional[str] = None,
-               max_shard_bytes: int = 5 * 1024**3) -> None:
+               max_shard_bytes: int = 5 * 1024**3, state: Optional[dict] = None) -> None:
+    """One ordinary checkpoint. A tensor-parallel model is gathered (every rank of its group calls this) and
+    written by the group's first rank; `state` passes an already gathered full state instead."""
+    if state is None:
+        state = model_state_numpy(model)
+        group = getattr(model, "tp_group", None)
+        if group is not None and group.rank != 0:
+            return
     os.makedirs(folder, exist_ok=True)
     model.config.save(folder)
-    save_state(folder, local_to_hf(model.config, model_state_numpy(model)), max_shard_bytes=max_shard_bytes)
+    save_state(folder, local_to_hf(model.config, state), max_shard_bytes=max_shard_bytes)
     if tokenizer_folder:
         copy_tokenizer_files(tokenizer_folder, folder)
 

@@ -179,7 +179,7 @@ class RewardServerClient:
 
     def _score_chunk(self, samples: List[RewardSample], first: int) -> RewardResult:
         attempts, failure = [], None
-        where = f"samples {first}..{first + len(samples) - 1}"
+        where = f"sample {first}" if len(samples) == 1 else f"samples {first}..{first + len(samples) - 1}"
         for attempt in range(self.retries + 1):
             if attempt:
                 time.sleep(self.backoff * 2 ** (attempt - 1))

@@ -1,4 +1,5 @@
 """Weighted sums of reward functions (rules and plugins), optionally routed by a record's data_source."""
+import logging
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -6,6 +7,8 @@ import numpy as np
 from .base import RewardResult, RewardSample
 from .plugins import PluginError, PluginFunction
 from .rules import RULE_REWARDS, SampleError
+
+logger = logging.getLogger("paddle_rl")
 
 
 class RewardError(ValueError):
@@ -65,6 +68,9 @@ class RuleReward:
             raise ValueError(f"reward_funcs: unknown {unknown} (available: {', '.join(available)})")
         self.functions, self.sources = {}, {}
         for name in dict.fromkeys(wanted):
+            if name in plugins and name in RULE_REWARDS:
+                logger.warning("reward plugin %s defines %r, which replaces the built-in rule of that name",
+                               plugins[name].source, name)
             if name in plugins:
                 self.functions[name] = plugins[name]
                 self.sources[name] = plugins[name].source

@@ -51,10 +51,11 @@ def register_rule(name: str, needs_config: bool = False, aliases: tuple = ()):
 
 
 def _each(samples: List[RewardSample], score_one: Callable) -> np.ndarray:
+    """[B] float32 of score_one(index, sample); any exception becomes a SampleError naming the index."""
     out = np.empty(len(samples), dtype=np.float32)
     for i, sample in enumerate(samples):
         try:
-            out[i] = score_one(sample)
+            out[i] = score_one(i, sample)
         except SampleError:
             raise
         except Exception as e:  # noqa: BLE001 - reported with the sample index
@@ -98,7 +99,7 @@ def _length(sample: RewardSample, index: int, rule: str) -> int:
 @register_rule("kk")
 def kk_rule(samples: List[RewardSample]):
     """Knights and Knaves: format +1/-1 plus answer +2/-1.5/-2 (3, -0.5, -1, -3)."""
-    scores = _each(samples, lambda s: kk_score(s.response, str(s.ground_truth)))
+    scores = _each(samples, lambda i, s: kk_score(s.response, _ground_truth(s, i)))
     return scores, scores >= CORRECT_SCORE
 
 
@@ -114,7 +115,7 @@ def format_score(response: str) -> float:
 @register_rule("format")
 def format_rule(samples: List[RewardSample]):
     """1 if the completion is <think>...</think> <answer>...</answer> (after the kk prefix rule), else 0."""
-    return _each(samples, lambda s: format_score(s.response)), None
+    return _each(samples, lambda i, s: format_score(s.response)), None
 
 
 # ----------------------------------------------------------------------------------------------- gsm8k
@@ -158,10 +159,7 @@ def gsm8k_score(response: str, ground_truth, flexible: bool = False) -> float:
 
 
 def _gsm8k(samples, flexible):
-    def one(i_s):
-        i, s = i_s
-        return gsm8k_score(s.response, _ground_truth(s, i), flexible)
-    scores = _each(list(enumerate(samples)), lambda pair: one(pair))
+    scores = _each(samples, lambda i, s: gsm8k_score(s.response, _ground_truth(s, i), flexible))
     return scores, scores >= 1.0
 
 
@@ -245,7 +243,7 @@ def math_score(response: str, ground_truth) -> float:
 @register_rule("math", aliases=("accuracy",))
 def math_rule(samples: List[RewardSample]):
     """1 if the <answer> (else last \\boxed{}) is equivalent to the solution under math-verify, else 0."""
-    scores = _each(list(enumerate(samples)), lambda pair: math_score(pair[1].response, _ground_truth(pair[1], pair[0])))
+    scores = _each(samples, lambda i, s: math_score(s.response, _ground_truth(s, i)))
     return scores, scores >= 1.0
 
 
@@ -274,12 +272,11 @@ def cosine_rule(config):
     def fn(samples):
         correct = np.zeros(len(samples), dtype=bool)
 
-        def one(pair):
-            i, s = pair
+        def one(i, s):
             length = _length(s, i, "cosine")
             correct[i] = correct_fn(s.response, _ground_truth(s, i)) >= 1.0
             return cosine_value(length, max_len, c0, c1) if correct[i] else cosine_value(length, max_len, w0, w1)
-        return _each(list(enumerate(samples)), one), correct
+        return _each(samples, one), correct
     return fn
 
 
@@ -300,7 +297,7 @@ def repetition_rule(config):
     n, max_penalty = config.repetition_n_grams, config.repetition_max_penalty
 
     def fn(samples):
-        return _each(samples, lambda s: repetition_penalty(strip_special_tail(s.response), n, max_penalty)), None
+        return _each(samples, lambda i, s: repetition_penalty(strip_special_tail(s.response), n, max_penalty)), None
     return fn
 
 
@@ -322,7 +319,6 @@ def soft_overlong_rule(config):
     max_len, buffer, factor = config.max_dec_len, config.overlong_reward_buffer, config.overlong_penalty_factor
 
     def fn(samples):
-        return _each(list(enumerate(samples)),
-                     lambda pair: soft_overlong_penalty(_length(pair[1], pair[0], "soft_overlong"),
-                                                        max_len, buffer, factor)), None
+        return _each(samples, lambda i, s: soft_overlong_penalty(_length(s, i, "soft_overlong"), max_len, buffer,
+                                                                 factor)), None
     return fn

@@ -23,13 +23,15 @@ def lr_factor(schedule: str, total_steps: int, warmup_steps: int, min_lr_ratio: 
     return factor
 
 
-def build_optimizer(model, config, total_optimizer_steps: int):
+def build_optimizer(model, config, total_optimizer_steps: int, parameters=None):
+    """(AdamW, scheduler) over `parameters` (default: all of the model's; a sharded optimizer passes its shard)."""
     warmup = config.warmup_steps or int(config.warmup_ratio * total_optimizer_steps)
     scheduler = paddle.optimizer.lr.LambdaDecay(
         config.learning_rate, lr_factor(config.lr_scheduler_type, total_optimizer_steps, warmup, config.min_lr_ratio))
     no_decay = {p.name for n, p in model.named_parameters() if "norm" in n or n.endswith("bias")}
+    parameters = model.parameters() if parameters is None else parameters
     optimizer = paddle.optimizer.AdamW(
-        learning_rate=scheduler, parameters=model.parameters(), weight_decay=config.weight_decay,
+        learning_rate=scheduler, parameters=parameters, weight_decay=config.weight_decay,
         beta1=config.adam_beta1, beta2=config.adam_beta2, epsilon=config.adam_epsilon,
         apply_decay_param_fun=lambda name: name not in no_decay)
     return optimizer, scheduler

@@ -1,0 +1,48 @@
+"""Response-token log-probs of a tensor-parallel model from vocabulary-sharded logits.
+
+Same contract as trainer/logprobs.py (which a model without a tensor-parallel group goes to): the LM
+head runs on response positions only, logits are divided by the temperature.
+"""
+import numpy as np
+import paddle
+
+from ..models.decoder import attention_bias_from_mask, position_ids_from_mask
+from ..trainer import logprobs as single
+from .tensor_parallel import vocab_parallel_logprobs
+
+
+def token_logprobs(model, input_ids, attention_mask, prompt_width: int, response_ids, temperature: float,
+                   with_entropy: bool = False):
+    group = getattr(model, "tp_group", None)
+    if group is None:
+        return single.token_logprobs(model, input_ids, attention_mask, prompt_width, response_ids, temperature,
+                                     with_entropy)
+    length = response_ids.shape[1]
+    bias = attention_bias_from_mask(attention_mask, input_ids.shape[1], causal=True)
+    hidden = model.hidden_states(input_ids, position_ids_from_mask(attention_mask), bias)
+    logits = model.local_logits(hidden[:, prompt_width - 1:prompt_width - 1 + length])
+    if temperature > 0:
+        logits = logits / temperature
+    return vocab_parallel_logprobs(logits, response_ids, group, model.embed_tokens.vocab_start, with_entropy)
+
+
+@paddle.no_grad()
+def batched_logprobs(model, batch, temperature: float, micro_batch_size: int, with_entropy: bool = False):
+    """No-grad log-probs over a whole RolloutBatch in chunks; numpy [B, T] (and entropy)."""
+    if getattr(model, "tp_group", None) is None:
+        return single.batched_logprobs(model, batch, temperature, micro_batch_size, with_entropy)
+    was_training = model.training
+    model.eval()
+    outs, ents = [], []
+    for start in range(0, batch.size, micro_batch_size):
+        part = batch.tensors(slice(start, start + micro_batch_size))
+        logp, ent = token_logprobs(model, part["input_ids"], part["attention_mask"], batch.prompt_width,
+                                   part["response_ids"], temperature, with_entropy)
+        outs.append(logp.numpy())
+        if with_entropy:
+            ents.append(ent.numpy())
+    if was_training:
+        model.train()
+    mask = batch.response_mask
+    logp = np.concatenate(outs) * mask
+    return (logp, np.concatenate(ents) * mask) if with_entropy else logp

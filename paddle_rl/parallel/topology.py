@@ -1,0 +1,258 @@
+"""The process grid: data x sharding x pipeline x tensor, and one communication group per axis.
+
+Rank r has coordinates (data, sharding, pipe, tensor), tensor varying fastest:
+    r = ((data * S + sharding) * P + pipe) * T + tensor
+so tensor-parallel peers are neighbours (one node, the fastest links on GPUs).
+
+Groups (a paddle.distributed group, or None for an axis of size 1, where every collective is a no-op):
+- tp:       same (data, sharding, pipe), different tensor rank: split layers
+- pp:       same (data, sharding, tensor), different stage: send/recv activations
+- sharding: same (data, pipe, tensor): split the batch and the optimizer states
+- dp:       same (sharding, pipe, tensor): split the batch, replicate the optimizer
+- batch:    same (pipe, tensor): every rank holding a different part of the batch (dp x sharding); gradient
+            and statistics sums run over it
+- rollout:  `rollout_tensor_parallel_degree` consecutive ranks that decode together (pipeline degree 1)
+
+`paddle.distributed.new_group` is collective: every rank creates every group in the same order.
+"""
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Tuple
+
+logger = logging.getLogger("paddle_rl")
+
+AXES = ("data", "sharding", "pipe", "tensor")
+DEGREE_KEYS = {"data": "data_parallel_degree", "sharding": "sharding_parallel_degree",
+               "pipe": "pipeline_parallel_degree", "tensor": "tensor_parallel_degree"}
+
+
+class TopologyError(ValueError):
+    pass
+
+
+def world_size_from_env() -> int:
+    return int(os.environ.get("PADDLE_TRAINERS_NUM", os.environ.get("WORLD_SIZE", "1")) or 1)
+
+
+def resolve_degrees(tensor: int = 1, pipe: int = 1, sharding: int = 1, data: int = -1,
+                    world_size: Optional[int] = None) -> Dict[str, int]:
+    """Degrees per axis; data -1 takes what the others leave of the world size. Errors name the keys."""
+    world = world_size_from_env() if world_size is None else world_size
+    model = tensor * pipe * sharding
+    named = (f"tensor_parallel_degree ({tensor}) x pipeline_parallel_degree ({pipe}) x "
+             f"sharding_parallel_degree ({sharding})")
+    if data == -1:
+        if world % model:
+            raise TopologyError(f"{named} = {model} does not divide the world size {world} (processes launched); "
+                                f"launch a multiple of {model} processes or lower the degrees")
+        data = world // model
+    elif data * model != world:
+        raise TopologyError(f"data_parallel_degree ({data}) x {named} = {data * model} does not match the world "
+                            f"size {world} (processes launched, e.g. --nproc_per_node)")
+    return {"data": data, "sharding": sharding, "pipe": pipe, "tensor": tensor}
+
+
+@dataclass
+class Topology:
+    degrees: Dict[str, int]
+    rank: int = 0
+    sharding_stage: int = 1
+    rollout_tp: int = 1
+    groups: Dict[str, object] = field(default_factory=dict)
+    ranks_of: Dict[str, List[int]] = field(default_factory=dict)
+
+    # ------------------------------------------------------------------ coordinates
+    @property
+    def world_size(self) -> int:
+        size = 1
+        for axis in AXES:
+            size *= self.degrees[axis]
+        return size
+
+    @property
+    def is_parallel(self) -> bool:
+        return self.world_size > 1
+
+    def coords(self, rank: Optional[int] = None) -> Dict[str, int]:
+        rank = self.rank if rank is None else rank
+        out = {}
+        for axis in reversed(AXES):
+            out[axis] = rank % self.degrees[axis]
+            rank //= self.degrees[axis]
+        return out
+
+    def rank_at(self, **coords) -> int:
+        rank = 0
+        for axis in AXES:
+            rank = rank * self.degrees[axis] + coords[axis]
+        return rank
+
+    @property
+    def tp_degree(self) -> int:
+        return self.degrees["tensor"]
+
+    @property
+    def pp_degree(self) -> int:
+        return self.degrees["pipe"]
+
+    @property
+    def sharding_degree(self) -> int:
+        return self.degrees["sharding"]
+
+    @property
+    def dp_degree(self) -> int:
+        return self.degrees["data"]
+
+    @property
+    def tp_rank(self) -> int:
+        return self.coords()["tensor"]
+
+    @property
+    def pp_rank(self) -> int:
+        return self.coords()["pipe"]
+
+    @property
+    def sharding_rank(self) -> int:
+        return self.coords()["sharding"]
+
+    @property
+    def batch_degree(self) -> int:
+        """Ranks holding different parts of the batch: data x sharding."""
+        return self.degrees["data"] * self.degrees["sharding"]
+
+    @property
+    def batch_rank(self) -> int:
+        c = self.coords()
+        return c["data"] * self.degrees["sharding"] + c["sharding"]
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp_degree - 1
+
+    @property
+    def is_logging_rank(self) -> bool:
+        return self.rank == 0
+
+    def group(self, name: str):
+        return self.groups.get(name)
+
+    def describe(self) -> str:
+        return (f"rank {self.rank}/{self.world_size}: data {self.degrees['data']} x sharding "
+                f"{self.degrees['sharding']} (stage{self.sharding_stage}) x pipeline {self.degrees['pipe']} x tensor "
+                f"{self.degrees['tensor']}; rollout tensor {self.rollout_tp}; coords {self.coords()}")
+
+    # ------------------------------------------------------------------ group membership
+    def axis_ranks(self, axes: Tuple[str, ...], rank: Optional[int] = None) -> List[int]:
+        """Ranks that share every coordinate of `rank` except those on `axes` (in rank order)."""
+        base = self.coords(rank)
+        out = []
+        for r in range(self.world_size):
+            c = self.coords(r)
+            if all(c[a] == base[a] for a in AXES if a not in axes):
+                out.append(r)
+        return out
+
+    def rollout_ranks(self, rank: Optional[int] = None) -> List[int]:
+        rank = self.rank if rank is None else rank
+        start = rank // self.rollout_tp * self.rollout_tp
+        return list(range(start, start + self.rollout_tp))
+
+
+GROUP_AXES = {"tp": ("tensor",), "pp": ("pipe",), "sharding": ("sharding",), "dp": ("data",),
+              "batch": ("data", "sharding")}
+
+_GROUP_CACHE: Dict[Tuple[int, ...], object] = {}
+_INITIALIZED = False
+
+
+def _new_group(ranks: Tuple[int, ...]):
+    import paddle.distributed as dist
+    if ranks not in _GROUP_CACHE:
+        _GROUP_CACHE[ranks] = dist.new_group(list(ranks))
+    return _GROUP_CACHE[ranks]
+
+
+def build_topology(tensor: int = 1, pipe: int = 1, sharding: int = 1, data: int = -1, sharding_stage: str = "",
+                   rollout_tensor: int = -1) -> Topology:
+    """Initialize paddle.distributed (once per process) and create every group of this grid.
+
+    A single process with every degree 1 gets a topology without groups and without initializing anything.
+    """
+    global _INITIALIZED
+    degrees = resolve_degrees(tensor, pipe, sharding, data)
+    stage = {"": 1, "stage1": 1, "stage2": 2}.get(sharding_stage)
+    if stage is None:
+        raise TopologyError(f"sharding: {sharding_stage!r} is not supported (stage1 | stage2)")
+    rollout_tp = tensor if rollout_tensor == -1 else rollout_tensor
+    world = degrees["data"] * degrees["sharding"] * degrees["pipe"] * degrees["tensor"]
+    if world % rollout_tp:
+        raise TopologyError(f"rollout_tensor_parallel_degree ({rollout_tp}) does not divide the world size {world}")
+    if rollout_tp != tensor and pipe > 1:
+        raise TopologyError("rollout_tensor_parallel_degree different from tensor_parallel_degree needs "
+                            "pipeline_parallel_degree 1 (the pipeline rolls out on a gathered copy)")
+    if rollout_tp > tensor and (rollout_tp % tensor or (degrees["data"] * degrees["sharding"] * tensor) % rollout_tp):
+        raise TopologyError(f"rollout_tensor_parallel_degree ({rollout_tp}) must be a multiple of "
+                            f"tensor_parallel_degree ({tensor}) that divides data x sharding x tensor")
+    if rollout_tp < tensor and tensor % rollout_tp:
+        raise TopologyError(f"rollout_tensor_parallel_degree ({rollout_tp}) must divide tensor_parallel_degree "
+                            f"({tensor})")
+    if world == 1:
+        return Topology(degrees, 0, stage, rollout_tp)
+    import paddle.distributed as dist
+    if not _INITIALIZED:
+        if not dist.is_initialized():
+            dist.init_parallel_env()
+        _INITIALIZED = True
+    if dist.get_world_size() != world:
+        raise TopologyError(f"{_product_text(degrees)} = {world} does not match the world size "
+                            f"{dist.get_world_size()}")
+    topo = Topology(degrees, dist.get_rank(), stage, rollout_tp)
+    names = dict(GROUP_AXES)
+    for name, axes in names.items():
+        size = 1
+        for a in axes:
+            size *= degrees[a]
+        seen = []
+        for r in range(world):  # every rank creates every group, in the same order
+            ranks = tuple(topo.axis_ranks(axes, r))
+            if ranks not in seen:
+                seen.append(ranks)
+                group = _new_group(ranks) if size > 1 else None
+                if topo.rank in ranks:
+                    topo.groups[name] = group
+                    topo.ranks_of[name] = list(ranks)
+    if rollout_tp > 1 and rollout_tp != tensor:
+        for start in range(0, world, rollout_tp):
+            ranks = tuple(range(start, start + rollout_tp))
+            group = _new_group(ranks)
+            if topo.rank in ranks:
+                topo.groups["rollout"] = group
+                topo.ranks_of["rollout"] = list(ranks)
+    elif rollout_tp == tensor:
+        topo.groups["rollout"] = topo.groups.get("tp")
+        topo.ranks_of["rollout"] = topo.ranks_of.get("tp", [topo.rank])
+    else:
+        topo.groups["rollout"] = None
+        topo.ranks_of["rollout"] = [topo.rank]
+    logger.info("topology: %s", topo.describe())
+    return topo
+
+
+def _product_text(degrees: Dict[str, int]) -> str:
+    return " x ".join(f"{DEGREE_KEYS[a]} ({degrees[a]})" for a in AXES)
+
+
+def topology_from_config(config) -> Topology:
+    return build_topology(tensor=config.tensor_parallel_degree, pipe=config.pipeline_parallel_degree,
+                          sharding=config.sharding_parallel_degree, data=config.data_parallel_degree,
+                          sharding_stage=config.sharding if config.sharding_parallel_degree > 1 else "",
+                          rollout_tensor=config.rollout_tensor_parallel_degree)
+
+
+def single_process() -> Topology:
+    return Topology({"data": 1, "sharding": 1, "pipe": 1, "tensor": 1})

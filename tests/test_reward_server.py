@@ -1,0 +1,379 @@
+"""The reward server as a real process on 127.0.0.1, and the trainer-side client against it."""
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import numpy as np
+import pytest
+
+from paddle_rl.config import RLConfig
+from paddle_rl.rewards import RewardSample, RewardServerClient, RewardServerError, build_reward
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+KK_TRUTH = "(1) Zoey is a knight\n(2) Oliver is a knave"
+KK_RIGHT = "Zoey is honest.</think>\n<answer>(1) Zoey is a knight\n(2) Oliver is a knave</answer><|im_end|>"
+KK_WRONG = "hmm</think><answer>(1) Zoey is a knave\n(2) Oliver is a knave</answer>"
+KK_UNPARSED = "hmm</think><answer>Zoey is a knight</answer>"
+KK_BAD = "<think>hmm</think><answer>(1) Zoey is a knight\n(2) Oliver is a knave</answer>"
+
+PLUGIN = textwrap.dedent('''
+    import time
+
+    def nap(completions, **kwargs):
+        for c in completions:
+            if "SLEEP" in c:
+                time.sleep(60)
+        return [1.0] * len(completions)
+
+    def boom(completions, **kwargs):
+        if any("BOOM" in c for c in completions):
+            raise RuntimeError("cannot score this")
+        return [0.0] * len(completions)
+''')
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, *args, env=None):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc = subprocess.Popen([sys.executable, "-m", "reward_server", "--port", str(self.port), *args],
+                                     cwd=ROOT, env={**os.environ, **(env or {})},
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+    def wait(self, timeout=60.0):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"reward server exited ({self.proc.returncode}):\n{self.proc.stdout.read()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=1.0).status_code == 200:
+                    return self
+            except httpx.TransportError:
+                pass
+            time.sleep(0.1)
+        raise RuntimeError("reward server did not come up")
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def kill(self):
+        self.proc.kill()
+        self.proc.wait()
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory):
+    plugin = tmp_path_factory.mktemp("plugins") / "slow_rewards.py"
+    plugin.write_text(PLUGIN)
+    main = Server("--reward", "kk", "--plugin", str(plugin), "--workers", "2", "--sample-timeout", "1",
+                  "--max-request-mb", "1",
+                  "--route", "slow=nap", "--route", "boom=boom", "--route", "gsm8k=gsm8k", "--route", "math=math",
+                  "--route", "fmt=format", "--route", "cos=cosine", "--route", "rep=repetition",
+                  "--route", "long=soft_overlong",
+                  "--set", "max_dec_len=100", "--set", "overlong_reward_buffer=20", "--set", "cosine_max_len=100")
+    keyed = Server("--reward", "kk", "--plugin", str(plugin), "--route", "slow=nap", "--workers", "1",
+                   "--sample-timeout", "1", "--timeout-score", "-7", env={"PADDLE_RL_REWARD_API_KEY": "s3cret"})
+    try:
+        yield {"main": main.wait(), "keyed": keyed.wait()}
+    finally:
+        main.stop()
+        keyed.stop()
+
+
+def post(url, payload, **kw):
+    return httpx.post(url, json=payload, timeout=30.0, **kw)
+
+
+# ---------------------------------------------------------------------------------------------------- protocol
+
+def test_paddlenlp_protocol_round_trip(servers):
+    url = servers["main"].url
+    responses = [KK_RIGHT, KK_WRONG, KK_UNPARSED, KK_BAD,
+                 "<|im_start|>user\nq<|im_end|>\n<|im_start|>assistant\n<think>ok</think><answer>(1) Zoey is a "
+                 "knight\n(2) Oliver is a knave</answer><|im_end|>",
+                 "<|im_start|>assistant\nok</think><answer>(1) Zoey is a knight\n(2) Oliver is a knave</answer>"]
+    r = post(url + "/", {"src": ["prompt"] * 6, "tgt": [KK_TRUTH] * 6, "response": responses})
+    assert r.status_code == 200
+    body = r.json()
+    assert body["error_code"] == 0 and body["error_msg"] == "Success"
+    assert body["score"] == [3.0, -0.5, -1.0, -3.0, 3.0, -3.0]
+    empty = post(url + "/", {"src": [], "tgt": [], "response": []}).json()
+    assert empty["error_code"] == 0 and empty["score"] == []
+
+
+def test_bad_requests_get_error_codes(servers):
+    url = servers["main"].url
+    r = httpx.post(url + "/", content=b'{"src": ["a"], "tgt": [', headers={"Content-Type": "application/json"})
+    assert r.status_code == 400 and r.json()["error_code"] == 1001 and "malformed JSON" in r.json()["error_msg"]
+    r = post(url + "/", {"src": ["a", "b"], "tgt": ["x"], "response": ["r", "s"]})
+    assert r.status_code == 400 and r.json()["error_code"] == 1001
+    assert "equal lengths, got 2, 1 and 2" in r.json()["error_msg"]
+    r = post(url + "/", {"src": ["a"], "tgt": ["x"]})
+    assert r.status_code == 400 and "response" in r.json()["error_msg"]
+    r = post(url + "/", {"src": ["a"], "tgt": ["x"], "response": [3]})
+    assert r.status_code == 400 and r.json()["error_code"] == 1001
+    big = "x" * (1024 * 1024 + 10)
+    r = post(url + "/", {"src": ["a"], "tgt": ["x"], "response": [big]})
+    assert r.status_code == 413 and r.json()["error_code"] == 1002
+    # a scoring error names the function and the sample
+    r = post(url + "/", {"src": ["a", "b"], "tgt": [KK_TRUTH, "no roles here"], "response": [KK_RIGHT, KK_RIGHT]})
+    assert r.status_code == 422 and r.json()["error_code"] == 2001
+    assert "'kk'" in r.json()["error_msg"] and "sample 1" in r.json()["error_msg"]
+    r = post(url + "/v1/score", {"samples": [{"response": "x", "data_source": "boom"},
+                                             {"response": "BOOM", "data_source": "boom"}]})
+    assert r.status_code == 422 and "'boom'" in r.json()["error_msg"] and "slow_rewards.py" in r.json()["error_msg"]
+    assert r.json()["failed_sample"] == 1
+    assert httpx.get(url + "/openapi.json").json()["paths"]["/v1/score"]["post"]
+
+
+def test_v1_rules_against_hand_numbers(servers):
+    url = servers["main"].url
+    samples = [
+        {"response": KK_RIGHT, "tgt": KK_TRUTH},                                            # kk 3
+        {"response": "so #### 1,234", "solution": "1234", "data_source": "gsm8k"},         # 1
+        {"response": "the answer is 7", "solution": "7", "data_source": "gsm8k"},          # strict: 0
+        {"response": "so \\boxed{\\frac{1}{2}}", "solution": "0.5", "data_source": "math"},  # 1
+        {"response": "<answer>3</answer> \\boxed{2}", "solution": "2", "data_source": "math"},  # 0
+        {"response": "x</think>\n<answer>1</answer><|im_end|>", "data_source": "fmt"},   # 1
+        {"response": "x</think>\n<answer>1</answer> more", "data_source": "fmt"},        # 0
+        {"response": "\\boxed{7}", "solution": "7", "response_length": 50, "data_source": "cos"},  # 0.75
+        {"response": "\\boxed{8}", "solution": "7", "response_length": 50, "data_source": "cos"},  # -0.25
+        {"response": "a b c a b c", "data_source": "rep"},                                  # -0.25
+        {"response": "x", "response_length": 90, "data_source": "long"},                   # -0.5
+        {"response": "x", "record": {"data_source": "long"}, "response_length": 70},       # 0
+    ]
+    r = post(url + "/v1/score", {"samples": samples})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    np.testing.assert_allclose(body["score"], [3, 1, 0, 1, 0, 1, 0, 0.75, -0.25, -0.25, -0.5, 0], atol=1e-6)
+    assert body["per_function"]["kk"][0] == 3.0 and body["per_function"]["kk"][1] is None
+    assert body["per_function"]["gsm8k"][1:3] == [1.0, 0.0]
+    assert body["correct"][:5] == [True, True, False, True, False]
+
+
+# ---------------------------------------------------------------------------------------------------- load
+
+def kk_request(k: int):
+    """A request whose 4 samples have known scores, with names unique to request k."""
+    a, b = f"Ann{k}", f"Bob{k}"
+    truth = f"(1) {a} is a knight\n(2) {b} is a knave"
+    variants = [(f"ok</think><answer>(1) {a} is a knight\n(2) {b} is a knave</answer>", 3.0),
+                (f"ok</think><answer>(1) {a} is a knave\n(2) {b} is a knave</answer>", -0.5),
+                (f"ok</think><answer>{a} is a knight</answer>", -1.0),
+                (f"ok</think><answer>(1) {a} is a knight (2) {b} is a knave", -3.0)]
+    rotate = k % 4
+    variants = variants[rotate:] + variants[:rotate]
+    # a response scored against another request's truth would score -1 (its names do not parse)
+    payload = {"src": [f"q{k}"] * 4, "tgt": [truth] * 4, "response": [v[0] for v in variants]}
+    return payload, [v[1] for v in variants]
+
+
+def test_load_32_clients_200_requests_none_lost(servers):
+    url = servers["main"].url + "/"
+    jobs = [kk_request(k) for k in range(200)]
+    with httpx.Client(timeout=30.0, limits=httpx.Limits(max_connections=32)) as client:
+        def call(k):
+            payload, expected = jobs[k]
+            r = client.post(url, json=payload)
+            return k, r.status_code, r.json(), expected
+        start = time.monotonic()
+        with ThreadPoolExecutor(max_workers=32) as pool:
+            results = list(pool.map(call, range(200)))
+        elapsed = time.monotonic() - start
+    assert len(results) == 200
+    seen = set()
+    for k, status, body, expected in results:
+        assert status == 200 and body["error_code"] == 0, body
+        assert body["score"] == expected, (k, body["score"], expected)
+        seen.add(k)
+    assert seen == set(range(200))
+    assert elapsed < 30.0, f"200 requests took {elapsed:.1f}s"
+
+
+# ---------------------------------------------------------------------------------------------------- timeouts
+
+def test_hung_scorer_hits_the_sample_timeout(servers):
+    url = servers["main"].url
+    start = time.monotonic()
+    r = post(url + "/v1/score", {"samples": [{"response": "fine", "data_source": "slow"},
+                                             {"response": "SLEEP please", "data_source": "slow"},
+                                             {"response": KK_RIGHT, "tgt": KK_TRUTH}]})
+    elapsed = time.monotonic() - start
+    assert r.status_code == 422
+    body = r.json()
+    assert body["error_code"] == 2002 and body["failed_sample"] == 1
+    assert "sample 1" in body["error_msg"] and "1s" in body["error_msg"]
+    assert elapsed < 10.0
+    # the server is still serving, with the hung worker replaced
+    ok = post(url + "/", {"src": ["q"], "tgt": [KK_TRUTH], "response": [KK_RIGHT]}).json()
+    assert ok["score"] == [3.0]
+    deadline = time.monotonic() + 20
+    while httpx.get(url + "/health").json()["workers_alive"] < 2 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    health = httpx.get(url + "/health").json()
+    assert health["workers_alive"] == 2 and health["stats"]["timeouts"] >= 1
+
+
+def test_api_key_and_timeout_score(servers):
+    url = servers["keyed"].url
+    payload = {"src": ["q"], "tgt": [KK_TRUTH], "response": [KK_RIGHT]}
+    r = post(url + "/", payload)
+    assert r.status_code == 401 and r.json()["error_code"] == 1003
+    assert post(url + "/", payload, headers={"Authorization": "Bearer wrong"}).status_code == 401
+    assert post(url + "/", payload, headers={"Authorization": "Bearer s3cret"}).json()["score"] == [3.0]
+    assert post(url + "/", payload, headers={"X-API-Key": "s3cret"}).json()["score"] == [3.0]
+    assert httpx.get(url + "/health").json()["api_key_required"] is True
+    # with --timeout-score the hung sample is scored -7 and reported, never silently
+    r = post(url + "/v1/score", {"samples": [{"response": KK_RIGHT, "tgt": KK_TRUTH},
+                                             {"response": "SLEEP", "data_source": "slow"}]},
+             headers={"X-API-Key": "s3cret"})
+    assert r.status_code == 200 and r.json()["score"] == [3.0, -7.0] and r.json()["timed_out"] == [1]
+    # the client sends the key from the config
+    client = RewardServerClient(url, api_key="s3cret", retries=0)
+    assert client([RewardSample("q", KK_RIGHT, {"tgt": KK_TRUTH})]).scores.tolist() == [3.0]
+    with pytest.raises(RewardServerError, match="HTTP 401"):
+        RewardServerClient(url, api_key="nope", retries=0, on_failure="skip")(
+            [RewardSample("q", KK_RIGHT, {"tgt": KK_TRUTH})])
+
+
+# ---------------------------------------------------------------------------------------------------- client
+
+def _kk_samples(n):
+    out, expected = [], []
+    for k in range(n):
+        payload, scores = kk_request(k)
+        out.append(RewardSample(payload["src"][0], payload["response"][k % 4], {"tgt": payload["tgt"][0]}, 40))
+        expected.append(scores[k % 4])
+    return out, expected
+
+
+def test_client_matches_in_process_scores(servers):
+    samples, expected = _kk_samples(21)
+    config = RLConfig(use_rm_server=True, reward_server=servers["main"].url, per_device_reward_batch_size=4,
+                      reward_server_retries=0)
+    reward = build_reward(config)
+    result = reward(samples)
+    np.testing.assert_array_equal(result.scores, expected)
+    np.testing.assert_array_equal(result.per_function["kk"], expected)
+    np.testing.assert_array_equal(result.correct, np.array(expected) == 3.0)
+    assert result.skipped is None
+    local = build_reward(RLConfig(reward_funcs=["kk"]))(samples)
+    np.testing.assert_array_equal(local.scores, result.scores)
+    paddlenlp = RewardServerClient(servers["main"].url, batch_size=8, protocol="paddlenlp")(samples)
+    np.testing.assert_array_equal(paddlenlp.scores, expected)
+    # a scoring error is not retried and names the server
+    bad = [RewardSample("q", KK_RIGHT, {"tgt": "no roles"})]
+    with pytest.raises(RewardServerError, match=r"(?s)127\.0\.0\.1.*after 1 attempt:.*sample 0"):
+        RewardServerClient(servers["main"].url, retries=3, backoff=5.0)(bad)
+
+
+def test_killed_server_retries_then_fails_loudly():
+    server = Server("--reward", "kk", "--workers", "1").wait()
+    samples, expected = _kk_samples(6)
+    base = dict(use_rm_server=True, reward_server=server.url, per_device_reward_batch_size=3,
+                reward_server_retries=2, reward_server_backoff=0.05, reward_server_timeout=5.0)
+    reward = build_reward(RLConfig(**base))
+    skipping = build_reward(RLConfig(**base, reward_server_on_failure="skip"))
+    np.testing.assert_array_equal(reward(samples).scores, expected)
+    server.kill()
+    start = time.monotonic()
+    with pytest.raises(RewardServerError) as e:
+        reward(samples)
+    message = str(e.value)
+    assert server.url in message and "after 3 attempts" in message and "ConnectError" in message
+    assert message.count("attempt 3:") == 2            # both requests of the batch failed, each retried twice
+    assert time.monotonic() - start < 5.0
+    result = skipping(samples)
+    assert result.skipped.all() and np.isnan(result.scores).all()
+    assert result.metrics()["reward/skipped"] == 6.0
+
+
+def test_broadcast_packing_round_trip():
+    from paddle_rl.rewards.client import pack_result, unpack_result
+    from paddle_rl.rewards.base import RewardResult
+    result = RewardResult(np.array([3.0, -0.5], dtype=np.float32), {"kk": np.array([3.0, -0.5])},
+                          np.array([True, False]), np.array([False, True]))
+    back = unpack_result(pack_result(result, 2, failed=False))
+    np.testing.assert_array_equal(back.scores, result.scores)
+    np.testing.assert_array_equal(back.correct, result.correct)
+    np.testing.assert_array_equal(back.skipped, result.skipped)
+    assert unpack_result(pack_result(None, 2, failed=True)) is None
+    assert json.dumps(back.metrics())
+
+
+BROADCAST_SCRIPT = textwrap.dedent('''
+    import os
+    import paddle.distributed as dist
+    from paddle_rl.rewards import RewardSample, RewardServerClient
+
+    dist.init_parallel_env()
+    group = dist.new_group([0, 1])
+    truth = "(1) Zoey is a knight\\n(2) Oliver is a knave"
+    client = RewardServerClient(os.environ["REWARD_URL"], broadcast_group=group, retries=0)
+    if dist.get_rank() != 0:
+        client.url = "http://127.0.0.1:1"      # only the group's first rank may call the server
+    result = client([RewardSample("q", "x</think><answer>(1) Zoey is a knight\\n(2) Oliver is a knave</answer>",
+                                  {"tgt": truth}), RewardSample("q", "bad", {"tgt": truth})])
+    print("RESULT", dist.get_rank(), result.scores.tolist(), result.correct.tolist(), flush=True)
+    client.url = "http://127.0.0.1:1"
+    try:
+        client([RewardSample("q", "bad", {"tgt": truth})])
+    except Exception as e:
+        print("FAILED", dist.get_rank(), type(e).__name__, flush=True)
+''')
+
+
+def test_tensor_parallel_group_broadcasts_rank0_scores(servers, tmp_path):
+    paddle = pytest.importorskip("paddle")
+    if paddle.is_compiled_with_cuda():
+        pytest.skip("the two-process check runs on a CPU build (gloo)")
+    script = tmp_path / "broadcast.py"
+    script.write_text(BROADCAST_SCRIPT)
+    logs = tmp_path / "logs"
+    env = {**os.environ, "REWARD_URL": servers["main"].url, "PYTHONPATH": ROOT}
+    proc = subprocess.run([sys.executable, "-m", "paddle.distributed.launch", "--nproc_per_node", "2",
+                           "--log_dir", str(logs), str(script)], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=120)
+    text = "".join(p.read_text() for p in logs.iterdir() if p.is_file())
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:] + text[-2000:]
+    for rank in (0, 1):
+        assert f"RESULT {rank} [3.0, -3.0] [True, False]" in text
+        assert f"FAILED {rank} RewardServerError" in text
+
+
+def test_cli_settings(tmp_path):
+    import argparse
+    from paddle_rl.rewards.server_cli import add_reward_server_subparser, settings_from_args
+    parser = argparse.ArgumentParser(prog="paddle-rl")
+    add_reward_server_subparser(parser.add_subparsers(dest="command"))
+    fixture = os.path.join(ROOT, "tests", "fixtures", "paddlenlp_grpo_argument.yaml")
+    args = parser.parse_args(["reward-server", "--config", fixture, "--reward", "math,format", "--weights", "1,0.5",
+                              "--route", "kk=kk", "--set", "cosine_max_len=512", "--timeout-score", "-1"])
+    assert args.host == "127.0.0.1" and args.port == 8731 and args.func.__name__ == "run_reward_server"
+    settings = settings_from_args(args)
+    values = settings.config_values
+    assert values["reward_funcs"] == ["math", "format"] and values["reward_weights"] == [1.0, 0.5]
+    assert values["reward_routes"] == {"kk": ["kk"]} and values["cosine_max_len"] == 512
+    assert values["use_rm_server"] is False and settings.timeout_score == -1.0
+    from paddle_rl.config import ConfigError
+    with pytest.raises(ConfigError, match="reward_funcs: unknown"):
+        settings_from_args(parser.parse_args(["reward-server", "--reward", "nope"]))
