@@ -341,3 +341,12 @@ def test_swift_orms_registry(tmp_path):
     '''))
     reward = build_reward(RLConfig(reward_funcs=["length_orm"], reward_plugins=[str(path)]))
     np.testing.assert_allclose(reward([sample("abc"), sample("abcde<|im_end|>")]).scores, [3.0, 5.0])
+
+
+def test_kk_prompt_without_think_tag_scores_the_response_as_is():
+    from paddle_rl.rewards.kk import kk_score
+    truth = "(1) Zoey is a knight\n(2) Oliver is a knave"
+    response = "<think>ok</think><answer>(1) Zoey is a knight\n(2) Oliver is a knave</answer>"
+    assert kk_score(response, truth, prompt="<|im_start|>assistant\n") == 3.0
+    assert kk_score(response, truth) == -3.0  # PaddleNLP's rule: the prompt opened <think> already
+    assert kk_score(response[len("<think>"):], truth, prompt="...<|im_start|>assistant\n<think>") == 3.0

@@ -7,7 +7,6 @@ import numpy as np
 import paddle
 
 from ..models.decoder import attention_bias_from_mask, position_ids_from_mask
-from ..trainer import logprobs as single
 from .tensor_parallel import vocab_parallel_logprobs
 
 
@@ -15,6 +14,7 @@ def token_logprobs(model, input_ids, attention_mask, prompt_width: int, response
                    with_entropy: bool = False):
     group = getattr(model, "tp_group", None)
     if group is None:
+        from ..trainer import logprobs as single
         return single.token_logprobs(model, input_ids, attention_mask, prompt_width, response_ids, temperature,
                                      with_entropy)
     length = response_ids.shape[1]
@@ -30,6 +30,7 @@ def token_logprobs(model, input_ids, attention_mask, prompt_width: int, response
 def batched_logprobs(model, batch, temperature: float, micro_batch_size: int, with_entropy: bool = False):
     """No-grad log-probs over a whole RolloutBatch in chunks; numpy [B, T] (and entropy)."""
     if getattr(model, "tp_group", None) is None:
+        from ..trainer import logprobs as single
         return single.batched_logprobs(model, batch, temperature, micro_batch_size, with_entropy)
     was_training = model.training
     model.eval()

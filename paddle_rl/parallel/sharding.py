@@ -36,6 +36,7 @@ def _buckets(params: List, limit: int = BUCKET_BYTES) -> List[List]:
     return out
 
 
+@paddle.no_grad()
 def _coalesced(params: List, collective) -> None:
     """Run `collective(flat)` on the concatenated gradients of params, then write the result back."""
     for bucket in _buckets(params):
@@ -46,6 +47,7 @@ def _coalesced(params: List, collective) -> None:
         for g in grads:
             n = int(np.prod(g.shape))
             paddle.assign(flat[offset:offset + n].reshape(g.shape).astype(g.dtype), output=g)
+            g.stop_gradient = True
             offset += n
 
 
@@ -103,8 +105,8 @@ class GradientSync:
     def squared_norm(self) -> float:
         """Squared global L2 norm of the (synchronized) gradient: each element counted once."""
         topo = self.topo
-        local = [p for i, p in enumerate(self.params)
-                 if p.grad is not None and (self.stage != 2 or self.owned(i))]
+        local = [p for i, p in enumerate(self.params) if p.grad is not None and (self.stage != 2 or self.owned(i))
+                 and not getattr(p, "pp_duplicate", False)]
         split = sum(float(paddle.sum(p.grad.astype("float32").square())) for p in local if is_distributed(p))
         whole = sum(float(paddle.sum(p.grad.astype("float32").square())) for p in local if not is_distributed(p))
         from .collectives import sum_numpy
@@ -123,9 +125,11 @@ class GradientSync:
         norm = float(np.sqrt(self.squared_norm()))
         if max_norm > 0 and norm > max_norm:
             scale = max_norm / (norm + 1e-6)
-            for p in self.params:
-                if p.grad is not None:
-                    p.grad.scale_(scale)
+            with paddle.no_grad():
+                for p in self.params:
+                    if p.grad is not None:
+                        p.grad.stop_gradient = True  # grads written by collectives may carry the flag
+                        p.grad.scale_(scale)
         return norm
 
 

@@ -11,6 +11,8 @@ Groups (a paddle.distributed group, or None for an axis of size 1, where every c
 - dp:       same (sharding, pipe, tensor): split the batch, replicate the optimizer
 - batch:    same (pipe, tensor): every rank holding a different part of the batch (dp x sharding); gradient
             and statistics sums run over it
+- model:    same (data, sharding): the ranks that hold one copy of the model and the same data (pipe x tensor)
+- embed:    first and last stage of a pipeline (tied input / output embedding)
 - rollout:  `rollout_tensor_parallel_degree` consecutive ranks that decode together (pipeline degree 1)
 
 `paddle.distributed.new_group` is collective: every rank creates every group in the same order.
@@ -164,7 +166,7 @@ class Topology:
 
 
 GROUP_AXES = {"tp": ("tensor",), "pp": ("pipe",), "sharding": ("sharding",), "dp": ("data",),
-              "batch": ("data", "sharding")}
+              "batch": ("data", "sharding"), "model": ("pipe", "tensor")}
 
 _GROUP_CACHE: Dict[Tuple[int, ...], object] = {}
 _INITIALIZED = False
@@ -226,6 +228,17 @@ def build_topology(tensor: int = 1, pipe: int = 1, sharding: int = 1, data: int 
                 if topo.rank in ranks:
                     topo.groups[name] = group
                     topo.ranks_of[name] = list(ranks)
+    if degrees["pipe"] > 1:  # first and last stage of each pipeline: the two copies of a tied embedding
+        last = degrees["pipe"] - 1
+        for r in range(world):
+            c = topo.coords(r)
+            if c["pipe"] != 0:
+                continue
+            ranks = (r, topo.rank_at(**dict(c, pipe=last)))
+            group = _new_group(ranks)
+            if topo.rank in ranks:
+                topo.groups["embed"] = group
+                topo.ranks_of["embed"] = list(ranks)
     if rollout_tp > 1 and rollout_tp != tensor:
         for start in range(0, world, rollout_tp):
             ranks = tuple(range(start, start + rollout_tp))

@@ -14,10 +14,17 @@ ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 CORRECT_SCORE = 3.0
 
 
-def scored_text(response: str) -> str:
-    """The text the rules see: the assistant turn, opened with <think> as the prompt did."""
+def scored_text(response: str, prompt: Optional[str] = None) -> str:
+    """The text the rules see: the assistant turn, opened with <think> as the prompt did.
+
+    Without the prompt (PaddleNLP's server rule) a continuation is assumed to follow "...assistant\n<think>".
+    With a prompt that does not end in <think> (a chat template that leaves the tag to the model), the
+    response is taken as it is.
+    """
     if ASSISTANT_TAG in response:
         return response.rsplit(ASSISTANT_TAG, 1)[1]
+    if prompt and not prompt.rstrip().endswith("<think>"):
+        return response
     return "<think>" + response
 
 
@@ -53,9 +60,9 @@ def parse_prediction(answer: str, names: List[str]) -> Optional[Dict[str, str]]:
     return predicted
 
 
-def kk_score_parts(response: str, ground_truth: str) -> Tuple[float, float]:
+def kk_score_parts(response: str, ground_truth: str, prompt: Optional[str] = None) -> Tuple[float, float]:
     """(format score, answer score)."""
-    text = scored_text(response)
+    text = scored_text(response, prompt)
     truth = parse_ground_truth(ground_truth)
     if not format_ok(text):
         return -1.0, -2.0
@@ -68,6 +75,6 @@ def kk_score_parts(response: str, ground_truth: str) -> Tuple[float, float]:
     return 1.0, (2.0 if predicted == truth else -1.5)
 
 
-def kk_score(response: str, ground_truth: str) -> float:
-    fmt, ans = kk_score_parts(response, ground_truth)
+def kk_score(response: str, ground_truth: str, prompt: Optional[str] = None) -> float:
+    fmt, ans = kk_score_parts(response, ground_truth, prompt)
     return fmt + ans

@@ -99,7 +99,7 @@ def _length(sample: RewardSample, index: int, rule: str) -> int:
 @register_rule("kk")
 def kk_rule(samples: List[RewardSample]):
     """Knights and Knaves: format +1/-1 plus answer +2/-1.5/-2 (3, -0.5, -1, -3)."""
-    scores = _each(samples, lambda i, s: kk_score(s.response, _ground_truth(s, i)))
+    scores = _each(samples, lambda i, s: kk_score(s.response, _ground_truth(s, i), s.prompt))
     return scores, scores >= CORRECT_SCORE
 
 

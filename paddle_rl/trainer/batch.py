@@ -48,3 +48,34 @@ class RolloutBatch:
         for key in keys or []:
             out[key] = paddle.to_tensor(self.arrays[key][rows])
         return out
+
+
+def merge_rollouts(outs: List[RolloutOutput], pad_id: int) -> RolloutOutput:
+    if len(outs) == 1:
+        return outs[0]
+    width = max(o.response_ids.shape[1] for o in outs)
+
+    def pad(a, value):
+        return np.pad(a, ((0, 0), (0, width - a.shape[1])), constant_values=value)
+
+    return RolloutOutput(
+        prompt_ids=[p for o in outs for p in o.prompt_ids],
+        response_ids=np.concatenate([pad(o.response_ids, pad_id) for o in outs]),
+        response_mask=np.concatenate([pad(o.response_mask, 0) for o in outs]),
+        logprobs=np.concatenate([pad(o.logprobs, 0) for o in outs]),
+        lengths=np.concatenate([o.lengths for o in outs]),
+        truncated=np.concatenate([o.truncated for o in outs]))
+
+
+def select_rollout(out: RolloutOutput, index) -> RolloutOutput:
+    index = np.asarray(index, dtype=np.int64)
+    return RolloutOutput([out.prompt_ids[i] for i in index], out.response_ids[index], out.response_mask[index],
+                         out.logprobs[index], out.lengths[index], out.truncated[index])
+
+
+def select_result(result, index):
+    from ..rewards import RewardResult
+    index = np.asarray(index, dtype=np.int64)
+    return RewardResult(result.scores[index], {k: v[index] for k, v in result.per_function.items()},
+                        None if result.correct is None else result.correct[index],
+                        None if getattr(result, "skipped", None) is None else result.skipped[index])

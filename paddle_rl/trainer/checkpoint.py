@@ -2,6 +2,10 @@
 
 Written into a temporary folder and renamed into place, so an interrupted save leaves the
 previous checkpoints untouched and every checkpoint-N folder is complete.
+
+Under several processes every rank calls save_checkpoint: rank 0 writes the (gathered) model and the
+trainer state, every rank writes its own optimizer state (optimizer.rankNNNNN.pdopt: a shard under
+sharding / tensor / pipeline parallelism), and rank 0 renames the folder once all have written.
 """
 import json
 import os
@@ -62,27 +66,42 @@ def set_rng_state(state: dict, path: str) -> None:
         paddle.set_rng_state(paddle.load(rng_path))
 
 
+def optimizer_file(rank: int = 0, world_size: int = 1) -> str:
+    return OPTIMIZER_FILE if world_size == 1 else f"optimizer.rank{rank:05d}.pdopt"
+
+
 def save_checkpoint(output_dir: str, step: int, model, tokenizer_folder: str, optimizer, scheduler,
-                    trainer_state: dict, save_optimizer: bool = True, total_limit: int = -1) -> str:
+                    trainer_state: dict, save_optimizer: bool = True, total_limit: int = -1,
+                    model_state: Optional[dict] = None, rank: int = 0, world_size: int = 1, barrier=None) -> str:
+    """model_state: the full (gathered) model state when `model` holds only a shard; rank / world_size /
+    barrier: the calling process among several (all of them call this)."""
     final = os.path.join(output_dir, f"{PREFIX}{step}")
     tmp = os.path.join(output_dir, f".tmp-{PREFIX}{step}")
-    if os.path.isdir(tmp):
-        shutil.rmtree(tmp)
-    os.makedirs(tmp)
-    save_model(model, tmp, tokenizer_folder=tokenizer_folder)
-    state = dict(trainer_state, step=step, rng=rng_state(), has_optimizer=save_optimizer)
-    paddle.save(paddle.get_rng_state(), os.path.join(tmp, RNG_FILE))
+    sync = barrier or (lambda: None)
+    if rank == 0:
+        if os.path.isdir(tmp):
+            shutil.rmtree(tmp)
+        os.makedirs(tmp)
+    sync()
+    state = dict(trainer_state, step=step, rng=rng_state(), has_optimizer=save_optimizer, world_size=world_size)
+    if rank == 0:
+        save_model(model, tmp, tokenizer_folder=tokenizer_folder, state=model_state)
+        paddle.save(paddle.get_rng_state(), os.path.join(tmp, RNG_FILE))
     if save_optimizer:
-        paddle.save(optimizer.state_dict(), os.path.join(tmp, OPTIMIZER_FILE))
+        paddle.save(optimizer.state_dict(), os.path.join(tmp, optimizer_file(rank, world_size)))
         state["scheduler"] = scheduler.state_dict()
-    with open(os.path.join(tmp, STATE_FILE), "w", encoding="utf-8") as f:
-        json.dump(state, f, indent=2, sort_keys=True, default=_json_default)
-    if os.path.isdir(final):
-        shutil.rmtree(final)
-    os.replace(tmp, final)
-    if total_limit > 0:
-        for old in checkpoint_dirs(output_dir)[:-total_limit]:
-            shutil.rmtree(old, ignore_errors=True)
+    if rank == 0:
+        with open(os.path.join(tmp, STATE_FILE), "w", encoding="utf-8") as f:
+            json.dump(state, f, indent=2, sort_keys=True, default=_json_default)
+    sync()
+    if rank == 0:
+        if os.path.isdir(final):
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        if total_limit > 0:
+            for old in checkpoint_dirs(output_dir)[:-total_limit]:
+                shutil.rmtree(old, ignore_errors=True)
+    sync()
     return final
 
 
@@ -99,10 +118,14 @@ def load_trainer_state(path: str) -> dict:
         return json.load(f)
 
 
-def load_optimizer(path: str, optimizer, scheduler, state: dict) -> None:
+def load_optimizer(path: str, optimizer, scheduler, state: dict, rank: int = 0, world_size: int = 1) -> None:
     if not state.get("has_optimizer"):
         raise ValueError(f"{path}: saved without optimizer state (ignore_save_lr_and_optim); cannot resume exactly")
-    opt_path = os.path.join(path, OPTIMIZER_FILE)
+    saved_world = int(state.get("world_size", 1))
+    if saved_world != world_size:
+        raise ValueError(f"{path}: optimizer state was saved by {saved_world} processes, this run has {world_size}; "
+                         "resume with the same parallel layout (or set ignore_save_lr_and_optim and start fresh)")
+    opt_path = os.path.join(path, optimizer_file(rank, world_size))
     if not os.path.isfile(opt_path):
         raise FileNotFoundError(f"checkpoint file not found: {opt_path}")
     optimizer.set_state_dict(paddle.load(opt_path))

@@ -52,6 +52,7 @@ def clip_grad_norm_(parameters: Iterable, max_norm: float,
     norm = float(squared.sqrt())
     if max_norm > 0 and norm > max_norm:
         scale = max_norm / (norm + 1e-6)
-        for g in grads:
-            g.scale_(scale)
+        with paddle.no_grad():
+            for g in grads:
+                g.scale_(scale)
     return norm
