@@ -75,7 +75,7 @@ def build_workload(folder: str, model: str, prompts: int, prompt_len: int, seed:
         for i in range(max(prompts, 1) * 4):
             length = int(rng.integers(max(1, prompt_len - 4), prompt_len + 5))
             text = " ".join(f"w{int(t)}" for t in rng.integers(0, vocab_size - len(SPECIALS), size=length))
-            f.write(json.dumps({"src": text, "tgt": ""}) + "\n")
+            f.write(json.dumps({"src": text, "tgt": "none"}) + "\n")
     return {"model_dir": model_dir, "data": data}
 
 

@@ -27,6 +27,29 @@ def _add_train(sub):
     p.set_defaults(func=_train)
 
 
+def _eval(args) -> int:
+    configure_threads()
+    import json
+
+    from .config import ConfigError, load_config
+    from .data.loader import DatasetError
+    from .trainer.evaluate import run_eval
+    try:
+        metrics = run_eval(load_config(args.config, args.overrides))
+    except (ConfigError, DatasetError, FileNotFoundError, KeyError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(metrics, sort_keys=True))
+    return 0
+
+
+def _add_eval(sub):
+    p = sub.add_parser("eval", help="greedy evaluation of a model folder on eval_datasets (accuracy, mean reward)")
+    p.add_argument("config")
+    p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. actor_model_name_or_path=output/checkpoint-60")
+    p.set_defaults(func=_eval)
+
+
 def _add_data(sub):
     p = sub.add_parser("data", help="build or convert datasets")
     data_sub = p.add_subparsers(dest="data_command", required=True)
@@ -59,6 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="paddle-rl", description="GRPO / REINFORCE++ for language models on Paddle.")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_train(sub)
+    _add_eval(sub)
     _add_data(sub)
     _add_reward_server(sub)
     _add_bench(sub)

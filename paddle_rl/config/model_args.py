@@ -23,6 +23,9 @@ class ModelArgs:
     use_fused_linear: bool = arg(False, acted=False)
     fused_linear: bool = arg(False, acted=False)
     recompute: bool = arg(False, "Recompute decoder layers in the backward pass to save memory.")
+    use_custom_ops: str = arg("auto", "Fused C++/CUDA kernels of csrc/ (built on first use): auto (use them if they "
+                                      "build, else the pure-Paddle fallbacks with one log line) | on (fail if they "
+                                      "cannot be built) | off.")
     recompute_use_reentrant: bool = arg(True, acted=False)
     recompute_granularity: str = arg("full", acted=False)
     offload_level: str = arg("", acted=False)
@@ -32,5 +35,9 @@ class ModelArgs:
     rollout_quant_type: str = arg("", acted=False)
 
     def _validate_model(self, errors):
+        # YAML reads a bare on / off as true / false
+        self.use_custom_ops = {"true": "on", "false": "off"}.get(str(self.use_custom_ops).lower(), str(self.use_custom_ops).lower())
+        if self.use_custom_ops not in ("auto", "on", "off"):
+            errors.append(f"use_custom_ops: must be auto, on or off, got {self.use_custom_ops!r}")
         if not self.actor_model_name_or_path:
             errors.append("actor_model_name_or_path: required (a folder with config.json and model.safetensors)")

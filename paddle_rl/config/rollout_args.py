@@ -17,8 +17,15 @@ class RolloutArgs:
     rollout_max_num_seqs: int = arg(-1, "Sequences decoded at once (-1: all of a batch).")
     per_device_rollout_batch_size: int = arg(-1, acted=False)
     eval_max_dec_len: Optional[int] = arg(None, "Response length for evaluation; defaults to max_dec_len.")
+    reuse_rollout_logprobs: str = arg("auto", "Use the log-probs recorded while sampling as the old-policy log-probs "
+                                              "instead of a second forward pass: auto (when the update is on-policy: "
+                                              "one mini-batch per step and update_iters 1) | on | off.")
 
     def _validate_rollout(self, errors):
+        # YAML reads a bare on / off as true / false
+        self.reuse_rollout_logprobs = {"true": "on", "false": "off"}.get(str(self.reuse_rollout_logprobs).lower(), str(self.reuse_rollout_logprobs).lower())
+        if self.reuse_rollout_logprobs not in ("auto", "on", "off"):
+            errors.append(f"reuse_rollout_logprobs: must be auto, on or off, got {self.reuse_rollout_logprobs!r}")
         if self.rollout_n < 1:
             errors.append(f"rollout_n: must be >= 1, got {self.rollout_n}")
         if self.max_dec_len < 1:

@@ -10,6 +10,7 @@ import paddle
 import paddle.nn as nn
 import paddle.nn.functional as F
 
+from .. import ops
 from ..parallel import tensor_parallel as tp
 from .config import ModelConfig
 
@@ -23,8 +24,7 @@ class RMSNorm(nn.Layer):
         self.weight = self.create_parameter([dim], default_initializer=nn.initializer.Constant(1.0))
 
     def forward(self, x):
-        variance = x.pow(2).mean(-1, keepdim=True)
-        return x * paddle.rsqrt(variance + self.eps) * self.weight
+        return ops.rms_norm(x, self.weight, self.eps)
 
 
 class RotaryEmbedding:
@@ -46,22 +46,46 @@ def rotate_half(x):
 
 
 def apply_rotary(x, cos, sin):
-    return x * cos + rotate_half(x) * sin
+    """x * cos + rotate_half(x) * sin (one fused kernel when available)."""
+    return ops.rotary(x, cos, sin)
 
 
 class LayerCache:
-    """Keys and values of one layer for the tokens seen so far: [B, kv_heads, T, head_dim]."""
+    """Keys and values of one layer: buffers k, v [B, kv_heads, capacity, head_dim] allocated once and written
+    in place; slots [0, length) hold the tokens seen so far. Without a capacity the buffers grow by doubling."""
 
-    def __init__(self):
+    def __init__(self, capacity: int = 0):
+        self.capacity = capacity
         self.k = None
         self.v = None
+        self.length = 0
 
     def update(self, k, v):
-        if self.k is not None:
-            k = paddle.concat([self.k, k], axis=2)
-            v = paddle.concat([self.v, v], axis=2)
+        """Append k, v [B, kv_heads, L, head_dim]; returns the filled keys and values."""
+        start, end = self.length, self.length + k.shape[2]
+        if self.k is None or end > self.k.shape[2]:
+            self._reserve(k, end)
+        self.k[:, :, start:end] = k
+        self.v[:, :, start:end] = v
+        self.length = end
+        return self.keys, self.values
+
+    def _reserve(self, like, needed: int):
+        size = max(needed, self.capacity, 2 * (0 if self.k is None else self.k.shape[2]))
+        shape = [like.shape[0], like.shape[1], size, like.shape[3]]
+        k, v = paddle.zeros(shape, like.dtype), paddle.zeros(shape, like.dtype)
+        if self.length:
+            k[:, :, :self.length] = self.keys
+            v[:, :, :self.length] = self.values
         self.k, self.v = k, v
-        return k, v
+
+    @property
+    def keys(self):
+        return self.k if self.length == self.k.shape[2] else self.k[:, :, :self.length]
+
+    @property
+    def values(self):
+        return self.v if self.length == self.v.shape[2] else self.v[:, :, :self.length]
 
     def repeat_interleave(self, n: int):
         if n > 1:
@@ -73,8 +97,9 @@ class LayerCache:
         self.v = paddle.gather(self.v, index, axis=0)
 
 
-def new_cache(config: ModelConfig) -> List[LayerCache]:
-    return [LayerCache() for _ in range(config.num_hidden_layers)]
+def new_cache(config: ModelConfig, capacity: int = 0) -> List[LayerCache]:
+    """One LayerCache per layer; `capacity` (prompt + response slots) preallocates the buffers."""
+    return [LayerCache(capacity) for _ in range(config.num_hidden_layers)]
 
 
 class Attention(nn.Layer):

@@ -7,7 +7,7 @@ Tensor parallelism needs four conjugate pairs (forward / backward):
 - scatter_to_group:  take own slice / all-gather
 Every function is the identity when `group` is None (an axis of size 1).
 """
-from typing import List, Optional
+from typing import List
 
 import numpy as np
 import paddle
@@ -149,22 +149,6 @@ def barrier(group=None) -> None:
         dist.barrier(group)
 
 
-def broadcast_(tensor, src_rank: int, group) -> None:
-    """In-place broadcast from global rank `src_rank` within the group."""
-    if group is not None:
-        dist.broadcast(tensor, src=src_rank, group=group)
-
-
 def is_distributed(param) -> bool:
     """True for a parameter split across the tensor-parallel group (each rank holds a different shard)."""
     return bool(getattr(param, "is_distributed", False))
-
-
-def mark_distributed(param) -> None:
-    param.is_distributed = True
-
-
-def first_rank(group, default: Optional[int] = None) -> int:
-    if group is None:
-        return dist.get_rank() if default is None else default
-    return group.ranks[0]

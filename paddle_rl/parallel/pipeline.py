@@ -259,10 +259,3 @@ def sync_tied_embedding(stage: PipelineStage, topo) -> None:
     if grad is not None:
         dist.all_reduce(grad, group=group)
 
-
-def stage_state_dict(stage: PipelineStage) -> dict:
-    return {n: p.numpy() for n, p in stage.named_parameters()}
-
-
-def numpy_concat(parts: List[np.ndarray]) -> np.ndarray:
-    return np.concatenate(parts) if parts else np.zeros((0, 0), dtype=np.float32)

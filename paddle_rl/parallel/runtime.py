@@ -12,7 +12,6 @@ arithmetic). Under a parallel topology:
 - only global rank 0 writes metrics and checkpoints (each rank adds its optimizer shard).
 """
 import contextlib
-import logging
 from types import SimpleNamespace
 from typing import Callable, List, Optional
 
@@ -24,8 +23,6 @@ from .logprobs import batched_logprobs as tp_batched_logprobs
 from .logprobs import token_logprobs
 from .sharding import GradientSync, build_sharded_optimizer, optimizer_state_bytes
 from .topology import Topology, TopologyError, single_process
-
-logger = logging.getLogger("paddle_rl")
 
 
 class ParallelRuntime:
@@ -174,6 +171,22 @@ class ParallelRuntime:
         keys = sorted(metrics)
         summed = self.sum([float(metrics[k]) for k in keys])
         return {k: float(summed[i] / d) for i, k in enumerate(keys)}
+
+    def reduce_value_metrics(self, metrics: dict, prefix: str, values) -> dict:
+        """reduce_metrics, with {prefix}/mean, /std, /max, /min recomputed exactly from every rank's values."""
+        out = self.reduce_metrics(metrics)
+        group = self.topo.group("batch")
+        if group is None:
+            return out
+        v = np.asarray(values, dtype=np.float64).reshape(-1)
+        count, total, squares = C.sum_numpy([v.size, v.sum(), (v * v).sum()], group)
+        hi = C.max_numpy([v.max() if v.size else -np.inf, -(v.min() if v.size else np.inf)], group)
+        if count > 0:
+            mean = total / count
+            exact = {"mean": mean, "std": float(np.sqrt(max(squares / count - mean * mean, 0.0))),
+                     "max": hi[0], "min": -hi[1]}
+            out.update({f"{prefix}/{k}": float(x) for k, x in exact.items() if f"{prefix}/{k}" in out})
+        return out
 
     # ------------------------------------------------------------------ rollout
     def _rollout_is_direct(self) -> bool:

@@ -175,7 +175,15 @@ _INITIALIZED = False
 def _new_group(ranks: Tuple[int, ...]):
     import paddle.distributed as dist
     if ranks not in _GROUP_CACHE:
-        _GROUP_CACHE[ranks] = dist.new_group(list(ranks))
+        if len(ranks) == dist.get_world_size():
+            # the whole world is the default group (a second gloo group over every rank intermittently failed
+            # to connect on paddle 3.3.1)
+            _GROUP_CACHE[ranks] = dist.get_group(0)
+        else:
+            _GROUP_CACHE[ranks] = dist.new_group(list(ranks))
+            # members connect while other ranks may already be creating the next group; without this barrier
+            # overlapping groups on 4 processes hung or refused connections (gloo, paddle 3.3.1)
+            dist.barrier()
     return _GROUP_CACHE[ranks]
 
 

@@ -5,9 +5,11 @@ from typing import List, Optional, Sequence
 import numpy as np
 import paddle
 
+from .. import ops
 from ..models.decoder import CausalLM, attention_bias_from_mask, new_cache, position_ids_from_mask
 from .keys import uniforms_for
-from .sampling import SamplingParams, next_tokens
+from .runner import DecodeRunner
+from .sampling import SamplingParams
 
 
 @dataclass
@@ -62,10 +64,11 @@ class RolloutEngine:
         model.eval()
         stop_ids = sorted(set(params.stop_token_ids) | set(self.eos_ids))
         ids, mask = left_pad(prompts, self.pad_id)
-        cache = new_cache(model.config)
+        width = ids.shape[1]
+        cache = new_cache(model.config, width + params.max_dec_len)
         ids_t, mask_t = paddle.to_tensor(ids), paddle.to_tensor(mask)
         hidden = model.hidden_states(ids_t, position_ids_from_mask(mask_t),
-                                     attention_bias_from_mask(mask_t, ids.shape[1], causal=True), cache)
+                                     attention_bias_from_mask(mask_t, width, causal=True), cache)
         logits = model.logits(hidden[:, -1])
         if n > 1:
             for layer in cache:
@@ -74,47 +77,51 @@ class RolloutEngine:
             mask = np.repeat(mask, n, axis=0)
         batch = logits.shape[0]
         rows_prompts = [list(p) for p in prompts for _ in range(n)]
-        next_pos = paddle.to_tensor(mask.sum(1, keepdims=True).astype(np.int64))
-        key_mask = paddle.to_tensor(mask)
-        uniforms = None if params.greedy else paddle.to_tensor(uniforms_for(keys, params.max_dec_len))
+        prompt_lens = mask.sum(1).astype(np.int64)
+        next_pos = paddle.to_tensor(prompt_lens.reshape(-1, 1))
+        start = paddle.to_tensor(width - prompt_lens)          # first cache slot of each row's prompt
+        uniforms = None
+        if not params.greedy:
+            uniforms = paddle.to_tensor(np.ascontiguousarray(uniforms_for(keys, params.max_dec_len).T))
         seen = None
         if params.repetition_penalty != 1.0:
             seen_np = np.zeros((batch, logits.shape[-1]), dtype=np.float32)
             for r, p in enumerate(rows_prompts):
                 seen_np[r, p] = 1.0
             seen = paddle.to_tensor(seen_np)
-        stop_t = paddle.to_tensor(stop_ids, dtype="int64") if stop_ids else None
+        stop_t = paddle.to_tensor(np.asarray(stop_ids, dtype=np.int64).reshape([-1]))
         finished = paddle.zeros([batch], dtype="bool")
-        tokens_out, logp_out, alive_out = [], [], []
+        lengths = paddle.zeros([batch], dtype="int64")
+        ban = paddle.full([batch], True, dtype="bool") if params.min_dec_len > 0 else None
+        runner = DecodeRunner(model) if DecodeRunner.supports(model) else None
+        key_mask = None if runner is not None else paddle.to_tensor(mask)
+        tokens_out, logp_out = [], []
         for t in range(params.max_dec_len):
-            ban_rows = paddle.ones([batch], dtype="bool") if t < params.min_dec_len else None
-            u = None if uniforms is None else uniforms[:, t]
-            tokens, logp = next_tokens(logits, params, seen, u, ban_rows, stop_ids)
-            alive = paddle.logical_not(finished)
-            tokens = paddle.where(alive, tokens, paddle.full_like(tokens, self.pad_id))
-            tokens_out.append(tokens)
-            logp_out.append(paddle.where(alive, logp, paddle.zeros_like(logp)))
-            alive_out.append(alive)
-            if stop_t is not None:
-                finished = paddle.logical_or(finished, paddle.any(tokens.unsqueeze(-1) == stop_t, axis=-1))
-            if t + 1 == params.max_dec_len or bool(finished.all()):
+            tokens, logp = ops.sample(logits, None if uniforms is None else uniforms[t], seen, ban, stop_t,
+                                      params.temperature, params.top_k, params.top_p, params.repetition_penalty)
+            state = ops.step_update(tokens, logp, finished, lengths, stop_t, seen, self.pad_id, params.min_dec_len)
+            tokens_out.append(state.tokens)
+            logp_out.append(state.logprob)
+            finished, lengths, seen = state.finished, state.lengths, state.seen
+            ban = state.ban if params.min_dec_len > 0 else None
+            if t + 1 == params.max_dec_len or bool(state.done):
                 break
-            if seen is not None:
-                seen = paddle.put_along_axis(seen, tokens.unsqueeze(-1), paddle.ones([batch, 1]), axis=-1)
-            key_mask = paddle.concat([key_mask, paddle.ones([batch, 1], dtype="int64")], axis=1)
-            step_ids = tokens.unsqueeze(-1)
-            hidden = model.hidden_states(step_ids, next_pos, attention_bias_from_mask(key_mask, 1, causal=False), cache)
-            logits = model.logits(hidden[:, -1])
+            if runner is not None:
+                logits = runner.step(state.tokens, next_pos, cache, start)
+            else:
+                key_mask = paddle.concat([key_mask, paddle.ones([batch, 1], dtype="int64")], axis=1)
+                hidden = model.hidden_states(state.tokens.unsqueeze(-1), next_pos,
+                                             attention_bias_from_mask(key_mask, 1, causal=False), cache)
+                logits = model.logits(hidden[:, -1])
             next_pos = next_pos + 1
         if was_training:
             model.train()
         response = paddle.stack(tokens_out, axis=1).numpy()
-        alive = paddle.stack(alive_out, axis=1).numpy().astype(np.float32)
+        lengths_np = lengths.numpy().astype(np.int64)
+        alive = (np.arange(response.shape[1])[None, :] < lengths_np[:, None]).astype(np.float32)
         logprobs = paddle.stack(logp_out, axis=1).numpy() * alive
-        lengths = alive.sum(1).astype(np.int64)
-        last = response[np.arange(batch), np.maximum(lengths - 1, 0)]
-        ended = np.isin(last, stop_ids) & (lengths > 0)
-        return RolloutOutput(rows_prompts, response, alive, logprobs.astype(np.float32), lengths, ~ended)
+        truncated = ~finished.numpy().astype(bool)
+        return RolloutOutput(rows_prompts, response, alive, logprobs.astype(np.float32), lengths_np, truncated)
 
 
 def _concat(parts: List[RolloutOutput], pad_id: int) -> RolloutOutput:

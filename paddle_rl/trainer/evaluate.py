@@ -34,3 +34,26 @@ def _reward_record(item) -> dict:
     if item.get("data_source"):
         record.setdefault("data_source", item["data_source"])
     return record
+
+
+def run_eval(config) -> dict:
+    """Greedy evaluation of config.actor_model_name_or_path on config.eval_datasets (no training data needed)."""
+    import os
+
+    from ..data.loader import load_prompt_dataset
+    from ..models import Tokenizer, load_model
+    from ..rewards import build_reward
+    from ..rollout import RolloutEngine
+
+    model_dir = config.actor_model_name_or_path
+    if not os.path.isdir(model_dir):
+        raise FileNotFoundError(f"actor_model_name_or_path: folder not found: {model_dir}")
+    if not config.eval_datasets:
+        raise ValueError("eval_datasets: required for evaluation")
+    tokenizer = Tokenizer.from_pretrained(config.tokenizer_name_or_path or model_dir)
+    model = load_model(model_dir)
+    dataset = load_prompt_dataset(config.eval_datasets, tokenizer, config.prompt_key, config.response_key,
+                                  config.max_prompt_len, config.prompt_overflow, limit=config.max_eval_samples)
+    stop_ids = sorted(set(tokenizer.eos_token_ids) | set(model.config.eos_token_ids))
+    engine = RolloutEngine(model, tokenizer.pad_token_id, stop_ids, config.rollout_max_num_seqs)
+    return evaluate(engine, tokenizer, dataset, build_reward(config), config, stop_ids)

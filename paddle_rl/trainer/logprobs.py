@@ -1,11 +1,40 @@
-"""Per-token log-probs (and entropy) of response tokens under a model, in micro-batches."""
-from typing import Optional
+"""Per-token log-probs (and entropy) of response tokens under a model, in micro-batches.
 
+The LM head runs on response positions only, through `ops.lm_head_logprobs`: chunks of rows, never a
+[tokens, vocab] log-softmax (a fused kernel when available).
+"""
 import numpy as np
 import paddle
-import paddle.nn.functional as F
 
+from .. import ops
 from ..models.decoder import attention_bias_from_mask, position_ids_from_mask
+
+
+def _head_weight(model):
+    """(weight, transposed) when the output projection is one bias-free matrix over the whole vocabulary
+    ([hidden, vocab], or the tied embedding [vocab, hidden]); None otherwise (the model's own `logits`)."""
+    if getattr(model, "tp_group", None) is not None:
+        return None
+    cfg = model.config
+    if cfg.tie_word_embeddings:
+        weight = getattr(getattr(model, "embed_tokens", None), "weight", None)
+        ok = weight is not None and list(weight.shape) == [cfg.vocab_size, cfg.hidden_size]
+        return (weight, True) if ok else None
+    head = getattr(model, "lm_head", None)
+    weight = getattr(head, "weight", None)
+    if weight is None or getattr(head, "bias", None) is not None:
+        return None
+    return (weight, False) if list(weight.shape) == [cfg.hidden_size, cfg.vocab_size] else None
+
+
+def _from_logits(logits, labels, temperature: float, with_entropy: bool):
+    if temperature > 0:
+        logits = logits / temperature
+    shifted = logits - logits.max(axis=-1, keepdim=True).detach()
+    logp_all = shifted - shifted.exp().sum(axis=-1, keepdim=True).log()
+    logp = paddle.take_along_axis(logp_all, labels.unsqueeze(-1), axis=-1).squeeze(-1)
+    entropy = -(logp_all.exp() * logp_all).sum(axis=-1) if with_entropy else None
+    return logp, entropy
 
 
 def token_logprobs(model, input_ids, attention_mask, prompt_width: int, response_ids, temperature: float,
@@ -14,16 +43,18 @@ def token_logprobs(model, input_ids, attention_mask, prompt_width: int, response
 
     input_ids = [left-padded prompt | right-padded response]; the LM head runs on response positions only.
     """
-    length = response_ids.shape[1]
+    batch, length = response_ids.shape[0], response_ids.shape[1]
     bias = attention_bias_from_mask(attention_mask, input_ids.shape[1], causal=True)
     hidden = model.hidden_states(input_ids, position_ids_from_mask(attention_mask), bias)
-    logits = model.logits(hidden[:, prompt_width - 1:prompt_width - 1 + length])
-    if temperature > 0:
-        logits = logits / temperature
-    logp_all = F.log_softmax(logits, axis=-1)
-    logp = paddle.take_along_axis(logp_all, response_ids.unsqueeze(-1), axis=-1).squeeze(-1)
-    entropy = -(logp_all.exp() * logp_all).sum(-1) if with_entropy else None
-    return logp, entropy
+    hidden = hidden[:, prompt_width - 1:prompt_width - 1 + length]
+    head = _head_weight(model)
+    if head is None:
+        return _from_logits(model.logits(hidden), response_ids, temperature, with_entropy)
+    weight, transposed = head
+    logp, entropy = ops.lm_head_logprobs(hidden.reshape([batch * length, hidden.shape[-1]]), weight,
+                                         response_ids.reshape([-1]), temperature, with_entropy,
+                                         transpose_weight=transposed)
+    return logp.reshape([batch, length]), None if entropy is None else entropy.reshape([batch, length])
 
 
 @paddle.no_grad()
@@ -44,3 +75,18 @@ def batched_logprobs(model, batch, temperature: float, micro_batch_size: int, wi
     mask = batch.response_mask
     logp = np.concatenate(outs) * mask
     return (logp, np.concatenate(ents) * mask) if with_entropy else logp
+
+
+def reuses_rollout_logprobs(config, mini_batches_per_step: int) -> bool:
+    """Whether the old-policy log-probs are the rollout's own (`reuse_rollout_logprobs`).
+
+    The rollout samples from, and records log softmax(logits / T) of, the very weights the old-log-prob pass
+    would recompute, so the two agree to float rounding (tests/test_rollout_logprobs.py bounds the gap).
+    `auto` reuses them when the update is on-policy (one mini-batch per step, update_iters 1), where the
+    PPO ratio is 1 up to that rounding; `on` always; `off` never."""
+    mode = str(getattr(config, "reuse_rollout_logprobs", "off")).lower()
+    if mode == "on":
+        return True
+    if mode == "auto":
+        return mini_batches_per_step == 1 and config.update_iters == 1
+    return False

@@ -12,6 +12,7 @@ import numpy as np
 import paddle
 from paddle.utils import unique_name
 
+from .. import ops
 from ..algorithms import Objective
 from ..config import check_paths
 from ..data.loader import PromptSampler, load_prompt_dataset
@@ -23,6 +24,7 @@ from ..rollout import RolloutEngine, SamplingParams, sample_key
 from .batch import RolloutBatch, merge_rollouts, select_result, select_rollout
 from .checkpoint import (load_optimizer, load_trainer_state, resolve_resume, save_checkpoint, set_rng_state)
 from .evaluate import _reward_record, evaluate
+from .logprobs import reuses_rollout_logprobs
 
 logger = logging.getLogger("paddle_rl")
 
@@ -33,6 +35,7 @@ class RLTrainer:
         several processes, else a single process."""
         check_paths(config)
         self.config = config
+        ops.configure(config.use_custom_ops)
         self.parallel = ParallelRuntime(topology if topology is not None else _topology(config))
         self.parallel.check_config(config)
         paddle.seed(config.seed)
@@ -224,6 +227,8 @@ class RLTrainer:
             result = select_result(result, index)
         group_ids = np.repeat(np.arange(len(items)), n)
         batch = RolloutBatch.from_rollout(out, group_ids, self.pad_id)
+        if reuses_rollout_logprobs(cfg, self.mini_batches_per_step):
+            batch.arrays["rollout_logp"] = out.logprobs
         batch.response_mask = np.asarray(self.objective.response_mask_for_update(batch.response_mask, out.truncated),
                                          dtype=np.float32)
         mask = batch.response_mask
@@ -252,15 +257,19 @@ class RLTrainer:
                 batch.arrays["ref_logp"] = self.parallel.batched_logprobs(self.reference, batch, cfg.temperature,
                                                                           cfg.per_device_logprob_batch_size)
         with timer.stage("old_logprob"):
-            batch.arrays["old_logp"] = self.parallel.batched_logprobs(self.actor, batch, cfg.temperature,
-                                                                      cfg.per_device_logprob_batch_size)
+            if "rollout_logp" in batch.arrays:
+                batch.arrays["old_logp"] = batch.arrays.pop("rollout_logp") * mask
+            else:
+                batch.arrays["old_logp"] = self.parallel.batched_logprobs(self.actor, batch, cfg.temperature,
+                                                                          cfg.per_device_logprob_batch_size)
         with timer.stage("advantage"):
             per_function = {k: np.nan_to_num(v) for k, v in result.per_function.items()}
             adv, adv_metrics = self.objective.advantages_and_metrics(
                 scores, mask, batch.group_ids, batch.arrays["old_logp"], batch.arrays.get("ref_logp"),
                 per_function_scores=per_function)
             batch.arrays["advantages"] = adv.numpy().astype(np.float32) if isinstance(adv, paddle.Tensor) else adv
-        metrics.update(self.parallel.reduce_metrics(adv_metrics))
+        metrics.update(self.parallel.reduce_value_metrics(adv_metrics, "advantage",
+                                                          batch.arrays["advantages"][mask > 0]))
         if self.reference is not None:
             diff = (batch.arrays["old_logp"] - batch.arrays["ref_logp"]) * mask
             total, count = self.parallel.sum([diff.sum(), mask.sum()])

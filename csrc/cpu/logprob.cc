@@ -1,0 +1,145 @@
+// Per-token log-prob of the label and entropy from a chunk of raw LM-head outputs, without a [N, V] log-softmax.
+//   forward:  z = scale * logits; lse = logsumexp(z); logp = z[label] - lse; mean_z = sum softmax(z) * z;
+//             entropy = lse - mean_z.
+//   backward: d logits = scale * (g_logp * (onehot(label) - p) - g_entropy * p * (z - mean_z)), p = exp(z - lse).
+// The LM-head matmuls around it run in Paddle (paddle_rl/ops/logprob.py), chunk by chunk.
+#include <algorithm>
+
+#include "../prl_common.h"
+
+#ifdef PRL_WITH_CUDA
+std::vector<paddle::Tensor> LogprobForwardCUDA(const paddle::Tensor& logits, const paddle::Tensor& labels,
+                                               float scale);
+std::vector<paddle::Tensor> LogprobBackwardCUDA(const paddle::Tensor& logits, const paddle::Tensor& labels,
+                                                const paddle::Tensor& lse, const paddle::Tensor& mean_z,
+                                                const paddle::Tensor& grad_logp,
+                                                const paddle::optional<paddle::Tensor>& grad_entropy, float scale);
+#endif
+
+namespace {
+
+void CheckInputs(const paddle::Tensor& logits, const paddle::Tensor& labels, const char* op) {
+  prl::CheckCpuFloat(logits, op, "logits");
+  PD_CHECK(logits.shape().size() == 2, op, ": logits must be [N, V]");
+  PD_CHECK(labels.dtype() == paddle::DataType::INT64 && labels.numel() == logits.shape()[0], op,
+           ": labels must be int64 [N]");
+}
+
+}  // namespace
+
+std::vector<paddle::Tensor> LogprobForward(const paddle::Tensor& logits, const paddle::Tensor& labels, float scale) {
+#ifdef PRL_WITH_CUDA
+  if (logits.is_gpu()) return LogprobForwardCUDA(logits, labels, scale);
+#endif
+  const char* op = "prl_logprob";
+  CheckInputs(logits, labels, op);
+  const int64_t n = logits.shape()[0], v = logits.shape()[1];
+  auto logp = paddle::empty({n}, paddle::DataType::FLOAT32, logits.place());
+  auto entropy = paddle::empty({n}, paddle::DataType::FLOAT32, logits.place());
+  auto lse = paddle::empty({n}, paddle::DataType::FLOAT32, logits.place());
+  auto mean_z = paddle::empty({n}, paddle::DataType::FLOAT32, logits.place());
+  const float* xp = logits.data<float>();
+  const int64_t* yp = labels.data<int64_t>();
+  float *lp = logp.data<float>(), *hp = entropy.data<float>(), *sp = lse.data<float>(), *mp = mean_z.data<float>();
+  bool bad_label = false;
+  std::vector<float> z(v);
+  for (int64_t r = 0; r < n; ++r) {
+    const float* x = xp + r * v;
+    float m = -3.0e38f;
+#pragma omp simd reduction(max : m)
+    for (int64_t i = 0; i < v; ++i) {
+      z[i] = x[i] * scale;
+      m = std::max(m, z[i]);
+    }
+    double s = 0.0, sz = 0.0;
+#pragma omp simd reduction(+ : s, sz)
+    for (int64_t i = 0; i < v; ++i) {
+      const float e = prl::ExpF(z[i] - m);
+      s += e;
+      sz += static_cast<double>(e) * z[i];
+    }
+    const double l = m + std::log(s);
+    const double mz = sz / s;
+    const int64_t y = yp[r];
+    if (y < 0 || y >= v) {
+      bad_label = true;
+      continue;
+    }
+    lp[r] = static_cast<float>(z[y] - l);
+    hp[r] = static_cast<float>(l - mz);
+    sp[r] = static_cast<float>(l);
+    mp[r] = static_cast<float>(mz);
+  }
+  PD_CHECK(!bad_label, op, ": a label is outside [0, ", v, ")");
+  return {logp, entropy, lse, mean_z};
+}
+
+std::vector<paddle::Tensor> LogprobBackward(const paddle::Tensor& logits, const paddle::Tensor& labels,
+                                            const paddle::Tensor& lse, const paddle::Tensor& mean_z,
+                                            const paddle::Tensor& grad_logp,
+                                            const paddle::optional<paddle::Tensor>& grad_entropy, float scale) {
+#ifdef PRL_WITH_CUDA
+  if (logits.is_gpu()) return LogprobBackwardCUDA(logits, labels, lse, mean_z, grad_logp, grad_entropy, scale);
+#endif
+  const char* op = "prl_logprob_backward";
+  CheckInputs(logits, labels, op);
+  const int64_t n = logits.shape()[0], v = logits.shape()[1];
+  auto grad = paddle::empty({n, v}, paddle::DataType::FLOAT32, logits.place());
+  const float* xp = logits.data<float>();
+  const int64_t* yp = labels.data<int64_t>();
+  const float *sp = lse.data<float>(), *mp = mean_z.data<float>(), *gl = grad_logp.data<float>();
+  const float* ge = grad_entropy ? grad_entropy->data<float>() : nullptr;
+  float* gp = grad.data<float>();
+  for (int64_t r = 0; r < n; ++r) {
+    const float* x = xp + r * v;
+    float* g = gp + r * v;
+    const float l = sp[r], mz = mp[r], a = gl[r] * scale, c = (ge ? ge[r] : 0.0f) * scale;
+    for (int64_t i = 0; i < v; ++i) {
+      const float z = x[i] * scale;
+      const float p = prl::ExpF(z - l);
+      g[i] = -a * p - c * p * (z - mz);
+    }
+    const int64_t y = yp[r];
+    if (y >= 0 && y < v) g[y] += a;
+  }
+  return {grad};
+}
+
+std::vector<std::vector<int64_t>> LogprobInferShape(const std::vector<int64_t>& logits,
+                                                    const std::vector<int64_t>& labels, float scale) {
+  return {{logits[0]}, {logits[0]}, {logits[0]}, {logits[0]}};
+}
+
+std::vector<paddle::DataType> LogprobInferDtype(paddle::DataType logits, paddle::DataType labels) {
+  return {logits, logits, logits, logits};
+}
+
+std::vector<std::vector<int64_t>> LogprobBackwardInferShape(
+    const std::vector<int64_t>& logits, const std::vector<int64_t>& labels, const std::vector<int64_t>& lse,
+    const std::vector<int64_t>& mean_z, const std::vector<int64_t>& grad_logp,
+    const paddle::optional<std::vector<int64_t>>& grad_entropy, float scale) {
+  return {logits};
+}
+
+std::vector<paddle::DataType> LogprobBackwardInferDtype(paddle::DataType logits, paddle::DataType labels,
+                                                        paddle::DataType lse, paddle::DataType mean_z,
+                                                        paddle::DataType grad_logp,
+                                                        const paddle::optional<paddle::DataType>& grad_entropy) {
+  return {logits};
+}
+
+PD_BUILD_OP(prl_logprob)
+    .Inputs({"Logits", "Labels"})
+    .Outputs({"Logp", "Entropy", "Lse", "MeanZ"})
+    .Attrs({"scale: float"})
+    .SetKernelFn(PD_KERNEL(LogprobForward))
+    .SetInferShapeFn(PD_INFER_SHAPE(LogprobInferShape))
+    .SetInferDtypeFn(PD_INFER_DTYPE(LogprobInferDtype));
+
+PD_BUILD_OP(prl_logprob_backward)
+    .Inputs({"Logits", "Labels", "Lse", "MeanZ", "GradLogp", paddle::Optional("GradEntropy")})
+    .Outputs({"GradLogits"})
+    .Attrs({"scale: float"})
+    .SetKernelFn(PD_KERNEL(LogprobBackward))
+    .SetInferShapeFn(PD_INFER_SHAPE(LogprobBackwardInferShape))
+    .SetInferDtypeFn(PD_INFER_DTYPE(LogprobBackwardInferDtype));

@@ -1,0 +1,88 @@
+// Fused RMSNorm over the last axis: y = (x * rsqrt(mean(x^2) + eps)) * w, with its backward.
+#include "../prl_common.h"
+
+#ifdef PRL_WITH_CUDA
+std::vector<paddle::Tensor> RmsNormForwardCUDA(const paddle::Tensor& x, const paddle::Tensor& w, float eps);
+std::vector<paddle::Tensor> RmsNormBackwardCUDA(const paddle::Tensor& x, const paddle::Tensor& w,
+                                                const paddle::Tensor& rstd, const paddle::Tensor& grad_out);
+#endif
+
+std::vector<paddle::Tensor> RmsNormForward(const paddle::Tensor& x, const paddle::Tensor& w, float eps) {
+#ifdef PRL_WITH_CUDA
+  if (x.is_gpu()) return RmsNormForwardCUDA(x, w, eps);
+#endif
+  prl::CheckCpuFloat(x, "prl_rms_norm", "x");
+  prl::CheckCpuFloat(w, "prl_rms_norm", "weight");
+  const int64_t d = prl::LastDim(x), n = prl::Rows(x);
+  PD_CHECK(w.numel() == d, "prl_rms_norm: weight has ", w.numel(), " elements, the last axis of x has ", d);
+  auto out = paddle::empty(x.shape(), x.dtype(), x.place());
+  auto rstd = paddle::empty({n}, paddle::DataType::FLOAT32, x.place());
+  const float* xp = x.data<float>();
+  const float* wp = w.data<float>();
+  float* yp = out.data<float>();
+  float* rp = rstd.data<float>();
+  for (int64_t i = 0; i < n; ++i) {
+    const float* row = xp + i * d;
+    float* y = yp + i * d;
+    double ss = 0.0;
+#pragma omp simd reduction(+ : ss)
+    for (int64_t j = 0; j < d; ++j) ss += static_cast<double>(row[j]) * row[j];
+    const float r = 1.0f / std::sqrt(static_cast<float>(ss / d) + eps);
+    rp[i] = r;
+    for (int64_t j = 0; j < d; ++j) y[j] = (row[j] * r) * wp[j];
+  }
+  return {out, rstd};
+}
+
+// dx = r * (g*w - xhat * mean(g*w*xhat)), dw = sum over rows of g*xhat, xhat = x*r.
+std::vector<paddle::Tensor> RmsNormBackward(const paddle::Tensor& x, const paddle::Tensor& w,
+                                            const paddle::Tensor& rstd, const paddle::Tensor& grad_out) {
+#ifdef PRL_WITH_CUDA
+  if (x.is_gpu()) return RmsNormBackwardCUDA(x, w, rstd, grad_out);
+#endif
+  const int64_t d = prl::LastDim(x), n = prl::Rows(x);
+  auto gx = paddle::empty(x.shape(), x.dtype(), x.place());
+  auto gw = paddle::empty(w.shape(), w.dtype(), w.place());
+  const float* xp = x.data<float>();
+  const float* wp = w.data<float>();
+  const float* rp = rstd.data<float>();
+  const float* gp = grad_out.data<float>();
+  float* gxp = gx.data<float>();
+  std::vector<double> acc(d, 0.0);
+  for (int64_t i = 0; i < n; ++i) {
+    const float* row = xp + i * d;
+    const float* g = gp + i * d;
+    float* out = gxp + i * d;
+    const float r = rp[i];
+    double dot = 0.0;
+#pragma omp simd reduction(+ : dot)
+    for (int64_t j = 0; j < d; ++j) dot += static_cast<double>(g[j] * wp[j]) * (row[j] * r);
+    for (int64_t j = 0; j < d; ++j) acc[j] += static_cast<double>(g[j]) * (row[j] * r);
+    const float mean = static_cast<float>(dot / d);
+    for (int64_t j = 0; j < d; ++j) out[j] = r * (g[j] * wp[j] - (row[j] * r) * mean);
+  }
+  float* gwp = gw.data<float>();
+  for (int64_t j = 0; j < d; ++j) gwp[j] = static_cast<float>(acc[j]);
+  return {gx, gw};
+}
+
+std::vector<std::vector<int64_t>> RmsNormInferShape(const std::vector<int64_t>& x, const std::vector<int64_t>& w) {
+  int64_t n = 1;
+  for (size_t i = 0; i + 1 < x.size(); ++i) n *= x[i];
+  return {x, {n}};
+}
+
+std::vector<paddle::DataType> RmsNormInferDtype(paddle::DataType x, paddle::DataType w) { return {x, x}; }
+
+PD_BUILD_OP(prl_rms_norm)
+    .Inputs({"X", "W"})
+    .Outputs({"Out", "Rstd"})
+    .Attrs({"eps: float"})
+    .SetKernelFn(PD_KERNEL(RmsNormForward))
+    .SetInferShapeFn(PD_INFER_SHAPE(RmsNormInferShape))
+    .SetInferDtypeFn(PD_INFER_DTYPE(RmsNormInferDtype));
+
+PD_BUILD_GRAD_OP(prl_rms_norm)
+    .Inputs({"X", "W", "Rstd", paddle::Grad("Out")})
+    .Outputs({paddle::Grad("X"), paddle::Grad("W")})
+    .SetKernelFn(PD_KERNEL(RmsNormBackward));

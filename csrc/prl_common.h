@@ -1,0 +1,88 @@
+// Helpers shared by the CPU kernels of paddle_rl's fused ops.
+// The kernels are single-threaded (the process's cores go to MKL's matmuls between them) and rely on the
+// compiler's SIMD: `#pragma omp simd` marks reductions whose order may change (built with -fopenmp-simd,
+// which needs no OpenMP runtime).
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "paddle/extension.h"
+
+
+namespace prl {
+
+constexpr float kNegInf = -1e9f;  // the additive "banned" logit of the pure-Paddle code
+
+inline int64_t Rows(const paddle::Tensor& x) {
+  const auto& s = x.shape();
+  int64_t n = 1;
+  for (size_t i = 0; i + 1 < s.size(); ++i) n *= s[i];
+  return n;
+}
+
+inline int64_t LastDim(const paddle::Tensor& x) { return x.shape().back(); }
+
+inline void CheckCpuFloat(const paddle::Tensor& x, const char* op, const char* name) {
+  PD_CHECK(x.is_cpu(), op, ": ", name, " must be a CPU tensor");
+  PD_CHECK(x.dtype() == paddle::DataType::FLOAT32, op, ": ", name, " must be float32");
+}
+
+template <typename To, typename From>
+inline To BitCast(From v) {
+  static_assert(sizeof(To) == sizeof(From), "size mismatch");
+  return __builtin_bit_cast(To, v);
+}
+
+// exp(x) in double, branch-free so that loops over it vectorize; relative error <= ~2.3e-16; exactly 0 below
+// -708.39 (where the reference's exp is subnormal or 0).
+inline double ExpD(double x) {
+  const double lo = -708.3964185322641, hi = 709.0;
+  const double shifter = 6755399441055744.0;  // 1.5 * 2^52: adding it rounds to an integer kept in the low bits
+  double xc = x < lo ? lo : (x > hi ? hi : x);
+  double t = xc * 1.4426950408889634 + shifter;
+  double n = t - shifter;
+  double r = xc - n * 6.93147180369123816490e-01;
+  r = r - n * 1.90821492927058770002e-10;
+  double p = 1.0 / 6227020800.0;
+  p = p * r + 1.0 / 479001600.0;
+  p = p * r + 1.0 / 39916800.0;
+  p = p * r + 1.0 / 3628800.0;
+  p = p * r + 1.0 / 362880.0;
+  p = p * r + 1.0 / 40320.0;
+  p = p * r + 1.0 / 5040.0;
+  p = p * r + 1.0 / 720.0;
+  p = p * r + 1.0 / 120.0;
+  p = p * r + 1.0 / 24.0;
+  p = p * r + 1.0 / 6.0;
+  p = p * r + 0.5;
+  p = p * r + 1.0;
+  p = p * r + 1.0;
+  const double scale = BitCast<double>((BitCast<uint64_t>(t) + 1023) << 52);
+  return x < lo ? 0.0 : p * scale;
+}
+
+// exp(x) in float, branch-free; relative error <= ~2e-7; exactly 0 below -87.3.
+inline float ExpF(float x) {
+  const float lo = -87.33654f, hi = 88.0f;
+  const float shifter = 12582912.0f;  // 1.5 * 2^23
+  float xc = x < lo ? lo : (x > hi ? hi : x);
+  float t = xc * 1.44269504f + shifter;
+  float n = t - shifter;
+  float r = xc - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  float p = 1.0f / 5040.0f;
+  p = p * r + 1.0f / 720.0f;
+  p = p * r + 1.0f / 120.0f;
+  p = p * r + 1.0f / 24.0f;
+  p = p * r + 1.0f / 6.0f;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  const float scale = BitCast<float>((BitCast<uint32_t>(t) + 127u) << 23);
+  return x < lo ? 0.0f : p * scale;
+}
+
+}  // namespace prl

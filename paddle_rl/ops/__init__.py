@@ -1,0 +1,31 @@
+"""Fused kernels (csrc/, built with paddle.utils.cpp_extension on first use) with pure-Paddle fallbacks.
+
+Each op has `<op>_reference` (pure Paddle: the definition), `<op>_fused` (the kernel) and `<op>` (the kernel
+when it is in use, else the reference). `configure("auto" | "on" | "off")` selects (config key
+`use_custom_ops`); see build.py for the cache and the modes.
+
+- rms_norm: RMSNorm with its backward
+- rotary: rotate-half rotary embedding with its backward
+- rotary_qkv_cache: the decode step's qkv split + q/k norm + rotary + in-place KV-cache write
+- decode_attention: one decode step of grouped-query attention over the cache
+- sample: penalty, stop-token ban, temperature, top-k, top-p and the inverse-CDF draw; log-prob of the draw
+- lm_head_logprobs: per-token log-prob and entropy from hidden states and the LM-head weight, chunked
+- step_update: the rollout's per-step stop flags, lengths, seen tokens and min-length ban
+"""
+from .attention import decode_attention, decode_attention_fused, decode_attention_reference
+from .build import CustomOpsError, available, configure, mode, status
+from .logprob import lm_head_logprobs, lm_head_logprobs_reference
+from .norm import rms_norm, rms_norm_fused, rms_norm_reference
+from .rollout_state import StepState, step_update, step_update_fused, step_update_reference
+from .rope import (rotary, rotary_fused, rotary_qkv_cache, rotary_qkv_cache_fused, rotary_qkv_cache_reference,
+                     rotary_reference, rotary_tables)
+from .sampling import sample, sample_fused, sample_reference
+
+__all__ = ["configure", "available", "mode", "status", "CustomOpsError",
+           "rms_norm", "rms_norm_fused", "rms_norm_reference",
+           "rotary", "rotary_fused", "rotary_reference", "rotary_tables",
+           "rotary_qkv_cache", "rotary_qkv_cache_fused", "rotary_qkv_cache_reference",
+           "decode_attention", "decode_attention_fused", "decode_attention_reference",
+           "sample", "sample_fused", "sample_reference",
+           "lm_head_logprobs", "lm_head_logprobs_reference",
+           "StepState", "step_update", "step_update_fused", "step_update_reference"]

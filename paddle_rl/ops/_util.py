@@ -1,0 +1,18 @@
+"""Small helpers of the op wrappers."""
+import paddle
+
+from . import build
+
+
+def contiguous(x):
+    return x if x.is_contiguous() else x.contiguous()
+
+
+def fusable(*tensors) -> bool:
+    """float32 tensors on a place the kernels were built for, and the kernels in use."""
+    for t in tensors:
+        if t is None:
+            continue
+        if t.dtype != paddle.float32 or not (t.place.is_cpu_place() or t.place.is_gpu_place()):
+            return False
+    return build.available()

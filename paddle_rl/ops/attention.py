@@ -1,0 +1,31 @@
+"""One decode step of grouped-query attention against a preallocated KV cache."""
+import paddle
+import paddle.nn.functional as F
+
+from . import build
+from ._util import contiguous, fusable
+
+NEG_INF = -1e9
+
+
+def decode_attention_reference(q, cache_k, cache_v, start, length: int, scale: float):
+    """q [B, 1, H, D]; caches [B, KV, C, D]; row b attends to slots start[b] .. length - 1. Returns [B, 1, H * D]
+    (query head h uses kv head h // (H / KV), as in the decoder's Attention)."""
+    batch, heads, d = q.shape[0], q.shape[2], q.shape[3]
+    kv = cache_k.shape[1]
+    k, v = cache_k[:, :, :length], cache_v[:, :, :length]
+    qh = q.reshape([batch, kv, heads // kv, d])
+    scores = paddle.matmul(qh, k, transpose_y=True) * scale
+    valid = paddle.arange(length, dtype="int64").unsqueeze(0) >= start.unsqueeze(-1)
+    bias = paddle.where(valid, paddle.zeros(valid.shape, "float32"), paddle.full(valid.shape, NEG_INF, "float32"))
+    probs = F.softmax(scores + bias.unsqueeze(1).unsqueeze(1), axis=-1)
+    return paddle.matmul(probs, v).reshape([batch, 1, heads * d])
+
+
+def decode_attention_fused(q, cache_k, cache_v, start, length: int, scale: float):
+    return build.run("prl_decode_attention", contiguous(q), cache_k, cache_v, start, int(length), float(scale))[0]
+
+
+def decode_attention(q, cache_k, cache_v, start, length: int, scale: float):
+    fn = decode_attention_fused if fusable(q, cache_k, cache_v) else decode_attention_reference
+    return fn(q, cache_k, cache_v, start, length, scale)

@@ -1,0 +1,143 @@
+"""Per-token log-prob (and entropy) of labels from hidden states and the LM-head weight, in chunks of rows.
+
+`lm_head_logprobs` never holds more than one chunk of [rows, vocab] logits: the forward keeps only the
+per-row log-sum-exp and mean logit, and the backward recomputes each chunk's logits (one extra LM-head
+matmul) to form d logits = scale * (g_logp * (onehot - p) - g_entropy * p * (z - mean z)). The per-chunk
+softmax work is a fused kernel when available, else the same formulas in Paddle.
+`lm_head_logprobs_reference` is plain autograd over the full logits (the definition the tests hold it to).
+"""
+from typing import Optional, Tuple
+
+import paddle
+import paddle.nn.functional as F
+from paddle.autograd import PyLayer
+
+from . import build
+from ._util import contiguous, fusable
+
+CHUNK_ELEMENTS = 1 << 24   # logits per chunk (64 MB of float32)
+
+
+def _head(hidden, weight, transpose_weight: bool):
+    return paddle.matmul(hidden, weight, transpose_y=transpose_weight)
+
+
+def lm_head_logprobs_reference(hidden, weight, labels, temperature: float, with_entropy: bool = False,
+                               transpose_weight: bool = False):
+    """hidden [N, H]; weight [H, V] ([V, H] with transpose_weight); labels [N] -> (logp [N], entropy [N] or None)."""
+    logits = _head(hidden, weight, transpose_weight)
+    if temperature > 0:
+        logits = logits / temperature
+    shifted = logits - logits.max(axis=-1, keepdim=True).detach()
+    logp_all = shifted - shifted.exp().sum(axis=-1, keepdim=True).log()
+    logp = paddle.take_along_axis(logp_all, labels.unsqueeze(-1), axis=-1).squeeze(-1)
+    entropy = -(logp_all.exp() * logp_all).sum(axis=-1) if with_entropy else None
+    return logp, entropy
+
+
+# ------------------------------------------------------------------------------------------ chunk kernels
+
+def chunk_forward_reference(logits, labels, scale: float):
+    """(logp, entropy, lse, mean_z) of z = scale * logits, each [n]."""
+    z = logits * scale
+    top = z.max(axis=-1, keepdim=True)
+    e = (z - top).exp()
+    total = e.sum(axis=-1, keepdim=True)
+    lse = total.log() + top
+    mean_z = ((e / total) * z).sum(axis=-1, keepdim=True)
+    logp = paddle.take_along_axis(z, labels.unsqueeze(-1), axis=-1) - lse
+    return logp.squeeze(-1), (lse - mean_z).squeeze(-1), lse.squeeze(-1), mean_z.squeeze(-1)
+
+
+def chunk_backward_reference(logits, labels, lse, mean_z, grad_logp, grad_entropy, scale: float):
+    z = logits * scale
+    p = (z - lse.unsqueeze(-1)).exp()
+    grad = -grad_logp.unsqueeze(-1) * p
+    if grad_entropy is not None:
+        grad = grad - grad_entropy.unsqueeze(-1) * p * (z - mean_z.unsqueeze(-1))
+    grad = grad + F.one_hot(labels, logits.shape[-1]).astype(grad.dtype) * grad_logp.unsqueeze(-1)
+    return grad * scale
+
+
+def chunk_forward_fused(logits, labels, scale: float):
+    return tuple(build.run("prl_logprob", contiguous(logits), labels, float(scale)))
+
+
+def chunk_backward_fused(logits, labels, lse, mean_z, grad_logp, grad_entropy, scale: float):
+    return build.run("prl_logprob_backward", contiguous(logits), labels, lse, mean_z, contiguous(grad_logp),
+                     None if grad_entropy is None else contiguous(grad_entropy), float(scale))[0]
+
+
+def _kernels(fused: bool):
+    if fused:
+        return chunk_forward_fused, chunk_backward_fused
+    return chunk_forward_reference, chunk_backward_reference
+
+
+def _chunk_rows(rows: int, vocab: int, chunk_rows: Optional[int]) -> int:
+    if chunk_rows:
+        return max(1, int(chunk_rows))
+    return max(1, min(rows, CHUNK_ELEMENTS // max(vocab, 1)))
+
+
+def _forward_chunks(hidden, weight, labels, scale, transpose, rows_per_chunk, fused):
+    forward, _ = _kernels(fused)
+    outs = []
+    for start in range(0, hidden.shape[0], rows_per_chunk):
+        stop = min(start + rows_per_chunk, hidden.shape[0])
+        outs.append(forward(_head(hidden[start:stop], weight, transpose), labels[start:stop], scale))
+    if len(outs) == 1:
+        return outs[0]
+    return tuple(paddle.concat([o[i] for o in outs]) for i in range(4))
+
+
+class _ChunkedLMHead(PyLayer):
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, scale, transpose, rows_per_chunk, fused):
+        logp, entropy, lse, mean_z = _forward_chunks(hidden, weight, labels, scale, transpose, rows_per_chunk, fused)
+        ctx.save_for_backward(hidden, weight, labels, lse, mean_z)
+        ctx.config = (scale, transpose, rows_per_chunk, fused)
+        return logp, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logp, grad_entropy):
+        hidden, weight, labels, lse, mean_z = ctx.saved_tensor()
+        scale, transpose, rows_per_chunk, fused = ctx.config
+        _, backward = _kernels(fused)
+        grad_hidden, grad_weight = [], None
+        for start in range(0, hidden.shape[0], rows_per_chunk):
+            stop = min(start + rows_per_chunk, hidden.shape[0])
+            h = hidden[start:stop]
+            g_ent = None if grad_entropy is None else grad_entropy[start:stop]
+            g = backward(_head(h, weight, transpose), labels[start:stop], lse[start:stop], mean_z[start:stop],
+                         grad_logp[start:stop], g_ent, scale)
+            grad_hidden.append(paddle.matmul(g, weight, transpose_y=not transpose))
+            part = paddle.matmul(g, h, transpose_x=True) if transpose else paddle.matmul(h, g, transpose_x=True)
+            grad_weight = part if grad_weight is None else grad_weight + part
+        grad_hidden = grad_hidden[0] if len(grad_hidden) == 1 else paddle.concat(grad_hidden)
+        grads = []
+        if not hidden.stop_gradient:
+            grads.append(grad_hidden)
+        if not weight.stop_gradient:
+            grads.append(grad_weight)
+        return tuple(grads) if len(grads) != 1 else grads[0]
+
+
+def lm_head_logprobs(hidden, weight, labels, temperature: float, with_entropy: bool = False,
+                     transpose_weight: bool = False, chunk_rows: Optional[int] = None,
+                     fused: Optional[bool] = None) -> Tuple[paddle.Tensor, Optional[paddle.Tensor]]:
+    """Chunked (logp [N], entropy [N] or None) of labels under softmax(hidden @ weight / temperature).
+
+    Differentiable in hidden and weight. `fused` forces the kernel choice (default: the fused kernels when
+    available)."""
+    scale = 1.0 / temperature if temperature > 0 else 1.0
+    if fused is None:
+        fused = fusable(hidden, weight)
+    vocab = weight.shape[0] if transpose_weight else weight.shape[1]
+    rows = _chunk_rows(hidden.shape[0], vocab, chunk_rows)
+    needs_grad = paddle.is_grad_enabled() and not (hidden.stop_gradient and weight.stop_gradient)
+    if needs_grad:
+        logp, entropy = _ChunkedLMHead.apply(hidden, weight, labels, scale, transpose_weight, rows, fused)
+    else:
+        logp, entropy, _, _ = _forward_chunks(hidden, weight, labels, scale, transpose_weight, rows, fused)
+    return logp, (entropy if with_entropy else None)

@@ -1,0 +1,69 @@
+"""Rotate-half rotary embedding, and the decode step's fused split + (q/k norm) + rotary + KV-cache write."""
+from typing import Optional
+
+import paddle
+
+from . import build
+from ._util import contiguous, fusable
+from .norm import rms_norm_reference
+
+
+def rotate_half(x):
+    x1, x2 = x.chunk(2, axis=-1)
+    return paddle.concat([-x2, x1], axis=-1)
+
+
+def rotary_reference(x, cos, sin):
+    return x * cos + rotate_half(x) * sin
+
+
+def rotary_fused(x, cos, sin):
+    """x [B, L, H, D], cos/sin [B or 1, L, 1, D]; differentiable in x."""
+    return build.run("prl_rotary", contiguous(x), contiguous(cos), contiguous(sin))[0]
+
+
+def rotary(x, cos, sin):
+    if x.ndim == 4 and cos.ndim == 4 and cos.shape[2] == 1 and cos.shape[0] in (1, x.shape[0]) \
+            and cos.shape[1] == x.shape[1] and fusable(x, cos, sin):
+        return rotary_fused(x, cos, sin)
+    return rotary_reference(x, cos, sin)
+
+
+def rotary_tables(positions, inv_freq):
+    """cos, sin [B, L, 1, D] of positions [B, L] (what RotaryEmbedding computes)."""
+    freqs = positions.astype("float32").unsqueeze(-1) * inv_freq
+    emb = paddle.concat([freqs, freqs], axis=-1).unsqueeze(2)
+    return emb.cos(), emb.sin()
+
+
+def rotary_qkv_cache_reference(qkv, positions, inv_freq, cache_k, cache_v, num_heads: int, num_kv_heads: int,
+                               slot: int, q_norm=None, k_norm=None, eps: float = 1e-6):
+    """Split qkv [B, L, (H + 2 KV) * D]; return rotated q [B, L, H, D]; write rotated k and v into the caches
+    [B, KV, C, D] at slots slot .. slot + L - 1 (in place)."""
+    batch, length = qkv.shape[0], qkv.shape[1]
+    d = cache_k.shape[3]
+    q, k, v = paddle.split(qkv, [num_heads * d, num_kv_heads * d, num_kv_heads * d], axis=-1)
+    q = q.reshape([batch, length, num_heads, d])
+    k = k.reshape([batch, length, num_kv_heads, d])
+    v = v.reshape([batch, length, num_kv_heads, d])
+    if q_norm is not None:
+        q, k = rms_norm_reference(q, q_norm, eps), rms_norm_reference(k, k_norm, eps)
+    cos, sin = rotary_tables(positions, inv_freq)
+    q = rotary_reference(q, cos, sin)
+    k = rotary_reference(k, cos, sin)
+    cache_k[:, :, slot:slot + length] = k.transpose([0, 2, 1, 3])
+    cache_v[:, :, slot:slot + length] = v.transpose([0, 2, 1, 3])
+    return q
+
+
+def rotary_qkv_cache_fused(qkv, positions, inv_freq, cache_k, cache_v, num_heads: int, num_kv_heads: int,
+                           slot: int, q_norm=None, k_norm=None, eps: float = 1e-6):
+    return build.run("prl_rotary_qkv_cache", contiguous(qkv), positions, inv_freq, cache_k, cache_v, q_norm, k_norm,
+                     int(num_heads), int(num_kv_heads), int(slot), float(eps))[0]
+
+
+def rotary_qkv_cache(qkv, positions, inv_freq, cache_k, cache_v, num_heads: int, num_kv_heads: int, slot: int,
+                     q_norm: Optional[paddle.Tensor] = None, k_norm: Optional[paddle.Tensor] = None,
+                     eps: float = 1e-6):
+    fn = rotary_qkv_cache_fused if fusable(qkv, cache_k, cache_v, q_norm) else rotary_qkv_cache_reference
+    return fn(qkv, positions, inv_freq, cache_k, cache_v, num_heads, num_kv_heads, slot, q_norm, k_norm, eps)

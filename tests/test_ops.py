@@ -1,0 +1,253 @@
+"""The fused kernels of csrc/ against their pure-Paddle references, on fresh random inputs.
+
+Tolerances (float32): RMSNorm, rotary, attention and their gradients 1e-5 relative to the output scale;
+sampled tokens exactly equal (both paths draw in float64), their log-probs 2e-5; the chunked LM-head
+log-prob / entropy 2e-5 and gradients 1e-4 relative to the gradient scale. The library is built (or found in
+the cache) once for the module.
+"""
+import logging
+import os
+
+import numpy as np
+import paddle
+import pytest
+
+from paddle_rl import ops
+from paddle_rl.ops import build
+
+SEED = int.from_bytes(os.urandom(4), "little")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernels():
+    previous = build.mode()
+    ops.configure("on")          # builds (about 15 s) or loads the cached library; fails loudly if it cannot
+    yield
+    ops.configure(previous)
+
+
+@pytest.fixture
+def rng(request):
+    return np.random.default_rng([SEED, abs(hash(request.node.name)) % (2 ** 31)])
+
+
+def t(array, dtype="float32", grad=False):
+    out = paddle.to_tensor(np.asarray(array).astype(dtype))
+    out.stop_gradient = not grad
+    return out
+
+
+def close(actual, expected, rel=1e-5, what=""):
+    actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
+    scale = max(1.0, float(np.abs(expected).max()) if expected.size else 1.0)
+    err = float(np.abs(actual - expected).max()) if expected.size else 0.0
+    assert err <= rel * scale, f"{what}: max error {err:.3g} > {rel:g} x {scale:.3g} (seed {SEED})"
+
+
+# ------------------------------------------------------------------------------------------------ RMSNorm
+
+@pytest.mark.parametrize("shape", [(3, 7, 64), (1, 1, 256), (5, 24)])
+def test_rms_norm_and_gradients(rng, shape):
+    x = t(rng.standard_normal(shape) * 3, grad=True)
+    w = t(rng.standard_normal(shape[-1]), grad=True)
+    fused, ref = ops.rms_norm_fused(x, w, 1e-6), ops.rms_norm_reference(x, w, 1e-6)
+    close(fused.numpy(), ref.numpy(), what="rms_norm")
+    g = t(rng.standard_normal(shape))
+    for a, b, name in zip(paddle.grad(fused, [x, w], g), paddle.grad(ref, [x, w], g), ("dx", "dw")):
+        close(a.numpy(), b.numpy(), what=f"rms_norm {name}")
+
+
+# ------------------------------------------------------------------------------------------------ rotary
+
+def _inv_freq(d, theta=10000.0):
+    return 1.0 / (theta ** (paddle.arange(0, d, 2, dtype="int64").astype("float32") / d))
+
+
+@pytest.mark.parametrize("batch,length,heads,d,table_batch", [(2, 9, 4, 32, 2), (1, 1, 2, 64, 1), (3, 5, 2, 16, 1)])
+def test_rotary_and_gradient(rng, batch, length, heads, d, table_batch):
+    x = t(rng.standard_normal((batch, length, heads, d)), grad=True)
+    cos, sin = ops.rotary_tables(paddle.to_tensor(rng.integers(0, 4000, (table_batch, length))), _inv_freq(d))
+    fused, ref = ops.rotary_fused(x, cos, sin), ops.rotary_reference(x, cos, sin)
+    close(fused.numpy(), ref.numpy(), what="rotary")
+    g = t(rng.standard_normal(x.shape))
+    close(paddle.grad(fused, x, g)[0].numpy(), paddle.grad(ref, x, g)[0].numpy(), what="rotary dx")
+
+
+@pytest.mark.parametrize("qk_norm", [False, True])
+@pytest.mark.parametrize("batch,length,slot", [(4, 1, 7), (1, 1, 0), (2, 3, 5)])
+def test_rotary_qkv_cache_write(rng, qk_norm, batch, length, slot):
+    heads, kv, d, capacity = 4, 2, 32, 12
+    qkv = t(rng.standard_normal((batch, length, (heads + 2 * kv) * d)))
+    positions = paddle.to_tensor(rng.integers(0, 3000, (batch, length)))
+    norms = (t(rng.standard_normal(d)), t(rng.standard_normal(d))) if qk_norm else (None, None)
+    cache = [t(rng.standard_normal((batch, kv, capacity, d))) for _ in range(2)]
+    fused_cache = [c.clone() for c in cache]
+    q_fused = ops.rotary_qkv_cache_fused(qkv, positions, _inv_freq(d), *fused_cache, heads, kv, slot, *norms)
+    q_ref = ops.rotary_qkv_cache_reference(qkv, positions, _inv_freq(d), *cache, heads, kv, slot, *norms)
+    close(q_fused.numpy(), q_ref.numpy(), what="q")
+    close(fused_cache[0].numpy(), cache[0].numpy(), what="k cache")
+    np.testing.assert_array_equal(fused_cache[1].numpy(), cache[1].numpy())
+
+
+# ------------------------------------------------------------------------------------------------ attention
+
+@pytest.mark.parametrize("batch,heads,kv,length", [(5, 4, 2, 9), (1, 2, 2, 1), (3, 8, 1, 16)])
+def test_decode_attention(rng, batch, heads, kv, length):
+    d, capacity = 32, 20
+    q = t(rng.standard_normal((batch, 1, heads, d)))
+    k, v = (t(rng.standard_normal((batch, kv, capacity, d))) for _ in range(2))
+    start = paddle.to_tensor(rng.integers(0, length, batch))
+    args = (q, k, v, start, length, 1.0 / np.sqrt(d))
+    close(ops.decode_attention_fused(*args).numpy(), ops.decode_attention_reference(*args).numpy(), what="attention")
+
+
+# ------------------------------------------------------------------------------------------------ sampling
+
+SETTINGS = {
+    "plain": dict(temperature=1.0),
+    "temperature": dict(temperature=0.7),
+    "temperature_near_0": dict(temperature=1e-5),
+    "greedy": dict(temperature=0.0),
+    "greedy_penalty": dict(temperature=0.0, penalty=1.3),
+    "top_k_1": dict(top_k=1),
+    "top_k": dict(top_k=40, temperature=1.2),
+    "top_p_1": dict(top_p=1.0),
+    "top_p": dict(top_p=0.6),
+    "top_p_tiny": dict(top_p=0.01),
+    "everything": dict(temperature=0.9, top_k=200, top_p=0.8, penalty=1.2),
+}
+
+
+@pytest.mark.parametrize("setting", sorted(SETTINGS))
+@pytest.mark.parametrize("batch,vocab", [(64, 4096), (1, 97)])
+def test_sample_equals_reference(rng, setting, batch, vocab):
+    logits = t(rng.standard_normal((batch, vocab)) * rng.uniform(0.5, 4.0))
+    seen = t(rng.random((batch, vocab)) < 0.05)
+    ban = paddle.to_tensor(rng.random(batch) < 0.5)
+    args = dict(uniforms=t(rng.random(batch)), seen=seen, ban_rows=ban, stop_ids=[1, 5], **SETTINGS[setting])
+    tokens, logp = ops.sample_fused(logits, **args)
+    ref_tokens, ref_logp = ops.sample_reference(logits, **args)
+    assert tokens.numpy().tolist() == ref_tokens.numpy().tolist(), f"seed {SEED}"
+    close(logp.numpy(), ref_logp.numpy(), rel=2e-5, what="sampled logprob")
+    if SETTINGS[setting].get("top_k") == 1:
+        processed = ops.sampling.ban_tokens(ops.sampling.apply_repetition_penalty(logits, seen, 1.0), [1, 5], ban)
+        assert tokens.numpy().tolist() == paddle.argmax(processed, -1).numpy().tolist()
+
+
+def test_sample_every_token_banned_but_stop_token(rng):
+    batch, vocab, eos = 16, 300, 7
+    logits = np.full((batch, vocab), -1e9, dtype=np.float32)
+    logits[:, eos] = 2.0
+    u = t(rng.random(batch))
+    for ban_rows in (None, paddle.to_tensor(np.arange(batch) % 2 == 0)):
+        args = dict(uniforms=u, ban_rows=ban_rows, stop_ids=[eos], temperature=0.8, top_p=0.9, top_k=5)
+        tokens, logp = ops.sample_fused(t(logits), **args)
+        ref_tokens, ref_logp = ops.sample_reference(t(logits), **args)
+        assert tokens.numpy().tolist() == ref_tokens.numpy().tolist()
+        close(logp.numpy(), ref_logp.numpy(), rel=2e-5, what="logprob")
+        if ban_rows is None:
+            assert (tokens.numpy() == eos).all()
+        else:   # a banned row has every logit at -1e9: every token is equally likely, the stop token included
+            assert (tokens.numpy()[1::2] == eos).all()
+
+
+def test_sample_dispatch_follows_mode(rng):
+    logits, u = t(rng.standard_normal((4, 50))), t(rng.random(4))
+    fused = ops.sample(logits, u, temperature=0.8, top_p=0.7)
+    ops.configure("off")
+    try:
+        ref = ops.sample(logits, u, temperature=0.8, top_p=0.7)
+    finally:
+        ops.configure("on")
+    assert fused[0].numpy().tolist() == ref[0].numpy().tolist()
+
+
+# ------------------------------------------------------------------------------------------------ rollout state
+
+@pytest.mark.parametrize("with_seen", [False, True])
+@pytest.mark.parametrize("batch", [1, 33])
+def test_step_update(rng, with_seen, batch):
+    vocab = 40
+    tokens = paddle.to_tensor(rng.integers(0, 12, batch))
+    logprob = t(rng.standard_normal(batch))
+    finished = paddle.to_tensor(rng.random(batch) < 0.3)
+    lengths = paddle.to_tensor(rng.integers(0, 6, batch))
+    stop = paddle.to_tensor(np.array([3, 8], dtype=np.int64))
+    seen = t(rng.random((batch, vocab)) < 0.2) if with_seen else None
+    fused_seen = None if seen is None else seen.clone()
+    fused = ops.step_update_fused(tokens, logprob, finished, lengths, stop, fused_seen, 0, 4)
+    ref = ops.step_update_reference(tokens, logprob, finished, lengths, stop, seen, 0, 4)
+    for name in ("tokens", "logprob", "finished", "lengths", "ban", "done"):
+        np.testing.assert_array_equal(getattr(fused, name).numpy(), getattr(ref, name).numpy(), err_msg=name)
+    if with_seen:
+        np.testing.assert_array_equal(fused.seen.numpy(), ref.seen.numpy())
+    empty = paddle.to_tensor(np.zeros([0], dtype=np.int64))
+    fused = ops.step_update_fused(tokens, logprob, finished, lengths, empty, None, 0, 0)
+    assert not fused.finished.numpy()[~finished.numpy()].any() and not fused.ban.numpy().any()
+
+
+# ------------------------------------------------------------------------------------------------ LM-head log-probs
+
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("rows,chunk,tied,temperature", [(37, 8, False, 0.7), (1, None, False, 1.0),
+                                                         (20, 20, True, 0.0), (50, 7, True, 1.3)])
+def test_lm_head_logprobs_and_gradients(rng, fused, rows, chunk, tied, temperature):
+    hidden_size, vocab = 24, 301
+    hidden = t(rng.standard_normal((rows, hidden_size)), grad=True)
+    shape = (vocab, hidden_size) if tied else (hidden_size, vocab)
+    weight = t(rng.standard_normal(shape) * 0.4, grad=True)
+    labels = paddle.to_tensor(rng.integers(0, vocab, rows))
+    a, b = t(rng.standard_normal(rows)), t(rng.standard_normal(rows))
+    logp, entropy = ops.lm_head_logprobs(hidden, weight, labels, temperature, True, transpose_weight=tied,
+                                         chunk_rows=chunk, fused=fused)
+    ref_logp, ref_entropy = ops.lm_head_logprobs_reference(hidden, weight, labels, temperature, True,
+                                                           transpose_weight=tied)
+    close(logp.numpy(), ref_logp.numpy(), rel=2e-5, what="logp")
+    close(entropy.numpy(), ref_entropy.numpy(), rel=2e-5, what="entropy")
+    grads = paddle.grad((logp * a).sum() + (entropy * b).sum(), [hidden, weight])
+    ref_grads = paddle.grad((ref_logp * a).sum() + (ref_entropy * b).sum(), [hidden, weight])
+    for g, r, name in zip(grads, ref_grads, ("d hidden", "d weight")):
+        close(g.numpy(), r.numpy(), rel=1e-4, what=name)
+    with paddle.no_grad():
+        nograd, _ = ops.lm_head_logprobs(hidden, weight, labels, temperature, transpose_weight=tied, chunk_rows=chunk,
+                                         fused=fused)
+    close(nograd.numpy(), ref_logp.numpy(), rel=2e-5, what="no-grad logp")
+
+
+def test_lm_head_logprob_gradient_of_logp_only(rng):
+    hidden = t(rng.standard_normal((9, 16)), grad=True)
+    weight = t(rng.standard_normal((16, 50)), grad=True)
+    labels = paddle.to_tensor(rng.integers(0, 50, 9))
+    logp, entropy = ops.lm_head_logprobs(hidden, weight, labels, 1.0, with_entropy=False, fused=True)
+    assert entropy is None
+    ref, _ = ops.lm_head_logprobs_reference(hidden, weight, labels, 1.0)
+    for g, r in zip(paddle.grad(logp.sum(), [hidden, weight]), paddle.grad(ref.sum(), [hidden, weight])):
+        close(g.numpy(), r.numpy(), rel=1e-4, what="grad")
+
+
+# ------------------------------------------------------------------------------------------------ modes and cache
+
+def test_modes(monkeypatch, caplog):
+    assert ops.available() and build.status()["loaded"]
+    assert os.path.isfile(os.path.join(os.path.dirname(os.path.dirname(build.status()["library"])), "built.json"))
+    with pytest.raises(ValueError, match="use_custom_ops"):
+        ops.configure("sometimes")
+    try:
+        ops.configure("off")
+        assert not ops.available()
+        ones = np.ones((2, 8))
+        assert np.allclose(ops.rms_norm(t(ones), t(np.ones(8)), 1e-6).numpy(), ones)
+        # a build that fails: auto falls back with one log line, on raises
+        monkeypatch.setattr(build, "build", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("no compiler")))
+        ops.configure("auto")
+        with caplog.at_level(logging.WARNING, logger="paddle_rl"):
+            assert not ops.available() and not ops.available()
+        assert sum("custom ops unavailable" in r.getMessage() for r in caplog.records) == 1
+        assert "no compiler" in build.status()["reason"]
+        with pytest.raises(ops.CustomOpsError, match="no compiler"):
+            ops.configure("on")
+    finally:
+        monkeypatch.undo()
+        build._State.loaded = None
+        ops.configure("on")
+    assert ops.available()
