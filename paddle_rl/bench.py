@@ -118,6 +118,9 @@ def _read_metrics(path: str) -> list:
 
 
 def run(args) -> dict:
+    # strided views make Paddle's CPU transposes/reshapes copy element by element (~10x slower than a real
+    # transpose): the decoder's attention is much faster with them off (see docs/performance.md)
+    os.environ.setdefault("FLAGS_use_stride_kernel", "0")
     from .env import configure_threads
     configure_threads()
     import logging
@@ -151,8 +154,11 @@ def run(args) -> dict:
             overrides[key.strip()] = yaml.safe_load(value)
         config = load_config(None, overrides)
         peak = matmul_peak()
+        load_before = os.getloadavg()[0]
         trainer = RLTrainer(config)
+        cpu_start = time.process_time()
         trainer.train()
+        cpu_s = time.process_time() - cpu_start
         records = _read_metrics(os.path.join(config.output_dir, "metrics.jsonl"))
     timed = records[args.warmup:] or records[-1:]
 
@@ -178,15 +184,27 @@ def run(args) -> dict:
         "update_gflops": flops["update"] / max(mean("time/update"), 1e-9) / 1e9,
         "matmul_peak_gflops": peak, "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "threads": os.environ.get("OMP_NUM_THREADS"), "setup_s": build_s,
-        "overrides": args.set or [],
+        "cpu_s_per_step": cpu_s / max(len(records), 1), "load_avg": [load_before, os.getloadavg()[0]],
+        "stride_kernel": os.environ.get("FLAGS_use_stride_kernel"),
+        "custom_ops": _custom_ops_status(), "overrides": args.set or [],
     }
     return result
+
+
+def _custom_ops_status() -> str:
+    try:
+        from . import ops
+    except ImportError:
+        return "absent"
+    status = ops.status()
+    return "on" if status["loaded"] else f"off ({status['reason'] or status['mode']})"
 
 
 def report(result: dict) -> str:
     lines = [f"workload {result['workload']}: {result['prompts']} prompts x rollout_n {result['rollout_n']}, "
              f"prompt ~{result['prompt_len']}, response {result['response_len']} tokens; "
-             f"{result['steps_timed']} timed step(s), OMP_NUM_THREADS={result['threads']}",
+             f"{result['steps_timed']} timed step(s), OMP_NUM_THREADS={result['threads']}, custom ops "
+             f"{result['custom_ops']}, load average {result['load_avg'][0]:.1f} -> {result['load_avg'][1]:.1f}",
              f"  step          {result['step_s']:8.3f} s"]
     for stage in STAGES:
         lines.append(f"  {stage:<13} {result[f'{stage}_s']:8.3f} s")
@@ -194,7 +212,8 @@ def report(result: dict) -> str:
               f"  trained       {result['trained_tokens_per_s']:8.0f} tokens/s",
               f"  effective     {result['effective_gflops']:8.1f} GFLOP/s (rollout {result['rollout_gflops']:.1f}, "
               f"update {result['update_gflops']:.1f}; matmul peak {result['matmul_peak_gflops']:.1f})",
-              f"  peak RSS      {result['peak_rss_mb']:8.0f} MB"]
+              f"  peak RSS      {result['peak_rss_mb']:8.0f} MB",
+              f"  process CPU   {result['cpu_s_per_step']:8.3f} s per step (all threads)"]
     return "\n".join(lines)
 
 

@@ -14,6 +14,7 @@ import pytest
 
 from paddle_rl import ops
 from paddle_rl.ops import build
+from paddle_rl.ops import logprob as logprob_module
 
 SEED = int.from_bytes(os.urandom(4), "little")
 
@@ -188,10 +189,13 @@ def test_step_update(rng, with_seen, batch):
 
 # ------------------------------------------------------------------------------------------------ LM-head log-probs
 
+@pytest.mark.parametrize("keep_logits", [True, False])
 @pytest.mark.parametrize("fused", [True, False])
 @pytest.mark.parametrize("rows,chunk,tied,temperature", [(37, 8, False, 0.7), (1, None, False, 1.0),
                                                          (20, 20, True, 0.0), (50, 7, True, 1.3)])
-def test_lm_head_logprobs_and_gradients(rng, fused, rows, chunk, tied, temperature):
+def test_lm_head_logprobs_and_gradients(rng, monkeypatch, keep_logits, fused, rows, chunk, tied, temperature):
+    if not keep_logits:   # the backward recomputes each chunk's logits
+        monkeypatch.setattr(logprob_module, "SAVE_LOGITS_BYTES", 0)
     hidden_size, vocab = 24, 301
     hidden = t(rng.standard_normal((rows, hidden_size)), grad=True)
     shape = (vocab, hidden_size) if tied else (hidden_size, vocab)
@@ -251,3 +255,33 @@ def test_modes(monkeypatch, caplog):
         build._State.loaded = None
         ops.configure("on")
     assert ops.available()
+
+
+# ------------------------------------------------------------------------------------------------ in the model
+
+def test_model_gradients_with_kernels_and_recompute(rng):
+    """A decoder's log-prob gradients are the same with the fused kernels or the references, and with the
+    layers recomputed in the backward (paddle.distributed.fleet.utils.recompute on CPU)."""
+    from paddle_rl.models import CausalLM, ModelConfig
+    from paddle_rl.trainer.logprobs import token_logprobs
+    paddle.seed(1)
+    cfg = ModelConfig(model_type="qwen3", vocab_size=120, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2)
+    model = CausalLM(cfg)
+    model.init_weights(0.2)
+    model.train()
+    ids = paddle.to_tensor(rng.integers(0, 120, (3, 10)))
+    mask = paddle.to_tensor(np.array([[1] * 10, [0] * 3 + [1] * 7, [0] + [1] * 9]))
+    grads = {}
+    for mode, recompute in (("on", False), ("off", False), ("on", True)):
+        ops.configure(mode)
+        model.recompute = recompute
+        logp, entropy = token_logprobs(model, ids, mask, 4, ids[:, 4:], 0.9, with_entropy=True)
+        (logp.sum() - 0.1 * entropy.sum()).backward()
+        grads[mode, recompute] = {n: p.grad.numpy().copy() for n, p in model.named_parameters()}
+        model.clear_gradients()
+    ops.configure("on")
+    model.recompute = False
+    for key in (("off", False), ("on", True)):
+        for name, ref in grads["on", False].items():
+            close(grads[key][name], ref, rel=1e-4, what=f"{key} {name}")

@@ -2,9 +2,13 @@
 Qwen2-architecture model warm-started by a short supervised pass so it writes the
 <think>...</think><answer>...</answer> format.
 
-    python tools/make_tiny_model.py --out data/tiny --sft-steps 300
+    python tools/make_tiny_model.py --out data/tiny
 
-Writes OUT/model (Hugging Face layout) and OUT/kk/{sft,train,test}.jsonl.
+Writes OUT/model (Hugging Face layout), OUT/kk/{train,test}.jsonl (OUT/kk/sft.jsonl too with --keep-sft)
+and OUT/README.md with the held-out numbers of the result.
+
+The prompts number the speakers in order ("(1) Zoey: ... (2) Oliver: ..."), so the "(k) Name" lines of the
+answer can be copied from the prompt; the puzzle statements use the compact wording of paddle_rl.data.kk.
 """
 import argparse
 import json
@@ -22,7 +26,8 @@ import numpy as np  # noqa: E402
 import paddle  # noqa: E402
 from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizers, trainers  # noqa: E402
 
-from paddle_rl.data.kk import generate_puzzles, render_paddlenlp  # noqa: E402
+from paddle_rl.data.kk import generate_puzzles, render_prompt  # noqa: E402
+from paddle_rl.data.kk.english import COMPACT_INTRO, COMPACT_QUESTION, sentence  # noqa: E402
 from paddle_rl.models import CausalLM, ModelConfig, Tokenizer  # noqa: E402
 from paddle_rl.models.pretrained import save_model, write_generation_config  # noqa: E402
 from paddle_rl.rewards.kk import CORRECT_SCORE, kk_score  # noqa: E402
@@ -34,11 +39,25 @@ CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n<think>{% endif %}"
 )
-THINK = " I check each claim against each role."
+THINK = " I check each claim."
 
 
 def sft_response(truth: str) -> str:
     return f"{THINK}</think>\n<answer>{truth}</answer><|im_end|>"
+
+
+def puzzle_text(puzzle) -> str:
+    """Compact wording with numbered speakers: "Knights tell ... (1) Zoey: Oliver is a knave. (2) Oliver: ..."."""
+    parts = [COMPACT_INTRO]
+    for k, (name, statement) in enumerate(zip(puzzle.names, puzzle.statements), start=1):
+        parts.append(f"({k}) {name}: {sentence(statement, puzzle.names)}")
+    parts.append(COMPACT_QUESTION)
+    return " ".join(parts)
+
+
+def render(puzzle) -> dict:
+    """PaddleNLP record in the tiny chat layout: {"src": prompt ending in "<think>", "tgt": ground truth}."""
+    return {"src": render_prompt(puzzle_text(puzzle), "tiny"), "tgt": puzzle.ground_truth()}
 
 
 def write_jsonl(path, records):
@@ -47,8 +66,10 @@ def write_jsonl(path, records):
             f.write(json.dumps(r, ensure_ascii=False, sort_keys=True) + "\n")
 
 
-def build_data(out_dir, people, seed, n_sft, n_train, n_test):
-    """Disjoint SFT / RL-train / held-out test puzzles, rendered with the tiny chat template."""
+def build_data(out_dir, people, seed, n_sft, n_train, n_test, write_sft=True):
+    """Disjoint SFT / RL-train / held-out test puzzles, rendered with the tiny chat template.
+
+    Each split holds an equal share of every inhabitant count in `people`."""
     os.makedirs(out_dir, exist_ok=True)
     splits = {"sft": [], "train": [], "test": []}
     seen = set()
@@ -56,7 +77,7 @@ def build_data(out_dir, people, seed, n_sft, n_train, n_test):
         pool = generate_puzzles(p, (n_sft + n_train + n_test) // len(people) * 2, seed + k)
         recs = []
         for puzzle in pool:
-            rec = render_paddlenlp(puzzle, template="tiny", compact=True)
+            rec = render(puzzle)
             if rec["src"] not in seen:
                 seen.add(rec["src"])
                 recs.append(rec)
@@ -65,7 +86,8 @@ def build_data(out_dir, people, seed, n_sft, n_train, n_test):
         splits["train"] += recs[c:c + b]
         splits["sft"] += recs[c + b:c + b + a]
     for name, recs in splits.items():
-        write_jsonl(os.path.join(out_dir, f"{name}.jsonl"), recs)
+        if name != "sft" or write_sft:
+            write_jsonl(os.path.join(out_dir, f"{name}.jsonl"), recs)
     return splits
 
 
@@ -87,6 +109,18 @@ def build_tokenizer(corpus, vocab_size, folder):
     return Tokenizer.from_pretrained(folder)
 
 
+def build_model(tokenizer, hidden_size, layers, seed):
+    config = ModelConfig(model_type="qwen2", vocab_size=tokenizer.vocab_size, hidden_size=hidden_size,
+                         intermediate_size=int(hidden_size * 2.6875) // 8 * 8, num_hidden_layers=layers,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                         tie_word_embeddings=False, eos_token_id=tokenizer.eos_token_id,
+                         pad_token_id=tokenizer.pad_token_id)
+    paddle.seed(seed)
+    model = CausalLM(config)
+    model.init_weights()
+    return model
+
+
 def sft_batch(tokenizer, records, pad_id):
     prompts = [tokenizer.encode(r["src"]) for r in records]
     responses = [tokenizer.encode(sft_response(r["tgt"])) for r in records]
@@ -105,14 +139,56 @@ def sft_batch(tokenizer, records, pad_id):
     return [paddle.to_tensor(x) for x in (ids, mask, resp, resp_mask)], p_width
 
 
-def greedy_accuracy(model, tokenizer, records, max_dec_len=48):
+def supervised(model, tokenizer, records, steps, batch_size, lr, seed, warmup=20, log_every=50, on_log=None):
+    """AdamW on the response tokens of `records`, linear warm-up then cosine decay to zero."""
+    decay = [p.name for n, p in model.named_parameters() if "norm" not in n and not n.endswith("bias")]
+    sched = paddle.optimizer.lr.LinearWarmup(paddle.optimizer.lr.CosineAnnealingDecay(lr, T_max=max(1, steps - warmup)),
+                                             warmup_steps=warmup, start_lr=0.0, end_lr=lr)
+    opt = paddle.optimizer.AdamW(learning_rate=sched, parameters=model.parameters(), weight_decay=0.01,
+                                 apply_decay_param_fun=lambda n: n in decay)
+    rng = np.random.default_rng(seed)
+    start = time.time()
+    model.train()
+    for step in range(1, steps + 1):
+        pick = rng.choice(len(records), size=batch_size, replace=False)
+        (ids, mask, resp, resp_mask), width = sft_batch(tokenizer, [records[i] for i in pick], tokenizer.pad_token_id)
+        logp, _ = token_logprobs(model, ids, mask, width, resp, temperature=1.0)
+        loss = -(logp * resp_mask).sum() / resp_mask.sum()
+        loss.backward()
+        opt.step()
+        opt.clear_grad()
+        sched.step()
+        if step % log_every == 0 or step == steps:
+            print(f"sft step {step}/{steps} loss {float(loss):.4f} ({time.time() - start:.0f}s)", flush=True)
+            if on_log is not None:
+                on_log(step)
+                model.train()
+    model.eval()
+
+
+def greedy_eval(model, tokenizer, records, max_dec_len=40):
+    """Greedy decoding on `records`: accuracy, mean KK reward, share with a parseable answer, accuracy per
+    inhabitant count, and the texts."""
     stop = tokenizer.eos_token_ids
     engine = RolloutEngine(model, tokenizer.pad_token_id, stop)
+    was_training = model.training
+    model.eval()
     out = engine.generate([tokenizer.encode(r["src"]) for r in records], 1,
                           SamplingParams(max_dec_len=max_dec_len, temperature=0.0, stop_token_ids=stop))
+    if was_training:
+        model.train()
     texts = tokenizer.decode_batch(out.responses())
     scores = np.array([kk_score(t, r["tgt"]) for t, r in zip(texts, records)])
-    return float((scores >= CORRECT_SCORE).mean()), float(scores.mean()), texts
+    people = np.array([r["tgt"].count("\n") + 1 for r in records])
+    result = {"accuracy": float((scores >= CORRECT_SCORE).mean()), "reward_mean": float(scores.mean()),
+              "parseable": float((scores >= -0.5).mean())}
+    for p in sorted(set(people.tolist())):
+        result[f"accuracy_{p}p"] = float((scores[people == p] >= CORRECT_SCORE).mean())
+    return result, texts
+
+
+def fmt(result) -> str:
+    return ", ".join(f"{k} {v:.3f}" for k, v in result.items())
 
 
 def main(argv=None):
@@ -129,55 +205,42 @@ def main(argv=None):
     ap.add_argument("--sft-steps", type=int, default=300)
     ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--lr", type=float, default=2e-3)
+    ap.add_argument("--eval-every", type=int, default=0, help="held-out greedy eval every N SFT steps (0: at the end)")
+    ap.add_argument("--keep-sft", action="store_true", help="also write OUT/kk/sft.jsonl")
     args = ap.parse_args(argv)
 
-    paddle.seed(args.seed)
     np.random.seed(args.seed)
     people = [int(p) for p in args.people.split(",")]
     data_dir, model_dir = os.path.join(args.out, "kk"), os.path.join(args.out, "model")
-    splits = build_data(data_dir, people, args.seed, args.sft_examples, args.train_examples, args.test_examples)
+    splits = build_data(data_dir, people, args.seed, args.sft_examples, args.train_examples, args.test_examples,
+                        write_sft=args.keep_sft)
     corpus = [r["src"] + sft_response(r["tgt"]) for recs in splits.values() for r in recs]
     tokenizer = build_tokenizer(corpus, args.vocab_size, model_dir)
+    model = build_model(tokenizer, args.hidden_size, args.layers, args.seed)
+    test = splits["test"]
 
-    config = ModelConfig(model_type="qwen2", vocab_size=tokenizer.vocab_size, hidden_size=args.hidden_size,
-                         intermediate_size=int(args.hidden_size * 2.6875) // 8 * 8, num_hidden_layers=args.layers,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-                         tie_word_embeddings=False, eos_token_id=tokenizer.eos_token_id,
-                         pad_token_id=tokenizer.pad_token_id)
-    model = CausalLM(config)
-    model.init_weights()
-    decay = [p.name for n, p in model.named_parameters() if "norm" not in n and not n.endswith("bias")]
-    sched = paddle.optimizer.lr.CosineAnnealingDecay(args.lr, T_max=args.sft_steps)
-    opt = paddle.optimizer.AdamW(learning_rate=sched, parameters=model.parameters(), weight_decay=0.01,
-                                 apply_decay_param_fun=lambda n: n in decay)
-    sft = splits["sft"]
-    rng = np.random.default_rng(args.seed)
+    def on_log(step):
+        if args.eval_every and step % args.eval_every == 0:
+            print(f"  held-out greedy at step {step}: {fmt(greedy_eval(model, tokenizer, test)[0])}", flush=True)
+
     start = time.time()
-    model.train()
-    for step in range(1, args.sft_steps + 1):
-        pick = rng.choice(len(sft), size=args.batch_size, replace=False)
-        (ids, mask, resp, resp_mask), width = sft_batch(tokenizer, [sft[i] for i in pick], tokenizer.pad_token_id)
-        logp, _ = token_logprobs(model, ids, mask, width, resp, temperature=1.0)
-        loss = -(logp * resp_mask).sum() / resp_mask.sum()
-        loss.backward()
-        opt.step()
-        opt.clear_grad()
-        sched.step()
-        if step % 50 == 0 or step == args.sft_steps:
-            print(f"sft step {step}/{args.sft_steps} loss {float(loss):.4f} ({time.time() - start:.0f}s)", flush=True)
-    model.eval()
-    acc, mean, texts = greedy_accuracy(model, tokenizer, splits["test"])
-    print(f"held-out greedy accuracy {acc:.3f}, mean KK reward {mean:.3f}")
+    supervised(model, tokenizer, splits["sft"], args.sft_steps, args.batch_size, args.lr, args.seed, on_log=on_log)
+    result, texts = greedy_eval(model, tokenizer, test)
+    print(f"held-out greedy after {args.sft_steps} SFT steps ({time.time() - start:.0f}s): {fmt(result)}")
     print("sample:", repr(texts[0]))
     save_model(model, model_dir)
     write_generation_config(model_dir, tokenizer.eos_token_ids, tokenizer.pad_token_id)
+    n_params = sum(int(np.prod(p.shape)) for p in model.parameters())
+    command = "python tools/make_tiny_model.py" + "".join(f" {a}" for a in (sys.argv[1:] if argv is None else argv))
     with open(os.path.join(args.out, "README.md"), "w", encoding="utf-8") as f:
-        f.write(f"Tiny KK default, built by `python tools/make_tiny_model.py {' '.join(argv or sys.argv[1:])}`.\n\n"
+        f.write(f"Tiny KK default, built by `{command}` (see docs/tiny_model.md).\n\n"
                 f"- model/: Qwen2-architecture decoder, hidden {args.hidden_size}, {args.layers} layers, "
-                f"vocab {tokenizer.vocab_size}; {sum(int(np.prod(p.shape)) for p in model.parameters())} parameters\n"
-                f"- kk/: {people}-people puzzles: sft ({len(sft)}), train ({len(splits['train'])}), "
-                f"test ({len(splits['test'])})\n"
-                f"- after {args.sft_steps} supervised steps: held-out greedy accuracy {acc:.3f}, mean reward {mean:.3f}\n")
+                f"vocab {tokenizer.vocab_size}; {n_params} parameters (float32)\n"
+                f"- kk/: {'-'.join(map(str, people))} people puzzles: train ({len(splits['train'])}, for RL), "
+                f"test ({len(test)}, held out); the {len(splits['sft'])} SFT puzzles are regenerated by the "
+                f"builder (--keep-sft writes them)\n"
+                f"- after {args.sft_steps} supervised steps (batch {args.batch_size}, lr {args.lr}): held-out greedy "
+                f"{fmt(result)}\n")
 
 
 if __name__ == "__main__":

@@ -11,7 +11,8 @@ class TrainingArgs:
     output_dir: str = arg("output", "Checkpoints and metrics.jsonl go here.")
     seed: int = arg(42, "Seeds sampling, shuffling and initialization.")
     global_batch_size: int = arg(8, "Prompts per RL step.")
-    global_gen_batch_size: int = arg(-1, "Prompts generated per round under dynamic sampling (-1: global_batch_size).")
+    global_gen_batch_size: int = arg(-1, "PaddleNLP's generation batch of dynamic sampling; each round here "
+                                         "generates global_batch_size prompts.", acted=False)
     global_mini_batch_size: int = arg(-1, "Prompts per optimizer step (-1: global_batch_size).", aliases=("mini_batch_size",))
     update_iters: int = arg(1, "Passes over each rollout batch.")
     per_device_train_batch_size: int = arg(8, "Sequences per micro-batch in the update (gradient accumulation fills the mini-batch).")

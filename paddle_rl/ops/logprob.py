@@ -1,9 +1,11 @@
 """Per-token log-prob (and entropy) of labels from hidden states and the LM-head weight, in chunks of rows.
 
-`lm_head_logprobs` never holds more than one chunk of [rows, vocab] logits: the forward keeps only the
-per-row log-sum-exp and mean logit, and the backward recomputes each chunk's logits (one extra LM-head
-matmul) to form d logits = scale * (g_logp * (onehot - p) - g_entropy * p * (z - mean z)). The per-chunk
-softmax work is a fused kernel when available, else the same formulas in Paddle.
+`lm_head_logprobs` never forms a [rows, vocab] log-softmax: each chunk of logits yields the per-row log-prob,
+entropy, log-sum-exp and mean logit, and the backward forms d logits = scale * (g_logp * (onehot - p) -
+g_entropy * p * (z - mean z)) chunk by chunk. The raw logits are kept for the backward while they fit in
+SAVE_LOGITS_BYTES in all (a small vocabulary or few rows); beyond that each chunk's logits are recomputed (one
+extra LM-head matmul) so memory stays at one chunk. The per-chunk softmax work is a fused kernel when
+available, else the same formulas in Paddle.
 `lm_head_logprobs_reference` is plain autograd over the full logits (the definition the tests hold it to).
 """
 from typing import Optional, Tuple
@@ -15,7 +17,8 @@ from paddle.autograd import PyLayer
 from . import build
 from ._util import contiguous, fusable
 
-CHUNK_ELEMENTS = 1 << 24   # logits per chunk (64 MB of float32)
+CHUNK_ELEMENTS = 1 << 24       # logits per chunk (64 MB of float32)
+SAVE_LOGITS_BYTES = 256 << 20  # keep the logits for the backward up to this size, else recompute them
 
 
 def _head(hidden, weight, transpose_weight: bool):
@@ -80,22 +83,30 @@ def _chunk_rows(rows: int, vocab: int, chunk_rows: Optional[int]) -> int:
     return max(1, min(rows, CHUNK_ELEMENTS // max(vocab, 1)))
 
 
-def _forward_chunks(hidden, weight, labels, scale, transpose, rows_per_chunk, fused):
+def _forward_chunks(hidden, weight, labels, scale, transpose, rows_per_chunk, fused, keep_logits=False):
+    """(logp, entropy, lse, mean_z) over all rows, and the list of chunk logits when keep_logits."""
     forward, _ = _kernels(fused)
-    outs = []
+    outs, kept = [], []
     for start in range(0, hidden.shape[0], rows_per_chunk):
         stop = min(start + rows_per_chunk, hidden.shape[0])
-        outs.append(forward(_head(hidden[start:stop], weight, transpose), labels[start:stop], scale))
+        logits = _head(hidden[start:stop], weight, transpose)
+        outs.append(forward(logits, labels[start:stop], scale))
+        if keep_logits:
+            kept.append(logits)
     if len(outs) == 1:
-        return outs[0]
-    return tuple(paddle.concat([o[i] for o in outs]) for i in range(4))
+        return outs[0], kept
+    return tuple(paddle.concat([o[i] for o in outs]) for i in range(4)), kept
 
 
 class _ChunkedLMHead(PyLayer):
     @staticmethod
     def forward(ctx, hidden, weight, labels, scale, transpose, rows_per_chunk, fused):
-        logp, entropy, lse, mean_z = _forward_chunks(hidden, weight, labels, scale, transpose, rows_per_chunk, fused)
+        vocab = weight.shape[0] if transpose else weight.shape[1]
+        keep = hidden.shape[0] * vocab * 4 <= SAVE_LOGITS_BYTES
+        (logp, entropy, lse, mean_z), kept = _forward_chunks(hidden, weight, labels, scale, transpose,
+                                                             rows_per_chunk, fused, keep_logits=keep)
         ctx.save_for_backward(hidden, weight, labels, lse, mean_z)
+        ctx.kept_logits = kept
         ctx.config = (scale, transpose, rows_per_chunk, fused)
         return logp, entropy
 
@@ -104,13 +115,17 @@ class _ChunkedLMHead(PyLayer):
         hidden, weight, labels, lse, mean_z = ctx.saved_tensor()
         scale, transpose, rows_per_chunk, fused = ctx.config
         _, backward = _kernels(fused)
+        kept, ctx.kept_logits = ctx.kept_logits, None
         grad_hidden, grad_weight = [], None
-        for start in range(0, hidden.shape[0], rows_per_chunk):
+        for index, start in enumerate(range(0, hidden.shape[0], rows_per_chunk)):
             stop = min(start + rows_per_chunk, hidden.shape[0])
             h = hidden[start:stop]
+            logits = kept[index] if kept else _head(h, weight, transpose)
             g_ent = None if grad_entropy is None else grad_entropy[start:stop]
-            g = backward(_head(h, weight, transpose), labels[start:stop], lse[start:stop], mean_z[start:stop],
-                         grad_logp[start:stop], g_ent, scale)
+            g = backward(logits, labels[start:stop], lse[start:stop], mean_z[start:stop], grad_logp[start:stop],
+                         g_ent, scale)
+            if kept:
+                kept[index] = None
             grad_hidden.append(paddle.matmul(g, weight, transpose_y=not transpose))
             part = paddle.matmul(g, h, transpose_x=True) if transpose else paddle.matmul(h, g, transpose_x=True)
             grad_weight = part if grad_weight is None else grad_weight + part
@@ -139,5 +154,5 @@ def lm_head_logprobs(hidden, weight, labels, temperature: float, with_entropy: b
     if needs_grad:
         logp, entropy = _ChunkedLMHead.apply(hidden, weight, labels, scale, transpose_weight, rows, fused)
     else:
-        logp, entropy, _, _ = _forward_chunks(hidden, weight, labels, scale, transpose_weight, rows, fused)
+        (logp, entropy, _, _), _ = _forward_chunks(hidden, weight, labels, scale, transpose_weight, rows, fused)
     return logp, (entropy if with_entropy else None)

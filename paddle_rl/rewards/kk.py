@@ -17,13 +17,13 @@ CORRECT_SCORE = 3.0
 def scored_text(response: str, prompt: Optional[str] = None) -> str:
     """The text the rules see: the assistant turn, opened with <think> as the prompt did.
 
-    Without the prompt (PaddleNLP's server rule) a continuation is assumed to follow "...assistant\n<think>".
-    With a prompt that does not end in <think> (a chat template that leaves the tag to the model), the
-    response is taken as it is.
+    PaddleNLP's rule: a continuation is assumed to follow "...assistant\n<think>". Only a prompt that ends
+    with the bare assistant header (a chat template that leaves <think> to the model) makes the response
+    count as it is.
     """
     if ASSISTANT_TAG in response:
         return response.rsplit(ASSISTANT_TAG, 1)[1]
-    if prompt and not prompt.rstrip().endswith("<think>"):
+    if prompt and prompt.rstrip().endswith(ASSISTANT_TAG):
         return response
     return "<think>" + response
 

@@ -1,0 +1,145 @@
+"""The rollout engine's decode path (preallocated KV cache, DecodeRunner, fused or reference ops) against the
+model's full forward, and the rollout log-probs that may stand in for the old-log-prob pass."""
+import numpy as np
+import paddle
+import pytest
+
+from paddle_rl import ops
+from paddle_rl.models import CausalLM, LayerCache, ModelConfig
+from paddle_rl.rollout import RolloutEngine, SamplingParams, sample_key
+from paddle_rl.rollout.runner import DecodeRunner
+from paddle_rl.trainer.batch import RolloutBatch
+from paddle_rl.trainer.logprobs import batched_logprobs, reuses_rollout_logprobs
+
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13], [14, 15, 16, 17]]
+KINDS = {"qwen2": dict(model_type="qwen2"), "qwen3_tied": dict(model_type="qwen3", tie_word_embeddings=True),
+         "llama": dict(model_type="llama")}
+
+
+def make_model(kind, vocab=211, hidden=64, layers=2, std=0.2, seed=0):
+    paddle.seed(seed)
+    cfg = ModelConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=96, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2, **KINDS[kind])
+    model = CausalLM(cfg)
+    model.init_weights(std)
+    model.eval()
+    return model
+
+
+@pytest.fixture(params=["on", "off"])
+def op_mode(request):
+    previous = ops.mode()
+    ops.configure(request.param)
+    yield request.param
+    ops.configure(previous)
+
+
+def full_logprobs(model, seq, temperature):
+    logits = model(paddle.to_tensor([seq]))[0].numpy().astype(np.float64) / temperature
+    logits -= logits.max(-1, keepdims=True)
+    return logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_decode_matches_full_forward(kind, op_mode):
+    model = make_model(kind)
+    assert DecodeRunner.supports(model)
+    params = SamplingParams(max_dec_len=10, temperature=0.9, top_p=0.95, repetition_penalty=1.1)
+    keys = [sample_key(3, 1, i // 2, i % 2) for i in range(6)]
+    out = RolloutEngine(model, 0, [1]).generate(PROMPTS, 2, params, keys)
+    for r in range(6):
+        n = int(out.lengths[r])
+        seq = list(out.prompt_ids[r]) + out.response_ids[r, :n].tolist()
+        logp = full_logprobs(model, seq, 0.9)
+        p = len(out.prompt_ids[r])
+        expected = [logp[p - 1 + t, seq[p + t]] for t in range(n)]
+        np.testing.assert_allclose(out.logprobs[r, :n], expected, atol=1e-4)
+    greedy = RolloutEngine(model, 0, []).generate(PROMPTS[:1], 1, SamplingParams(max_dec_len=6, temperature=0))
+    seq = list(PROMPTS[0])
+    for _ in range(6):
+        seq.append(int(model(paddle.to_tensor([seq]))[0, -1].argmax()))
+    assert greedy.response_ids[0].tolist() == seq[len(PROMPTS[0]):]
+
+
+def test_fused_and_reference_rollouts_agree():
+    model = make_model("qwen2", vocab=300, std=0.3)
+    keys = [sample_key(7, 2, i // 4, i % 4) for i in range(12)]
+    outs = {}
+    for mode in ("on", "off"):
+        ops.configure(mode)
+        for name, params in {
+            "filters": SamplingParams(max_dec_len=12, min_dec_len=4, temperature=0.8, top_k=40, top_p=0.9,
+                                      repetition_penalty=1.2),
+            "plain": SamplingParams(max_dec_len=12, temperature=1.0),
+        }.items():
+            outs[mode, name] = RolloutEngine(model, 0, [1, 2, 3]).generate(PROMPTS, 4, params, keys)
+    ops.configure("auto")
+    for name in ("filters", "plain"):
+        a, b = outs["on", name], outs["off", name]
+        np.testing.assert_array_equal(a.response_ids, b.response_ids)
+        np.testing.assert_array_equal(a.lengths, b.lengths)
+        np.testing.assert_array_equal(a.truncated, b.truncated)
+        np.testing.assert_allclose(a.logprobs, b.logprobs, rtol=1e-5, atol=2e-5)
+    filters = outs["on", "filters"]
+    assert (filters.lengths >= 4).all()
+    assert not np.isin(filters.response_ids[:, :3], [1, 2, 3]).any()
+
+
+def test_single_row_and_single_token_prompt(op_mode):
+    model = make_model("qwen2")
+    params = SamplingParams(max_dec_len=5, temperature=0.7)
+    out = RolloutEngine(model, 0, [1]).generate([[9]], 1, params, [sample_key(1, 1, 0, 0)])
+    assert out.response_ids.shape[0] == 1 and 1 <= out.lengths[0] <= 5
+    seq = [9] + out.response_ids[0, :out.lengths[0]].tolist()
+    logp = full_logprobs(model, seq, 0.7)
+    np.testing.assert_allclose(out.logprobs[0, :out.lengths[0]],
+                               [logp[t, seq[t + 1]] for t in range(out.lengths[0])], atol=1e-4)
+
+
+def test_layer_cache_writes_in_place():
+    k = paddle.arange(2 * 1 * 3 * 2, dtype="float32").reshape([2, 1, 3, 2])
+    cache = LayerCache(capacity=8)
+    keys, _ = cache.update(k, k * 2)
+    buffer = cache.k
+    assert buffer.shape == [2, 1, 8, 2] and keys.shape == [2, 1, 3, 2] and cache.length == 3
+    keys, values = cache.update(k[:, :, :1], k[:, :, :1])
+    assert cache.k is buffer and keys.shape == [2, 1, 4, 2]
+    np.testing.assert_array_equal(keys.numpy()[:, :, :3], k.numpy())
+    np.testing.assert_array_equal(values.numpy()[:, :, 3], k.numpy()[:, :, 0])
+    growing = LayerCache()
+    for _ in range(5):
+        growing.update(k, k)
+    assert growing.length == 15 and growing.k.shape[2] >= 15
+    np.testing.assert_array_equal(growing.keys.numpy()[:, :, 12:], k.numpy())
+    growing.repeat_interleave(2)
+    assert growing.k.shape[0] == 4 and growing.keys.shape == [4, 1, 15, 2]
+    growing.select(paddle.to_tensor([3, 0]))
+    np.testing.assert_array_equal(growing.keys.numpy()[1], np.tile(k.numpy()[0], (1, 5, 1)))   # row 0, 5 updates
+
+
+def test_rollout_logprobs_equal_old_logprob_pass():
+    """The old-policy log-probs recomputed by a full forward equal the rollout's own within 1e-4
+    (the tolerance behind reuse_rollout_logprobs)."""
+    model = make_model("qwen2", vocab=1024, hidden=128, std=0.05)
+    prompts = [list(np.random.default_rng(i).integers(2, 1024, size=8 + 3 * i)) for i in range(4)]
+    keys = [sample_key(5, 1, i // 4, i % 4) for i in range(16)]
+    out = RolloutEngine(model, 0, [1]).generate(prompts, 4, SamplingParams(max_dec_len=24, temperature=0.8), keys)
+    batch = RolloutBatch.from_rollout(out, np.repeat(np.arange(4), 4), 0)
+    recomputed = batched_logprobs(model, batch, 0.8, micro_batch_size=16)
+    assert np.abs(recomputed - out.logprobs).max() <= 1e-4
+
+
+def test_reuse_decision():
+    class Cfg:
+        update_iters = 1
+        reuse_rollout_logprobs = "auto"
+    cfg = Cfg()
+    assert reuses_rollout_logprobs(cfg, 1)
+    assert not reuses_rollout_logprobs(cfg, 2)
+    cfg.update_iters = 2
+    assert not reuses_rollout_logprobs(cfg, 1)
+    cfg.reuse_rollout_logprobs = "on"
+    assert reuses_rollout_logprobs(cfg, 4)
+    cfg.reuse_rollout_logprobs = "off"
+    cfg.update_iters = 1
+    assert not reuses_rollout_logprobs(cfg, 1)
