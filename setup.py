@@ -1,4 +1,20 @@
+import os
+import shutil
+
 from setuptools import find_packages, setup
+from setuptools.command.build_py import build_py
+
+
+class BuildWithKernelSources(build_py):
+    """Ship csrc/ inside the package (paddle_rl/_csrc) so an installed copy can build the fused ops."""
+
+    def run(self):
+        super().run()
+        src = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
+        if os.path.isdir(src):
+            dst = os.path.join(self.build_lib, "paddle_rl", "_csrc")
+            shutil.rmtree(dst, ignore_errors=True)
+            shutil.copytree(src, dst)
 
 setup(
     name="paddle-rl",
@@ -8,7 +24,7 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.9",
     packages=find_packages(include=["paddle_rl", "paddle_rl.*", "reward_server", "reward_server.*"]),
-    package_data={"paddle_rl": ["../csrc/*"]},
+    cmdclass={"build_py": BuildWithKernelSources},
     install_requires=[
         "paddlepaddle==3.3.1",
         "pyyaml",

@@ -6,3 +6,4 @@
 #include "cpu/rollout_state.cc"
 #include "cpu/rotary.cc"
 #include "cpu/sampling.cc"
+#include "cpu/swiglu.cc"

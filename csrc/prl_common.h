@@ -11,7 +11,6 @@
 
 #include "paddle/extension.h"
 
-
 namespace prl {
 
 constexpr float kNegInf = -1e9f;  // the additive "banned" logit of the pure-Paddle code
@@ -83,6 +82,37 @@ inline float ExpF(float x) {
   p = p * r + 1.0f;
   const float scale = BitCast<float>((BitCast<uint32_t>(t) + 127u) << 23);
   return x < lo ? 0.0f : p * scale;
+}
+
+inline float Dot(const float* a, const float* b, int64_t n) {
+  float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+  for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+// Dot product for n % 8 == 0 with 8-wide vector accumulators (one horizontal sum at the end).
+inline float Dot8(const float* a, const float* b, int64_t n) {
+  typedef float V8 __attribute__((vector_size(32)));
+  V8 acc0 = {0, 0, 0, 0, 0, 0, 0, 0}, acc1 = acc0;
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    V8 x0, y0, x1, y1;
+    std::memcpy(&x0, a + i, sizeof(V8));
+    std::memcpy(&y0, b + i, sizeof(V8));
+    std::memcpy(&x1, a + i + 8, sizeof(V8));
+    std::memcpy(&y1, b + i + 8, sizeof(V8));
+    acc0 += x0 * y0;
+    acc1 += x1 * y1;
+  }
+  for (; i < n; i += 8) {
+    V8 x0, y0;
+    std::memcpy(&x0, a + i, sizeof(V8));
+    std::memcpy(&y0, b + i, sizeof(V8));
+    acc0 += x0 * y0;
+  }
+  acc0 += acc1;
+  return ((acc0[0] + acc0[4]) + (acc0[1] + acc0[5])) + ((acc0[2] + acc0[6]) + (acc0[3] + acc0[7]));
 }
 
 }  // namespace prl

@@ -285,3 +285,12 @@ def test_model_gradients_with_kernels_and_recompute(rng):
     for key in (("off", False), ("on", True)):
         for name, ref in grads["on", False].items():
             close(grads[key][name], ref, rel=1e-4, what=f"{key} {name}")
+
+
+@pytest.mark.parametrize("shape", [(3, 5, 2 * 48), (1, 1, 2 * 688), (7, 2)])
+def test_swiglu_and_gradient(rng, shape):
+    x = t(rng.standard_normal(shape) * 4, grad=True)
+    fused, ref = ops.swiglu_fused(x), ops.swiglu_reference(x)
+    close(fused.numpy(), ref.numpy(), what="swiglu")
+    g = t(rng.standard_normal(ref.shape))
+    close(paddle.grad(fused, x, g)[0].numpy(), paddle.grad(ref, x, g)[0].numpy(), what="swiglu dx")

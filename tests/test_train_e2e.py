@@ -146,3 +146,12 @@ def test_bad_config_fails_before_loading(micro, tmp_path):
     result = run_cli(["train", "/dev/null", *micro_overrides(micro, str(tmp_path),
                                                              actor_model_name_or_path=str(tmp_path / "nope"))])
     assert result.returncode == 2 and "actor_model_name_or_path: folder not found" in result.stderr
+
+
+def test_eval_command_reports_accuracy(micro, tmp_path):
+    result = run_cli(["eval", "/dev/null", f"actor_model_name_or_path={micro['model']}",
+                      f"eval_datasets={micro['test']}", "max_dec_len=8", "min_dec_len=1", "max_prompt_len=128"])
+    assert result.returncode == 0, result.stderr[-2000:]
+    metrics = json.loads(result.stdout.strip().splitlines()[-1])
+    assert metrics["eval/num_samples"] == 16.0 and 0.0 <= metrics["eval/accuracy"] <= 1.0
+    assert -3.0 <= metrics["eval/reward_mean"] <= 3.0

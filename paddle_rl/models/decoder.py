@@ -154,8 +154,7 @@ class MLP(nn.Layer):
         self.down_proj = tp.row_linear(config.intermediate_size, config.hidden_size, False, tp_group)
 
     def forward(self, x):
-        gate, up = paddle.split(self.gate_up_proj(x), 2, axis=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(ops.swiglu(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Layer):

@@ -5,6 +5,7 @@ when it is in use, else the reference). `configure("auto" | "on" | "off")` selec
 `use_custom_ops`); see build.py for the cache and the modes.
 
 - rms_norm: RMSNorm with its backward
+- swiglu: silu(gate) * up of a fused [gate | up] projection, with its backward
 - rotary: rotate-half rotary embedding with its backward
 - rotary_qkv_cache: the decode step's qkv split + q/k norm + rotary + in-place KV-cache write
 - decode_attention: one decode step of grouped-query attention over the cache
@@ -12,6 +13,7 @@ when it is in use, else the reference). `configure("auto" | "on" | "off")` selec
 - lm_head_logprobs: per-token log-prob and entropy from hidden states and the LM-head weight, chunked
 - step_update: the rollout's per-step stop flags, lengths, seen tokens and min-length ban
 """
+from .activation import swiglu, swiglu_fused, swiglu_reference
 from .attention import decode_attention, decode_attention_fused, decode_attention_reference
 from .build import CustomOpsError, available, configure, mode, status
 from .logprob import lm_head_logprobs, lm_head_logprobs_reference
@@ -23,6 +25,7 @@ from .sampling import sample, sample_fused, sample_reference
 
 __all__ = ["configure", "available", "mode", "status", "CustomOpsError",
            "rms_norm", "rms_norm_fused", "rms_norm_reference",
+           "swiglu", "swiglu_fused", "swiglu_reference",
            "rotary", "rotary_fused", "rotary_reference", "rotary_tables",
            "rotary_qkv_cache", "rotary_qkv_cache_fused", "rotary_qkv_cache_reference",
            "decode_attention", "decode_attention_fused", "decode_attention_reference",

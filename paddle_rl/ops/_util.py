@@ -9,7 +9,9 @@ def contiguous(x):
 
 
 def fusable(*tensors) -> bool:
-    """float32 tensors on a place the kernels were built for, and the kernels in use."""
+    """float32 tensors on a place the kernels were built for, eager mode, and the kernels in use."""
+    if not paddle.in_dynamic_mode():
+        return False
     for t in tensors:
         if t is None:
             continue

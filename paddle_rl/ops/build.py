@@ -23,7 +23,10 @@ logger = logging.getLogger("paddle_rl")
 
 MODES = ("auto", "on", "off")
 NAME = "paddle_rl_ops"
-CSRC = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "csrc")
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# a source checkout keeps csrc/ beside the package; an installed wheel carries a copy as paddle_rl/_csrc
+CSRC = next((p for p in (os.path.join(os.path.dirname(_PACKAGE), "csrc"), os.path.join(_PACKAGE, "_csrc"))
+             if os.path.isdir(p)), os.path.join(os.path.dirname(_PACKAGE), "csrc"))
 CXX_FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno"]
 LD_FLAGS = []
 CUDA_FLAGS = ["-O3", "--use_fast_math"]

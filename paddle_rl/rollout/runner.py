@@ -3,13 +3,10 @@
 It reads the model's own layers (their projections, norms and heads, so tensor-parallel layers keep working)
 and replaces the generic attention path of a one-token step with: RMSNorm -> qkv projection ->
 `rotary_qkv_cache` (split, q/k norm, rotary, KV-cache write in place) -> `decode_attention` over the cache
-(left padding skipped by a per-row start slot) -> output projection -> RMSNorm -> gate/up -> SiLU*up -> down.
+(left padding skipped by a per-row start slot) -> output projection -> RMSNorm -> gate/up -> `swiglu` -> down.
 With the fused kernels off, the same steps run as their pure-Paddle references. The prefill goes through
 the model's own forward (`CausalLM.hidden_states` with a preallocated LayerCache).
 """
-import paddle
-import paddle.nn.functional as F
-
 from .. import ops
 
 
@@ -62,7 +59,6 @@ class DecodeRunner:
             x = x + attn.o_proj(out)
             norm = spec["post_norm"]
             h = ops.rms_norm(x, norm.weight, norm.eps)
-            gate, up = paddle.split(mlp.gate_up_proj(h), 2, axis=-1)
-            x = x + mlp.down_proj(F.silu(gate) * up)
+            x = x + mlp.down_proj(ops.swiglu(mlp.gate_up_proj(h)))
         x = ops.rms_norm(x, model.norm.weight, model.norm.eps)
         return model.logits(x).reshape([batch, -1])

@@ -1,0 +1,78 @@
+// SwiGLU of a fused gate/up projection: x [..., 2F] = [gate | up] -> silu(gate) * up [..., F], with its backward.
+#include "../prl_common.h"
+
+#ifdef PRL_WITH_CUDA
+std::vector<paddle::Tensor> SwigluForwardCUDA(const paddle::Tensor& x);
+std::vector<paddle::Tensor> SwigluBackwardCUDA(const paddle::Tensor& x, const paddle::Tensor& grad_out);
+#endif
+
+namespace {
+
+inline float Sigmoid(float a) { return 1.0f / (1.0f + prl::ExpF(-a)); }
+
+}  // namespace
+
+std::vector<paddle::Tensor> SwigluForward(const paddle::Tensor& x) {
+#ifdef PRL_WITH_CUDA
+  if (x.is_gpu()) return SwigluForwardCUDA(x);
+#endif
+  prl::CheckCpuFloat(x, "prl_swiglu", "x");
+  const int64_t width = prl::LastDim(x), f = width / 2, n = prl::Rows(x);
+  PD_CHECK(width % 2 == 0, "prl_swiglu: the last axis must be even");
+  auto shape = x.shape();
+  shape.back() = f;
+  auto out = paddle::empty(shape, x.dtype(), x.place());
+  const float* xp = x.data<float>();
+  float* op = out.data<float>();
+  for (int64_t r = 0; r < n; ++r) {
+    const float* gate = xp + r * width;
+    const float* up = gate + f;
+    float* o = op + r * f;
+    for (int64_t i = 0; i < f; ++i) o[i] = gate[i] * Sigmoid(gate[i]) * up[i];
+  }
+  return {out};
+}
+
+std::vector<paddle::Tensor> SwigluBackward(const paddle::Tensor& x, const paddle::Tensor& grad_out) {
+#ifdef PRL_WITH_CUDA
+  if (x.is_gpu()) return SwigluBackwardCUDA(x, grad_out);
+#endif
+  const int64_t width = prl::LastDim(x), f = width / 2, n = prl::Rows(x);
+  auto grad = paddle::empty(x.shape(), x.dtype(), x.place());
+  const float* xp = x.data<float>();
+  const float* gp = grad_out.data<float>();
+  float* dp = grad.data<float>();
+  for (int64_t r = 0; r < n; ++r) {
+    const float* gate = xp + r * width;
+    const float* up = gate + f;
+    const float* g = gp + r * f;
+    float* d_gate = dp + r * width;
+    float* d_up = d_gate + f;
+    for (int64_t i = 0; i < f; ++i) {
+      const float s = Sigmoid(gate[i]);
+      d_gate[i] = g[i] * up[i] * s * (1.0f + gate[i] * (1.0f - s));
+      d_up[i] = g[i] * gate[i] * s;
+    }
+  }
+  return {grad};
+}
+
+std::vector<std::vector<int64_t>> SwigluInferShape(const std::vector<int64_t>& x) {
+  auto shape = x;
+  shape.back() /= 2;
+  return {shape};
+}
+
+std::vector<paddle::DataType> SwigluInferDtype(paddle::DataType x) { return {x}; }
+
+PD_BUILD_OP(prl_swiglu)
+    .Inputs({"X"})
+    .Outputs({"Out"})
+    .SetKernelFn(PD_KERNEL(SwigluForward))
+    .SetInferShapeFn(PD_INFER_SHAPE(SwigluInferShape))
+    .SetInferDtypeFn(PD_INFER_DTYPE(SwigluInferDtype));
+
+PD_BUILD_GRAD_OP(prl_swiglu)
+    .Inputs({"X", paddle::Grad("Out")})
+    .Outputs({paddle::Grad("X")})
+    .SetKernelFn(PD_KERNEL(SwigluBackward));
