@@ -16,7 +16,7 @@ when it is in use, else the reference). `configure("auto" | "on" | "off")` selec
 from .activation import swiglu, swiglu_fused, swiglu_reference
 from .attention import decode_attention, decode_attention_fused, decode_attention_reference
 from .build import CustomOpsError, available, configure, mode, status
-from .logprob import lm_head_logprobs, lm_head_logprobs_reference
+from .logprob import lm_head_logprobs, lm_head_logprobs_reference, logprobs_from_logits
 from .norm import rms_norm, rms_norm_fused, rms_norm_reference
 from .rollout_state import StepState, step_update, step_update_fused, step_update_reference
 from .rope import (rotary, rotary_fused, rotary_qkv_cache, rotary_qkv_cache_fused, rotary_qkv_cache_reference,
@@ -30,5 +30,5 @@ __all__ = ["configure", "available", "mode", "status", "CustomOpsError",
            "rotary_qkv_cache", "rotary_qkv_cache_fused", "rotary_qkv_cache_reference",
            "decode_attention", "decode_attention_fused", "decode_attention_reference",
            "sample", "sample_fused", "sample_reference",
-           "lm_head_logprobs", "lm_head_logprobs_reference",
+           "lm_head_logprobs", "lm_head_logprobs_reference", "logprobs_from_logits",
            "StepState", "step_update", "step_update_fused", "step_update_reference"]

@@ -28,7 +28,14 @@ def _head(hidden, weight, transpose_weight: bool):
 def lm_head_logprobs_reference(hidden, weight, labels, temperature: float, with_entropy: bool = False,
                                transpose_weight: bool = False):
     """hidden [N, H]; weight [H, V] ([V, H] with transpose_weight); labels [N] -> (logp [N], entropy [N] or None)."""
-    logits = _head(hidden, weight, transpose_weight)
+    return logprobs_from_logits(_head(hidden, weight, transpose_weight), labels, temperature, with_entropy)
+
+
+def logprobs_from_logits(logits, labels, temperature: float, with_entropy: bool = False):
+    """log softmax(logits / T) at labels (and the entropy), over the last axis.
+
+    Written out instead of F.log_softmax, whose CPU kernel is far slower at [tokens, vocab] sizes.
+    """
     if temperature > 0:
         logits = logits / temperature
     shifted = logits - logits.max(axis=-1, keepdim=True).detach()

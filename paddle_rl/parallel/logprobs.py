@@ -3,8 +3,6 @@
 Same contract as trainer/logprobs.py (which a model without a tensor-parallel group goes to): the LM
 head runs on response positions only, logits are divided by the temperature.
 """
-import numpy as np
-import paddle
 
 from ..models.decoder import attention_bias_from_mask, position_ids_from_mask
 from .tensor_parallel import vocab_parallel_logprobs
@@ -26,24 +24,8 @@ def token_logprobs(model, input_ids, attention_mask, prompt_width: int, response
     return vocab_parallel_logprobs(logits, response_ids, group, model.embed_tokens.vocab_start, with_entropy)
 
 
-@paddle.no_grad()
 def batched_logprobs(model, batch, temperature: float, micro_batch_size: int, with_entropy: bool = False):
     """No-grad log-probs over a whole RolloutBatch in chunks; numpy [B, T] (and entropy)."""
-    if getattr(model, "tp_group", None) is None:
-        from ..trainer import logprobs as single
-        return single.batched_logprobs(model, batch, temperature, micro_batch_size, with_entropy)
-    was_training = model.training
-    model.eval()
-    outs, ents = [], []
-    for start in range(0, batch.size, micro_batch_size):
-        part = batch.tensors(slice(start, start + micro_batch_size))
-        logp, ent = token_logprobs(model, part["input_ids"], part["attention_mask"], batch.prompt_width,
-                                   part["response_ids"], temperature, with_entropy)
-        outs.append(logp.numpy())
-        if with_entropy:
-            ents.append(ent.numpy())
-    if was_training:
-        model.train()
-    mask = batch.response_mask
-    logp = np.concatenate(outs) * mask
-    return (logp, np.concatenate(ents) * mask) if with_entropy else logp
+    from ..trainer import logprobs as single
+    chunk_fn = None if getattr(model, "tp_group", None) is None else token_logprobs
+    return single.batched_logprobs(model, batch, temperature, micro_batch_size, with_entropy, chunk_fn=chunk_fn)

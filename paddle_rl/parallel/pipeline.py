@@ -15,7 +15,6 @@ Every stage of a pipeline holds the same micro-batch data (token ids and masks),
 """
 from typing import Callable, Dict, List, Optional
 
-import numpy as np
 import paddle
 import paddle.distributed as dist
 import paddle.nn as nn

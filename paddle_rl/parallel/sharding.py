@@ -17,7 +17,7 @@ import numpy as np
 import paddle
 import paddle.distributed as dist
 
-from .collectives import group_size, is_distributed
+from .collectives import is_distributed
 
 BUCKET_BYTES = 32 * 1024**2
 

@@ -56,7 +56,7 @@ class RolloutEngine:
             chunk = prompts[start:start + per_chunk]
             chunk_keys = None if keys is None else keys[start * n:(start + len(chunk)) * n]
             parts.append(self._generate_chunk(chunk, n, params, chunk_keys))
-        return parts[0] if len(parts) == 1 else _concat(parts, self.pad_id)
+        return parts[0] if len(parts) == 1 else concat_outputs(parts, self.pad_id)
 
     def _generate_chunk(self, prompts, n, params: SamplingParams, keys) -> RolloutOutput:
         model = self.model
@@ -124,7 +124,8 @@ class RolloutEngine:
         return RolloutOutput(rows_prompts, response, alive, logprobs.astype(np.float32), lengths_np, truncated)
 
 
-def _concat(parts: List[RolloutOutput], pad_id: int) -> RolloutOutput:
+def concat_outputs(parts: List[RolloutOutput], pad_id: int) -> RolloutOutput:
+    """Rows of several outputs in order, responses right-padded to the widest."""
     width = max(p.response_ids.shape[1] for p in parts)
 
     def pad(a, value):

@@ -5,7 +5,7 @@ from typing import Dict, List, Optional
 import numpy as np
 import paddle
 
-from ..rollout.engine import RolloutOutput, left_pad
+from ..rollout.engine import RolloutOutput, concat_outputs, left_pad
 
 
 @dataclass
@@ -51,20 +51,7 @@ class RolloutBatch:
 
 
 def merge_rollouts(outs: List[RolloutOutput], pad_id: int) -> RolloutOutput:
-    if len(outs) == 1:
-        return outs[0]
-    width = max(o.response_ids.shape[1] for o in outs)
-
-    def pad(a, value):
-        return np.pad(a, ((0, 0), (0, width - a.shape[1])), constant_values=value)
-
-    return RolloutOutput(
-        prompt_ids=[p for o in outs for p in o.prompt_ids],
-        response_ids=np.concatenate([pad(o.response_ids, pad_id) for o in outs]),
-        response_mask=np.concatenate([pad(o.response_mask, 0) for o in outs]),
-        logprobs=np.concatenate([pad(o.logprobs, 0) for o in outs]),
-        lengths=np.concatenate([o.lengths for o in outs]),
-        truncated=np.concatenate([o.truncated for o in outs]))
+    return outs[0] if len(outs) == 1 else concat_outputs(outs, pad_id)
 
 
 def select_rollout(out: RolloutOutput, index) -> RolloutOutput:

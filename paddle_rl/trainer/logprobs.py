@@ -27,16 +27,6 @@ def _head_weight(model):
     return (weight, False) if list(weight.shape) == [cfg.hidden_size, cfg.vocab_size] else None
 
 
-def _from_logits(logits, labels, temperature: float, with_entropy: bool):
-    if temperature > 0:
-        logits = logits / temperature
-    shifted = logits - logits.max(axis=-1, keepdim=True).detach()
-    logp_all = shifted - shifted.exp().sum(axis=-1, keepdim=True).log()
-    logp = paddle.take_along_axis(logp_all, labels.unsqueeze(-1), axis=-1).squeeze(-1)
-    entropy = -(logp_all.exp() * logp_all).sum(axis=-1) if with_entropy else None
-    return logp, entropy
-
-
 def token_logprobs(model, input_ids, attention_mask, prompt_width: int, response_ids, temperature: float,
                    with_entropy: bool = False):
     """log softmax(logits / T) at response_ids: [b, T] (and entropy [b, T]).
@@ -49,7 +39,7 @@ def token_logprobs(model, input_ids, attention_mask, prompt_width: int, response
     hidden = hidden[:, prompt_width - 1:prompt_width - 1 + length]
     head = _head_weight(model)
     if head is None:
-        return _from_logits(model.logits(hidden), response_ids, temperature, with_entropy)
+        return ops.logprobs_from_logits(model.logits(hidden), response_ids, temperature, with_entropy)
     weight, transposed = head
     logp, entropy = ops.lm_head_logprobs(hidden.reshape([batch * length, hidden.shape[-1]]), weight,
                                          response_ids.reshape([-1]), temperature, with_entropy,
@@ -58,15 +48,20 @@ def token_logprobs(model, input_ids, attention_mask, prompt_width: int, response
 
 
 @paddle.no_grad()
-def batched_logprobs(model, batch, temperature: float, micro_batch_size: int, with_entropy: bool = False):
-    """No-grad log-probs over a whole RolloutBatch in chunks; numpy [B, T] (and entropy)."""
+def batched_logprobs(model, batch, temperature: float, micro_batch_size: int, with_entropy: bool = False,
+                     chunk_fn=None):
+    """No-grad log-probs over a whole RolloutBatch in chunks; numpy [B, T] (and entropy).
+
+    chunk_fn (default token_logprobs) computes one chunk; tensor parallelism passes its vocab-parallel one.
+    """
+    chunk_fn = chunk_fn or token_logprobs
     was_training = model.training
     model.eval()
     outs, ents = [], []
     for start in range(0, batch.size, micro_batch_size):
         part = batch.tensors(slice(start, start + micro_batch_size))
-        logp, ent = token_logprobs(model, part["input_ids"], part["attention_mask"], batch.prompt_width,
-                                   part["response_ids"], temperature, with_entropy)
+        logp, ent = chunk_fn(model, part["input_ids"], part["attention_mask"], batch.prompt_width,
+                             part["response_ids"], temperature, with_entropy)
         outs.append(logp.numpy())
         if with_entropy:
             ents.append(ent.numpy())
