@@ -139,11 +139,12 @@ def sft_batch(tokenizer, records, pad_id):
     return [paddle.to_tensor(x) for x in (ids, mask, resp, resp_mask)], p_width
 
 
-def supervised(model, tokenizer, records, steps, batch_size, lr, seed, warmup=20, log_every=50, on_log=None):
-    """AdamW on the response tokens of `records`, linear warm-up then cosine decay to zero."""
+def supervised(model, tokenizer, records, steps, batch_size, lr, seed, warmup=20, log_every=50, on_log=None,
+               schedule="constant"):
+    """AdamW on the response tokens of `records`, linear warm-up then a constant rate or cosine decay to zero."""
     decay = [p.name for n, p in model.named_parameters() if "norm" not in n and not n.endswith("bias")]
-    sched = paddle.optimizer.lr.LinearWarmup(paddle.optimizer.lr.CosineAnnealingDecay(lr, T_max=max(1, steps - warmup)),
-                                             warmup_steps=warmup, start_lr=0.0, end_lr=lr)
+    inner = paddle.optimizer.lr.CosineAnnealingDecay(lr, T_max=max(1, steps - warmup)) if schedule == "cosine" else lr
+    sched = paddle.optimizer.lr.LinearWarmup(inner, warmup_steps=warmup, start_lr=0.0, end_lr=lr)
     opt = paddle.optimizer.AdamW(learning_rate=sched, parameters=model.parameters(), weight_decay=0.01,
                                  apply_decay_param_fun=lambda n: n in decay)
     rng = np.random.default_rng(seed)
@@ -202,7 +203,8 @@ def main(argv=None):
     ap.add_argument("--vocab-size", type=int, default=1024)
     ap.add_argument("--hidden-size", type=int, default=128)
     ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--sft-steps", type=int, default=300)
+    ap.add_argument("--sft-steps", type=int, default=400)
+    ap.add_argument("--schedule", choices=("constant", "cosine"), default="constant", help="SFT learning-rate schedule")
     ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--eval-every", type=int, default=0, help="held-out greedy eval every N SFT steps (0: at the end)")
@@ -224,7 +226,8 @@ def main(argv=None):
             print(f"  held-out greedy at step {step}: {fmt(greedy_eval(model, tokenizer, test)[0])}", flush=True)
 
     start = time.time()
-    supervised(model, tokenizer, splits["sft"], args.sft_steps, args.batch_size, args.lr, args.seed, on_log=on_log)
+    supervised(model, tokenizer, splits["sft"], args.sft_steps, args.batch_size, args.lr, args.seed, on_log=on_log,
+               schedule=args.schedule)
     result, texts = greedy_eval(model, tokenizer, test)
     print(f"held-out greedy after {args.sft_steps} SFT steps ({time.time() - start:.0f}s): {fmt(result)}")
     print("sample:", repr(texts[0]))
