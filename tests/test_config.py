@@ -84,3 +84,10 @@ def test_invalid_yaml_names_the_line(tmp_path):
     path.write_text("rollout_n: 4\nkl_coeff: [1, 2\n")
     with pytest.raises(ConfigError, match=rf"{path}:\d+: invalid YAML"):
         load_config(str(path))
+
+
+def test_yaml_no_and_string_lists_keep_their_meaning():
+    cfg = load_config(None, [MODEL, "save_strategy=no", "evaluation_strategy=no",
+                             "amp_custom_black_list=[reduce_sum, softmax]"])
+    assert cfg.save_strategy == "no" and cfg.evaluation_strategy == "no"
+    assert cfg.amp_custom_black_list == "reduce_sum softmax"

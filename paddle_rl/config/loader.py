@@ -67,6 +67,10 @@ def _coerce(key: str, value: Any, annotation) -> Any:
         except (TypeError, ValueError):
             raise ConfigError(f"{key}: expected a number, got {value!r}") from None
     if annotation is str:
+        if isinstance(value, bool):  # YAML 1.1 reads an unquoted no / yes (save_strategy: no) as a bool
+            return "yes" if value else "no"
+        if isinstance(value, list) and all(isinstance(v, str) for v in value):
+            return " ".join(value)  # PaddleNLP files also write amp_custom_*_list as YAML lists
         if isinstance(value, (dict, list)):
             raise ConfigError(f"{key}: expected a string, got {value!r}")
         return "" if value is None else str(value)

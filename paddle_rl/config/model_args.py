@@ -36,7 +36,7 @@ class ModelArgs:
 
     def _validate_model(self, errors):
         # YAML reads a bare on / off as true / false
-        self.use_custom_ops = {"true": "on", "false": "off"}.get(str(self.use_custom_ops).lower(), str(self.use_custom_ops).lower())
+        self.use_custom_ops = {"true": "on", "false": "off", "yes": "on", "no": "off"}.get(str(self.use_custom_ops).lower(), str(self.use_custom_ops).lower())
         if self.use_custom_ops not in ("auto", "on", "off"):
             errors.append(f"use_custom_ops: must be auto, on or off, got {self.use_custom_ops!r}")
         if not self.actor_model_name_or_path:

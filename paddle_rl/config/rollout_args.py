@@ -23,7 +23,7 @@ class RolloutArgs:
 
     def _validate_rollout(self, errors):
         # YAML reads a bare on / off as true / false
-        self.reuse_rollout_logprobs = {"true": "on", "false": "off"}.get(str(self.reuse_rollout_logprobs).lower(), str(self.reuse_rollout_logprobs).lower())
+        self.reuse_rollout_logprobs = {"true": "on", "false": "off", "yes": "on", "no": "off"}.get(str(self.reuse_rollout_logprobs).lower(), str(self.reuse_rollout_logprobs).lower())
         if self.reuse_rollout_logprobs not in ("auto", "on", "off"):
             errors.append(f"reuse_rollout_logprobs: must be auto, on or off, got {self.reuse_rollout_logprobs!r}")
         if self.rollout_n < 1:
