@@ -1,14 +1,20 @@
-"""Build the bundled tiny default: KK data (2-3 people), a byte-level BPE tokenizer, and a small
-Qwen2-architecture model warm-started by a short supervised pass so it writes the
-<think>...</think><answer>...</answer> format.
+"""Build a bundled tiny default: task data, a byte-level BPE tokenizer, and a small Qwen2-architecture model
+warm-started by a short supervised pass so it writes the <think>...</think><answer>...</answer> format.
 
-    python tools/make_tiny_model.py --out data/tiny
+    python tools/make_tiny_model.py --task arith --out data/tiny_arith    # the learning default
+    python tools/make_tiny_model.py --task kk --out data/tiny              # 2-3 people Knights-and-Knaves
 
-Writes OUT/model (Hugging Face layout), OUT/kk/{train,test}.jsonl (OUT/kk/sft.jsonl too with --keep-sft)
-and OUT/README.md with the held-out numbers of the result.
+Writes OUT/model (Hugging Face layout), OUT/TASK/{train,test}.jsonl (OUT/TASK/sft.jsonl too with
+--keep-sft) and OUT/README.md with the held-out numbers of the result.
 
-The prompts number the speakers in order ("(1) Zoey: ... (2) Oliver: ..."), so the "(k) Name" lines of the
+kk: the prompts number the speakers in order ("(1) Zoey: ... (2) Oliver: ..."), so the "(k) Name" lines of the
 answer can be copied from the prompt; the puzzle statements use the compact wording of paddle_rl.data.kk.
+The supervised responses carry no reasoning, only the answer.
+
+arith: three-operand addition of 10..99 ("What is 51 + 29 + 60?"); the supervised responses carry the running
+sums (" 51 + 29 = 80. 80 + 60 = 140."), digits are single tokens. With --stop-accuracy the supervised pass
+ends at the first check where greedy accuracy on a separate dev split reaches that value: a partly trained
+model that samples right answers often but not reliably, which is what RL starts from.
 """
 import argparse
 import json
@@ -26,11 +32,13 @@ import numpy as np  # noqa: E402
 import paddle  # noqa: E402
 from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizers, trainers  # noqa: E402
 
+from paddle_rl.data.arith import generate_problems  # noqa: E402
 from paddle_rl.data.kk import generate_puzzles, render_prompt  # noqa: E402
 from paddle_rl.data.kk.english import COMPACT_INTRO, COMPACT_QUESTION, sentence  # noqa: E402
 from paddle_rl.models import CausalLM, ModelConfig, Tokenizer  # noqa: E402
 from paddle_rl.models.pretrained import save_model, write_generation_config  # noqa: E402
 from paddle_rl.rewards.kk import CORRECT_SCORE, kk_score  # noqa: E402
+from paddle_rl.rewards.rules import format_score, math_score  # noqa: E402
 from paddle_rl.rollout import RolloutEngine, SamplingParams  # noqa: E402
 from paddle_rl.trainer.logprobs import token_logprobs  # noqa: E402
 
@@ -42,8 +50,13 @@ CHAT_TEMPLATE = (
 THINK = " I check each claim."
 
 
-def sft_response(truth: str) -> str:
-    return f"{THINK}</think>\n<answer>{truth}</answer><|im_end|>"
+def sft_response(truth: str, think: str = THINK) -> str:
+    return f"{think}</think>\n<answer>{truth}</answer><|im_end|>"
+
+
+def record_response(record: dict) -> str:
+    """The supervised response of a record: its worked steps ("think", arith) or the fixed KK preamble."""
+    return sft_response(record["tgt"], record.get("think", THINK))
 
 
 def puzzle_text(puzzle) -> str:
@@ -91,9 +104,25 @@ def build_data(out_dir, people, seed, n_sft, n_train, n_test, write_sft=True):
     return splits
 
 
-def build_tokenizer(corpus, vocab_size, folder):
+def build_arith_data(out_dir, seed, n_sft, n_train, n_test, n_dev, operands=3, low=10, high=99, write_sft=True):
+    """Disjoint SFT / RL-train / held-out test / dev addition problems; SFT records carry their worked steps."""
+    os.makedirs(out_dir, exist_ok=True)
+    problems = generate_problems(n_test + n_train + n_dev + n_sft, operands, low, high, seed)
+    records = [{"src": render_prompt(p.question(), "tiny"), "tgt": p.answer(), "think": " " + p.worked_steps()}
+               for p in problems]
+    bounds = np.cumsum([0, n_test, n_train, n_dev, n_sft])
+    splits = {name: records[bounds[i]:bounds[i + 1]] for i, name in enumerate(("test", "train", "dev", "sft"))}
+    for name in ("test", "train") + (("sft",) if write_sft else ()):
+        write_jsonl(os.path.join(out_dir, f"{name}.jsonl"),
+                    [r if name == "sft" else {"src": r["src"], "tgt": r["tgt"]} for r in splits[name]])
+    return splits
+
+
+def build_tokenizer(corpus, vocab_size, folder, single_digits=False):
     tok = HFTokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.pre_tokenizer = (pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+                         if single_digits else byte_level)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
@@ -123,7 +152,7 @@ def build_model(tokenizer, hidden_size, layers, seed):
 
 def sft_batch(tokenizer, records, pad_id):
     prompts = [tokenizer.encode(r["src"]) for r in records]
-    responses = [tokenizer.encode(sft_response(r["tgt"])) for r in records]
+    responses = [tokenizer.encode(record_response(r)) for r in records]
     p_width, r_width = max(map(len, prompts)), max(map(len, responses))
     ids = np.full((len(records), p_width + r_width), pad_id, np.int64)
     mask = np.zeros_like(ids)
@@ -141,7 +170,9 @@ def sft_batch(tokenizer, records, pad_id):
 
 def supervised(model, tokenizer, records, steps, batch_size, lr, seed, warmup=20, log_every=50, on_log=None,
                schedule="constant"):
-    """AdamW on the response tokens of `records`, linear warm-up then a constant rate or cosine decay to zero."""
+    """AdamW on the response tokens of `records`, linear warm-up then a constant rate or cosine decay to zero.
+    `on_log(step)` runs every `log_every` steps; when it returns True the pass stops there. Returns the
+    number of steps taken."""
     decay = [p.name for n, p in model.named_parameters() if "norm" not in n and not n.endswith("bias")]
     inner = paddle.optimizer.lr.CosineAnnealingDecay(lr, T_max=max(1, steps - warmup)) if schedule == "cosine" else lr
     sched = paddle.optimizer.lr.LinearWarmup(inner, warmup_steps=warmup, start_lr=0.0, end_lr=lr)
@@ -161,14 +192,21 @@ def supervised(model, tokenizer, records, steps, batch_size, lr, seed, warmup=20
         sched.step()
         if step % log_every == 0 or step == steps:
             print(f"sft step {step}/{steps} loss {float(loss):.4f} ({time.time() - start:.0f}s)", flush=True)
-            if on_log is not None:
-                on_log(step)
-                model.train()
+            if on_log is not None and on_log(step):
+                model.eval()
+                return step
+            model.train()
     model.eval()
+    return steps
 
 
-def greedy_eval(model, tokenizer, records, max_dec_len=40):
-    """Greedy decoding on `records`: accuracy, mean KK reward, share with a parseable answer, accuracy per
+def score_arith(text, truth):
+    """(math rule score, whether the response has the <think>...</think><answer>...</answer> layout)."""
+    return math_score(text, truth), format_score(text) > 0
+
+
+def greedy_eval(model, tokenizer, records, max_dec_len=40, task="kk"):
+    """Greedy decoding on `records`: accuracy, mean reward, share with a parseable answer, (KK) accuracy per
     inhabitant count, and the texts."""
     stop = tokenizer.eos_token_ids
     engine = RolloutEngine(model, tokenizer.pad_token_id, stop)
@@ -179,6 +217,10 @@ def greedy_eval(model, tokenizer, records, max_dec_len=40):
     if was_training:
         model.train()
     texts = tokenizer.decode_batch(out.responses())
+    if task == "arith":
+        scored = [score_arith(t, r["tgt"]) for t, r in zip(texts, records)]
+        return {"accuracy": float(np.mean([s for s, _ in scored])),
+                "parseable": float(np.mean([f for _, f in scored]))}, texts
     scores = np.array([kk_score(t, r["tgt"]) for t, r in zip(texts, records)])
     people = np.array([r["tgt"].count("\n") + 1 for r in records])
     result = {"accuracy": float((scores >= CORRECT_SCORE).mean()), "reward_mean": float(scores.mean()),
@@ -192,58 +234,92 @@ def fmt(result) -> str:
     return ", ".join(f"{k} {v:.3f}" for k, v in result.items())
 
 
+TASK_DEFAULTS = {
+    "kk": dict(out="data/tiny", test_examples=200, vocab_size=1024, sft_steps=400, lr=2e-3, max_dec_len=40),
+    "arith": dict(out="data/tiny_arith", test_examples=400, vocab_size=512, sft_steps=4000, lr=2e-3,
+                  max_dec_len=48, stop_accuracy=0.3, eval_every=25),
+}
+
+
+def write_readme(args, argv, tokenizer, model, splits, steps, result):
+    n_params = sum(int(np.prod(p.shape)) for p in model.parameters())
+    command = " ".join(["python tools/make_tiny_model.py"] + list(argv))
+    if args.task == "kk":
+        content = (f"- {args.task}/: {args.people.replace(',', '-')} people puzzles: train ({len(splits['train'])}, "
+                   f"for RL), test ({len(splits['test'])}, held out)")
+    else:
+        content = (f"- {args.task}/: three-operand addition of 10..99: train ({len(splits['train'])}, for RL), "
+                   f"test ({len(splits['test'])}, held out); a separate dev split ({len(splits['dev'])}) decides "
+                   f"when the supervised pass stops")
+    with open(os.path.join(args.out, "README.md"), "w", encoding="utf-8") as f:
+        f.write(f"Tiny {args.task} default, built by `{command}` (see README.md, \"The tiny defaults\").\n\n"
+                f"- model/: Qwen2-architecture decoder, hidden {args.hidden_size}, {args.layers} layers, "
+                f"vocab {tokenizer.vocab_size}; {n_params} parameters (float32)\n"
+                f"{content}; the {len(splits['sft'])} supervised examples are regenerated by the builder "
+                f"(--keep-sft writes them)\n"
+                f"- after {steps} supervised steps (batch {args.batch_size}, lr {args.lr}): held-out greedy "
+                f"{fmt(result)}\n")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default="data/tiny")
-    ap.add_argument("--people", default="2,3")
+    ap.add_argument("--task", choices=sorted(TASK_DEFAULTS), default="arith")
+    ap.add_argument("--out", help="output folder (kk: data/tiny, arith: data/tiny_arith)")
+    ap.add_argument("--people", default="2,3", help="kk: inhabitant counts")
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--sft-examples", type=int, default=4000)
     ap.add_argument("--train-examples", type=int, default=2000)
-    ap.add_argument("--test-examples", type=int, default=200)
-    ap.add_argument("--vocab-size", type=int, default=1024)
+    ap.add_argument("--test-examples", type=int, help="kk: 200, arith: 400")
+    ap.add_argument("--dev-examples", type=int, default=200, help="arith: the split --stop-accuracy is checked on")
+    ap.add_argument("--vocab-size", type=int, help="kk: 1024, arith: 512")
     ap.add_argument("--hidden-size", type=int, default=128)
     ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--sft-steps", type=int, default=400)
+    ap.add_argument("--sft-steps", type=int, help="supervised steps at most (kk: 400, arith: 4000)")
+    ap.add_argument("--stop-accuracy", type=float, help="stop the supervised pass once dev (kk: held-out) greedy "
+                                                        "accuracy reaches this (arith: 0.3)")
     ap.add_argument("--schedule", choices=("constant", "cosine"), default="constant", help="SFT learning-rate schedule")
     ap.add_argument("--batch-size", type=int, default=32)
-    ap.add_argument("--lr", type=float, default=2e-3)
-    ap.add_argument("--eval-every", type=int, default=0, help="held-out greedy eval every N SFT steps (0: at the end)")
-    ap.add_argument("--keep-sft", action="store_true", help="also write OUT/kk/sft.jsonl")
+    ap.add_argument("--lr", type=float, help="supervised learning rate (2e-3)")
+    ap.add_argument("--eval-every", type=int, help="greedy eval every N SFT steps (kk: 0, only at the end; arith: 25)")
+    ap.add_argument("--keep-sft", action="store_true", help="also write OUT/TASK/sft.jsonl")
     args = ap.parse_args(argv)
+    for key, value in TASK_DEFAULTS[args.task].items():
+        if getattr(args, key, None) is None:
+            setattr(args, key, value)
+    args.eval_every = args.eval_every or 0
 
     np.random.seed(args.seed)
-    people = [int(p) for p in args.people.split(",")]
-    data_dir, model_dir = os.path.join(args.out, "kk"), os.path.join(args.out, "model")
-    splits = build_data(data_dir, people, args.seed, args.sft_examples, args.train_examples, args.test_examples,
-                        write_sft=args.keep_sft)
-    corpus = [r["src"] + sft_response(r["tgt"]) for recs in splits.values() for r in recs]
-    tokenizer = build_tokenizer(corpus, args.vocab_size, model_dir)
+    data_dir, model_dir = os.path.join(args.out, args.task), os.path.join(args.out, "model")
+    if args.task == "kk":
+        splits = build_data(data_dir, [int(p) for p in args.people.split(",")], args.seed, args.sft_examples,
+                            args.train_examples, args.test_examples, write_sft=args.keep_sft)
+    else:
+        splits = build_arith_data(data_dir, args.seed, args.sft_examples, args.train_examples, args.test_examples,
+                                  args.dev_examples, write_sft=args.keep_sft)
+    corpus = [r["src"] + record_response(r) for recs in splits.values() for r in recs]
+    tokenizer = build_tokenizer(corpus, args.vocab_size, model_dir, single_digits=args.task == "arith")
     model = build_model(tokenizer, args.hidden_size, args.layers, args.seed)
-    test = splits["test"]
+    test, dev = splits["test"], splits.get("dev", splits["test"])
+
+    def evaluate(records):
+        return greedy_eval(model, tokenizer, records, args.max_dec_len, args.task)
 
     def on_log(step):
         if args.eval_every and step % args.eval_every == 0:
-            print(f"  held-out greedy at step {step}: {fmt(greedy_eval(model, tokenizer, test)[0])}", flush=True)
+            result = evaluate(dev)[0]
+            print(f"  {'dev' if 'dev' in splits else 'held-out'} greedy at step {step}: {fmt(result)}", flush=True)
+            return args.stop_accuracy is not None and result["accuracy"] >= args.stop_accuracy
+        return False
 
     start = time.time()
-    supervised(model, tokenizer, splits["sft"], args.sft_steps, args.batch_size, args.lr, args.seed, on_log=on_log,
-               schedule=args.schedule)
-    result, texts = greedy_eval(model, tokenizer, test)
-    print(f"held-out greedy after {args.sft_steps} SFT steps ({time.time() - start:.0f}s): {fmt(result)}")
+    steps = supervised(model, tokenizer, splits["sft"], args.sft_steps, args.batch_size, args.lr, args.seed,
+                       log_every=args.eval_every or 50, on_log=on_log, schedule=args.schedule)
+    result, texts = evaluate(test)
+    print(f"held-out greedy after {steps} SFT steps ({time.time() - start:.0f}s): {fmt(result)}")
     print("sample:", repr(texts[0]))
     save_model(model, model_dir)
     write_generation_config(model_dir, tokenizer.eos_token_ids, tokenizer.pad_token_id)
-    n_params = sum(int(np.prod(p.shape)) for p in model.parameters())
-    command = "python tools/make_tiny_model.py" + "".join(f" {a}" for a in (sys.argv[1:] if argv is None else argv))
-    with open(os.path.join(args.out, "README.md"), "w", encoding="utf-8") as f:
-        f.write(f"Tiny KK default, built by `{command}` (see docs/tiny_model.md).\n\n"
-                f"- model/: Qwen2-architecture decoder, hidden {args.hidden_size}, {args.layers} layers, "
-                f"vocab {tokenizer.vocab_size}; {n_params} parameters (float32)\n"
-                f"- kk/: {'-'.join(map(str, people))} people puzzles: train ({len(splits['train'])}, for RL), "
-                f"test ({len(test)}, held out); the {len(splits['sft'])} SFT puzzles are regenerated by the "
-                f"builder (--keep-sft writes them)\n"
-                f"- after {args.sft_steps} supervised steps (batch {args.batch_size}, lr {args.lr}): held-out greedy "
-                f"{fmt(result)}\n")
+    write_readme(args, sys.argv[1:] if argv is None else argv, tokenizer, model, splits, steps, result)
 
 
 if __name__ == "__main__":

@@ -222,15 +222,22 @@ def _math_parse(text: str, timeouts: bool):
     return parse(text, **kwargs)
 
 
+PLAIN_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+
+
 def math_score(response: str, ground_truth) -> float:
-    """1.0 if the answer is equivalent to the ground truth under math-verify, else 0.0."""
+    """1.0 if the answer is equivalent to the ground truth under math-verify, else 0.0. Two plain decimal
+    numbers are compared exactly without math-verify (same verdict, ~100x faster)."""
+    answer = math_answer(response)
+    truth = str(ground_truth).strip()
+    if answer is not None and PLAIN_NUMBER.fullmatch(answer) and PLAIN_NUMBER.fullmatch(truth):
+        return 1.0 if Decimal(answer) == Decimal(truth) else 0.0
     from math_verify import verify
     # math-verify's own timeouts use SIGALRM, which only the main thread may set
     timeouts = threading.current_thread() is threading.main_thread()
     gold = _math_parse(str(ground_truth), timeouts)
     if not gold:
         raise ValueError(f"math-verify cannot parse the ground truth {str(ground_truth)[:200]!r}")
-    answer = math_answer(response)
     if answer is None:
         return 0.0
     predicted = _math_parse(answer, timeouts)
