@@ -94,8 +94,10 @@ def matmul_peak(size: int = 1024, repeat: int = 5) -> float:
 
 
 def step_flops(shape: dict, prompt_tokens: float, response_tokens: float, rows: int, reference: bool,
-               old_pass: bool) -> dict:
-    """Matmul FLOPs per stage (weights and attention; norms and element-wise work left out)."""
+               old_pass: bool, groups: int = 1, shared_prompts: bool = False) -> dict:
+    """Matmul FLOPs per stage (weights and attention; norms and element-wise work left out). `rows` sequences
+    in `groups` prompt groups; the rollout prefills each distinct prompt once, and so do the log-prob and
+    update passes with `shared_prompts`."""
     h, f, layers = shape["hidden_size"], shape["intermediate_size"], shape["num_hidden_layers"]
     heads, kv, vocab = shape["num_attention_heads"], shape["num_key_value_heads"], shape["vocab_size"]
     head_dim = h // heads
@@ -103,9 +105,10 @@ def step_flops(shape: dict, prompt_tokens: float, response_tokens: float, rows: 
     head = 2 * h * vocab
     seq = (prompt_tokens + response_tokens) / max(rows, 1)
     attention = 2 * 2 * layers * heads * head_dim * seq / 2  # per token, causal average context
-    tokens = prompt_tokens + response_tokens
-    forward = tokens * (per_token + attention) + response_tokens * head
-    rollout = prompt_tokens / max(rows, 1) * per_token + response_tokens * (per_token + attention + head)
+    distinct_prompt_tokens = prompt_tokens * max(groups, 1) / max(rows, 1)
+    pass_prompt_tokens = distinct_prompt_tokens if shared_prompts else prompt_tokens
+    forward = (pass_prompt_tokens + response_tokens) * (per_token + attention) + response_tokens * head
+    rollout = distinct_prompt_tokens * per_token + response_tokens * (per_token + attention + head)
     out = {"rollout": rollout, "ref_logprob": forward if reference else 0.0,
            "old_logprob": forward if old_pass else 0.0, "update": 3 * forward}
     out["step"] = sum(out.values())
@@ -172,7 +175,8 @@ def run(args) -> dict:
     prompt_tokens = float(args.prompt_len * rows)
     shape = MODELS[args.model]
     flops = step_flops(shape, prompt_tokens, response_tokens, rows, config.kl_loss_coeff > 0 or config.kl_coeff > 0,
-                       mean("time/old_logprob") > 0 and "time/old_logprob" in timed[-1])
+                       mean("time/old_logprob") > 0 and "time/old_logprob" in timed[-1], groups=args.prompts,
+                       shared_prompts=config.share_prompt_prefix and args.rollout_n > 1)
     result = {
         "workload": args.model, "prompts": args.prompts, "rollout_n": args.rollout_n, "prompt_len": args.prompt_len,
         "response_len": args.response_len, "steps_timed": len(timed), "step_s": step_s,

@@ -143,3 +143,60 @@ def test_reuse_decision():
     cfg.reuse_rollout_logprobs = "off"
     cfg.update_iters = 1
     assert not reuses_rollout_logprobs(cfg, 1)
+
+
+def grouped_batch(vocab, groups=3, n=4, response_len=10, seed=0):
+    """Left-padded prompts of different lengths, each repeated n times, with ragged right-padded responses."""
+    rng = np.random.default_rng(seed)
+    width = 9
+    prompt_ids, prompt_mask = np.zeros((groups, width), np.int64), np.zeros((groups, width), np.int64)
+    for g in range(groups):
+        length = 1 + g * 4
+        prompt_ids[g, width - length:] = rng.integers(2, vocab, size=length)
+        prompt_mask[g, width - length:] = 1
+    response_ids = rng.integers(2, vocab, size=(groups * n, response_len))
+    response_mask = np.ones((groups * n, response_len), np.float32)
+    for i in range(groups * n):
+        cut = rng.integers(1, response_len + 1)
+        response_ids[i, cut:], response_mask[i, cut:] = 0, 0.0
+    return RolloutBatch(np.repeat(prompt_ids, n, 0), np.repeat(prompt_mask, n, 0), response_ids, response_mask,
+                        np.repeat(np.arange(groups), n))
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
+@pytest.mark.parametrize("micro", [12, 5])
+def test_shared_prompt_pass_equals_full_pass(kind, micro, op_mode):
+    """Running each distinct prompt once gives the full pass's log-probs, entropies and gradients, including
+    micro-batches that cut groups apart (micro 5 of groups of 4) and responses of one token."""
+    from paddle_rl.trainer.logprobs import token_logprobs
+    model = make_model(kind)
+    batch = grouped_batch(211)
+    shared = batched_logprobs(model, batch, 0.7, micro, with_entropy=True, share_prompts=True)
+    full = batched_logprobs(model, batch, 0.7, micro, with_entropy=True, share_prompts=False)
+    np.testing.assert_allclose(shared[0], full[0], atol=2e-5)
+    np.testing.assert_allclose(shared[1], full[1], atol=2e-5)
+    assert batch.shared_prompts(slice(0, 5))[0].numpy().tolist() == [0, 4]
+    assert batch.shared_prompts(slice(0, 5))[1].numpy().tolist() == [0, 0, 0, 0, 1]
+
+    model.train()
+
+    def gradients(rows, share):
+        part = batch.tensors(rows)
+        logp, entropy = token_logprobs(model, part["input_ids"], part["attention_mask"], batch.prompt_width,
+                                       part["response_ids"], 0.7, True,
+                                       batch.shared_prompts(rows) if share else None)
+        ((logp + 0.1 * entropy) * part["response_mask"]).sum().backward()
+        grads = {name: p.grad.numpy().copy() for name, p in model.named_parameters()}
+        model.clear_gradients()
+        return grads
+
+    rows = slice(2, 2 + micro)
+    g_shared, g_full = gradients(rows, True), gradients(rows, False)
+    for name in g_full:
+        scale = np.abs(g_full[name]).max() + 1e-6
+        np.testing.assert_allclose(g_shared[name] / scale, g_full[name] / scale, atol=1e-5, err_msg=name)
+
+    one = RolloutBatch(batch.prompt_ids, batch.prompt_mask, batch.response_ids[:, :1], batch.response_mask[:, :1],
+                       batch.group_ids)
+    np.testing.assert_allclose(batched_logprobs(model, one, 0.7, 12, share_prompts=True),
+                               batched_logprobs(model, one, 0.7, 12, share_prompts=False), atol=2e-5)

@@ -26,6 +26,9 @@ class ModelArgs:
     use_custom_ops: str = arg("auto", "Fused C++/CUDA kernels of csrc/ (built on first use): auto (use them if they "
                                       "build, else the pure-Paddle fallbacks with one log line) | on (fail if they "
                                       "cannot be built) | off.")
+    share_prompt_prefix: bool = arg(True, "Run each distinct prompt once per micro-batch in the log-prob and update "
+                                          "passes; its rollout_n responses attend to its keys/values (same values "
+                                          "up to float rounding; saves the repeated prompt compute).")
     recompute_use_reentrant: bool = arg(True, acted=False)
     recompute_granularity: str = arg("full", acted=False)
     offload_level: str = arg("", acted=False)

@@ -97,6 +97,27 @@ class LayerCache:
         self.v = paddle.gather(self.v, index, axis=0)
 
 
+class RecordingCache:
+    """Keeps the keys and values of one layer's pass (autograd intact) so a later pass can attend to them."""
+
+    def __init__(self):
+        self.k = self.v = None
+
+    def update(self, k, v):
+        self.k, self.v = k, v
+        return k, v
+
+
+class PrefixCache:
+    """Prepends fixed keys/values (a prompt's, gathered per row) to the keys/values of the tokens being run."""
+
+    def __init__(self, k, v):
+        self.k, self.v = k, v
+
+    def update(self, k, v):
+        return paddle.concat([self.k, k], axis=2), paddle.concat([self.v, v], axis=2)
+
+
 def new_cache(config: ModelConfig, capacity: int = 0) -> List[LayerCache]:
     """One LayerCache per layer; `capacity` (prompt + response slots) preallocates the buffers."""
     return [LayerCache(capacity) for _ in range(config.num_hidden_layers)]
@@ -225,6 +246,28 @@ class CausalLM(nn.Layer):
             else:
                 x = layer(x, cos, sin, attention_bias, None if cache is None else cache[i])
         return self.norm(x)
+
+    def shared_prompt_hidden_states(self, input_ids, attention_mask, prompt_width: int, prompt_first, prompt_rows):
+        """hidden_states of the whole [prompt | response] layout, returned at the response-predicting positions
+        [prompt_width - 1, width - 1) only ([b, width - prompt_width, hidden]), with every distinct prompt run
+        once: rows `prompt_first` [U] hold the distinct prompts and row i's prompt is distinct prompt
+        `prompt_rows[i]`. The responses attend to their prompt's keys and values gathered per row, so the result
+        (and its gradient) equals the full pass up to float rounding at a fraction of the prompt cost."""
+        prompt_ids, prompt_mask = input_ids[:, :prompt_width], attention_mask[:, :prompt_width]
+        first_ids, first_mask = paddle.gather(prompt_ids, prompt_first), paddle.gather(prompt_mask, prompt_first)
+        recorded = [RecordingCache() for _ in self.layers]
+        prompt_hidden = self.hidden_states(first_ids, position_ids_from_mask(first_mask),
+                                           attention_bias_from_mask(first_mask, prompt_width, causal=True), recorded)
+        last_prompt = paddle.gather(prompt_hidden[:, -1], prompt_rows).unsqueeze(1)
+        response_len = input_ids.shape[1] - prompt_width
+        if response_len == 1:
+            return last_prompt
+        prefixes = [PrefixCache(paddle.gather(c.k, prompt_rows), paddle.gather(c.v, prompt_rows)) for c in recorded]
+        response_hidden = self.hidden_states(input_ids[:, prompt_width:-1],
+                                             position_ids_from_mask(attention_mask)[:, prompt_width:-1],
+                                             attention_bias_from_mask(attention_mask[:, :-1], response_len - 1,
+                                                                      causal=True), prefixes)
+        return paddle.concat([last_prompt, response_hidden], axis=1)
 
     @property
     def lm_head_weight(self):

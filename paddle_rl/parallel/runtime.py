@@ -26,8 +26,9 @@ from .topology import Topology, TopologyError, single_process
 
 
 class ParallelRuntime:
-    def __init__(self, topo: Optional[Topology] = None):
+    def __init__(self, topo: Optional[Topology] = None, share_prompts: bool = True):
         self.topo = topo or single_process()
+        self.share_prompts = share_prompts  # run each distinct prompt of a micro-batch once (not under a pipeline)
         self.grad_sync: Optional[GradientSync] = None
         self._rollout_model = None
 
@@ -104,7 +105,7 @@ class ParallelRuntime:
     # ------------------------------------------------------------------ log-probs and the update
     def batched_logprobs(self, model, batch, temperature: float, micro_batch_size: int, with_entropy: bool = False):
         if not self.pipeline:
-            return tp_batched_logprobs(model, batch, temperature, micro_batch_size, with_entropy)
+            return tp_batched_logprobs(model, batch, temperature, micro_batch_size, with_entropy, self.share_prompts)
         from .pipeline import forward_logprobs
         was_training = model.training
         model.eval()
@@ -119,14 +120,18 @@ class ParallelRuntime:
     def forward_backward(self, model, mini, keys, micro: int, temperature: float, loss_fn: Callable) -> list:
         """Forward + backward of every micro-batch of a mini-batch; returns the LossOutputs of this rank
         (under a pipeline only the last stage has them)."""
-        parts = (mini.tensors(slice(s, s + micro), keys) for s in range(0, mini.size, micro))
+        chunks = [slice(s, s + micro) for s in range(0, mini.size, micro)]
         if self.pipeline:
             from .pipeline import train_1f1b
-            return train_1f1b(model, self.topo, list(parts), mini.prompt_width, temperature, loss_fn)
+            return train_1f1b(model, self.topo, [mini.tensors(c, keys) for c in chunks], mini.prompt_width,
+                              temperature, loss_fn)
         outs = []
-        for part in parts:
+        for rows in chunks:
+            part = mini.tensors(rows, keys)
+            shared = mini.shared_prompts(rows) if self.share_prompts else None
             logp, entropy = token_logprobs(model, part["input_ids"], part["attention_mask"], mini.prompt_width,
-                                           part["response_ids"], temperature, with_entropy=True)
+                                           part["response_ids"], temperature, with_entropy=True,
+                                           shared_prompts=shared)
             out = loss_fn(part, logp, entropy)
             out.loss.backward()
             outs.append(out)

@@ -49,6 +49,16 @@ class RolloutBatch:
             out[key] = paddle.to_tensor(self.arrays[key][rows])
         return out
 
+    def shared_prompts(self, rows=slice(None)):
+        """(prompt_first [U], prompt_rows [b]) of `rows`: the first row of each distinct group and each row's
+        group, as positions within `rows` (see CausalLM.shared_prompt_hidden_states); None when every row
+        has its own group."""
+        groups = self.group_ids[rows]
+        _, first, inverse = np.unique(groups, return_index=True, return_inverse=True)
+        if len(first) == len(groups):
+            return None
+        return paddle.to_tensor(first.astype(np.int64)), paddle.to_tensor(inverse.reshape(-1).astype(np.int64))
+
 
 def merge_rollouts(outs: List[RolloutOutput], pad_id: int) -> RolloutOutput:
     return outs[0] if len(outs) == 1 else concat_outputs(outs, pad_id)

@@ -27,16 +27,27 @@ def _head_weight(model):
     return (weight, False) if list(weight.shape) == [cfg.hidden_size, cfg.vocab_size] else None
 
 
+def response_hidden(model, input_ids, attention_mask, prompt_width: int, length: int, shared_prompts=None):
+    """Final hidden states at the positions that predict the `length` response tokens: [b, length, hidden].
+
+    shared_prompts = (prompt_first [U], prompt_rows [b]) runs each distinct prompt once
+    (`CausalLM.shared_prompt_hidden_states`); None runs every row's prompt."""
+    if shared_prompts is not None and input_ids.shape[1] == prompt_width + length:
+        return model.shared_prompt_hidden_states(input_ids, attention_mask, prompt_width, *shared_prompts)
+    bias = attention_bias_from_mask(attention_mask, input_ids.shape[1], causal=True)
+    hidden = model.hidden_states(input_ids, position_ids_from_mask(attention_mask), bias)
+    return hidden[:, prompt_width - 1:prompt_width - 1 + length]
+
+
 def token_logprobs(model, input_ids, attention_mask, prompt_width: int, response_ids, temperature: float,
-                   with_entropy: bool = False):
+                   with_entropy: bool = False, shared_prompts=None):
     """log softmax(logits / T) at response_ids: [b, T] (and entropy [b, T]).
 
     input_ids = [left-padded prompt | right-padded response]; the LM head runs on response positions only.
+    shared_prompts: see `response_hidden`.
     """
     batch, length = response_ids.shape[0], response_ids.shape[1]
-    bias = attention_bias_from_mask(attention_mask, input_ids.shape[1], causal=True)
-    hidden = model.hidden_states(input_ids, position_ids_from_mask(attention_mask), bias)
-    hidden = hidden[:, prompt_width - 1:prompt_width - 1 + length]
+    hidden = response_hidden(model, input_ids, attention_mask, prompt_width, length, shared_prompts)
     head = _head_weight(model)
     if head is None:
         return ops.logprobs_from_logits(model.logits(hidden), response_ids, temperature, with_entropy)
@@ -49,19 +60,22 @@ def token_logprobs(model, input_ids, attention_mask, prompt_width: int, response
 
 @paddle.no_grad()
 def batched_logprobs(model, batch, temperature: float, micro_batch_size: int, with_entropy: bool = False,
-                     chunk_fn=None):
+                     chunk_fn=None, share_prompts: bool = True):
     """No-grad log-probs over a whole RolloutBatch in chunks; numpy [B, T] (and entropy).
 
     chunk_fn (default token_logprobs) computes one chunk; tensor parallelism passes its vocab-parallel one.
+    share_prompts runs each distinct prompt of a chunk once (`response_hidden`).
     """
     chunk_fn = chunk_fn or token_logprobs
     was_training = model.training
     model.eval()
     outs, ents = [], []
     for start in range(0, batch.size, micro_batch_size):
-        part = batch.tensors(slice(start, start + micro_batch_size))
+        rows = slice(start, start + micro_batch_size)
+        part = batch.tensors(rows)
         logp, ent = chunk_fn(model, part["input_ids"], part["attention_mask"], batch.prompt_width,
-                             part["response_ids"], temperature, with_entropy)
+                             part["response_ids"], temperature, with_entropy,
+                             shared_prompts=batch.shared_prompts(rows) if share_prompts else None)
         outs.append(logp.numpy())
         if with_entropy:
             ents.append(ent.numpy())

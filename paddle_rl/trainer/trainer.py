@@ -36,7 +36,8 @@ class RLTrainer:
         check_paths(config)
         self.config = config
         ops.configure(config.use_custom_ops)
-        self.parallel = ParallelRuntime(topology if topology is not None else _topology(config))
+        self.parallel = ParallelRuntime(topology if topology is not None else _topology(config),
+                                        share_prompts=config.share_prompt_prefix)
         self.parallel.check_config(config)
         paddle.seed(config.seed)
         np.random.seed(config.seed)
