@@ -1,13 +1,21 @@
 // Helpers shared by the CPU kernels of paddle_rl's fused ops.
-// The kernels are single-threaded (the process's cores go to MKL's matmuls between them) and rely on the
-// compiler's SIMD: `#pragma omp simd` marks reductions whose order may change (built with -fopenmp-simd,
-// which needs no OpenMP runtime).
+// The kernels rely on the compiler's SIMD: `#pragma omp simd` marks reductions whose order may change.
+// Kernels over many rows split them into contiguous parts with ParallelFor: an OpenMP parallel region when
+// built with OpenMP against the runtime Paddle's MKL uses (libiomp5: its worker threads, still spinning after
+// the last matmul, take the parts at once; separate threads would compete with them for the same cores),
+// else std::threads. The split depends only on the thread count, so results are reproducible.
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
+#include <thread>
 #include <vector>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 #include "paddle/extension.h"
 
@@ -23,6 +31,50 @@ inline int64_t Rows(const paddle::Tensor& x) {
 }
 
 inline int64_t LastDim(const paddle::Tensor& x) { return x.shape().back(); }
+
+// Threads for ParallelFor: PADDLE_RL_OP_THREADS, else OMP_NUM_THREADS (read once), else the hardware's.
+inline int NumThreads() {
+  static const int n = [] {
+    const char* env = std::getenv("PADDLE_RL_OP_THREADS");
+    if (!env || !*env) env = std::getenv("OMP_NUM_THREADS");
+    int v = env ? std::atoi(env) : 0;
+    if (v <= 0) v = static_cast<int>(std::thread::hardware_concurrency());
+    return std::max(1, std::min(v, 64));
+  }();
+  return n;
+}
+
+// fn(part, begin, end) over contiguous ranges of [0, n), part = 0 .. parts-1 with parts <= NumThreads();
+// the caller's thread takes part 0. Work below ~256K elements (n * elements_per_item) stays on one thread,
+// where starting threads would cost more than it saves. fn must not throw.
+template <typename Fn>
+int ParallelFor(int64_t n, int64_t elements_per_item, Fn fn) {
+  int64_t parts = std::min<int64_t>(NumThreads(), n);
+  if (parts <= 1 || n * elements_per_item < (int64_t{1} << 18)) {
+    fn(0, int64_t{0}, n);
+    return 1;
+  }
+  const int64_t chunk = (n + parts - 1) / parts;
+  parts = (n + chunk - 1) / chunk;
+#ifdef _OPENMP
+#pragma omp parallel for num_threads(static_cast<int>(parts)) schedule(static, 1)
+  for (int64_t p = 0; p < parts; ++p) fn(static_cast<int>(p), p * chunk, std::min(n, (p + 1) * chunk));
+  return static_cast<int>(parts);
+#endif
+  std::vector<std::thread> workers;
+  for (int64_t p = 1; p < parts; ++p) workers.emplace_back(fn, static_cast<int>(p), p * chunk, std::min(n, (p + 1) * chunk));
+  fn(0, int64_t{0}, std::min(n, chunk));
+  for (auto& w : workers) w.join();
+  return static_cast<int>(parts);
+}
+
+// The number of parts ParallelFor(n, elements_per_item, ...) will use (for per-part accumulators).
+inline int ParallelParts(int64_t n, int64_t elements_per_item) {
+  const int64_t parts = std::min<int64_t>(NumThreads(), n);
+  if (parts <= 1 || n * elements_per_item < (int64_t{1} << 18)) return 1;
+  const int64_t chunk = (n + parts - 1) / parts;
+  return static_cast<int>((n + chunk - 1) / chunk);
+}
 
 inline void CheckCpuFloat(const paddle::Tensor& x, const char* op, const char* name) {
   PD_CHECK(x.is_cpu(), op, ": ", name, " must be a CPU tensor");

@@ -47,7 +47,8 @@ def close(actual, expected, rel=1e-5, what=""):
 
 # ------------------------------------------------------------------------------------------------ RMSNorm
 
-@pytest.mark.parametrize("shape", [(3, 7, 64), (1, 1, 256), (5, 24)])
+# the last case of each kernel is large enough for its rows to be split across threads
+@pytest.mark.parametrize("shape", [(3, 7, 64), (1, 1, 256), (5, 24), (9, 100, 320)])
 def test_rms_norm_and_gradients(rng, shape):
     x = t(rng.standard_normal(shape) * 3, grad=True)
     w = t(rng.standard_normal(shape[-1]), grad=True)
@@ -92,9 +93,9 @@ def test_rotary_qkv_cache_write(rng, qk_norm, batch, length, slot):
 
 # ------------------------------------------------------------------------------------------------ attention
 
-@pytest.mark.parametrize("batch,heads,kv,length", [(5, 4, 2, 9), (1, 2, 2, 1), (3, 8, 1, 16)])
+@pytest.mark.parametrize("batch,heads,kv,length", [(5, 4, 2, 9), (1, 2, 2, 1), (3, 8, 1, 16), (16, 4, 2, 100)])
 def test_decode_attention(rng, batch, heads, kv, length):
-    d, capacity = 32, 20
+    d, capacity = 32, max(20, length + 3)
     q = t(rng.standard_normal((batch, 1, heads, d)))
     k, v = (t(rng.standard_normal((batch, kv, capacity, d))) for _ in range(2))
     start = paddle.to_tensor(rng.integers(0, length, batch))
@@ -191,12 +192,13 @@ def test_step_update(rng, with_seen, batch):
 
 @pytest.mark.parametrize("keep_logits", [True, False])
 @pytest.mark.parametrize("fused", [True, False])
-@pytest.mark.parametrize("rows,chunk,tied,temperature", [(37, 8, False, 0.7), (1, None, False, 1.0),
-                                                         (20, 20, True, 0.0), (50, 7, True, 1.3)])
-def test_lm_head_logprobs_and_gradients(rng, monkeypatch, keep_logits, fused, rows, chunk, tied, temperature):
+@pytest.mark.parametrize("rows,chunk,tied,temperature,vocab", [(37, 8, False, 0.7, 301), (1, None, False, 1.0, 301),
+                                                               (20, 20, True, 0.0, 301), (50, 7, True, 1.3, 301),
+                                                               (300, None, False, 1.0, 1024)])
+def test_lm_head_logprobs_and_gradients(rng, monkeypatch, keep_logits, fused, rows, chunk, tied, temperature, vocab):
     if not keep_logits:   # the backward recomputes each chunk's logits
         monkeypatch.setattr(logprob_module, "SAVE_LOGITS_BYTES", 0)
-    hidden_size, vocab = 24, 301
+    hidden_size = 24
     hidden = t(rng.standard_normal((rows, hidden_size)), grad=True)
     shape = (vocab, hidden_size) if tied else (hidden_size, vocab)
     weight = t(rng.standard_normal(shape) * 0.4, grad=True)
@@ -287,7 +289,7 @@ def test_model_gradients_with_kernels_and_recompute(rng):
             close(grads[key][name], ref, rel=1e-4, what=f"{key} {name}")
 
 
-@pytest.mark.parametrize("shape", [(3, 5, 2 * 48), (1, 1, 2 * 688), (7, 2)])
+@pytest.mark.parametrize("shape", [(3, 5, 2 * 48), (1, 1, 2 * 688), (7, 2), (4, 40, 2 * 1376)])
 def test_swiglu_and_gradient(rng, shape):
     x = t(rng.standard_normal(shape) * 4, grad=True)
     fused, ref = ops.swiglu_fused(x), ops.swiglu_reference(x)

@@ -36,42 +36,45 @@ std::vector<paddle::Tensor> DecodeAttention(const paddle::Tensor& q, const paddl
   const float* vp = cache_v.data<float>();
   const int64_t* st = start.data<int64_t>();
   float* op_ = out.data<float>();
-  std::vector<float> scores(static_cast<size_t>(groups) * cap);
-  std::vector<float> acc(d);
   const bool wide = d % 8 == 0;
-  for (int64_t item = 0; item < b * kv; ++item) {
-    const int64_t bi = item / kv, g = item % kv;
-    const int64_t first = std::min<int64_t>(std::max<int64_t>(st[bi], 0), length - 1);
-    const float* keys = kp + (bi * kv + g) * cap * d;
-    const float* values = vp + (bi * kv + g) * cap * d;
-    const float* q0 = qp + (bi * heads + g * groups) * d;  // the group's query heads are adjacent
-    // scores of every query head of the group, reading each key once
-    for (int64_t s = first; s < length; ++s) {
-      const float* k = keys + s * d;
-      for (int64_t j = 0; j < groups; ++j)
-        scores[j * cap + s] = (wide ? prl::Dot8(q0 + j * d, k, d) : prl::Dot(q0 + j * d, k, d)) * scale;
-    }
-    for (int64_t j = 0; j < groups; ++j) {
-      float* sc = scores.data() + j * cap;
-      float mx = -3.0e38f;
-      for (int64_t s = first; s < length; ++s) mx = std::max(mx, sc[s]);
-      float sum = 0.0f;
+  // (row, kv head) items in parallel, each part with its own scratch
+  prl::ParallelFor(b * kv, 2 * groups * length * d, [&](int, int64_t begin, int64_t end) {
+    std::vector<float> scores(static_cast<size_t>(groups) * cap);
+    std::vector<float> acc(d);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t bi = item / kv, g = item % kv;
+      const int64_t first = std::min<int64_t>(std::max<int64_t>(st[bi], 0), length - 1);
+      const float* keys = kp + (bi * kv + g) * cap * d;
+      const float* values = vp + (bi * kv + g) * cap * d;
+      const float* q0 = qp + (bi * heads + g * groups) * d;  // the group's query heads are adjacent
+      // scores of every query head of the group, reading each key once
+      for (int64_t s = first; s < length; ++s) {
+        const float* k = keys + s * d;
+        for (int64_t j = 0; j < groups; ++j)
+          scores[j * cap + s] = (wide ? prl::Dot8(q0 + j * d, k, d) : prl::Dot(q0 + j * d, k, d)) * scale;
+      }
+      for (int64_t j = 0; j < groups; ++j) {
+        float* sc = scores.data() + j * cap;
+        float mx = -3.0e38f;
+        for (int64_t s = first; s < length; ++s) mx = std::max(mx, sc[s]);
+        float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
-      for (int64_t s = first; s < length; ++s) {
-        sc[s] = prl::ExpF(sc[s] - mx);
-        sum += sc[s];
+        for (int64_t s = first; s < length; ++s) {
+          sc[s] = prl::ExpF(sc[s] - mx);
+          sum += sc[s];
+        }
+        std::fill(acc.begin(), acc.end(), 0.0f);
+        for (int64_t s = first; s < length; ++s) {
+          const float p = sc[s];
+          const float* v = values + s * d;
+          for (int64_t i = 0; i < d; ++i) acc[i] += p * v[i];
+        }
+        float* o = op_ + (bi * heads + g * groups + j) * d;
+        const float inv = 1.0f / sum;
+        for (int64_t i = 0; i < d; ++i) o[i] = acc[i] * inv;
       }
-      std::fill(acc.begin(), acc.end(), 0.0f);
-      for (int64_t s = first; s < length; ++s) {
-        const float p = sc[s];
-        const float* v = values + s * d;
-        for (int64_t i = 0; i < d; ++i) acc[i] += p * v[i];
-      }
-      float* o = op_ + (bi * heads + g * groups + j) * d;
-      const float inv = 1.0f / sum;
-      for (int64_t i = 0; i < d; ++i) o[i] = acc[i] * inv;
     }
-  }
+  });
   return {out};
 }
 

@@ -41,36 +41,34 @@ std::vector<paddle::Tensor> LogprobForward(const paddle::Tensor& logits, const p
   const float* xp = logits.data<float>();
   const int64_t* yp = labels.data<int64_t>();
   float *lp = logp.data<float>(), *hp = entropy.data<float>(), *sp = lse.data<float>(), *mp = mean_z.data<float>();
-  bool bad_label = false;
-  std::vector<float> z(v);
   for (int64_t r = 0; r < n; ++r) {
-    const float* x = xp + r * v;
-    float m = -3.0e38f;
-#pragma omp simd reduction(max : m)
-    for (int64_t i = 0; i < v; ++i) {
-      z[i] = x[i] * scale;
-      m = std::max(m, z[i]);
-    }
-    double s = 0.0, sz = 0.0;
-#pragma omp simd reduction(+ : s, sz)
-    for (int64_t i = 0; i < v; ++i) {
-      const float e = prl::ExpF(z[i] - m);
-      s += e;
-      sz += static_cast<double>(e) * z[i];
-    }
-    const double l = m + std::log(s);
-    const double mz = sz / s;
-    const int64_t y = yp[r];
-    if (y < 0 || y >= v) {
-      bad_label = true;
-      continue;
-    }
-    lp[r] = static_cast<float>(z[y] - l);
-    hp[r] = static_cast<float>(l - mz);
-    sp[r] = static_cast<float>(l);
-    mp[r] = static_cast<float>(mz);
+    PD_CHECK(yp[r] >= 0 && yp[r] < v, op, ": a label is outside [0, ", v, ")");
   }
-  PD_CHECK(!bad_label, op, ": a label is outside [0, ", v, ")");
+  prl::ParallelFor(n, v, [&](int, int64_t begin, int64_t end) {
+    std::vector<float> z(v);
+    for (int64_t r = begin; r < end; ++r) {
+      const float* x = xp + r * v;
+      float m = -3.0e38f;
+#pragma omp simd reduction(max : m)
+      for (int64_t i = 0; i < v; ++i) {
+        z[i] = x[i] * scale;
+        m = std::max(m, z[i]);
+      }
+      double s = 0.0, sz = 0.0;
+#pragma omp simd reduction(+ : s, sz)
+      for (int64_t i = 0; i < v; ++i) {
+        const float e = prl::ExpF(z[i] - m);
+        s += e;
+        sz += static_cast<double>(e) * z[i];
+      }
+      const double l = m + std::log(s);
+      const double mz = sz / s;
+      lp[r] = static_cast<float>(z[yp[r]] - l);
+      hp[r] = static_cast<float>(l - mz);
+      sp[r] = static_cast<float>(l);
+      mp[r] = static_cast<float>(mz);
+    }
+  });
   return {logp, entropy, lse, mean_z};
 }
 
@@ -90,18 +88,20 @@ std::vector<paddle::Tensor> LogprobBackward(const paddle::Tensor& logits, const 
   const float *sp = lse.data<float>(), *mp = mean_z.data<float>(), *gl = grad_logp.data<float>();
   const float* ge = grad_entropy ? grad_entropy->data<float>() : nullptr;
   float* gp = grad.data<float>();
-  for (int64_t r = 0; r < n; ++r) {
-    const float* x = xp + r * v;
-    float* g = gp + r * v;
-    const float l = sp[r], mz = mp[r], a = gl[r] * scale, c = (ge ? ge[r] : 0.0f) * scale;
-    for (int64_t i = 0; i < v; ++i) {
-      const float z = x[i] * scale;
-      const float p = prl::ExpF(z - l);
-      g[i] = -a * p - c * p * (z - mz);
+  prl::ParallelFor(n, v, [&](int, int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* x = xp + r * v;
+      float* g = gp + r * v;
+      const float l = sp[r], mz = mp[r], a = gl[r] * scale, c = (ge ? ge[r] : 0.0f) * scale;
+      for (int64_t i = 0; i < v; ++i) {
+        const float z = x[i] * scale;
+        const float p = prl::ExpF(z - l);
+        g[i] = -a * p - c * p * (z - mz);
+      }
+      const int64_t y = yp[r];
+      if (y >= 0 && y < v) g[y] += a;
     }
-    const int64_t y = yp[r];
-    if (y >= 0 && y < v) g[y] += a;
-  }
+  });
   return {grad};
 }
 

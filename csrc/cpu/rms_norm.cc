@@ -21,16 +21,18 @@ std::vector<paddle::Tensor> RmsNormForward(const paddle::Tensor& x, const paddle
   const float* wp = w.data<float>();
   float* yp = out.data<float>();
   float* rp = rstd.data<float>();
-  for (int64_t i = 0; i < n; ++i) {
-    const float* row = xp + i * d;
-    float* y = yp + i * d;
-    double ss = 0.0;
+  prl::ParallelFor(n, d, [&](int, int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const float* row = xp + i * d;
+      float* y = yp + i * d;
+      double ss = 0.0;
 #pragma omp simd reduction(+ : ss)
-    for (int64_t j = 0; j < d; ++j) ss += static_cast<double>(row[j]) * row[j];
-    const float r = 1.0f / std::sqrt(static_cast<float>(ss / d) + eps);
-    rp[i] = r;
-    for (int64_t j = 0; j < d; ++j) y[j] = (row[j] * r) * wp[j];
-  }
+      for (int64_t j = 0; j < d; ++j) ss += static_cast<double>(row[j]) * row[j];
+      const float r = 1.0f / std::sqrt(static_cast<float>(ss / d) + eps);
+      rp[i] = r;
+      for (int64_t j = 0; j < d; ++j) y[j] = (row[j] * r) * wp[j];
+    }
+  });
   return {out, rstd};
 }
 
@@ -48,21 +50,29 @@ std::vector<paddle::Tensor> RmsNormBackward(const paddle::Tensor& x, const paddl
   const float* rp = rstd.data<float>();
   const float* gp = grad_out.data<float>();
   float* gxp = gx.data<float>();
-  std::vector<double> acc(d, 0.0);
-  for (int64_t i = 0; i < n; ++i) {
-    const float* row = xp + i * d;
-    const float* g = gp + i * d;
-    float* out = gxp + i * d;
-    const float r = rp[i];
-    double dot = 0.0;
+  // one dw accumulator per part, summed in part order afterwards
+  std::vector<std::vector<double>> acc(prl::ParallelParts(n, d), std::vector<double>(d, 0.0));
+  prl::ParallelFor(n, d, [&](int part, int64_t begin, int64_t end) {
+    double* a = acc[part].data();
+    for (int64_t i = begin; i < end; ++i) {
+      const float* row = xp + i * d;
+      const float* g = gp + i * d;
+      float* out = gxp + i * d;
+      const float r = rp[i];
+      double dot = 0.0;
 #pragma omp simd reduction(+ : dot)
-    for (int64_t j = 0; j < d; ++j) dot += static_cast<double>(g[j] * wp[j]) * (row[j] * r);
-    for (int64_t j = 0; j < d; ++j) acc[j] += static_cast<double>(g[j]) * (row[j] * r);
-    const float mean = static_cast<float>(dot / d);
-    for (int64_t j = 0; j < d; ++j) out[j] = r * (g[j] * wp[j] - (row[j] * r) * mean);
-  }
+      for (int64_t j = 0; j < d; ++j) dot += static_cast<double>(g[j] * wp[j]) * (row[j] * r);
+      for (int64_t j = 0; j < d; ++j) a[j] += static_cast<double>(g[j]) * (row[j] * r);
+      const float mean = static_cast<float>(dot / d);
+      for (int64_t j = 0; j < d; ++j) out[j] = r * (g[j] * wp[j] - (row[j] * r) * mean);
+    }
+  });
   float* gwp = gw.data<float>();
-  for (int64_t j = 0; j < d; ++j) gwp[j] = static_cast<float>(acc[j]);
+  for (int64_t j = 0; j < d; ++j) {
+    double total = 0.0;
+    for (const auto& a : acc) total += a[j];
+    gwp[j] = static_cast<float>(total);
+  }
   return {gx, gw};
 }
 

@@ -102,82 +102,85 @@ std::vector<paddle::Tensor> Sample(const paddle::Tensor& logits, const paddle::o
   const double p_keep = static_cast<double>(top_p);
 
   const double inv_t = 1.0 / t;
-  std::vector<float> proc(v);
-  std::vector<double> z(v), e(v), scaled(v), sorted;
-  for (int64_t r = 0; r < b; ++r) {
-    const float* x = xp + r * v;
-    std::memcpy(proc.data(), x, sizeof(float) * v);
-    if (penalize) {
-      const float* s = sp + r * v;
-      for (int64_t i = 0; i < v; ++i)
-        if (s[i] > 0.0f) proc[i] = proc[i] > 0.0f ? proc[i] / penalty : proc[i] * penalty;
-    }
-    const bool banned = bp != nullptr && bp[r];
-    if (banned)
-      for (int64_t k = 0; k < n_stop; ++k)
-        if (stop[k] >= 0 && stop[k] < v) proc[stop[k]] = prl::kNegInf;
-    int64_t token = 0;
-    double z_max = 0.0, z_sum = 0.0;
-    bool z_is_scaled = false;
-    if (greedy) {
-      float best = proc[0];
-      for (int64_t i = 1; i < v; ++i)
-        if (proc[i] > best) best = proc[i], token = i;
-    } else {
-      for (int64_t i = 0; i < v; ++i) z[i] = static_cast<double>(proc[i]) * inv_t;
-      if (use_top_k) {
-        sorted.assign(z.begin(), z.end());
-        std::nth_element(sorted.begin(), sorted.begin() + (top_k - 1), sorted.end(), std::greater<double>());
-        const double kth = sorted[top_k - 1];
+  // rows in parallel, each part with its own scratch
+  prl::ParallelFor(b, 4 * v, [&](int, int64_t begin, int64_t end) {
+    std::vector<float> proc(v);
+    std::vector<double> z(v), e(v), scaled(v), sorted;
+    for (int64_t r = begin; r < end; ++r) {
+      const float* x = xp + r * v;
+      std::memcpy(proc.data(), x, sizeof(float) * v);
+      if (penalize) {
+        const float* s = sp + r * v;
         for (int64_t i = 0; i < v; ++i)
-          if (z[i] < kth) z[i] = kDropped;
+          if (s[i] > 0.0f) proc[i] = proc[i] > 0.0f ? proc[i] / penalty : proc[i] * penalty;
       }
-      double m = MaxOf(z.data(), v);
-      double total = ExpShifted(z.data(), m, e.data(), v);
-      if (use_top_p) {
-        // values in descending order until the mass before a token reaches top_p; tokens tied with the last
-        // kept one stay as well
-        sorted.assign(z.begin(), z.end());
-        int64_t done = 0, kept = 0, width = std::min<int64_t>(v, 64);
-        double cum = 0.0;
-        bool stopped = false;
-        while (!stopped) {
-          std::partial_sort(sorted.begin() + done, sorted.begin() + width, sorted.end(), std::greater<double>());
-          for (int64_t j = done; j < width; ++j) {
-            const double pj = prl::ExpD(sorted[j] - m) / total;
-            cum += pj;
-            if (cum - pj < p_keep) {
-              kept = j + 1;
-            } else {
-              stopped = true;
-              break;
-            }
-          }
-          done = width;
-          if (width == v) break;
-          width = std::min<int64_t>(v, width * 8);
+      const bool banned = bp != nullptr && bp[r];
+      if (banned)
+        for (int64_t k = 0; k < n_stop; ++k)
+          if (stop[k] >= 0 && stop[k] < v) proc[stop[k]] = prl::kNegInf;
+      int64_t token = 0;
+      double z_max = 0.0, z_sum = 0.0;
+      bool z_is_scaled = false;
+      if (greedy) {
+        float best = proc[0];
+        for (int64_t i = 1; i < v; ++i)
+          if (proc[i] > best) best = proc[i], token = i;
+      } else {
+        for (int64_t i = 0; i < v; ++i) z[i] = static_cast<double>(proc[i]) * inv_t;
+        if (use_top_k) {
+          sorted.assign(z.begin(), z.end());
+          std::nth_element(sorted.begin(), sorted.begin() + (top_k - 1), sorted.end(), std::greater<double>());
+          const double kth = sorted[top_k - 1];
+          for (int64_t i = 0; i < v; ++i)
+            if (z[i] < kth) z[i] = kDropped;
         }
-        const double cut = sorted[kept - 1];
-        for (int64_t i = 0; i < v; ++i)
-          if (z[i] < cut) z[i] = kDropped;
-        m = MaxOf(z.data(), v);
-        total = ExpShifted(z.data(), m, e.data(), v);
+        double m = MaxOf(z.data(), v);
+        double total = ExpShifted(z.data(), m, e.data(), v);
+        if (use_top_p) {
+          // values in descending order until the mass before a token reaches top_p; tokens tied with the last
+          // kept one stay as well
+          sorted.assign(z.begin(), z.end());
+          int64_t done = 0, kept = 0, width = std::min<int64_t>(v, 64);
+          double cum = 0.0;
+          bool stopped = false;
+          while (!stopped) {
+            std::partial_sort(sorted.begin() + done, sorted.begin() + width, sorted.end(), std::greater<double>());
+            for (int64_t j = done; j < width; ++j) {
+              const double pj = prl::ExpD(sorted[j] - m) / total;
+              cum += pj;
+              if (cum - pj < p_keep) {
+                kept = j + 1;
+              } else {
+                stopped = true;
+                break;
+              }
+            }
+            done = width;
+            if (width == v) break;
+            width = std::min<int64_t>(v, width * 8);
+          }
+          const double cut = sorted[kept - 1];
+          for (int64_t i = 0; i < v; ++i)
+            if (z[i] < cut) z[i] = kDropped;
+          m = MaxOf(z.data(), v);
+          total = ExpShifted(z.data(), m, e.data(), v);
+        }
+        z_max = m;
+        z_sum = total;
+        z_is_scaled = !penalize && !banned && !use_top_k && !use_top_p;
+        token = InverseCdf(e.data(), total, static_cast<double>(up[r]), v);
       }
-      z_max = m;
-      z_sum = total;
-      z_is_scaled = !penalize && !banned && !use_top_k && !use_top_p;
-      token = InverseCdf(e.data(), total, static_cast<double>(up[r]), v);
+      tp[r] = token;
+      if (z_is_scaled) {
+        lp[r] = static_cast<float>(z[token] - (z_max + std::log(z_sum)));
+      } else {
+        for (int64_t i = 0; i < v; ++i) scaled[i] = static_cast<double>(x[i]) * inv_t;
+        const double m = MaxOf(scaled.data(), v);
+        const double total = ExpShifted(scaled.data(), m, e.data(), v);
+        lp[r] = static_cast<float>(scaled[token] - (m + std::log(total)));
+      }
     }
-    tp[r] = token;
-    if (z_is_scaled) {
-      lp[r] = static_cast<float>(z[token] - (z_max + std::log(z_sum)));
-    } else {
-      for (int64_t i = 0; i < v; ++i) scaled[i] = static_cast<double>(x[i]) * inv_t;
-      const double m = MaxOf(scaled.data(), v);
-      const double total = ExpShifted(scaled.data(), m, e.data(), v);
-      lp[r] = static_cast<float>(scaled[token] - (m + std::log(total)));
-    }
-  }
+  });
   return {tokens, logprob};
 }
 

@@ -24,12 +24,14 @@ std::vector<paddle::Tensor> SwigluForward(const paddle::Tensor& x) {
   auto out = paddle::empty(shape, x.dtype(), x.place());
   const float* xp = x.data<float>();
   float* op = out.data<float>();
-  for (int64_t r = 0; r < n; ++r) {
-    const float* gate = xp + r * width;
-    const float* up = gate + f;
-    float* o = op + r * f;
-    for (int64_t i = 0; i < f; ++i) o[i] = gate[i] * Sigmoid(gate[i]) * up[i];
-  }
+  prl::ParallelFor(n, width, [&](int, int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* gate = xp + r * width;
+      const float* up = gate + f;
+      float* o = op + r * f;
+      for (int64_t i = 0; i < f; ++i) o[i] = gate[i] * Sigmoid(gate[i]) * up[i];
+    }
+  });
   return {out};
 }
 
@@ -42,18 +44,20 @@ std::vector<paddle::Tensor> SwigluBackward(const paddle::Tensor& x, const paddle
   const float* xp = x.data<float>();
   const float* gp = grad_out.data<float>();
   float* dp = grad.data<float>();
-  for (int64_t r = 0; r < n; ++r) {
-    const float* gate = xp + r * width;
-    const float* up = gate + f;
-    const float* g = gp + r * f;
-    float* d_gate = dp + r * width;
-    float* d_up = d_gate + f;
-    for (int64_t i = 0; i < f; ++i) {
-      const float s = Sigmoid(gate[i]);
-      d_gate[i] = g[i] * up[i] * s * (1.0f + gate[i] * (1.0f - s));
-      d_up[i] = g[i] * gate[i] * s;
+  prl::ParallelFor(n, width, [&](int, int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* gate = xp + r * width;
+      const float* up = gate + f;
+      const float* g = gp + r * f;
+      float* d_gate = dp + r * width;
+      float* d_up = d_gate + f;
+      for (int64_t i = 0; i < f; ++i) {
+        const float s = Sigmoid(gate[i]);
+        d_gate[i] = g[i] * up[i] * s * (1.0f + gate[i] * (1.0f - s));
+        d_up[i] = g[i] * gate[i] * s;
+      }
     }
-  }
+  });
   return {grad};
 }
 

@@ -27,8 +27,19 @@ _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # a source checkout keeps csrc/ beside the package; an installed wheel carries a copy as paddle_rl/_csrc
 CSRC = next((p for p in (os.path.join(os.path.dirname(_PACKAGE), "csrc"), os.path.join(_PACKAGE, "_csrc"))
              if os.path.isdir(p)), os.path.join(os.path.dirname(_PACKAGE), "csrc"))
-CXX_FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno"]
-LD_FLAGS = []
+CXX_FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-pthread"]
+LD_FLAGS = ["-pthread"]
+
+
+def _openmp_flags():
+    """(compile, link) flags for OpenMP on the runtime Paddle's MKL runs on (paddle/libs/libiomp5.so), so the
+    kernels' parallel regions use the same worker threads as the matmuls; none when Paddle ships no libiomp5
+    (the kernels then split rows over std::threads)."""
+    import paddle
+    libs = os.path.join(os.path.dirname(paddle.__file__), "libs")
+    if not os.path.isfile(os.path.join(libs, "libiomp5.so")):
+        return [], []
+    return ["-fopenmp"], [f"-L{libs}", "-Wl,--no-as-needed", "-liomp5", f"-Wl,-rpath,{libs}"]
 CUDA_FLAGS = ["-O3", "--use_fast_math"]
 
 
@@ -83,8 +94,8 @@ def build_key(with_cuda: bool) -> str:
         h.update(os.path.relpath(path, CSRC).encode())
         with open(path, "rb") as f:
             h.update(f.read())
-    h.update(json.dumps([CXX_FLAGS, LD_FLAGS, CUDA_FLAGS, with_cuda, paddle.__version__, sys.version,
-                         _cpu_identity()]).encode())
+    h.update(json.dumps([CXX_FLAGS, LD_FLAGS, CUDA_FLAGS, _openmp_flags(), with_cuda, paddle.__version__,
+                         sys.version, _cpu_identity()]).encode())
     return h.hexdigest()[:16]
 
 
@@ -128,10 +139,12 @@ def build(force: bool = False, verbose: bool = False) -> str:
             for old in (stamp, so_path):
                 if os.path.exists(old):
                     os.remove(old)
-            cxx = list(CXX_FLAGS) + (["-DPRL_WITH_CUDA"] if with_cuda else [])
+            omp_cxx, omp_ld = _openmp_flags()
+            cxx = list(CXX_FLAGS) + omp_cxx + (["-DPRL_WITH_CUDA"] if with_cuda else [])
             with _quiet(verbose, os.path.join(folder, "build.log")):
                 load(name=NAME, sources=sources(with_cuda), extra_cxx_cflags=cxx,
-                     extra_cuda_cflags=list(CUDA_FLAGS) + ["-DPRL_WITH_CUDA"], extra_ldflags=list(LD_FLAGS),
+                     extra_cuda_cflags=list(CUDA_FLAGS) + ["-DPRL_WITH_CUDA"],
+                     extra_ldflags=omp_ld + list(LD_FLAGS),
                      extra_include_paths=[CSRC], build_directory=folder, verbose=verbose)
             if not os.path.isfile(so_path):
                 raise CustomOpsError(f"the build finished without {so_path}")
