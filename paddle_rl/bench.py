@@ -94,10 +94,10 @@ def matmul_peak(size: int = 1024, repeat: int = 5) -> float:
 
 
 def step_flops(shape: dict, prompt_tokens: float, response_tokens: float, rows: int, reference: bool,
-               old_pass: bool, groups: int = 1, shared_prompts: bool = False) -> dict:
+               old_pass: bool, groups: int = 1, shared_prompts: bool = False, shared_update: bool = None) -> dict:
     """Matmul FLOPs per stage (weights and attention; norms and element-wise work left out). `rows` sequences
-    in `groups` prompt groups; the rollout prefills each distinct prompt once, and so do the log-prob and
-    update passes with `shared_prompts`."""
+    in `groups` prompt groups; the rollout prefills each distinct prompt once, and so do the log-prob passes
+    with `shared_prompts` and the update with `shared_update` (default: as `shared_prompts`)."""
     h, f, layers = shape["hidden_size"], shape["intermediate_size"], shape["num_hidden_layers"]
     heads, kv, vocab = shape["num_attention_heads"], shape["num_key_value_heads"], shape["vocab_size"]
     head_dim = h // heads
@@ -106,11 +106,15 @@ def step_flops(shape: dict, prompt_tokens: float, response_tokens: float, rows: 
     seq = (prompt_tokens + response_tokens) / max(rows, 1)
     attention = 2 * 2 * layers * heads * head_dim * seq / 2  # per token, causal average context
     distinct_prompt_tokens = prompt_tokens * max(groups, 1) / max(rows, 1)
-    pass_prompt_tokens = distinct_prompt_tokens if shared_prompts else prompt_tokens
-    forward = (pass_prompt_tokens + response_tokens) * (per_token + attention) + response_tokens * head
+    shared_update = shared_prompts if shared_update is None else shared_update
+
+    def forward(shared):
+        prompt = distinct_prompt_tokens if shared else prompt_tokens
+        return (prompt + response_tokens) * (per_token + attention) + response_tokens * head
+
     rollout = distinct_prompt_tokens * per_token + response_tokens * (per_token + attention + head)
-    out = {"rollout": rollout, "ref_logprob": forward if reference else 0.0,
-           "old_logprob": forward if old_pass else 0.0, "update": 3 * forward}
+    out = {"rollout": rollout, "ref_logprob": forward(shared_prompts) if reference else 0.0,
+           "old_logprob": forward(shared_prompts) if old_pass else 0.0, "update": 3 * forward(shared_update)}
     out["step"] = sum(out.values())
     return out
 
@@ -176,7 +180,8 @@ def run(args) -> dict:
     shape = MODELS[args.model]
     flops = step_flops(shape, prompt_tokens, response_tokens, rows, config.kl_loss_coeff > 0 or config.kl_coeff > 0,
                        mean("time/old_logprob") > 0 and "time/old_logprob" in timed[-1], groups=args.prompts,
-                       shared_prompts=config.share_prompt_prefix and args.rollout_n > 1)
+                       shared_prompts=config.share_prompt_prefix and args.rollout_n > 1,
+                       shared_update=config.share_prompt_prefix and args.rollout_n > 1 and not config.recompute)
     result = {
         "workload": args.model, "prompts": args.prompts, "rollout_n": args.rollout_n, "prompt_len": args.prompt_len,
         "response_len": args.response_len, "steps_timed": len(timed), "step_s": step_s,

@@ -200,3 +200,24 @@ def test_shared_prompt_pass_equals_full_pass(kind, micro, op_mode):
                        batch.group_ids)
     np.testing.assert_allclose(batched_logprobs(model, one, 0.7, 12, share_prompts=True),
                                batched_logprobs(model, one, 0.7, 12, share_prompts=False), atol=2e-5)
+
+
+def test_recompute_in_training_takes_the_full_pass(monkeypatch):
+    """Layer recompute cannot share a prompt's keys/values across passes, so training with recompute on runs
+    the full pass (and still recomputes), while evaluation keeps the shared prompt prefix."""
+    from paddle_rl.trainer.logprobs import token_logprobs
+    model = make_model("qwen2")
+    batch = grouped_batch(211)
+    part = batch.tensors()
+    calls = []
+    original = CausalLM.shared_prompt_hidden_states
+    monkeypatch.setattr(CausalLM, "shared_prompt_hidden_states",
+                        lambda self, *a: calls.append(self.training) or original(self, *a))
+    args = (model, part["input_ids"], part["attention_mask"], batch.prompt_width, part["response_ids"], 1.0)
+    model.recompute = True
+    model.train()
+    token_logprobs(*args, shared_prompts=batch.shared_prompts())[0].sum().backward()
+    model.eval()
+    with paddle.no_grad():
+        token_logprobs(*args, shared_prompts=batch.shared_prompts())
+    assert calls == [False]
