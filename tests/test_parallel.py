@@ -63,7 +63,7 @@ def train_and_probe(overrides, out_dir, prompts):
 
 
 def launch(args, log_dir, nproc=2, timeout=400):
-    env = dict(os.environ, PYTHONPATH=ROOT)
+    env = dict(os.environ, PYTHONPATH=ROOT, PYTHONFAULTHANDLER="1")  # a crashing worker logs its Python stack
     env.pop("OMP_NUM_THREADS", None)
     cmd = [sys.executable, "-m", "paddle.distributed.launch", "--nproc_per_node", str(nproc), "--log_dir", log_dir,
            *args]
