@@ -25,5 +25,5 @@ def test_tiny_default_gains_20_points(config, tmp_path):
     curve = [(r["step"], r["eval/accuracy"]) for r in read_metrics(str(tmp_path / "metrics.jsonl"))
              if "eval/accuracy" in r]
     print(f"{config}: {time.time() - start:.0f} s, held-out accuracy by step {curve}")
-    assert curve[0][0] == 0 and curve[-1][0] == 100
+    assert curve[0][0] == 0 and curve[-1][0] == 200
     assert curve[-1][1] - curve[0][1] >= 0.20, curve
