@@ -103,6 +103,27 @@ def test_decode_attention(rng, batch, heads, kv, length):
     close(ops.decode_attention_fused(*args).numpy(), ops.decode_attention_reference(*args).numpy(), what="attention")
 
 
+@pytest.mark.parametrize("batch,kv,groups,length,keys,bias_batch", [(3, 2, 2, 5, 9, 3), (2, 1, 4, 1, 7, 2),
+                                                                     (1, 2, 1, 6, 6, 1), (16, 2, 2, 63, 99, 16)])
+def test_masked_softmax_and_gradient(rng, batch, kv, groups, length, keys, bias_batch):
+    """softmax(scale * scores + bias) with a padding + causal bias shared by the heads; rows whose keys are all
+    masked (left padding) stay finite, as in the reference."""
+    from paddle_rl.models.decoder import attention_bias_from_mask
+    mask = np.ones((bias_batch, keys), np.int64)
+    mask[0, :3] = 0                                     # left padding on the first row
+    bias = attention_bias_from_mask(paddle.to_tensor(mask), length, causal=True)
+    scores = t(rng.standard_normal((batch, kv, groups * length, keys)) * 3, grad=True)
+    out = ops.masked_softmax_fused(scores, bias, 0.125)
+    ref = ops.masked_softmax_reference(scores, bias, 0.125)
+    close(out.numpy(), ref.numpy(), what="probs")
+    assert np.isfinite(out.numpy()).all()
+    g = t(rng.standard_normal(out.shape))
+    grad, = paddle.grad((out * g).sum(), [scores])
+    ref_grad, = paddle.grad((ref * g).sum(), [scores])
+    close(grad.numpy(), ref_grad.numpy(), what="d scores")
+    assert ops.masked_softmax(scores, bias, 0.125).shape == out.shape
+
+
 # ------------------------------------------------------------------------------------------------ sampling
 
 SETTINGS = {

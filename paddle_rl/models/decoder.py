@@ -8,7 +8,6 @@ from typing import List, Optional
 
 import paddle
 import paddle.nn as nn
-import paddle.nn.functional as F
 
 from .. import ops
 from ..parallel import tensor_parallel as tp
@@ -158,10 +157,7 @@ class Attention(nn.Layer):
         groups = self.num_heads // self.num_kv_heads
         # heads h = kv * groups + j share kv head `kv`: fold the group into the query axis
         q = q.reshape([batch, self.num_kv_heads, groups * length, self.head_dim])
-        scores = paddle.matmul(q, k, transpose_y=True) * self.scale
-        key_len = scores.shape[-1]
-        scores = scores.reshape([batch, self.num_kv_heads, groups, length, key_len]) + attention_bias.unsqueeze(2)
-        probs = F.softmax(scores, axis=-1).reshape([batch, self.num_kv_heads, groups * length, key_len])
+        probs = ops.masked_softmax(paddle.matmul(q, k, transpose_y=True), attention_bias, self.scale)
         out = paddle.matmul(probs, v).reshape([batch, self.num_heads, length, self.head_dim])
         out = out.transpose([0, 2, 1, 3]).reshape([batch, length, self.num_heads * self.head_dim])
         return self.o_proj(out)

@@ -9,12 +9,14 @@ when it is in use, else the reference). `configure("auto" | "on" | "off")` selec
 - rotary: rotate-half rotary embedding with its backward
 - rotary_qkv_cache: the decode step's qkv split + q/k norm + rotary + in-place KV-cache write
 - decode_attention: one decode step of grouped-query attention over the cache
+- masked_softmax: the training / prefill attention's softmax(scale * scores + bias), with its backward
 - sample: penalty, stop-token ban, temperature, top-k, top-p and the inverse-CDF draw; log-prob of the draw
 - lm_head_logprobs: per-token log-prob and entropy from hidden states and the LM-head weight, chunked
 - step_update: the rollout's per-step stop flags, lengths, seen tokens and min-length ban
 """
 from .activation import swiglu, swiglu_fused, swiglu_reference
-from .attention import decode_attention, decode_attention_fused, decode_attention_reference
+from .attention import (decode_attention, decode_attention_fused, decode_attention_reference, masked_softmax,
+                        masked_softmax_fused, masked_softmax_reference)
 from .build import CustomOpsError, available, configure, mode, status
 from .logprob import lm_head_logprobs, lm_head_logprobs_reference, logprobs_from_logits
 from .norm import rms_norm, rms_norm_fused, rms_norm_reference
@@ -29,6 +31,7 @@ __all__ = ["configure", "available", "mode", "status", "CustomOpsError",
            "rotary", "rotary_fused", "rotary_reference", "rotary_tables",
            "rotary_qkv_cache", "rotary_qkv_cache_fused", "rotary_qkv_cache_reference",
            "decode_attention", "decode_attention_fused", "decode_attention_reference",
+           "masked_softmax", "masked_softmax_fused", "masked_softmax_reference",
            "sample", "sample_fused", "sample_reference",
            "lm_head_logprobs", "lm_head_logprobs_reference", "logprobs_from_logits",
            "StepState", "step_update", "step_update_fused", "step_update_reference"]

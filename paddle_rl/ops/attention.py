@@ -29,3 +29,32 @@ def decode_attention_fused(q, cache_k, cache_v, start, length: int, scale: float
 def decode_attention(q, cache_k, cache_v, start, length: int, scale: float):
     fn = decode_attention_fused if fusable(q, cache_k, cache_v) else decode_attention_reference
     return fn(q, cache_k, cache_v, start, length, scale)
+
+
+def masked_softmax_reference(scores, bias, scale: float):
+    """softmax(scale * scores + bias) over the last axis: scores [B, H, G * L, K] with each kv head's G query
+    heads folded into the rows, bias [B, 1, L, K] shared by every head."""
+    batch, heads, rows, keys = scores.shape
+    length = bias.shape[2]
+    z = (scores * scale).reshape([batch, heads, rows // length, length, keys]) + bias.unsqueeze(2)
+    return F.softmax(z, axis=-1).reshape([batch, heads, rows, keys])
+
+
+def masked_softmax_fused(scores, bias, scale: float):
+    """The CPU kernel (with its backward; no gradient for the bias)."""
+    return build.run("prl_masked_softmax", contiguous(scores), contiguous(bias), float(scale))[0]
+
+
+def _kernel_layout(scores, bias) -> bool:
+    """bias is [B or 1, 1, L, K] with L dividing the score rows (what the kernel indexes)."""
+    if len(scores.shape) != 4 or len(bias.shape) != 4:
+        return False
+    (batch, _, rows, keys), (b_batch, b_heads, length, b_keys) = scores.shape, bias.shape
+    return b_batch in (batch, 1) and b_heads == 1 and b_keys == keys and length > 0 and rows % length == 0
+
+
+def masked_softmax(scores, bias, scale: float):
+    if (fusable(scores, bias) and scores.place.is_cpu_place() and bias.stop_gradient
+            and _kernel_layout(scores, bias)):
+        return masked_softmax_fused(scores, bias, scale)
+    return masked_softmax_reference(scores, bias, scale)
