@@ -59,6 +59,7 @@ def train_and_probe(overrides, out_dir, prompts):
         json.dump(trainer.parallel.optimizer_state_bytes(trainer.optimizer), f)
     if rank == 0:
         np.save(os.path.join(out_dir, "greedy.npy"), out.response_ids * (out.response_mask > 0))
+    trainer.parallel.barrier()  # exit together (see RLTrainer.train)
     return trainer
 
 

@@ -328,6 +328,9 @@ class RLTrainer:
         if progress is not None:
             progress.close()
         self.log.close()
+        # ranks leave together: one that exits while another is still working can take the rendezvous down
+        # under it
+        self.parallel.barrier()
         return last
 
 
