@@ -44,36 +44,34 @@ inline int NumThreads() {
   return n;
 }
 
-// fn(part, begin, end) over contiguous ranges of [0, n), part = 0 .. parts-1 with parts <= NumThreads();
-// the caller's thread takes part 0. Work below ~256K elements (n * elements_per_item) stays on one thread,
-// where starting threads would cost more than it saves. fn must not throw.
-template <typename Fn>
-int ParallelFor(int64_t n, int64_t elements_per_item, Fn fn) {
-  int64_t parts = std::min<int64_t>(NumThreads(), n);
-  if (parts <= 1 || n * elements_per_item < (int64_t{1} << 18)) {
-    fn(0, int64_t{0}, n);
-    return 1;
-  }
-  const int64_t chunk = (n + parts - 1) / parts;
-  parts = (n + chunk - 1) / chunk;
-#ifdef _OPENMP
-#pragma omp parallel for num_threads(static_cast<int>(parts)) schedule(static, 1)
-  for (int64_t p = 0; p < parts; ++p) fn(static_cast<int>(p), p * chunk, std::min(n, (p + 1) * chunk));
-  return static_cast<int>(parts);
-#endif
-  std::vector<std::thread> workers;
-  for (int64_t p = 1; p < parts; ++p) workers.emplace_back(fn, static_cast<int>(p), p * chunk, std::min(n, (p + 1) * chunk));
-  fn(0, int64_t{0}, std::min(n, chunk));
-  for (auto& w : workers) w.join();
-  return static_cast<int>(parts);
-}
-
-// The number of parts ParallelFor(n, elements_per_item, ...) will use (for per-part accumulators).
+// The number of contiguous parts ParallelFor splits [0, n) into: up to NumThreads(), one when the work
+// (n * elements_per_item) is below ~256K elements, where starting threads would cost more than it saves.
 inline int ParallelParts(int64_t n, int64_t elements_per_item) {
   const int64_t parts = std::min<int64_t>(NumThreads(), n);
   if (parts <= 1 || n * elements_per_item < (int64_t{1} << 18)) return 1;
   const int64_t chunk = (n + parts - 1) / parts;
   return static_cast<int>((n + chunk - 1) / chunk);
+}
+
+// fn(part, begin, end) over the ParallelParts(n, elements_per_item) contiguous ranges of [0, n); the caller's
+// thread takes part 0. fn must not throw.
+template <typename Fn>
+void ParallelFor(int64_t n, int64_t elements_per_item, Fn fn) {
+  const int64_t parts = ParallelParts(n, elements_per_item);
+  if (parts == 1) {
+    fn(0, int64_t{0}, n);
+    return;
+  }
+  const int64_t chunk = (n + parts - 1) / parts;
+#ifdef _OPENMP
+#pragma omp parallel for num_threads(static_cast<int>(parts)) schedule(static, 1)
+  for (int64_t p = 0; p < parts; ++p) fn(static_cast<int>(p), p * chunk, std::min(n, (p + 1) * chunk));
+#else
+  std::vector<std::thread> workers;
+  for (int64_t p = 1; p < parts; ++p) workers.emplace_back(fn, static_cast<int>(p), p * chunk, std::min(n, (p + 1) * chunk));
+  fn(0, int64_t{0}, std::min(n, chunk));
+  for (auto& w : workers) w.join();
+#endif
 }
 
 inline void CheckCpuFloat(const paddle::Tensor& x, const char* op, const char* name) {
