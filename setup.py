@@ -30,6 +30,7 @@ setup(
         "pyyaml",
         "numpy",
         "fastapi",
+        "fastapi-offline",      # the reward server's /docs and /redoc assets, served without a CDN
         "uvicorn",
         "visualdl",
         "tokenizers",

@@ -1,10 +1,60 @@
-"""`paddle-rl train | reward-server | data | eval | bench`."""
+"""`paddle-rl train | eval | data | reward-server | bench`."""
 import argparse
+import importlib
 import os
+import re
 import subprocess
 import sys
 
 from .env import configure_threads
+
+# A key=value override; anything else among train / eval's positional words is the CONFIG file.
+OVERRIDE = re.compile(r"^[A-Za-z_][A-Za-z0-9_.\-]*=")
+
+# Subcommands registered by a module of their own: (name, module, function(subparsers), help if unavailable).
+# When the module cannot be imported the subcommand still exists and, when run, stops naming what is missing.
+REWARD_SERVER = ("reward-server", "reward_server.cli", "add_reward_server_subparser",
+                 "serve rule / plugin rewards over HTTP")
+BENCH = ("bench", "paddle_rl.bench", "add_bench_subparser", "time RL steps on a synthetic workload")
+DATA_KK = ("kk", "paddle_rl.data.kk_cli", "add_kk_subparser", "generate Knights-and-Knaves puzzles")
+DATA_CONVERT = ("convert", "paddle_rl.data.convert", "add_convert_subparser",
+                "convert GSM8K / MATH / NuminaMath files to the trainer's layouts")
+
+
+def _unavailable_reason(module: str, error: ImportError) -> str:
+    missing = getattr(error, "name", None) or module
+    if missing.split(".")[0] in ("paddle_rl", "reward_server"):
+        return f"cannot import {missing} ({error})"
+    return f"the Python package {missing.split('.')[0]!r} cannot be imported ({error}); install it"
+
+
+def _add_module_subcommand(subparsers, spec) -> None:
+    name, module, function, help_text = spec
+    try:
+        register = getattr(importlib.import_module(module), function)
+    except ImportError as e:
+        reason = _unavailable_reason(module, e)
+        p = subparsers.add_parser(name, help=f"{help_text} [unavailable: {reason}]",
+                                  description=f"unavailable: {reason}")
+        p.set_defaults(unavailable=f"{p.prog}: {reason}")
+        return
+    register(subparsers)
+
+
+def _config_and_overrides(parser, args) -> None:
+    """CONFIG is the one positional word that is not key=value; overrides keep their command-line order."""
+    words = [args.config, *args.overrides]
+    configs = [w for w in words if not OVERRIDE.match(w)]
+    if len(configs) != 1:
+        parser.error(f"{args.command}: expected one CONFIG file and key=value overrides, got {' '.join(words)}")
+    args.config, args.overrides = configs[0], [w for w in words if OVERRIDE.match(w)]
+
+
+def _add_config_arguments(p, example: str) -> None:
+    p.add_argument("config", help="YAML argument file (PaddleNLP key names)")
+    p.add_argument("overrides", nargs="*", metavar="key=value",
+                   help=f"overrides of the file's keys, anywhere on the command line, e.g. {example}")
+    p.set_defaults(takes_overrides=True)
 
 
 def _train(args) -> int:
@@ -20,8 +70,7 @@ def _train(args) -> int:
 
 def _add_train(sub):
     p = sub.add_parser("train", help="run GRPO / REINFORCE++ training from a YAML file")
-    p.add_argument("config")
-    p.add_argument("overrides", nargs="*", help="key=value overrides")
+    _add_config_arguments(p, "rollout_n=4")
     p.add_argument("--nproc_per_node", type=int, default=1, help="processes (>1 goes through paddle.distributed.launch)")
     p.add_argument("--log_dir", default="log", help="per-rank logs of paddle.distributed.launch")
     p.set_defaults(func=_train)
@@ -32,11 +81,14 @@ def _eval(args) -> int:
     import json
 
     from .config import ConfigError, load_config
-    from .data.loader import DatasetError
+    from .errors import setup_error_types
     from .trainer.evaluate import run_eval
     try:
-        metrics = run_eval(load_config(args.config, args.overrides))
-    except (ConfigError, DatasetError, FileNotFoundError, KeyError, ValueError) as e:
+        config = load_config(args.config, args.overrides)
+        if not config.eval_datasets:
+            raise ConfigError("eval_datasets: required for evaluation")
+        metrics = run_eval(config)
+    except setup_error_types() as e:  # the message names the key / file: one line; anything else: traceback
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(json.dumps(metrics, sort_keys=True))
@@ -45,37 +97,15 @@ def _eval(args) -> int:
 
 def _add_eval(sub):
     p = sub.add_parser("eval", help="greedy evaluation of a model folder on eval_datasets (accuracy, mean reward)")
-    p.add_argument("config")
-    p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. actor_model_name_or_path=output/checkpoint-60")
+    _add_config_arguments(p, "actor_model_name_or_path=output/checkpoint-60")
     p.set_defaults(func=_eval)
 
 
 def _add_data(sub):
     p = sub.add_parser("data", help="build or convert datasets")
     data_sub = p.add_subparsers(dest="data_command", required=True)
-    from .data.kk_cli import add_kk_subparser
-    add_kk_subparser(data_sub)
-    try:
-        from .data.convert import add_convert_subparser
-        add_convert_subparser(data_sub)
-    except ImportError:
-        pass
-
-
-def _add_reward_server(sub):
-    try:
-        from .rewards.server_cli import add_reward_server_subparser
-    except ImportError:
-        return
-    add_reward_server_subparser(sub)
-
-
-def _add_bench(sub):
-    try:
-        from .bench import add_bench_subparser
-    except ImportError:
-        return
-    add_bench_subparser(sub)
+    _add_module_subcommand(data_sub, DATA_KK)
+    _add_module_subcommand(data_sub, DATA_CONVERT)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -84,13 +114,33 @@ def build_parser() -> argparse.ArgumentParser:
     _add_train(sub)
     _add_eval(sub)
     _add_data(sub)
-    _add_reward_server(sub)
-    _add_bench(sub)
+    _add_module_subcommand(sub, REWARD_SERVER)
+    _add_module_subcommand(sub, BENCH)
     return parser
 
 
+def parse_args(argv=None) -> argparse.Namespace:
+    """Like parse_args, except that train / eval take key=value overrides before and after options."""
+    parser = build_parser()
+    args, extras = parser.parse_known_args(argv)
+    if getattr(args, "unavailable", None):
+        return args  # its options are unknown: the command only reports what is missing
+    if getattr(args, "takes_overrides", False):
+        unknown = [w for w in extras if not OVERRIDE.match(w)]
+        args.overrides = args.overrides + [w for w in extras if OVERRIDE.match(w)]
+        if unknown:
+            parser.error(f"unrecognized arguments: {' '.join(unknown)} (overrides are written key=value)")
+        _config_and_overrides(parser, args)
+    elif extras:
+        parser.error(f"unrecognized arguments: {' '.join(extras)}")
+    return args
+
+
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
+    if getattr(args, "unavailable", None):
+        print(f"error: {args.unavailable}", file=sys.stderr)
+        return 2
     result = args.func(args)
     return result if isinstance(result, int) else 0
 

@@ -10,12 +10,23 @@ from paddle_rl.env import configure_threads  # noqa: E402
 configure_threads()
 
 
+def build_trainer(config_path, overrides):
+    """Config -> RLTrainer: every check that can fail before the first step (config, dashboards, paths, data,
+    process grid, models)."""
+    from paddle_rl.config import load_config
+    from paddle_rl.monitor import resolve_dashboards
+
+    config = load_config(config_path, overrides)
+    resolve_dashboards(config.report_to)  # on every rank, before any model loads
+    from paddle_rl.trainer import RLTrainer
+    return RLTrainer(config)
+
+
 def main(argv=None) -> int:
     import argparse
     import logging
 
-    from paddle_rl.config import ConfigError, load_config
-    from paddle_rl.data.loader import DatasetError
+    from paddle_rl.errors import setup_error_types
 
     parser = argparse.ArgumentParser(prog="run_rl.py", description="GRPO / REINFORCE++ training from a YAML file.")
     parser.add_argument("config", help="YAML argument file (PaddleNLP key names)")
@@ -23,13 +34,11 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
     try:
-        config = load_config(args.config, args.overrides)
-        from paddle_rl.trainer import RLTrainer
-        trainer = RLTrainer(config)
-        trainer.train()
-    except (ConfigError, DatasetError, FileNotFoundError, KeyError, ValueError) as e:
+        trainer = build_trainer(args.config, args.overrides)
+    except setup_error_types() as e:  # the message names the key / file / package: one line is enough
         print(f"error: {e}", file=sys.stderr)
         return 2
+    trainer.train()  # anything raised from here on keeps its traceback
     return 0
 
 

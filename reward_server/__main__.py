@@ -2,7 +2,7 @@
 import argparse
 import sys
 
-from paddle_rl.rewards.server_cli import add_reward_server_arguments, run_reward_server
+from .cli import add_reward_server_arguments, run_reward_server
 
 
 def main(argv=None) -> int:

@@ -5,6 +5,8 @@ POST /          PaddleNLP protocol: {"src": [...], "tgt": [...], "response": [..
 POST /v1/score  {"samples": [{"response": ..., "prompt": ..., "response_length": ..., "record": {...}, ...}]} ->
                 total scores plus each reward function's scores and correctness
 GET  /health    liveness, reward functions, worker state
+GET  /docs, /redoc, /openapi.json   interactive docs and schema; their scripts and styles are served by this
+                server (under /docs-assets), so they work without internet access
 
 Error codes (the HTTP status says whether a retry can help):
   1001 invalid request (malformed JSON, wrong types, unequal list lengths)   400
@@ -25,6 +27,7 @@ from typing import Any, Dict, List, Optional
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from fastapi_offline import FastAPIOffline
 from pydantic import BaseModel, ConfigDict, Field
 
 from .pool import ScoringFailure, ScoringPool
@@ -35,6 +38,7 @@ INVALID, TOO_LARGE, UNAUTHORIZED = 1001, 1002, 1003
 SCORING_ERROR, TIMEOUT, CRASH, BUSY = 2001, 2002, 2003, 2004
 FAILURE_CODES = {"error": (SCORING_ERROR, 422), "timeout": (TIMEOUT, 422), "crash": (CRASH, 500)}
 SAMPLE_FIELDS = ("response", "prompt", "response_length", "truncated", "record")
+DOCS_ASSETS = "/docs-assets"                 # Swagger UI / ReDoc files, served from the fastapi-offline package
 
 
 @dataclass
@@ -162,8 +166,12 @@ def create_app(settings: ServerSettings, pool: Optional[ScoringPool] = None) -> 
             if pool is None:
                 await asyncio.get_running_loop().run_in_executor(None, app.state.pool.close)
 
-    app = FastAPI(title="paddle-rl reward server", version="1.0", lifespan=lifespan,
-                  description="Rule and plugin rewards over HTTP, PaddleNLP-compatible at POST /.")
+    # FastAPI's /docs and /redoc load Swagger UI / ReDoc from a CDN (a blank page without internet access);
+    # fastapi-offline serves the same pages with their JS, CSS and favicon from its package, under DOCS_ASSETS.
+    # Swagger UI's online validator (a badge fetched from swagger.io with this server's schema URL) is off.
+    app = FastAPIOffline(title="paddle-rl reward server", version="1.0", lifespan=lifespan,
+                         description="Rule and plugin rewards over HTTP, PaddleNLP-compatible at POST /.",
+                         static_url=DOCS_ASSETS, swagger_ui_parameters={"validatorUrl": None})
     app.add_middleware(BodyLimit, limit=settings.max_request_bytes)
 
     @app.exception_handler(RequestValidationError)

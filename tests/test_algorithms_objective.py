@@ -7,7 +7,7 @@ import paddle
 import pytest
 
 from paddle_rl.algorithms import (ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, LOSS_AGG_MODES, POLICY_LOSSES, Objective,
-                                  soft_overlong_penalty)
+                                  compute_advantages, soft_overlong_penalty)
 from paddle_rl.config import ConfigError, load_config
 from paddle_rl.config import algorithm_args
 
@@ -29,19 +29,19 @@ def tiny_batch():
 
 # --- selectable from YAML ---------------------------------------------------------------------
 
-def test_config_names_match_registries():
-    assert set(algorithm_args.ADVANTAGE_ESTIMATORS) == set(ADVANTAGE_ESTIMATORS)
-    assert set(algorithm_args.POLICY_LOSSES) == set(POLICY_LOSSES)
-    assert set(algorithm_args.KL_ESTIMATORS) == set(KL_ESTIMATORS)
-    assert set(algorithm_args.LOSS_AGG_MODES) == set(LOSS_AGG_MODES)
+def test_config_does_not_copy_the_registries():
+    # the registries are the one list of names; the config no longer keeps its own copy
+    for name in ("ADVANTAGE_ESTIMATORS", "POLICY_LOSSES", "KL_ESTIMATORS", "LOSS_AGG_MODES"):
+        assert not hasattr(algorithm_args, name), name
+    assert set(algorithm_args.RL_ALGORITHMS) <= set(ADVANTAGE_ESTIMATORS)   # each preset names an estimator
 
 
-CHOICES = ([("advantage_estimator", n) for n in algorithm_args.ADVANTAGE_ESTIMATORS]
+CHOICES = ([("advantage_estimator", n) for n in ADVANTAGE_ESTIMATORS]
            + [("rl_algorithm", n) for n in algorithm_args.RL_ALGORITHMS]
-           + [("policy_loss", n) for n in algorithm_args.POLICY_LOSSES]
-           + [("loss_agg_mode", n) for n in algorithm_args.LOSS_AGG_MODES]
-           + [("kl_loss_type", n) for n in algorithm_args.KL_ESTIMATORS]
-           + [("kl_penalty", n) for n in algorithm_args.KL_ESTIMATORS]
+           + [("policy_loss", n) for n in POLICY_LOSSES]
+           + [("loss_agg_mode", n) for n in LOSS_AGG_MODES]
+           + [("kl_loss_type", n) for n in KL_ESTIMATORS]
+           + [("kl_penalty", n) for n in KL_ESTIMATORS]
            + [("algorithm_preset", n) for n in algorithm_args.ALGORITHM_PRESETS]
            + [("scale_rewards", n) for n in algorithm_args.SCALE_REWARDS])
 
@@ -68,8 +68,39 @@ def test_every_choice_builds_and_runs(key, value, tmp_path):
     ("kl_horizon", "0"), ("max_gen_batches", "0"), ("loss_scale_factor", "0"), ("grpo_eps", "-1"),
 ])
 def test_bad_value_names_the_key(key, value):
+    # types, ranges and presets fail in load_config; registered names when the Objective is built (RLTrainer
+    # builds it before loading any model)
     with pytest.raises(ConfigError, match=key):
-        load_config(None, BASE + [f"{key}={value}"])
+        objective(f"{key}={value}")
+
+
+@pytest.mark.parametrize("key, value, registry", [
+    ("advantage_estimator", "gae", ADVANTAGE_ESTIMATORS), ("policy_loss", "trpo", POLICY_LOSSES),
+    ("loss_agg_mode", "sum", LOSS_AGG_MODES), ("kl_loss_type", "k3", KL_ESTIMATORS),
+    ("kl_penalty", "full", KL_ESTIMATORS),
+])
+def test_bad_name_is_one_line_with_the_choices(key, value, registry):
+    config = load_config(None, BASE + [f"{key}={value}"])        # the config checks types only
+    with pytest.raises(ConfigError) as error:
+        Objective(config, reduce=None)
+    assert str(error.value) == f"{key}: {value!r} is not one of {', '.join(registry)}"
+    with pytest.raises(ConfigError, match="invalid configuration:\n  policy_loss: 'trpo'.*\n  kl_penalty: 'full'"):
+        objective("policy_loss=trpo", "kl_penalty=full")
+
+
+def test_registered_functions_get_only_their_declared_options():
+    # each estimator / loss declares the options it reads; nothing is swallowed by **kwargs
+    assert ADVANTAGE_ESTIMATORS["dr_grpo"].options == ("old_logp", "ref_logp", "kl_coeff", "kl_penalty_kind")
+    assert POLICY_LOSSES["sapo"].options == ("tau_pos", "tau_neg")
+    obj = objective("policy_loss=sapo", "advantage_estimator=dr_grpo")
+    assert obj._loss_options == {"tau_pos": 1.0, "tau_neg": 1.05}
+    assert obj._estimator_options == {"kl_penalty_kind": "kl"}
+    from paddle_rl.algorithms import policy_loss
+    scores, mask, groups, old, ref = tiny_batch()
+    with pytest.raises(TypeError, match="advantage estimator 'dr_grpo' does not read eps"):
+        compute_advantages("dr_grpo", scores, mask, groups, eps=1e-6)
+    with pytest.raises(TypeError, match="policy_loss 'sapo' does not read clip_low"):
+        policy_loss("sapo", old, old, np.zeros_like(old), mask, clip_low=0.2)
 
 
 def test_cross_key_validation():
@@ -263,6 +294,51 @@ def test_reward_kl_metric_and_current_coefficient_in_the_reward():
     assert metrics["reward_kl"] == pytest.approx(0.4) and metrics["reward_kl_num_seqs"] == 2
     # scores 1 - 0.5 * 0.8 = 0.6 and 1 - 0.5 * 0.4 = 0.8 -> dr_grpo [-0.1, 0.1]
     np.testing.assert_allclose(adv.numpy(), [[-0.1, -0.1], [0.1, 0.0]], rtol=1e-5)
+
+
+def test_step_advantages_kl_metric_and_controller_count_the_global_batch():
+    keys = ("rl_algorithm=reinforce_plus_plus", "kl_coeff=0.05", "adaptive_kl=true", "kl_target=0.05",
+            "kl_horizon=100")
+    scores, mask, groups, old, ref = tiny_batch()
+    # the other rank of the batch group holds an identical shard: every batch sum doubles
+    two_ranks = objective(*keys, reduce=lambda v: 2 * v)
+    _, metrics = two_ranks.step_advantages(scores, mask, groups, old, ref)
+    # k1 = old - ref = 0.1 on every response token: the token mean (kl) and the reward KL (kl_penalty: kl)
+    assert metrics["kl"] == pytest.approx(0.1) and metrics["reward_kl"] == pytest.approx(0.1)
+    assert metrics["reward_kl_num_seqs"] == 8.0
+    # error clip(0.1 / 0.05 - 1, -0.2, 0.2) = 0.2, over the 8 sequences of the global batch
+    assert metrics["kl_coeff"] == pytest.approx(0.05 * (1 + 0.2 * 8 / 100)) == two_ranks.kl_coeff
+    # one process holding the whole (4-sequence) batch
+    assert objective(*keys).step_advantages(scores, mask, groups, old, ref)[1]["kl_coeff"] == pytest.approx(
+        0.05 * (1 + 0.2 * 4 / 100))
+    # advantages_and_metrics has no side effects; without reference log-probs there is no kl metric
+    fresh = objective(*keys)
+    fresh.advantages_and_metrics(scores, mask, groups, old, ref)
+    assert fresh.kl_coeff == 0.05
+    assert "kl" not in objective().step_advantages(scores, mask, groups, old)[1]
+
+
+# group of four; "acc" applies to every sample, "fmt" only to samples 0 and 1 (NaN: not applicable)
+GDPO_FUNCTIONS = {"acc": np.array([1.0, 0.0, 1.0, 0.0]), "fmt": np.array([1.0, 0.0, np.nan, np.nan])}
+
+
+def test_gdpo_leaves_not_applicable_scores_out():
+    eps = 1e-6
+    a = 0.5 / (np.sqrt(1 / 3) + eps)        # acc: mean 0.5, unbiased std sqrt(1/3)
+    b = 0.5 / (np.sqrt(0.5) + eps)          # fmt over samples 0, 1 only: mean 0.5, unbiased std sqrt(0.5)
+    total = np.array([a + b, -a - b, a, -a])   # samples 2, 3 get 0 from fmt
+    expected = total / (np.sqrt((2 * (a + b) ** 2 + 2 * a * a) / 3) + eps)   # batch mean 0
+    mask = np.ones((4, 2), np.float32)
+    out = compute_advantages("gdpo", np.zeros(4), mask, [0, 0, 0, 0], per_function_scores=GDPO_FUNCTIONS, eps=eps)
+    np.testing.assert_allclose(out.numpy(), expected[:, None] * mask, rtol=1e-6)
+    # the trainer's path: the reward result's per-function scores, NaN included, go to step_advantages
+    obj = objective("advantage_estimator=gdpo")
+    adv, _ = obj.step_advantages(np.zeros(4), mask, [0, 0, 0, 0], per_function_scores=GDPO_FUNCTIONS)
+    np.testing.assert_allclose(adv.numpy(), expected[:, None] * mask, rtol=1e-6)
+    # not the same as reading "not applicable" as a score of 0 (fmt [1, 0, 0, 0] has mean 0.25)
+    zeroed = {k: np.nan_to_num(v) for k, v in GDPO_FUNCTIONS.items()}
+    as_zero = obj.advantages(np.zeros(4), mask, [0, 0, 0, 0], per_function_scores=zeroed).numpy()
+    assert np.abs(as_zero - adv.numpy()).max() > 0.1
 
 
 # --- loss metrics -----------------------------------------------------------------------------

@@ -91,3 +91,66 @@ def test_yaml_no_and_string_lists_keep_their_meaning():
                              "amp_custom_black_list=[reduce_sum, softmax]"])
     assert cfg.save_strategy == "no" and cfg.evaluation_strategy == "no"
     assert cfg.amp_custom_black_list == "reduce_sum softmax"
+
+
+# ---- PaddleNLP's "derive it" values (-1), max_length, report_to
+DERIVED = os.path.join(os.path.dirname(__file__), "fixtures", "paddlenlp_grpo_argument_derived.yaml")
+
+
+def test_paddlenlp_file_with_derived_degrees_and_mini_batch_loads(caplog):
+    with caplog.at_level(logging.WARNING, logger="paddle_rl"):
+        cfg = load_config(DERIVED)
+    assert cfg.sharding_parallel_degree == -1 and cfg.sharding == "stage1" and cfg.tensor_parallel_degree == 2
+    assert cfg.global_mini_batch_size == -1 and cfg.mini_batch_prompts == cfg.global_batch_size == 4
+    assert cfg.max_steps == -1 and cfg.max_length == 4608 and cfg.learning_rate == 5e-7
+    assert cfg.amp_custom_black_list.startswith("reduce_sum softmax_with_cross_entropy")
+    assert len([r for r in caplog.records if "not acted on" in r.getMessage()]) == 1
+
+
+def test_sharding_degree_minus_one_takes_the_ranks_tensor_and_pipeline_leave():
+    from paddle_rl.parallel.topology import TopologyError, resolve_degrees
+    cfg = load_config(DERIVED)
+    degrees = resolve_degrees(cfg.tensor_parallel_degree, cfg.pipeline_parallel_degree, cfg.sharding_parallel_degree,
+                              cfg.data_parallel_degree, world_size=8)
+    assert degrees == {"data": 1, "sharding": 4, "pipe": 1, "tensor": 2}  # PaddleNLP: data = what sharding leaves
+    assert resolve_degrees(tensor=2, sharding=-1, data=2, world_size=8) == {"data": 2, "sharding": 2, "pipe": 1,
+                                                                           "tensor": 2}
+    assert resolve_degrees(sharding=-1, world_size=1) == {"data": 1, "sharding": 1, "pipe": 1, "tensor": 1}
+    with pytest.raises(TopologyError, match=r"sharding_parallel_degree -1 .* tensor_parallel_degree \(4\) .* "
+                                            r"does not divide the world size 6"):
+        resolve_degrees(tensor=4, sharding=-1, world_size=6)
+    with pytest.raises(TopologyError, match=r"data_parallel_degree \(3\) = 3 leave"):
+        resolve_degrees(sharding=-1, data=3, world_size=4)
+
+
+def test_sharding_degree_minus_one_without_a_stage_means_no_sharding():
+    assert load_config(DERIVED, ["sharding="]).sharding_parallel_degree == 1  # PaddleNLP: -1 needs a stage
+    with pytest.raises(ConfigError, match="stage3 .* is not implemented"):
+        load_config(DERIVED, ["sharding=stage3"])
+    with pytest.raises(ConfigError, match="sharding_parallel_degree: must be >= 1 or -1, got -2"):
+        load_config(None, [MODEL, "sharding_parallel_degree=-2"])
+
+
+def test_max_length_must_hold_prompt_and_response():
+    assert load_config(FIXTURE).max_length == 4608  # 512 + 4096 exactly
+    with pytest.raises(ConfigError) as err:
+        load_config(FIXTURE, ["max_dec_len=8192"])
+    assert "max_length: 4608 is shorter than max_prompt_len (512) + max_dec_len (8192) = 8704" in str(err.value)
+    with pytest.raises(ConfigError, match="max_length: must be > 0 or -1, got 0"):
+        load_config(None, [MODEL, "max_length=0"])
+    assert load_config(None, [MODEL, "max_length=-1", "max_dec_len=100000"]).max_length == -1
+
+
+@pytest.mark.parametrize("value,message", [
+    ("tensorbord", "report_to: 'tensorbord' not one of visualdl, tensorboard, wandb, all, none"),
+    ("none,wandb", "report_to: none and all stand alone"),
+])
+def test_report_to_names_are_checked(value, message):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [MODEL, f"report_to={value}"])
+    assert message in str(err.value)
+
+
+def test_report_to_accepts_lists():
+    cfg = load_config(None, [MODEL, "report_to=[tensorboard, VisualDL]"])
+    assert cfg.report_targets == ("tensorboard", "visualdl")

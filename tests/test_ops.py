@@ -282,11 +282,12 @@ def test_modes(monkeypatch, caplog):
 
 # ------------------------------------------------------------------------------------------------ in the model
 
-def test_model_gradients_with_kernels_and_recompute(rng):
+def test_model_gradients_with_kernels_and_recompute(rng, monkeypatch):
     """A decoder's log-prob gradients are the same with the fused kernels or the references, and with the
     layers recomputed in the backward (paddle.distributed.fleet.utils.recompute on CPU)."""
     from paddle_rl.models import CausalLM, ModelConfig
-    from paddle_rl.trainer.logprobs import token_logprobs
+    from paddle_rl.models.decoder import DecoderLayer
+    from paddle_rl.models.logprobs import token_logprobs
     paddle.seed(1)
     cfg = ModelConfig(model_type="qwen3", vocab_size=120, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2)
@@ -295,17 +296,36 @@ def test_model_gradients_with_kernels_and_recompute(rng):
     model.train()
     ids = paddle.to_tensor(rng.integers(0, 120, (3, 10)))
     mask = paddle.to_tensor(np.array([[1] * 10, [0] * 3 + [1] * 7, [0] + [1] * 9]))
-    grads = {}
-    for mode, recompute in (("on", False), ("off", False), ("on", True)):
-        ops.configure(mode)
-        model.recompute = recompute
-        logp, entropy = token_logprobs(model, ids, mask, 4, ids[:, 4:], 0.9, with_entropy=True)
-        (logp.sum() - 0.1 * entropy.sum()).backward()
-        grads[mode, recompute] = {n: p.grad.numpy().copy() for n, p in model.named_parameters()}
-        model.clear_gradients()
+    # every DecoderLayer.forward call, counted apart in the forward pass and in the backward
+    calls = {"forward": 0, "backward": 0}
+    phase = ["forward"]
+    layer_forward = DecoderLayer.forward
+
+    def counted(self, *args, **kwargs):
+        calls[phase[0]] += 1
+        return layer_forward(self, *args, **kwargs)
+
+    grads, counts = {}, {}
+    with monkeypatch.context() as m:
+        m.setattr(DecoderLayer, "forward", counted)
+        for mode, recompute in (("on", False), ("off", False), ("on", True), ("off", True)):
+            ops.configure(mode)
+            model.recompute = recompute
+            calls.update(forward=0, backward=0)
+            phase[0] = "forward"
+            logp, entropy = token_logprobs(model, ids, mask, 4, ids[:, 4:], 0.9, with_entropy=True)
+            phase[0] = "backward"
+            (logp.sum() - 0.1 * entropy.sum()).backward()
+            counts[mode, recompute] = dict(calls)
+            grads[mode, recompute] = {n: p.grad.numpy().copy() for n, p in model.named_parameters()}
+            model.clear_gradients()
     ops.configure("on")
     model.recompute = False
-    for key in (("off", False), ("on", True)):
+    layers = cfg.num_hidden_layers
+    # without recompute the backward reuses the saved activations; with it every layer runs again in the backward
+    for key, rerun in ((("on", False), 0), (("off", False), 0), (("on", True), layers), (("off", True), layers)):
+        assert counts[key] == {"forward": layers, "backward": rerun}, (key, counts[key])
+    for key in (("off", False), ("on", True), ("off", True)):
         for name, ref in grads["on", False].items():
             close(grads[key][name], ref, rel=1e-4, what=f"{key} {name}")
 

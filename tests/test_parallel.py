@@ -22,6 +22,11 @@ PLUGIN = '''
 def length_parity(completions, **kwargs):
     """A reward that varies between samples so that every group has a non-zero advantage."""
     return [float(len(c) % 5) - 2.0 for c in completions]
+
+
+def some_groups_flat(completions, prompts, **kwargs):
+    """Constant for prompts of even length (their groups have zero variance), else length_parity."""
+    return [1.0 if len(p) % 2 == 0 else float(len(c) % 5) - 2.0 for c, p in zip(completions, prompts)]
 '''
 
 
@@ -53,13 +58,13 @@ def train_and_probe(overrides, out_dir, prompts):
     trainer = RLTrainer(load_config(None, overrides))
     trainer.train()
     params = SamplingParams(max_dec_len=8, temperature=0.0, stop_token_ids=trainer.stop_ids)
-    out = trainer.parallel.generate(trainer.engine, trainer.actor, prompts, 1, params, None)
-    rank = trainer.parallel.topo.rank
+    out = trainer.layout.generate(trainer.engine, prompts, 1, params, None)
+    rank = trainer.layout.rank
     with open(os.path.join(out_dir, f"memory-rank{rank}.json"), "w") as f:
-        json.dump(trainer.parallel.optimizer_state_bytes(trainer.optimizer), f)
+        json.dump(trainer.layout.optimizer_state_bytes(trainer.optimizer), f)
     if rank == 0:
         np.save(os.path.join(out_dir, "greedy.npy"), out.response_ids * (out.response_mask > 0))
-    trainer.parallel.barrier()  # exit together (see RLTrainer.train)
+    trainer.layout.barrier()  # exit together (see RLTrainer.train)
     return trainer
 
 
@@ -202,19 +207,19 @@ def test_topology_coordinates_and_groups():
 
 
 def test_shard_and_unshard_fused_tensors():
-    from paddle_rl.parallel.tensor_parallel import TPSpec, shard_array, unshard_arrays
+    from paddle_rl.models.layers import ParamSpec
     full = np.arange(2 * 12, dtype=np.float32).reshape(2, 12)
-    spec = TPSpec(1, [4, 4, 4])  # q | k | v
-    shards = [shard_array(full, spec, r, 2) for r in range(2)]
+    spec = ParamSpec(("q", "k", "v"), True, 1, (4, 4, 4))  # q | k | v
+    shards = [spec.shard(full, r, 2) for r in range(2)]
     np.testing.assert_array_equal(shards[0], full[:, [0, 1, 4, 5, 8, 9]])
-    np.testing.assert_array_equal(unshard_arrays(shards, spec), full)
+    np.testing.assert_array_equal(spec.unshard(shards), full)
 
 
 def test_local_prompt_share_keeps_minibatches():
-    from paddle_rl.parallel.runtime import ParallelRuntime
+    from paddle_rl.layouts import BatchGroup
     from paddle_rl.parallel.topology import Topology
-    rt = ParallelRuntime(Topology({"data": 2, "sharding": 1, "pipe": 1, "tensor": 1}, rank=1))
-    assert rt.local_prompt_indices([10, 11, 12, 13, 14, 15, 16, 17], 4) == [12, 13, 16, 17]
+    group = BatchGroup(Topology({"data": 2, "sharding": 1, "pipe": 1, "tensor": 1}, rank=1))
+    assert group.local_prompt_indices([10, 11, 12, 13, 14, 15, 16, 17], 4) == [12, 13, 16, 17]
 
 
 def test_data_parallel_through_run_rl(setup, reference, tmp_path):
@@ -232,6 +237,38 @@ def test_data_parallel_through_run_rl(setup, reference, tmp_path):
 def test_data_parallel_reinforce_pp_global_whitening(setup, reference):
     out_dir, _ = run_layout(setup, "dp-rpp", algo="reinforce_plus_plus")
     check_parity(setup, reference, out_dir, algo="reinforce_plus_plus")
+
+
+def test_data_parallel_adaptive_kl_counts_the_global_batch(setup):
+    """adaptive_kl under DP=2: the controller moves by the sequences of the global batch, as one process does
+    (counting a rank's own share would move it batch_degree times slower)."""
+    adaptive = dict(adaptive_kl=True, kl_horizon=50)   # the micro model's reward KL is far below kl_target
+    single = str(setup["root"] / "single-rpp-adaptive-kl")
+    os.makedirs(single, exist_ok=True)
+    train_and_probe(run_overrides(setup["micro"], single, setup["plugin"], rl_algorithm="reinforce_plus_plus",
+                                  kl_coeff=0.02, kl_loss_coeff=0.0, **adaptive), single, setup["prompts"])
+    out_dir, _ = run_layout(setup, "dp-rpp-adaptive-kl", algo="reinforce_plus_plus", **adaptive)
+    ref_coeff = [r["kl_coeff"] for r in read_rows(single)]
+    par_coeff = [r["kl_coeff"] for r in read_rows(out_dir)]
+    # each step: error clip(kl / 0.1 - 1) = -0.2 over 16 sequences -> coeff *= 1 - 0.2 * 16 / 50
+    np.testing.assert_allclose(ref_coeff, [0.02 * 0.936 ** k for k in (1, 2, 3)], rtol=1e-9)
+    np.testing.assert_allclose(par_coeff, ref_coeff, rtol=1e-9)
+    check_parity(setup, {"reinforce_plus_plus": single}, out_dir, algo="reinforce_plus_plus")
+
+
+def test_data_parallel_dynamic_sampling_agrees_with_one_process(setup):
+    """DAPO dynamic sampling under DP2: the ranks see every rank's groups, agree on the generation rounds and keep
+    the groups one process keeps (each then trains on its share)."""
+    extra = dict(reward_funcs="some_groups_flat", dynamic_sampling=True, max_gen_batches=3,
+                 dynamic_sampling_fallback="keep")
+    single = str(setup["root"] / "single-dynamic")
+    os.makedirs(single, exist_ok=True)
+    train_and_probe(run_overrides(setup["micro"], single, setup["plugin"], **extra), single, setup["prompts"])
+    rows = read_rows(single)
+    assert max(r["gen_rounds"] for r in rows) > 1, "the reward must leave some groups flat"
+    out_dir, _ = run_layout(setup, "dp-dynamic", **extra)
+    assert [r["gen_rounds"] for r in read_rows(out_dir)] == [r["gen_rounds"] for r in rows]
+    check_parity(setup, {"grpo": single}, out_dir)
 
 
 def test_tensor_parallel(setup, reference):
@@ -321,6 +358,46 @@ def test_tied_embeddings(tied, name, degrees):
     tied_setup, reference = tied
     out_dir, _ = run_layout(tied_setup, name, **degrees)
     check_parity(tied_setup, reference, out_dir)
+
+
+@pytest.fixture(scope="module")
+def odd_vocab(setup):
+    """The micro model with one more (never used) vocabulary entry, so the vocabulary (odd) does not divide
+    tensor_parallel_degree 2, and its single-process run."""
+    from paddle_rl.models import CausalLM, ModelConfig, load_model
+    from paddle_rl.models.pretrained import copy_tokenizer_files, save_model, write_generation_config
+    folder = str(setup["root"] / "odd-vocab-model")
+    config = ModelConfig.from_pretrained(setup["micro"]["model"])
+    if config.vocab_size % 2 == 0:
+        config.vocab_size += 1
+    base = load_model(setup["micro"]["model"])
+    model = CausalLM(config)
+    rng = np.random.default_rng(0)
+    for (name, param), (_, old) in zip(model.named_parameters(), base.named_parameters()):
+        value = old.numpy()
+        if list(value.shape) != list(param.shape):  # the extra embedding row / head column
+            axis = [a for a in range(value.ndim) if value.shape[a] != param.shape[a]][0]
+            extra = rng.normal(0, 0.02, size=[1 if a == axis else value.shape[a] for a in range(value.ndim)])
+            value = np.concatenate([value, extra.astype(value.dtype)], axis=axis)
+        param.set_value(value)
+    save_model(model, folder)
+    copy_tokenizer_files(setup["micro"]["model"], folder)
+    write_generation_config(folder, setup["micro"]["tokenizer"].eos_token_ids, setup["micro"]["tokenizer"].pad_token_id)
+    odd_setup = dict(setup, micro=dict(setup["micro"], model=folder))
+    out_dir = str(setup["root"] / "single-odd-vocab")
+    os.makedirs(out_dir, exist_ok=True)
+    train_and_probe(run_overrides(odd_setup["micro"], out_dir, setup["plugin"]), out_dir, setup["prompts"])
+    return odd_setup, {"grpo": out_dir}, config.vocab_size
+
+
+def test_tensor_parallel_pads_an_indivisible_vocabulary(odd_vocab):
+    """Vocabulary 2k+1 under tensor_parallel_degree 2: each rank holds k+1 rows (Megatron's padding); the padded
+    id is never sampled and never enters log-probs or entropy, so the run equals one process."""
+    odd_setup, reference, vocab = odd_vocab
+    assert vocab % 2 == 1
+    out_dir, _ = run_layout(odd_setup, "odd-vocab-tp", tensor_parallel_degree=2)
+    check_parity(odd_setup, reference, out_dir)
+    assert weights(out_dir)["model.embed_tokens.weight"].shape[0] == vocab
 
 
 # --------------------------------------------------------------------------------------------- worker

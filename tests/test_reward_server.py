@@ -1,6 +1,7 @@
 """The reward server as a real process on 127.0.0.1, and the trainer-side client against it."""
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -8,6 +9,8 @@ import sys
 import textwrap
 import time
 from concurrent.futures import ThreadPoolExecutor
+from html.parser import HTMLParser
+from urllib.parse import urljoin
 
 import httpx
 import numpy as np
@@ -31,6 +34,12 @@ PLUGIN = textwrap.dedent('''
             if "SLEEP" in c:
                 time.sleep(60)
         return [1.0] * len(completions)
+
+    def sleepy(completions, **kwargs):
+        for c in completions:
+            if "SLEEP" in c:
+                time.sleep(60)
+        return [0.0] * len(completions)
 
     def boom(completions, **kwargs):
         if any("BOOM" in c for c in completions):
@@ -90,7 +99,7 @@ def servers(tmp_path_factory):
                   "--route", "fmt=format", "--route", "cos=cosine", "--route", "rep=repetition",
                   "--route", "long=soft_overlong",
                   "--set", "max_dec_len=100", "--set", "overlong_reward_buffer=20", "--set", "cosine_max_len=100")
-    keyed = Server("--reward", "kk", "--plugin", str(plugin), "--route", "slow=nap", "--workers", "1",
+    keyed = Server("--reward", "kk,sleepy", "--plugin", str(plugin), "--route", "slow=nap", "--workers", "1",
                    "--sample-timeout", "1", "--timeout-score", "-7", env={"PADDLE_RL_REWARD_API_KEY": "s3cret"})
     try:
         yield {"main": main.wait(), "keyed": keyed.wait()}
@@ -168,6 +177,57 @@ def test_v1_rules_against_hand_numbers(servers):
     assert body["per_function"]["kk"][0] == 3.0 and body["per_function"]["kk"][1] is None
     assert body["per_function"]["gsm8k"][1:3] == [1.0, 0.0]
     assert body["correct"][:5] == [True, True, False, True, False]
+
+
+# ---------------------------------------------------------------------------------------------------- docs
+
+class _AssetLinks(HTMLParser):
+    """Every URL a docs page makes the browser load: script src, link href, img src, redoc spec-url, and the
+    schema URL of Swagger UI's inline script."""
+
+    def __init__(self):
+        super().__init__()
+        self.urls, self.scripts = [], []
+        self._in_script = False
+
+    def handle_starttag(self, tag, attrs):
+        attrs = dict(attrs)
+        for name in ("src", "href", "spec-url"):
+            if attrs.get(name):
+                self.urls.append(attrs[name])
+        self._in_script = tag == "script"
+
+    def handle_endtag(self, tag):
+        self._in_script = False
+
+    def handle_data(self, data):
+        if self._in_script and data.strip():
+            self.scripts.append(data)
+            self.urls += re.findall(r"\burl:\s*['\"]([^'\"]+)['\"]", data)
+
+
+@pytest.mark.parametrize("page", ["/docs", "/redoc"])
+def test_docs_are_served_without_internet(servers, page):
+    """The docs pages load nothing from another host: every script, style, icon and the schema come from the
+    server itself (FastAPI's defaults point at a CDN, which leaves the page blank offline)."""
+    url = servers["main"].url
+    r = httpx.get(url + page, timeout=10.0)
+    assert r.status_code == 200 and "text/html" in r.headers["content-type"]
+    links = _AssetLinks()
+    links.feed(r.text)
+    assert any(u.endswith("/openapi.json") for u in links.urls), links.urls
+    assert any(u.endswith(".js") for u in links.urls), links.urls
+    here = ("//" + url.split("//", 1)[1], url)
+    off_host = [u for u in re.findall(r"(?:https?:)?//[^\s'\"<>)]+", r.text) if not u.startswith(here)]
+    assert off_host == [], f"{page} refers to other hosts: {off_host}"
+    for link in links.urls:
+        absolute = urljoin(url + page, link)
+        assert absolute.startswith(url + "/"), f"{page}: {link} is not on this server"
+        asset = httpx.get(absolute, timeout=10.0)
+        assert asset.status_code == 200 and len(asset.content) > 0, (link, asset.status_code)
+    if page == "/docs":
+        assert any(u.endswith(".css") for u in links.urls), links.urls
+        assert '"validatorUrl": null' in r.text          # no schema URL sent to the online validator
 
 
 # ---------------------------------------------------------------------------------------------------- load
@@ -255,6 +315,31 @@ def test_api_key_and_timeout_score(servers):
             [RewardSample("q", KK_RIGHT, {"tgt": KK_TRUTH})])
 
 
+@pytest.mark.parametrize("protocol", ["paddlenlp", "v1"])
+def test_client_warns_about_timed_out_samples(servers, protocol, caplog):
+    """Samples the server gave its --timeout-score are named in a warning (by their index in the whole batch),
+    under the PaddleNLP protocol as under v1."""
+    client = RewardServerClient(servers["keyed"].url, api_key="s3cret", retries=0, batch_size=2, protocol=protocol)
+    samples = [RewardSample("q", KK_RIGHT, {"tgt": KK_TRUTH}), RewardSample("q", KK_WRONG, {"tgt": KK_TRUTH}),
+               RewardSample("q", "SLEEP", {"tgt": KK_TRUTH})]
+    with caplog.at_level("WARNING", logger="paddle_rl"):
+        result = client(samples)
+    assert result.scores.tolist() == [3.0, -0.5, -7.0] and result.skipped is None
+    warnings = [r.getMessage() for r in caplog.records if "timed out" in r.getMessage()]
+    assert len(warnings) == 1 and "samples [2] timed out" in warnings[0] and servers["keyed"].url in warnings[0]
+
+
+def test_client_refuses_soft_overlong_twice(servers):
+    """enable_overlong_reward_buffer on the trainer side and a server applying soft_overlong: a configuration
+    error naming both, even under reward_server_on_failure: skip."""
+    sample = RewardSample("q", "x", {"data_source": "long"}, response_length=90)
+    base = dict(use_rm_server=True, reward_server=servers["main"].url, reward_server_retries=0,
+                reward_server_on_failure="skip", overlong_reward_buffer=20)
+    assert build_reward(RLConfig(**base))([sample]).scores.tolist() == [-0.5]
+    with pytest.raises(RewardServerError, match=r"'soft_overlong'.*enable_overlong_reward_buffer: true.*twice"):
+        build_reward(RLConfig(**base, enable_overlong_reward_buffer=True))([sample])
+
+
 # ---------------------------------------------------------------------------------------------------- client
 
 def _kk_samples(n):
@@ -308,15 +393,20 @@ def test_killed_server_retries_then_fails_loudly():
 
 
 def test_broadcast_packing_round_trip():
+    import pickle
     from paddle_rl.rewards.client import pack_result, unpack_result
     from paddle_rl.rewards.base import RewardResult
-    result = RewardResult(np.array([3.0, -0.5], dtype=np.float32), {"kk": np.array([3.0, -0.5])},
+    result = RewardResult(np.array([3.0, -0.5], dtype=np.float32),
+                          {"kk": np.array([3.0, -0.5]), "math": np.array([np.nan, 1.0])},
                           np.array([True, False]), np.array([False, True]))
-    back = unpack_result(pack_result(result, 2, failed=False))
+    back, failure = unpack_result(pickle.loads(pickle.dumps(pack_result(result))))
+    assert failure is None
     np.testing.assert_array_equal(back.scores, result.scores)
+    assert list(back.per_function) == ["kk", "math"]
+    np.testing.assert_array_equal(back.per_function["math"], [np.nan, 1.0])
     np.testing.assert_array_equal(back.correct, result.correct)
     np.testing.assert_array_equal(back.skipped, result.skipped)
-    assert unpack_result(pack_result(None, 2, failed=True)) is None
+    assert unpack_result(pack_result(None, "RewardServerError: down")) == (None, "RewardServerError: down")
     assert json.dumps(back.metrics())
 
 
@@ -333,12 +423,28 @@ BROADCAST_SCRIPT = textwrap.dedent('''
         client.url = "http://127.0.0.1:1"      # only the group's first rank may call the server
     result = client([RewardSample("q", "x</think><answer>(1) Zoey is a knight\\n(2) Oliver is a knave</answer>",
                                   {"tgt": truth}), RewardSample("q", "bad", {"tgt": truth})])
-    print("RESULT", dist.get_rank(), result.scores.tolist(), result.correct.tolist(), flush=True)
+    print("RESULT", dist.get_rank(), result.scores.tolist(), result.correct.tolist(),
+          {k: v.tolist() for k, v in result.per_function.items()}, flush=True)
     client.url = "http://127.0.0.1:1"
     try:
         client([RewardSample("q", "bad", {"tgt": truth})])
     except Exception as e:
-        print("FAILED", dist.get_rank(), type(e).__name__, flush=True)
+        print("FAILED", dist.get_rank(), type(e).__name__, "connect" in str(e).lower(), flush=True)
+
+    # the broadcast alone: the first rank's result, NaNs, skip marks and function names included
+    import numpy as np
+    from paddle_rl.rewards import RewardResult
+    from paddle_rl.rewards.client import broadcast_result
+    mine = RewardResult(np.array([np.nan, 1.5], dtype=np.float32),
+                        {"gsm8k": np.array([np.nan, 1.0], dtype=np.float32),
+                         "format": np.array([np.nan, 0.5], dtype=np.float32)},
+                        np.array([False, True]), np.array([True, False]))
+    if dist.get_rank() != 0:
+        mine = RewardResult(np.zeros(2, dtype=np.float32), {"other": np.zeros(2, dtype=np.float32)})
+    shared, failure = broadcast_result(mine, None, group)
+    print("SHARED", dist.get_rank(), failure, np.nan_to_num(shared.scores, nan=-99).tolist(),
+          {k: np.nan_to_num(v, nan=-99).tolist() for k, v in shared.per_function.items()},
+          shared.correct.tolist(), shared.skipped.tolist(), flush=True)
 ''')
 
 
@@ -356,13 +462,15 @@ def test_tensor_parallel_group_broadcasts_rank0_scores(servers, tmp_path):
     text = "".join(p.read_text() for p in logs.iterdir() if p.is_file())
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:] + text[-2000:]
     for rank in (0, 1):
-        assert f"RESULT {rank} [3.0, -3.0] [True, False]" in text
-        assert f"FAILED {rank} RewardServerError" in text
+        assert f"RESULT {rank} [3.0, -3.0] [True, False] {{'kk': [3.0, -3.0]}}" in text
+        assert f"FAILED {rank} RewardServerError True" in text      # rank 1's error carries rank 0's reason
+        assert (f"SHARED {rank} None [-99.0, 1.5] {{'gsm8k': [-99.0, 1.0], 'format': [-99.0, 0.5]}} "
+                f"[False, True] [True, False]") in text
 
 
 def test_cli_settings(tmp_path):
     import argparse
-    from paddle_rl.rewards.server_cli import add_reward_server_subparser, settings_from_args
+    from reward_server.cli import add_reward_server_subparser, settings_from_args
     parser = argparse.ArgumentParser(prog="paddle-rl")
     add_reward_server_subparser(parser.add_subparsers(dest="command"))
     fixture = os.path.join(ROOT, "tests", "fixtures", "paddlenlp_grpo_argument.yaml")
@@ -375,5 +483,8 @@ def test_cli_settings(tmp_path):
     assert values["reward_routes"] == {"kk": ["kk"]} and values["cosine_max_len"] == 512
     assert values["use_rm_server"] is False and settings.timeout_score == -1.0
     from paddle_rl.config import ConfigError
-    with pytest.raises(ConfigError, match="reward_funcs: unknown"):
-        settings_from_args(parser.parse_args(["reward-server", "--reward", "nope"]))
+    with pytest.raises(ConfigError, match="reward_funcs: unknown reward function 'kkk' \\(did you mean 'kk'\\?\\)"):
+        settings_from_args(parser.parse_args(["reward-server", "--reward", "kkk"]))
+    with pytest.raises(ConfigError, match="soft_overlong.*enable_overlong_reward_buffer"):
+        settings_from_args(parser.parse_args(["reward-server", "--reward", "kk,soft_overlong",
+                                              "--set", "enable_overlong_reward_buffer=true"]))

@@ -1,16 +1,18 @@
 """Rule rewards, plugins, routing and results, in process, against hand-computed numbers."""
 import math
+import os
 import textwrap
 
 import numpy as np
 import pytest
 
+from paddle_rl.algorithms.dapo import soft_overlong_penalty
 from paddle_rl.config import ConfigError, RLConfig, load_config
-from paddle_rl.rewards import (RewardError, RewardResult, RewardSample, RuleReward, build_reward, concat_results,
-                               load_plugins)
+from paddle_rl.rewards import (RewardError, RewardResult, RewardSample, RuleReward, build_reward,
+                               check_reward_config, concat_results, load_plugins)
 from paddle_rl.rewards.kk import kk_score
 from paddle_rl.rewards.rules import (cosine_value, gsm8k_score, math_answer, math_score, repetition_penalty,
-                                     soft_overlong_penalty, strip_special_tail)
+                                     strip_special_tail)
 
 KK_TRUTH = "(1) Zoey is a knight\n(2) Oliver is a knave"
 
@@ -166,6 +168,42 @@ def test_soft_overlong_hand_numbers():
     np.testing.assert_allclose(result.scores, [0.0, -0.5, -2.0])
 
 
+def test_soft_overlong_rule_uses_the_one_implementation(monkeypatch):
+    """The reward function and the objective (enable_overlong_reward_buffer) share algorithms.dapo's math."""
+    import paddle_rl.algorithms.dapo as dapo
+    calls = []
+
+    def spy(lengths, max_len, buffer, factor=1.0):
+        calls.append((list(np.asarray(lengths)), max_len, buffer, factor))
+        return np.full(len(lengths), -0.125)
+
+    monkeypatch.setattr(dapo, "soft_overlong_penalty", spy)
+    result = score(["soft_overlong"], [sample("x", 90), sample("y", 7)], max_dec_len=100, overlong_reward_buffer=20,
+                   overlong_penalty_factor=2.0)
+    np.testing.assert_allclose(result.scores, [-0.125, -0.125])
+    assert calls == [([90, 7], 100, 20, 2.0)]
+
+
+def test_soft_overlong_switched_on_twice_is_an_error(tmp_path):
+    both = dict(reward_funcs=["kk", "soft_overlong"], enable_overlong_reward_buffer=True, overlong_reward_buffer=20)
+    with pytest.raises(ConfigError) as e:
+        check_reward_config(RLConfig(**both))
+    message = str(e.value)
+    assert "reward_funcs" in message and "'soft_overlong'" in message and "enable_overlong_reward_buffer" in message
+    assert "count twice" in message
+    with pytest.raises(ConfigError, match="enable_overlong_reward_buffer"):
+        build_reward(RLConfig(**both))
+    with pytest.raises(ConfigError, match=r"reward_routes\['long'\] names 'soft_overlong'.*enable_overlong"):
+        check_reward_config(RLConfig(reward_funcs=["kk"], reward_routes={"long": ["soft_overlong"]},
+                                     enable_overlong_reward_buffer=True))
+    # either switch alone is fine; so is a plugin of that name (not the built-in penalty)
+    check_reward_config(RLConfig(reward_funcs=["kk", "soft_overlong"]))
+    check_reward_config(RLConfig(reward_funcs=["kk"], enable_overlong_reward_buffer=True))
+    own = tmp_path / "own_overlong.py"
+    own.write_text("def soft_overlong(completions, **kwargs):\n    return [0.0] * len(completions)\n")
+    check_reward_config(RLConfig(**both, reward_plugins=[str(own)]))
+
+
 # ---------------------------------------------------------------------------------------------------- weights / metrics
 
 def test_weights_and_per_function_metrics():
@@ -194,8 +232,6 @@ def test_skipped_results_and_concat():
 
 
 def test_config_keys_and_validation():
-    with pytest.raises(ConfigError, match=r"reward_funcs: unknown \['acc'\]"):
-        load_config(overrides={"actor_model_name_or_path": "m", "reward_funcs": ["acc"]})
     with pytest.raises(ConfigError, match="reward_server_on_failure"):
         load_config(overrides={"actor_model_name_or_path": "m", "reward_server_on_failure": "ignore"})
     with pytest.raises(ConfigError, match="reward_plugins: file not found"):
@@ -206,6 +242,59 @@ def test_config_keys_and_validation():
     assert config.reward_server_retries == 3 and config.reward_server_on_failure == "error"
     with pytest.raises(ValueError, match="unknown"):
         RuleReward(["nonsense"])
+
+
+def test_reward_names_are_checked_by_the_rewards_package(plugin_file):
+    """The config package does not know the rule registry: load_config accepts any name, and
+    check_reward_config / build_reward name the key, the bad name and the closest known one."""
+    config = load_config(overrides={"actor_model_name_or_path": "m", "reward_funcs": ["kk", "acuracy"],
+                                    "reward_routes": {"openai/gsm8k": ["gsm8kk"], "x": {"zzzz": 1.0}}})
+    with pytest.raises(ConfigError) as e:
+        check_reward_config(config)
+    message = str(e.value)
+    assert "reward_funcs: unknown reward function 'acuracy' (did you mean 'accuracy'?)" in message
+    assert "reward_routes['openai/gsm8k']: unknown reward function 'gsm8kk' (did you mean 'gsm8k'?)" in message
+    assert "reward_routes['x']: unknown reward function 'zzzz'\n" in message      # nothing close: no suggestion
+    assert "available: accuracy, cosine," in message
+    with pytest.raises(ConfigError, match="did you mean 'accuracy'"):
+        build_reward(config)
+    # plugin functions count as known, and a near miss of one is suggested
+    check_reward_config(RLConfig(reward_funcs=["contains", "kk"], reward_plugins=[plugin_file]))
+    with pytest.raises(ConfigError, match="unknown reward function 'contain' \\(did you mean 'contains'\\?\\)"):
+        check_reward_config(RLConfig(reward_funcs=["contain"], reward_plugins=[plugin_file]))
+    # with a reward server, the server checks its own functions
+    check_reward_config(RLConfig(reward_funcs=["nonsense"], use_rm_server=True))
+
+
+def test_check_reward_config_loads_a_plugin_file_once(tmp_path):
+    counter = tmp_path / "loads.txt"
+    plugin = tmp_path / "counted.py"
+    plugin.write_text(f"with open({str(counter)!r}, 'a') as f:\n    f.write('x')\n\n"
+                      "def counted(completions, **kwargs):\n    return [1.0] * len(completions)\n")
+    config = RLConfig(reward_funcs=["counted"], reward_plugins=[str(plugin)])
+    check_reward_config(config)
+    assert build_reward(config)([sample("a")]).scores.tolist() == [1.0]
+    assert counter.read_text() == "x"
+    plugin.write_text(plugin.read_text() + "\n# edited\n")     # an edited file is loaded again
+    build_reward(config)
+    assert counter.read_text() == "xx"
+
+
+def test_trainer_checks_reward_names_before_loading_models(monkeypatch):
+    from paddle_rl import models
+    from paddle_rl.trainer import RLTrainer
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+    def loaded(*args, **kwargs):
+        raise AssertionError("the tokenizer was loaded before the reward configuration was checked")
+
+    monkeypatch.setattr(models.Tokenizer, "from_pretrained", loaded)     # the first thing the trainer loads
+    config = RLConfig(actor_model_name_or_path=os.path.join(root, "data", "tiny_arith", "model"),
+                      train_datasets=os.path.join(root, "data", "tiny_arith", "arith", "train.jsonl"),
+                      reward_funcs=["gsm8k_flexibel"])
+    with pytest.raises(ConfigError, match="reward_funcs: unknown reward function 'gsm8k_flexibel' "
+                                          "\\(did you mean 'gsm8k_flexible'\\?\\)"):
+        RLTrainer(config)
 
 
 # ---------------------------------------------------------------------------------------------------- plugins

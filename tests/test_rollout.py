@@ -7,9 +7,25 @@ import pytest
 from paddle_rl import ops
 from paddle_rl.models import CausalLM, LayerCache, ModelConfig
 from paddle_rl.rollout import RolloutEngine, SamplingParams, sample_key
-from paddle_rl.rollout.runner import DecodeRunner
-from paddle_rl.trainer.batch import RolloutBatch
-from paddle_rl.trainer.logprobs import batched_logprobs, reuses_rollout_logprobs
+from paddle_rl.batch import StepBatch, object_column
+from paddle_rl.layouts import build_layout
+from paddle_rl.trainer.logprobs import reuses_rollout_logprobs
+
+
+def batched_logprobs(model, batch, temperature, micro_batch_size, with_entropy=False, share_prompts=True):
+    """The one-process layout's no-grad log-prob pass."""
+    return build_layout(share_prompts=share_prompts).logprobs(model, batch, temperature, micro_batch_size,
+                                                              with_entropy)
+
+
+def step_batch(prompt_ids, prompt_mask, response_ids, response_mask, groups):
+    """A StepBatch in the [left-padded prompt | right-padded response] layout the log-prob passes read."""
+    prompts = [row[m > 0].tolist() for row, m in zip(prompt_ids, prompt_mask)]
+    batch = StepBatch({"prompt_ids": object_column(prompts), "response_ids": response_ids,
+                       "response_mask": response_mask, "group": groups})
+    batch["prompt_tokens"], batch["prompt_mask"] = prompt_ids, prompt_mask
+    batch.meta["prompt_width"] = prompt_ids.shape[1]
+    return batch
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13], [14, 15, 16, 17]]
 KINDS = {"qwen2": dict(model_type="qwen2"), "qwen3_tied": dict(model_type="qwen3", tie_word_embeddings=True),
@@ -43,7 +59,6 @@ def full_logprobs(model, seq, temperature):
 @pytest.mark.parametrize("kind", sorted(KINDS))
 def test_decode_matches_full_forward(kind, op_mode):
     model = make_model(kind)
-    assert DecodeRunner.supports(model)
     params = SamplingParams(max_dec_len=10, temperature=0.9, top_p=0.95, repetition_penalty=1.1)
     keys = [sample_key(3, 1, i // 2, i % 2) for i in range(6)]
     out = RolloutEngine(model, 0, [1]).generate(PROMPTS, 2, params, keys)
@@ -53,7 +68,7 @@ def test_decode_matches_full_forward(kind, op_mode):
         logp = full_logprobs(model, seq, 0.9)
         p = len(out.prompt_ids[r])
         expected = [logp[p - 1 + t, seq[p + t]] for t in range(n)]
-        np.testing.assert_allclose(out.logprobs[r, :n], expected, atol=1e-4)
+        np.testing.assert_allclose(out.rollout_logp[r, :n], expected, atol=1e-4)
     greedy = RolloutEngine(model, 0, []).generate(PROMPTS[:1], 1, SamplingParams(max_dec_len=6, temperature=0))
     seq = list(PROMPTS[0])
     for _ in range(6):
@@ -79,7 +94,7 @@ def test_fused_and_reference_rollouts_agree():
         np.testing.assert_array_equal(a.response_ids, b.response_ids)
         np.testing.assert_array_equal(a.lengths, b.lengths)
         np.testing.assert_array_equal(a.truncated, b.truncated)
-        np.testing.assert_allclose(a.logprobs, b.logprobs, rtol=1e-5, atol=2e-5)
+        np.testing.assert_allclose(a.rollout_logp, b.rollout_logp, rtol=1e-5, atol=2e-5)
     filters = outs["on", "filters"]
     assert (filters.lengths >= 4).all()
     assert not np.isin(filters.response_ids[:, :3], [1, 2, 3]).any()
@@ -92,7 +107,7 @@ def test_single_row_and_single_token_prompt(op_mode):
     assert out.response_ids.shape[0] == 1 and 1 <= out.lengths[0] <= 5
     seq = [9] + out.response_ids[0, :out.lengths[0]].tolist()
     logp = full_logprobs(model, seq, 0.7)
-    np.testing.assert_allclose(out.logprobs[0, :out.lengths[0]],
+    np.testing.assert_allclose(out.rollout_logp[0, :out.lengths[0]],
                                [logp[t, seq[t + 1]] for t in range(out.lengths[0])], atol=1e-4)
 
 
@@ -124,9 +139,10 @@ def test_rollout_logprobs_equal_old_logprob_pass():
     prompts = [list(np.random.default_rng(i).integers(2, 1024, size=8 + 3 * i)) for i in range(4)]
     keys = [sample_key(5, 1, i // 4, i % 4) for i in range(16)]
     out = RolloutEngine(model, 0, [1]).generate(prompts, 4, SamplingParams(max_dec_len=24, temperature=0.8), keys)
-    batch = RolloutBatch.from_rollout(out, np.repeat(np.arange(4), 4), 0)
+    out["group"] = np.repeat(np.arange(4), 4)
+    batch = out.with_prompt_layout(0)
     recomputed = batched_logprobs(model, batch, 0.8, micro_batch_size=16)
-    assert np.abs(recomputed - out.logprobs).max() <= 1e-4
+    assert np.abs(recomputed - out.rollout_logp).max() <= 1e-4
 
 
 def test_reuse_decision():
@@ -159,8 +175,8 @@ def grouped_batch(vocab, groups=3, n=4, response_len=10, seed=0):
     for i in range(groups * n):
         cut = rng.integers(1, response_len + 1)
         response_ids[i, cut:], response_mask[i, cut:] = 0, 0.0
-    return RolloutBatch(np.repeat(prompt_ids, n, 0), np.repeat(prompt_mask, n, 0), response_ids, response_mask,
-                        np.repeat(np.arange(groups), n))
+    return step_batch(np.repeat(prompt_ids, n, 0), np.repeat(prompt_mask, n, 0), response_ids, response_mask,
+                      np.repeat(np.arange(groups), n))
 
 
 @pytest.mark.parametrize("kind", sorted(KINDS))
@@ -168,7 +184,7 @@ def grouped_batch(vocab, groups=3, n=4, response_len=10, seed=0):
 def test_shared_prompt_pass_equals_full_pass(kind, micro, op_mode):
     """Running each distinct prompt once gives the full pass's log-probs, entropies and gradients, including
     micro-batches that cut groups apart (micro 5 of groups of 4) and responses of one token."""
-    from paddle_rl.trainer.logprobs import token_logprobs
+    from paddle_rl.models.logprobs import token_logprobs
     model = make_model(kind)
     batch = grouped_batch(211)
     shared = batched_logprobs(model, batch, 0.7, micro, with_entropy=True, share_prompts=True)
@@ -196,8 +212,8 @@ def test_shared_prompt_pass_equals_full_pass(kind, micro, op_mode):
         scale = np.abs(g_full[name]).max() + 1e-6
         np.testing.assert_allclose(g_shared[name] / scale, g_full[name] / scale, atol=1e-5, err_msg=name)
 
-    one = RolloutBatch(batch.prompt_ids, batch.prompt_mask, batch.response_ids[:, :1], batch.response_mask[:, :1],
-                       batch.group_ids)
+    one = step_batch(batch["prompt_tokens"], batch["prompt_mask"], batch["response_ids"][:, :1],
+                     batch["response_mask"][:, :1], batch["group"])
     np.testing.assert_allclose(batched_logprobs(model, one, 0.7, 12, share_prompts=True),
                                batched_logprobs(model, one, 0.7, 12, share_prompts=False), atol=2e-5)
 
@@ -205,7 +221,7 @@ def test_shared_prompt_pass_equals_full_pass(kind, micro, op_mode):
 def test_recompute_in_training_takes_the_full_pass(monkeypatch):
     """Layer recompute cannot share a prompt's keys/values across passes, so training with recompute on runs
     the full pass (and still recomputes), while evaluation keeps the shared prompt prefix."""
-    from paddle_rl.trainer.logprobs import token_logprobs
+    from paddle_rl.models.logprobs import token_logprobs
     model = make_model("qwen2")
     batch = grouped_batch(211)
     part = batch.tensors()

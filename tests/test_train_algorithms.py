@@ -45,13 +45,62 @@ def test_variant_trains_with_finite_metrics(micro, tmp_path, case):
 
 
 def test_dynamic_sampling_keeps_only_informative_groups(micro, tmp_path):
+    import zlib
+
+    import numpy as np
+
+    from paddle_rl.rewards import register_rule
     from paddle_rl.trainer import RLTrainer
+    n, groups = 4, 4  # rollout_n, global_batch_size
+
+    @register_rule("some_informative_for_test")
+    def some_informative(samples, *args, **kwargs):
+        # rows come group by group (the n samples of a prompt in a row): a prompt whose checksum is not a
+        # multiple of 3 scores 1, 0, 0, 0 (an informative group), any other 0, 0, 0, 0 (zero variance, dropped)
+        return np.array([float(zlib.crc32(s.prompt.encode()) % 3 != 0 and i % n == 0)
+                         for i, s in enumerate(samples)], dtype=np.float32), None
+
     overrides = micro_overrides(micro, str(tmp_path), max_steps=2, do_eval=False, dynamic_sampling=True,
-                                max_gen_batches=3, dynamic_sampling_fallback="keep", global_mini_batch_size=4)
-    RLTrainer(load_config(None, overrides)).train()
-    for row in read_metrics(str(tmp_path / "metrics.jsonl")):
-        assert 1 <= row["gen_rounds"] <= 3
-        assert "zero_variance_group_share" in row
+                                max_gen_batches=3, dynamic_sampling_fallback="keep", global_mini_batch_size=4,
+                                rollout_n=n, global_batch_size=groups, reward_funcs="[some_informative_for_test]")
+    trainer = RLTrainer(load_config(None, overrides))
+    generated, updated = [], []
+    generate_batch, prepare_and_update = trainer._generate_batch, trainer._prepare_and_update
+
+    def recording_generate(step, timer):
+        generated.append(generate_batch(step, timer))
+        return generated[-1]
+
+    def recording_update(batch, timer):
+        updated.append((np.array(batch["scores"]), [it["uid"] for it in batch["item"]]))
+        return prepare_and_update(batch, timer)
+
+    trainer._generate_batch, trainer._prepare_and_update = recording_generate, recording_update
+    trainer.train()
+    rows = read_metrics(str(tmp_path / "metrics.jsonl"))
+    assert [r["step"] for r in rows] == [1, 2] and len(generated) == len(updated) == 2
+    dropped = 0
+    for row, (pool, train, _), (update_scores, update_uids) in zip(rows, generated, updated):
+        pool_scores = pool["scores"].reshape(-1, n)
+        informative = pool_scores.var(axis=1) > 1e-6
+        rounds = int(row["gen_rounds"])
+        assert 1 <= rounds <= 3 and pool.size == rounds * groups * n
+        # generation stopped at the first round with enough informative groups (no fallback filling)
+        assert informative.sum() >= groups and informative[:(rounds - 1) * groups].sum() < groups
+        # the training batch is exactly the first `groups` informative groups of the pool, in order ...
+        chosen = np.flatnonzero(informative)[:groups]
+        rows_chosen = (chosen[:, None] * n + np.arange(n)).reshape(-1)
+        np.testing.assert_array_equal(train["scores"], pool["scores"][rows_chosen])
+        assert [it["uid"] for it in train["item"]] == [pool["item"][i]["uid"] for i in rows_chosen]
+        assert (train["scores"].reshape(-1, n).var(axis=1) > 1e-6).all()
+        # ... and it is what the update trained on
+        np.testing.assert_array_equal(update_scores, train["scores"])
+        assert update_uids == [it["uid"] for it in train["item"]]
+        # the logged shares describe the pool the groups were picked from
+        assert row["zero_variance_group_share"] == pytest.approx(1.0 - informative.mean())
+        assert row["kept_share"] == pytest.approx(informative.mean())
+        dropped += int((~informative).sum())
+    assert dropped > 0 and max(r["gen_rounds"] for r in rows) > 1  # groups were dropped and more rounds generated
 
 
 def test_dynamic_sampling_error_is_clear(micro, tmp_path):

@@ -69,6 +69,16 @@ def test_grpo_run_writes_every_metric_checkpoint_and_dashboard(micro, tmp_path):
     assert values[-1].value == pytest.approx(rows[3]["reward/mean"], rel=1e-6)
 
 
+def test_save_strategy_epoch_saves_at_each_epoch_end(micro, tmp_path):
+    """64 training prompts in batches of 32: epochs end after steps 2 and 4; the run's end (step 3) saves too."""
+    out = tmp_path / "epochs"
+    train_in_process(micro_overrides(micro, str(out), save_strategy="epoch", save_steps=1, global_batch_size=32,
+                                     global_mini_batch_size=32, rollout_n=2, max_steps=3, do_eval=False,
+                                     max_dec_len=4))
+    saved = sorted(p.name for p in out.iterdir() if p.name.startswith("checkpoint-"))
+    assert saved == ["checkpoint-2", "checkpoint-3"]
+
+
 def test_no_reference_model_without_kl(micro, tmp_path):
     from paddle_rl.trainer import RLTrainer
     trainer = RLTrainer(load_config(None, micro_overrides(micro, str(tmp_path), max_steps=1, do_eval=False)))

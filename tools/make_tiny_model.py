@@ -40,7 +40,7 @@ from paddle_rl.models.pretrained import save_model, write_generation_config  # n
 from paddle_rl.rewards.kk import CORRECT_SCORE, kk_score  # noqa: E402
 from paddle_rl.rewards.rules import format_score, math_score  # noqa: E402
 from paddle_rl.rollout import RolloutEngine, SamplingParams  # noqa: E402
-from paddle_rl.trainer.logprobs import token_logprobs  # noqa: E402
+from paddle_rl.models.logprobs import token_logprobs  # noqa: E402
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>", "<answer>", "</answer>"]
 CHAT_TEMPLATE = (

@@ -5,24 +5,23 @@ from .aggregation import LOSS_AGG_MODES, aggregate_loss, loss_normalizers
 from .dapo import overlong_filtered_mask, select_groups, soft_overlong_penalty, zero_variance_groups
 from .kl import KL_ESTIMATORS, AdaptiveKLController, kl_penalty
 from .losses import POLICY_LOSSES, policy_loss
-from .objective import LossOutput, Objective
+from .objective import LossOutput, Objective, check_names
 from .stats import RunningMoments, masked_whiten
 
 
 def compute_advantages(name, scores, response_mask, group_ids, **options):
     """Advantages [B, T] (float32 Paddle tensor) of the named estimator.
 
-    scores [B]; response_mask [B, T]; group_ids [B] (any hashable ids). Options, by estimator:
-    eps, scale_rewards (group|batch|none), norm_adv_by_std (grpo); old_logp, ref_logp, kl_coeff,
-    kl_penalty_kind (reward KL); gamma, clip_range_score (REINFORCE++); per_function_scores,
-    reward_weights (gdpo); reduce (hook for batch statistics across ranks, default "auto").
+    scores [B]; response_mask [B, T]; group_ids [B] (any hashable ids). Options: the ones the estimator
+    declares (ADVANTAGE_ESTIMATORS[name].options; any other is a TypeError): eps, scale_rewards
+    (group|batch|none), norm_adv_by_std (grpo); old_logp, ref_logp, kl_coeff, kl_penalty_kind (reward KL,
+    all); gamma, clip_range_score (REINFORCE++); per_function_scores (NaN: not applicable), reward_weights
+    (gdpo); reduce (batch statistics across ranks: None = this call holds the whole batch, or a group).
     """
-    if name not in ADVANTAGE_ESTIMATORS:
-        raise ValueError(f"unknown advantage estimator {name!r} (choose from {', '.join(ADVANTAGE_ESTIMATORS)})")
-    return ADVANTAGE_ESTIMATORS[name](scores, response_mask, group_ids, **options)
+    return ADVANTAGE_ESTIMATORS.lookup(name)(scores, response_mask, group_ids, **options)
 
 
 __all__ = ["compute_advantages", "kl_penalty", "policy_loss", "aggregate_loss", "loss_normalizers", "masked_whiten",
-           "Objective", "LossOutput", "AdaptiveKLController", "RunningMoments", "soft_overlong_penalty",
+           "Objective", "LossOutput", "check_names", "AdaptiveKLController", "RunningMoments", "soft_overlong_penalty",
            "zero_variance_groups", "overlong_filtered_mask", "select_groups",
            "ADVANTAGE_ESTIMATORS", "KL_ESTIMATORS", "POLICY_LOSSES", "LOSS_AGG_MODES"]

@@ -1,25 +1,29 @@
 """Advantage estimators: scores [B] (+ token data [B, T]) -> advantages, float32 Paddle tensor [B, T].
 
-Each estimator is a pure function registered by name. Statistics are computed in float64.
-Group statistics need every response of a group in the call (shard data-parallel ranks by prompt);
-batch-wide statistics (scale_rewards=batch, the REINFORCE++ whitening, gdpo's batch z-score) are
-summed over ranks through the `reduce` hook (see stats.py; default "auto").
+Each estimator is a pure function registered by name with the options it reads (registry.py); it is called
+with those options only. Statistics are computed in float64. Group statistics need every response of a
+group in the call (shard data-parallel ranks by prompt); batch-wide statistics (scale_rewards=batch, the
+REINFORCE++ whitening, gdpo's batch z-score) are summed over ranks through the `reduce` option (stats.py;
+None: this call holds the whole batch).
 """
 import numpy as np
 import paddle
 
 from ._tensor import to_numpy
 from .kl import kl_penalty
+from .registry import Registry
 from .stats import global_mean_var, masked_whiten
 
-ADVANTAGE_ESTIMATORS = {}
+ADVANTAGE_ESTIMATORS = Registry("advantage estimator", positional=3)   # (scores, response_mask, group_ids)
+
+# The reward KL (kl_coeff > 0) every estimator folds in: rollout vs reference log-probs, coefficient, estimator.
+REWARD_KL_OPTIONS = ("old_logp", "ref_logp", "kl_coeff", "kl_penalty_kind")
 
 
-def register_advantage(name):
-    def wrap(fn):
-        ADVANTAGE_ESTIMATORS[name] = fn
-        return fn
-    return wrap
+def register_advantage(name, options=(), **traits):
+    """Register an estimator `fn(scores, response_mask, group_ids, *, <options>)`; traits: loss_agg_mode (the
+    aggregation it defaults to when loss_agg_mode is unset)."""
+    return ADVANTAGE_ESTIMATORS.register(name, options, **traits)
 
 
 # --- helpers ----------------------------------------------------------------------------------
@@ -89,12 +93,13 @@ def discounted_returns(token_rewards, mask, gamma: float = 1.0) -> np.ndarray:
 
 # --- outcome estimators -----------------------------------------------------------------------
 
-@register_advantage("grpo")
+@register_advantage("grpo", ("eps", "scale_rewards", "norm_adv_by_std", "reduce") + REWARD_KL_OPTIONS)
 def grpo_advantages(scores, response_mask, group_ids, eps: float = 1e-6, scale_rewards: str = "group",
-                    norm_adv_by_std: bool = True, reduce="auto", **options):
+                    norm_adv_by_std: bool = True, reduce=None, old_logp=None, ref_logp=None, kl_coeff: float = 0.0,
+                    kl_penalty_kind: str = "kl"):
     """(s - group mean) / (std + eps); std of the group (scale_rewards=group), of the whole batch (batch),
     or no division (none, or norm_adv_by_std=False)."""
-    s = outcome_scores(scores, response_mask, **_kl_options(options))
+    s = outcome_scores(scores, response_mask, old_logp, ref_logp, kl_coeff, kl_penalty_kind)
     mean, std = group_mean_std(s, group_ids)
     if not norm_adv_by_std or scale_rewards == "none":
         return broadcast(s - mean, response_mask)
@@ -106,18 +111,20 @@ def grpo_advantages(scores, response_mask, group_ids, eps: float = 1e-6, scale_r
     return broadcast((s - mean) / (std + eps), response_mask)
 
 
-@register_advantage("dr_grpo")
-def dr_grpo_advantages(scores, response_mask, group_ids, **options):
-    """s - group mean (no std division; pair with loss_agg_mode seq-mean-token-sum-norm)."""
-    s = outcome_scores(scores, response_mask, **_kl_options(options))
+@register_advantage("dr_grpo", REWARD_KL_OPTIONS, loss_agg_mode="seq-mean-token-sum-norm")
+def dr_grpo_advantages(scores, response_mask, group_ids, old_logp=None, ref_logp=None, kl_coeff: float = 0.0,
+                       kl_penalty_kind: str = "kl"):
+    """s - group mean (no std division; pairs with loss_agg_mode seq-mean-token-sum-norm, its default)."""
+    s = outcome_scores(scores, response_mask, old_logp, ref_logp, kl_coeff, kl_penalty_kind)
     mean, _ = group_mean_std(s, group_ids)
     return broadcast(s - mean, response_mask)
 
 
-@register_advantage("rloo")
-def rloo_advantages(scores, response_mask, group_ids, **options):
+@register_advantage("rloo", REWARD_KL_OPTIONS)
+def rloo_advantages(scores, response_mask, group_ids, old_logp=None, ref_logp=None, kl_coeff: float = 0.0,
+                    kl_penalty_kind: str = "kl"):
     """s_i - mean of the other G-1 scores of the group = G/(G-1) (s_i - mean); a group of one keeps s_i."""
-    s = outcome_scores(scores, response_mask, **_kl_options(options))
+    s = outcome_scores(scores, response_mask, old_logp, ref_logp, kl_coeff, kl_penalty_kind)
     dense, n_groups = group_index(group_ids)
     adv = s.copy()
     for g in range(n_groups):
@@ -128,21 +135,37 @@ def rloo_advantages(scores, response_mask, group_ids, **options):
     return broadcast(adv, response_mask)
 
 
-@register_advantage("gdpo")
+def applicable_group_zscore(values, group_ids, eps: float = 1e-6) -> np.ndarray:
+    """(v - group mean) / (group std + eps) over the entries that are not NaN; NaN entries ("not applicable")
+    are left out of their group's statistics and get 0. The applicable entries of a group follow the group
+    rules (unbiased std; a single applicable entry has mean 0, std 1)."""
+    v = to_numpy(values).reshape(-1)
+    ids = to_numpy(group_ids, dtype=None).reshape(-1)
+    applicable = ~np.isnan(v)
+    out = np.zeros_like(v)
+    if applicable.any():
+        mean, std = group_mean_std(v[applicable], ids[applicable])
+        out[applicable] = (v[applicable] - mean) / (std + eps)
+    return out
+
+
+@register_advantage("gdpo", ("per_function_scores", "reward_weights", "eps", "reduce") + REWARD_KL_OPTIONS)
 def gdpo_advantages(scores, response_mask, group_ids, per_function_scores=None, reward_weights=None,
-                    eps: float = 1e-6, reduce="auto", **options):
+                    eps: float = 1e-6, reduce=None, old_logp=None, ref_logp=None, kl_coeff: float = 0.0,
+                    kl_penalty_kind: str = "kl"):
     """Each reward function z-scored within its group, weighted sum, then z-scored over the batch.
 
-    per_function_scores: {name: [B]}; reward_weights: {name: weight} (default 1). Without per-function
-    scores the total score is the only function. The reward KL (kl_coeff) lowers the summed score.
+    per_function_scores: {name: [B]}, NaN where a function does not apply to a sample: that sample is left
+    out of the function's group statistics and gets 0 from it. reward_weights: {name: weight} (default 1).
+    Without per-function scores the total score is the only function. The reward KL (kl_coeff) lowers the
+    summed score.
     """
     functions = per_function_scores or {"score": scores}
     weights = reward_weights or {}
     total = np.zeros(len(to_numpy(scores)), dtype=np.float64)
     for name, values in functions.items():
-        mean, std = group_mean_std(values, group_ids)
-        total += float(weights.get(name, 1.0)) * (to_numpy(values) - mean) / (std + eps)
-    total = outcome_scores(total, response_mask, **_kl_options(options))
+        total += float(weights.get(name, 1.0)) * applicable_group_zscore(values, group_ids, eps)
+    total = outcome_scores(total, response_mask, old_logp, ref_logp, kl_coeff, kl_penalty_kind)
     mean, var = global_mean_var(total, reduce=reduce)
     return broadcast((total - mean) / (np.sqrt(var) + eps), response_mask)
 
@@ -163,27 +186,26 @@ def reinforce_returns(scores, response_mask, old_logp=None, ref_logp=None, kl_co
     return discounted_returns(rewards, m, gamma)
 
 
-@register_advantage("reinforce_plus_plus")
+REINFORCE_OPTIONS = REWARD_KL_OPTIONS + ("gamma", "clip_range_score", "reduce")
+
+
+@register_advantage("reinforce_plus_plus", REINFORCE_OPTIONS)
 def reinforce_pp_advantages(scores, response_mask, group_ids=None, old_logp=None, ref_logp=None,
                             kl_coeff: float = 0.0, kl_penalty_kind: str = "kl", gamma: float = 1.0,
-                            clip_range_score: float = 10.0, reduce="auto", **_):
+                            clip_range_score: float = 10.0, reduce=None):
     """REINFORCE++: token returns whitened over every valid token of the global batch."""
     returns = reinforce_returns(scores, response_mask, old_logp, ref_logp, kl_coeff, kl_penalty_kind, gamma,
                                 clip_range_score)
     return paddle.to_tensor(masked_whiten(returns, to_numpy(response_mask), reduce=reduce).astype(np.float32))
 
 
-@register_advantage("reinforce_plus_plus_baseline")
+@register_advantage("reinforce_plus_plus_baseline", REINFORCE_OPTIONS)
 def reinforce_pp_baseline_advantages(scores, response_mask, group_ids, old_logp=None, ref_logp=None,
                                      kl_coeff: float = 0.0, kl_penalty_kind: str = "kl", gamma: float = 1.0,
-                                     clip_range_score: float = 10.0, reduce="auto", **_):
+                                     clip_range_score: float = 10.0, reduce=None):
     """REINFORCE++ with the group mean subtracted from the scores first."""
     clipped = np.clip(to_numpy(scores), -clip_range_score, clip_range_score)
     mean, _ = group_mean_std(clipped, group_ids)
-    return reinforce_pp_advantages(clipped - mean, response_mask, None, old_logp, ref_logp, kl_coeff,
-                                   kl_penalty_kind, gamma, clip_range_score=np.inf, reduce=reduce)
-
-
-def _kl_options(options: dict) -> dict:
-    keys = ("old_logp", "ref_logp", "kl_coeff", "kl_penalty_kind")
-    return {k: options[k] for k in keys if k in options}
+    return reinforce_pp_advantages(clipped - mean, response_mask, None, old_logp=old_logp, ref_logp=ref_logp,
+                                   kl_coeff=kl_coeff, kl_penalty_kind=kl_penalty_kind, gamma=gamma,
+                                   clip_range_score=np.inf, reduce=reduce)

@@ -8,15 +8,13 @@ import numpy as np
 import paddle
 
 from ._tensor import as_tensor, to_numpy
+from .registry import Registry
 
-LOSS_AGG_MODES = {}
+LOSS_AGG_MODES = Registry("loss_agg_mode", positional=4)   # (loss, mask, num_tokens, num_seqs)
 
 
-def register_aggregation(name):
-    def wrap(fn):
-        LOSS_AGG_MODES[name] = fn
-        return fn
-    return wrap
+def register_aggregation(name, options=()):
+    return LOSS_AGG_MODES.register(name, options)
 
 
 def loss_normalizers(response_mask):
@@ -34,26 +32,26 @@ def _scalar(value, like):
 
 
 @register_aggregation("token-mean")
-def token_mean(loss, mask, num_tokens, num_seqs, loss_scale_factor):
+def token_mean(loss, mask, num_tokens, num_seqs):
     """sum(L m) / global token count."""
     return (loss * mask).sum() / _scalar(num_tokens, loss)
 
 
 @register_aggregation("seq-mean-token-mean")
-def seq_mean_token_mean(loss, mask, num_tokens, num_seqs, loss_scale_factor):
+def seq_mean_token_mean(loss, mask, num_tokens, num_seqs):
     """sum over sequences of (sequence token mean) / global sequence count."""
     per_seq = (loss * mask).sum(-1) / paddle.clip(mask.sum(-1), min=1.0)
     return per_seq.sum() / _scalar(num_seqs, loss)
 
 
 @register_aggregation("seq-mean-token-sum")
-def seq_mean_token_sum(loss, mask, num_tokens, num_seqs, loss_scale_factor):
+def seq_mean_token_sum(loss, mask, num_tokens, num_seqs):
     """sum over sequences of (sequence token sum) / global sequence count."""
     return (loss * mask).sum() / _scalar(num_seqs, loss)
 
 
-@register_aggregation("seq-mean-token-sum-norm")
-def seq_mean_token_sum_norm(loss, mask, num_tokens, num_seqs, loss_scale_factor):
+@register_aggregation("seq-mean-token-sum-norm", ("loss_scale_factor",))
+def seq_mean_token_sum_norm(loss, mask, num_tokens, num_seqs, loss_scale_factor: float = 1.0):
     """Dr.GRPO: sum(L m) / (global sequence count * loss_scale_factor)."""
     return (loss * mask).sum() / (_scalar(num_seqs, loss) * float(loss_scale_factor))
 
@@ -67,15 +65,15 @@ def aggregate_loss(per_token_loss, response_mask, mode: str = "token-mean", num_
     (seq-mean-token-sum-norm) defaults to the padded length T; pass a constant (max_dec_len) so the
     result does not depend on how the batch was padded or split.
     """
-    if mode not in LOSS_AGG_MODES:
-        raise ValueError(f"unknown loss_agg_mode {mode!r} (choose from {', '.join(LOSS_AGG_MODES)})")
+    aggregate = LOSS_AGG_MODES.lookup(mode)
     loss = as_tensor(per_token_loss)
     mask = as_tensor(response_mask, like=loss)
     local_tokens, local_seqs = loss_normalizers(mask) if num_tokens is None or num_seqs is None else (0, 0)
     num_tokens = local_tokens if num_tokens is None else num_tokens
     num_seqs = local_seqs if num_seqs is None else num_seqs
     factor = mask.shape[-1] if loss_scale_factor is None else loss_scale_factor
-    return LOSS_AGG_MODES[mode](loss, mask, _to_float(num_tokens), _to_float(num_seqs), factor)
+    return aggregate(loss, mask, _to_float(num_tokens), _to_float(num_seqs),
+                     **aggregate.bind({"loss_scale_factor": factor}))
 
 
 def _to_float(x) -> float:

@@ -10,7 +10,11 @@ ZERO_VARIANCE_TOL = 1e-6
 
 def soft_overlong_penalty(lengths, max_len: int, buffer: int, factor: float = 1.0) -> np.ndarray:
     """With L_exp = max_len - buffer: 0 if len <= L_exp, (L_exp - len) / buffer * factor inside the buffer,
-    -factor beyond max_len."""
+    -factor beyond max_len.
+
+    The one implementation of the penalty: the objective applies it under enable_overlong_reward_buffer and the
+    soft_overlong reward function (paddle_rl/rewards/rules.py) calls it; paddle_rl.rewards.check_reward_config
+    refuses both switches at once."""
     lengths = to_numpy(lengths)
     expected = max_len - buffer
     inside = (expected - lengths) / buffer * factor

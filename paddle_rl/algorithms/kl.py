@@ -6,15 +6,13 @@ in the loss (kl_loss_coeff, GRPO style) the current policy with the reference.
 import paddle
 
 from ._tensor import as_tensor
+from .registry import Registry
 
-KL_ESTIMATORS = {}
+KL_ESTIMATORS = Registry("KL estimator", positional=2)   # fn(logp, ref_logp), no options
 
 
 def register_kl(name):
-    def wrap(fn):
-        KL_ESTIMATORS[name] = fn
-        return fn
-    return wrap
+    return KL_ESTIMATORS.register(name)
 
 
 @register_kl("kl")
@@ -44,10 +42,9 @@ def kl_k3(logp, ref_logp):
 
 def kl_penalty(logp, ref_logp, kind: str = "low_var_kl"):
     """Per-token KL estimate [B, T] (Paddle; numpy accepted) of the named estimator."""
-    if kind not in KL_ESTIMATORS:
-        raise ValueError(f"unknown KL estimator {kind!r} (choose from {', '.join(KL_ESTIMATORS)})")
+    estimator = KL_ESTIMATORS.lookup(kind)
     logp = as_tensor(logp)
-    return KL_ESTIMATORS[kind](logp, as_tensor(ref_logp, like=logp))
+    return estimator(logp, as_tensor(ref_logp, like=logp))
 
 
 class AdaptiveKLController:

@@ -1,22 +1,24 @@
 """Policy losses: per-token loss [B, T] and metrics (scalar tensors). Pure functions.
 
-Every loss takes (logp, old_logp, advantages, mask) as tensors of one float dtype plus options:
-clip_low, clip_high (ratio clip 1-clip_low .. 1+clip_high), clip_ratio_c (ppo dual clip),
-tau_pos, tau_neg (sapo). The ratio is exp(logp - old_logp) with the log-ratio clamped to [-20, 20].
+Every loss takes (logp, old_logp, advantages, mask) as tensors of one float dtype plus the options it
+declares when registered: clip_low, clip_high (ratio clip 1-clip_low .. 1+clip_high; ppo, gspo, cispo),
+clip_ratio_c (ppo dual clip), tau_pos, tau_neg (sapo). The ratio is exp(logp - old_logp) with the
+log-ratio clamped to [-20, 20].
 """
 import paddle
 
 from ._tensor import as_tensor, metrics_to_floats
+from .registry import Registry
 
-POLICY_LOSSES = {}
+POLICY_LOSSES = Registry("policy_loss", positional=4)   # (logp, old_logp, advantages, mask)
 LOG_RATIO_CLAMP = 20.0
+CLIP_OPTIONS = ("clip_low", "clip_high")
 
 
-def register_policy_loss(name):
-    def wrap(fn):
-        POLICY_LOSSES[name] = fn
-        return fn
-    return wrap
+def register_policy_loss(name, options=(), **traits):
+    """Register `fn(logp, old_logp, advantages, mask, *, <options>) -> (per-token loss, metrics)`; traits:
+    loss_agg_mode (the aggregation it defaults to when loss_agg_mode is unset)."""
+    return POLICY_LOSSES.register(name, options, **traits)
 
 
 def masked_mean(x, mask):
@@ -45,9 +47,9 @@ def _clip_metrics(ratio, advantages, mask, clip_low, clip_high):
     }
 
 
-@register_policy_loss("ppo")
+@register_policy_loss("ppo", CLIP_OPTIONS + ("clip_ratio_c",))
 def ppo_loss(logp, old_logp, advantages, mask, clip_low: float = 0.2, clip_high: float = 0.2,
-             clip_ratio_c=None, **_):
+             clip_ratio_c=None):
     """max(-A r, -A clip(r, 1-clip_low, 1+clip_high)); dual clip: for A < 0 also min(., -A c)."""
     ratio = token_log_ratio(logp, old_logp).exp()
     loss = _clipped_surrogate(ratio, advantages, clip_low, clip_high)
@@ -68,8 +70,8 @@ def sequence_log_ratio(logp, old_logp, mask):
     return paddle.clip(per_seq, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
 
 
-@register_policy_loss("gspo")
-def gspo_loss(logp, old_logp, advantages, mask, clip_low: float = 0.2, clip_high: float = 0.2, **_):
+@register_policy_loss("gspo", CLIP_OPTIONS, loss_agg_mode="seq-mean-token-mean")
+def gspo_loss(logp, old_logp, advantages, mask, clip_low: float = 0.2, clip_high: float = 0.2):
     """Sequence-level ratio s_i = exp(mean_t(logp - old_logp)), applied per token as
     s_i,t = sg[s_i] * exp(logp - sg(logp)) and clipped like ppo."""
     seq_log_ratio = sequence_log_ratio(logp, old_logp, mask).detach()
@@ -80,8 +82,8 @@ def gspo_loss(logp, old_logp, advantages, mask, clip_low: float = 0.2, clip_high
     return loss, metrics
 
 
-@register_policy_loss("cispo")
-def cispo_loss(logp, old_logp, advantages, mask, clip_low: float = 0.2, clip_high: float = 0.2, **_):
+@register_policy_loss("cispo", CLIP_OPTIONS)
+def cispo_loss(logp, old_logp, advantages, mask, clip_low: float = 0.2, clip_high: float = 0.2):
     """-sg[clip(r, 1-clip_low, 1+clip_high)] * A * logp: every token keeps a (bounded) gradient."""
     ratio = token_log_ratio(logp, old_logp).exp()
     weight = paddle.clip(ratio, 1.0 - clip_low, 1.0 + clip_high).detach()
@@ -92,8 +94,8 @@ def cispo_loss(logp, old_logp, advantages, mask, clip_low: float = 0.2, clip_hig
     return loss, metrics
 
 
-@register_policy_loss("sapo")
-def sapo_loss(logp, old_logp, advantages, mask, tau_pos: float = 1.0, tau_neg: float = 1.05, **_):
+@register_policy_loss("sapo", ("tau_pos", "tau_neg"))
+def sapo_loss(logp, old_logp, advantages, mask, tau_pos: float = 1.0, tau_neg: float = 1.05):
     """Soft gate instead of a clip: -f(r) A with f(r) = sigmoid(tau (r - 1)) * 4 / tau,
     tau = tau_pos where A > 0 and tau_neg elsewhere. f has slope 1 at r = 1, so on-policy the gradient
     is the plain policy gradient; far from r = 1 it fades smoothly."""
@@ -110,6 +112,8 @@ def sapo_loss(logp, old_logp, advantages, mask, tau_pos: float = 1.0, tau_neg: f
 def policy_loss(name, logp, old_logp, advantages, response_mask, **options):
     """Per-token loss [B, T] (in logp's dtype) and python-float metrics of the named policy loss.
 
+    options: the ones the loss declares (POLICY_LOSSES[name].options); any other is a TypeError.
+
     Metrics (token means over this call's mask): clipfrac_low, clipfrac_high, clipfrac_dual,
     approx_kl (mean of (logp - old_logp)^2 / 2, to the rollout policy).
     """
@@ -118,13 +122,13 @@ def policy_loss(name, logp, old_logp, advantages, response_mask, **options):
 
 
 def policy_loss_tensors(name, logp, old_logp, advantages, response_mask, **options):
-    if name not in POLICY_LOSSES:
-        raise ValueError(f"unknown policy_loss {name!r} (choose from {', '.join(POLICY_LOSSES)})")
+    """policy_loss with the metrics as scalar tensors (one device sync later for all of them)."""
+    loss_fn = POLICY_LOSSES.lookup(name)
     logp = as_tensor(logp)
     old_logp = logp.detach() if old_logp is None else as_tensor(old_logp, like=logp)
     advantages = as_tensor(advantages, like=logp)
     mask = as_tensor(response_mask, like=logp)
-    loss, metrics = POLICY_LOSSES[name](logp, old_logp, advantages, mask, **options)
+    loss, metrics = loss_fn(logp, old_logp, advantages, mask, **options)
     with paddle.no_grad():
         metrics.setdefault("clipfrac_dual", paddle.zeros([], dtype=logp.dtype))
         metrics["approx_kl"] = masked_mean(0.5 * token_log_ratio(logp, old_logp).square(), mask)

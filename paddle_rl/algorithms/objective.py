@@ -1,14 +1,15 @@
 """The RL objective chosen by a config: score shaping, advantages, the per-micro-batch loss, DAPO filters.
 
 The trainer talks only to `Objective`; the math lives in the registries of advantages.py, kl.py,
-losses.py and aggregation.py, and the DAPO pieces in dapo.py.
+losses.py and aggregation.py (registry.py), and the DAPO pieces in dapo.py. Building an Objective checks
+every configured name against those registries (a ConfigError naming the key, the value and the
+choices), before any model loads, and binds each registered function's declared options once.
 
 Data-parallel contract: every call sees this rank's shard of the batch, with every response of a
 prompt group on the same rank. Batch-wide statistics (REINFORCE++ whitening, scale_rewards=batch,
-gdpo, normalize_advantage, normalize_reward's running moments, the observed reward KL) are summed
-over ranks through `reduce` ("auto": the default group when paddle.distributed is initialized with
-world size > 1; pass the data-parallel group when tensor/pipeline ranks hold copies of the same data;
-None: the caller already holds the whole batch).
+gdpo, normalize_advantage, normalize_reward's running moments, the KL metrics and the adaptive KL
+controller's sequence count) are summed over ranks through `reduce`, which the caller always passes:
+the batch group (data x sharding ranks), or None when this process holds the whole batch (stats.py).
 """
 import logging
 from dataclasses import dataclass
@@ -16,17 +17,38 @@ from dataclasses import dataclass
 import numpy as np
 import paddle
 
+from ..config import ConfigError
 from ._tensor import as_tensor, metrics_to_floats, to_numpy
 from .advantages import ADVANTAGE_ESTIMATORS, reward_kl_per_token
-from .aggregation import aggregate_loss, loss_normalizers
+from .aggregation import LOSS_AGG_MODES, aggregate_loss, loss_normalizers
 from .dapo import overlong_filtered_mask, select_groups, soft_overlong_penalty, zero_variance_groups
-from .kl import AdaptiveKLController, FixedKLController, kl_penalty
-from .losses import masked_mean, policy_loss_tensors
+from .kl import KL_ESTIMATORS, AdaptiveKLController, FixedKLController, kl_penalty
+from .losses import POLICY_LOSSES, masked_mean, policy_loss_tensors
 from .stats import RunningMoments, global_sum, masked_whiten
 
 logger = logging.getLogger("paddle_rl")
 
 REWARD_NORM_EPS = 1e-8
+# Estimator options that change with every call (the step's data and the current reward KL coefficient);
+# every other declared option is bound once from the config.
+STEP_INPUTS = ("old_logp", "ref_logp", "per_function_scores", "kl_coeff")
+
+
+def check_names(config) -> None:
+    """Every name the config chooses must be registered: raise ConfigError naming the key, the bad value
+    and the choices (one line per bad key). The registries are the only list of valid names."""
+    estimator_key = "rl_algorithm" if config.advantage_estimator is None else "advantage_estimator"
+    checks = [(estimator_key, config.resolved_estimator, ADVANTAGE_ESTIMATORS),
+              ("policy_loss", config.policy_loss, POLICY_LOSSES),
+              ("kl_penalty", config.kl_penalty, KL_ESTIMATORS),
+              ("kl_loss_type", config.kl_loss_type, KL_ESTIMATORS),
+              ("loss_agg_mode", config.loss_agg_mode, LOSS_AGG_MODES)]
+    problems = [f"{key}: {value!r} is not one of {registry.choices}" for key, value, registry in checks
+                if value is not None and value not in registry]
+    if len(problems) == 1:
+        raise ConfigError(problems[0])
+    if problems:
+        raise ConfigError("invalid configuration:\n  " + "\n  ".join(problems))
 
 
 @dataclass
@@ -37,16 +59,24 @@ class LossOutput:
 
 
 class Objective:
-    """Everything the trainer needs from the algorithm side, configured by the `algorithm` keys."""
+    """Everything the trainer needs from the algorithm side, configured by the `algorithm` keys.
 
-    def __init__(self, config, reduce="auto"):
+    reduce: who else holds part of the batch; always explicit: the batch group, or None when this process
+    holds the whole batch (a callable summing a float64 vector over ranks also works; tests use it).
+    """
+
+    def __init__(self, config, reduce):
+        check_names(config)
         self.config = config
         self.reduce = reduce
         self.estimator = config.resolved_estimator
-        if self.estimator not in ADVANTAGE_ESTIMATORS:
-            raise ValueError(f"advantage_estimator: unknown {self.estimator!r} "
-                             f"(choose from {', '.join(ADVANTAGE_ESTIMATORS)})")
-        self.loss_agg_mode = config.resolved_loss_agg_mode
+        self._estimator = ADVANTAGE_ESTIMATORS[self.estimator]
+        self._policy_loss = POLICY_LOSSES[config.policy_loss]
+        self.loss_agg_mode = (config.loss_agg_mode or self._estimator.traits.get("loss_agg_mode")
+                              or self._policy_loss.traits.get("loss_agg_mode") or config.preset_loss_agg_mode)
+        if self.loss_agg_mode not in LOSS_AGG_MODES:
+            raise ConfigError(f"algorithm_preset: its loss_agg_mode {self.loss_agg_mode!r} is not one of "
+                              f"{LOSS_AGG_MODES.choices}")
         self.loss_scale_factor = config.resolved_loss_scale_factor
         self.grpo_eps = config.resolved_grpo_eps
         self.kl_loss_coeff = config.loss_kl_coeff
@@ -57,6 +87,15 @@ class Objective:
         self.kl_controller = (AdaptiveKLController(config.kl_coeff, config.kl_target, config.kl_horizon)
                               if config.adaptive_kl else FixedKLController(config.kl_coeff))
         self.reward_moments = RunningMoments()
+        # every option a registered function may declare, resolved from the config once
+        settings = {"eps": self.grpo_eps, "scale_rewards": config.scale_rewards,
+                    "norm_adv_by_std": config.norm_adv_by_std, "gamma": config.gamma,
+                    "clip_range_score": config.clip_range_score, "kl_penalty_kind": config.kl_penalty,
+                    "reward_weights": self._reward_weights(), "reduce": reduce,
+                    "clip_low": self.clip_low, "clip_high": self.clip_high, "clip_ratio_c": config.clip_ratio_c,
+                    "tau_pos": config.tau_pos, "tau_neg": config.tau_neg}
+        self._estimator_options = self._estimator.bind(settings, STEP_INPUTS)
+        self._loss_options = self._policy_loss.bind(settings)
         self._warn_ignored()
 
     def _warn_ignored(self):
@@ -143,23 +182,42 @@ class Objective:
 
     def advantages(self, scores, response_mask, group_ids, old_logp=None, ref_logp=None,
                    per_function_scores=None):
-        """Advantages, float32 Paddle tensor [B, T] (zero outside the mask)."""
+        """Advantages, float32 Paddle tensor [B, T] (zero outside the mask). No side effects."""
         return self.advantages_and_metrics(scores, response_mask, group_ids, old_logp, ref_logp,
                                            per_function_scores)[0]
 
     def advantages_and_metrics(self, scores, response_mask, group_ids, old_logp=None, ref_logp=None,
                                per_function_scores=None):
-        """(advantages, metrics). With kl_coeff > 0 the metrics hold reward_kl, the global mean over
-        sequences of each sequence's token-mean KL(old || ref), and reward_kl_num_seqs: the inputs of
-        `update_kl_controller`."""
-        cfg = self.config
+        """(advantages, metrics), no side effects. With kl_coeff > 0 the metrics hold reward_kl, the global
+        mean over sequences of each sequence's token-mean KL(old || ref), and reward_kl_num_seqs."""
+        adv, metrics = self._advantages(scores, response_mask, group_ids, old_logp, ref_logp, per_function_scores)
+        kl_metrics, _ = self._kl_statistics(to_numpy(response_mask), old_logp, ref_logp, token_kl=False)
+        metrics.update(kl_metrics)
+        return adv, metrics
+
+    def step_advantages(self, scores, response_mask, group_ids, old_logp=None, ref_logp=None,
+                        per_function_scores=None):
+        """Once per RL step: (advantages, metrics) as `advantages_and_metrics`, and then
+        - metrics["kl"]: the token mean of old_logp - ref_logp (k1) over the global batch (when ref_logp is given);
+        - the reward KL controller moves (adaptive_kl) by this step's reward_kl over the number of sequences
+          in the global batch; metrics["kl_coeff"] is the coefficient after the move (the next step's).
+        per_function_scores may hold NaN where a reward function does not apply (gdpo leaves those out).
+        Every rank of the batch group calls this once per step (it sums over the group)."""
         mask = to_numpy(response_mask)
-        options = dict(eps=self.grpo_eps, scale_rewards=cfg.scale_rewards, norm_adv_by_std=cfg.norm_adv_by_std,
-                       old_logp=old_logp, ref_logp=ref_logp, kl_coeff=self.kl_coeff,
-                       kl_penalty_kind=cfg.kl_penalty, gamma=cfg.gamma, clip_range_score=cfg.clip_range_score,
-                       reduce=self.reduce, per_function_scores=per_function_scores,
-                       reward_weights=self._reward_weights())
-        adv = ADVANTAGE_ESTIMATORS[self.estimator](scores, mask, group_ids, **options)
+        adv, metrics = self._advantages(scores, mask, group_ids, old_logp, ref_logp, per_function_scores)
+        kl_metrics, num_seqs = self._kl_statistics(mask, old_logp, ref_logp,
+                                                   token_kl=old_logp is not None and ref_logp is not None)
+        metrics.update(kl_metrics)
+        if "reward_kl" in kl_metrics:
+            metrics["kl_coeff"] = self.kl_controller.update(kl_metrics["reward_kl"], num_seqs)
+        return adv, metrics
+
+    def _advantages(self, scores, response_mask, group_ids, old_logp, ref_logp, per_function_scores):
+        mask = to_numpy(response_mask)
+        step = {"old_logp": old_logp, "ref_logp": ref_logp, "per_function_scores": per_function_scores,
+                "kl_coeff": self.kl_coeff}
+        options = dict(self._estimator_options, **{k: step[k] for k in self._estimator.options if k in step})
+        adv = self._estimator(scores, mask, group_ids, **options)
         if self.normalize_advantage:
             adv = masked_whiten(adv, mask, reduce=self.reduce)
         values = to_numpy(adv)[mask > 0]
@@ -168,20 +226,40 @@ class Objective:
                    "advantage/max": float(values.max()) if values.size else 0.0,
                    "advantage/min": float(values.min()) if values.size else 0.0,
                    "kl_coeff": self.kl_coeff}
-        if cfg.kl_coeff > 0:
-            kl = reward_kl_per_token(old_logp, ref_logp, mask, cfg.kl_penalty)
+        return adv, metrics
+
+    def _kl_statistics(self, mask, old_logp, ref_logp, token_kl: bool):
+        """(metrics, global sequence count) from one reduction over the batch group: the reward KL (kl_coeff
+        > 0) and, with token_kl, the token mean of old_logp - ref_logp."""
+        local = []
+        reward = self.config.kl_coeff > 0
+        if reward:
+            kl = reward_kl_per_token(old_logp, ref_logp, mask, self.config.kl_penalty)
             lengths = mask.sum(-1)
             valid = lengths > 0
             per_seq = kl.sum(-1)[valid] / lengths[valid]
-            total, count = global_sum([per_seq.sum(), float(valid.sum())], self.reduce)
+            local += [per_seq.sum(), float(valid.sum()), float(len(mask))]
+        if token_kl:
+            diff = (to_numpy(old_logp) - to_numpy(ref_logp)) * mask
+            local += [diff.sum(), mask.sum()]
+        if not local:
+            return {}, None
+        sums = list(global_sum(local, self.reduce))
+        metrics, num_seqs = {}, None
+        if reward:
+            total, count, num_seqs = sums[:3]
             metrics["reward_kl"] = float(total / count) if count else 0.0
             metrics["reward_kl_num_seqs"] = float(count)
-        return adv, metrics
+            sums = sums[3:]
+        if token_kl:
+            total, tokens = sums
+            metrics["kl"] = float(total / max(tokens, 1.0))
+        return metrics, num_seqs
 
     def update_kl_controller(self, observed_kl: float, n_steps: int) -> float:
-        """Adaptive KL: coeff *= 1 + clip(observed/target - 1, -0.2, 0.2) * n_steps / kl_horizon.
-        Call once per RL step after `advantages` (observed_kl = metrics['reward_kl'], n_steps = sequences in
-        the global batch); a no-op without adaptive_kl. Returns the coefficient for the next step."""
+        """Adaptive KL: coeff *= 1 + clip(observed/target - 1, -0.2, 0.2) * n_steps / kl_horizon; a no-op without
+        adaptive_kl. `step_advantages` calls it (observed_kl = reward_kl, n_steps = sequences in the global
+        batch); call it yourself only when not using step_advantages. Returns the coefficient for the next step."""
         return self.kl_controller.update(observed_kl, n_steps)
 
     def _reward_weights(self):
@@ -206,9 +284,7 @@ class Objective:
         cfg = self.config
         logp = as_tensor(logp)
         mask = as_tensor(response_mask, like=logp)
-        pg, metrics = policy_loss_tensors(cfg.policy_loss, logp, old_logp, advantages, mask,
-                                           clip_low=self.clip_low, clip_high=self.clip_high,
-                                           clip_ratio_c=cfg.clip_ratio_c, tau_pos=cfg.tau_pos, tau_neg=cfg.tau_neg)
+        pg, metrics = policy_loss_tensors(cfg.policy_loss, logp, old_logp, advantages, mask, **self._loss_options)
         total = cfg.pg_loss_coeff * pg
         with paddle.no_grad():
             metrics["pg_loss"] = masked_mean(pg, mask)

@@ -1,46 +1,28 @@
-"""Global (data-parallel) statistics: masked moments, whitening, running mean/variance.
+"""Global (batch-wide) statistics: masked moments, whitening, running mean/variance.
 
-A `reduce` hook sums a small float64 vector over the data-parallel ranks. It may be
-- "auto": all_reduce over the default group when paddle.distributed is initialized with world size > 1,
-  else nothing (single process);
-- None: no reduction (this process's data is the whole batch);
-- a paddle.distributed group: all_reduce within that group (pass the data-parallel group when
-  tensor/pipeline-parallel ranks hold copies of the same data);
-- a callable `np.ndarray -> np.ndarray` returning the sum over ranks.
+`reduce` says who else holds part of the batch, and is always given by the caller (Objective gets it
+from the trainer; there is no default group):
+- None: this process holds the whole batch (no communication);
+- a paddle.distributed group: the float64 sum over that group (the batch group, data x sharding ranks;
+  never the world group, which also holds the tensor/pipeline copies of the same data);
+- a callable `np.ndarray -> np.ndarray` returning the sum over ranks (tests fake ranks this way).
 """
 import numpy as np
 import paddle
 
+from ..parallel.collectives import sum_numpy as group_sum  # float64 sum over a group (None: none)
 from ._tensor import to_numpy
 
 
-def _all_reduce_sum(values: np.ndarray, group=None) -> np.ndarray:
-    import paddle.distributed as dist
-    tensor = paddle.to_tensor(values, dtype="float64")
-    dist.all_reduce(tensor, group=group)
-    return tensor.numpy()
-
-
-def resolve_reduce(reduce="auto"):
-    """The hook as a callable, or None when there is nothing to reduce."""
-    if reduce is None or callable(reduce):
-        return reduce
+def global_sum(values, reduce) -> np.ndarray:
+    """Sum of a float64 vector over the ranks `reduce` names (see the module docstring)."""
     if isinstance(reduce, str):
-        if reduce != "auto":
-            raise ValueError(f"reduce: expected 'auto', None, a group or a callable, got {reduce!r}")
-        import paddle.distributed as dist
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            return _all_reduce_sum
-        return None
-    group = reduce
-    return lambda values: _all_reduce_sum(values, group=group)
-
-
-def global_sum(values, reduce="auto") -> np.ndarray:
-    """Sum of a float64 vector over ranks."""
+        raise ValueError(f"reduce: expected None, a process group or a callable, got {reduce!r} "
+                         "(there is no default group: pass the batch group, or None for a whole batch)")
     values = np.asarray(values, dtype=np.float64)
-    hook = resolve_reduce(reduce)
-    return values if hook is None else np.asarray(hook(values), dtype=np.float64)
+    if callable(reduce):
+        return np.asarray(reduce(values), dtype=np.float64)
+    return group_sum(values, reduce)
 
 
 def masked_moments(values, mask) -> np.ndarray:
@@ -60,15 +42,16 @@ def mean_var(moments, ddof: int = 1):
     return mean, max(squares - count * mean * mean, 0.0) / (count - ddof)
 
 
-def global_mean_var(values, mask=None, reduce="auto", ddof: int = 1):
+def global_mean_var(values, mask=None, reduce=None, ddof: int = 1):
     """Masked mean and variance over every rank's entries."""
     values = to_numpy(values)
     mask = np.ones_like(values) if mask is None else to_numpy(mask)
     return mean_var(global_sum(masked_moments(values, mask), reduce), ddof)
 
 
-def masked_whiten(values, mask, eps: float = 1e-8, shift_mean: bool = True, reduce="auto"):
-    """(x - mean) * rsqrt(var + eps) over the masked entries of the whole (global) batch; var unbiased.
+def masked_whiten(values, mask, eps: float = 1e-8, shift_mean: bool = True, reduce=None):
+    """(x - mean) * rsqrt(var + eps) over the masked entries of the whole batch (summed through `reduce`;
+    None: these values are the whole batch); var unbiased.
 
     Returns the same kind as `values` (numpy array or float32 Paddle tensor), zero outside the mask.
     """
@@ -96,7 +79,7 @@ class RunningMoments:
     def std(self) -> float:
         return float(np.sqrt(self.var))
 
-    def update(self, values, reduce="auto") -> None:
+    def update(self, values, reduce) -> None:
         """Fold in a batch (gathered over ranks through `reduce`)."""
         count, total, squares = global_sum(masked_moments(values, np.ones_like(to_numpy(values))), reduce)
         if count <= 0:

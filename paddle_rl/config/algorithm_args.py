@@ -3,11 +3,11 @@ from typing import Optional
 
 from .fields import arg
 
-RL_ALGORITHMS = ("grpo", "reinforce_plus_plus")
-ADVANTAGE_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "gdpo", "reinforce_plus_plus", "reinforce_plus_plus_baseline")
-POLICY_LOSSES = ("ppo", "gspo", "cispo", "sapo")
-KL_ESTIMATORS = ("kl", "abs", "mse", "low_var_kl")
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+# The names of estimators, policy losses, KL estimators and aggregation modes are not listed here: the
+# registries of paddle_rl/algorithms are the one list, and building the Objective (before any model loads)
+# checks advantage_estimator / rl_algorithm, policy_loss, kl_penalty, kl_loss_type and loss_agg_mode against
+# them. This file checks types, ranges and its own presets.
+RL_ALGORITHMS = ("grpo", "reinforce_plus_plus")   # PaddleNLP's presets (their meaning is below), not a registry
 SCALE_REWARDS = ("group", "batch", "none")
 DYNAMIC_SAMPLING_FALLBACKS = ("error", "keep")
 
@@ -17,18 +17,13 @@ ALGORITHM_PRESETS = {
     "verl": {"grpo_eps": 1e-6, "loss_agg_mode": "token-mean"},
     "trl": {"grpo_eps": 1e-4, "loss_agg_mode": "token-mean"},
 }
-# Estimators / losses whose own papers aggregate differently; used when loss_agg_mode is unset.
-LOSS_AGG_FOR_ESTIMATOR = {"dr_grpo": "seq-mean-token-sum-norm"}
-LOSS_AGG_FOR_POLICY_LOSS = {"gspo": "seq-mean-token-mean"}
-GRPO_FAMILY = ("grpo", "dr_grpo", "rloo", "gdpo")
 
 
 @dataclass
 class AlgorithmArgs:
     rl_algorithm: str = arg("grpo", "Preset: grpo (KL in the loss) | reinforce_plus_plus (KL in the reward, "
                             "none in the loss).")
-    advantage_estimator: Optional[str] = arg(None, "Overrides the preset's estimator: grpo | dr_grpo | rloo | gdpo | "
-                                             "reinforce_plus_plus | reinforce_plus_plus_baseline.")
+    advantage_estimator: Optional[str] = arg(None, "Overrides the preset's estimator (names: docs/algorithms.md).")
     algorithm_preset: str = arg("paddlenlp", "Conventions for keys left unset: paddlenlp | verl | trl "
                                 "(grpo_eps, loss_agg_mode; see docs/algorithms.md).")
     # advantages
@@ -44,14 +39,14 @@ class AlgorithmArgs:
     clip_range_score: float = arg(10.0, "Scores are clipped to [-clip_range_score, clip_range_score].")
     # KL
     kl_coeff: float = arg(0.0, "KL penalty folded into the rewards (old vs reference policy).")
-    kl_penalty: str = arg("kl", "Estimator of the reward KL: kl | abs | mse | low_var_kl.")
+    kl_penalty: str = arg("kl", "Estimator of the reward KL (names: docs/algorithms.md).")
     adaptive_kl: bool = arg(False, "Adapt kl_coeff toward kl_target (PPO proportional controller).")
     kl_target: float = arg(0.1, "Target reward KL of the adaptive controller.")
     kl_horizon: float = arg(10000.0, "Horizon (samples) of the adaptive controller.")
     kl_loss_coeff: float = arg(0.0, "KL term in the loss (current vs reference policy).")
-    kl_loss_type: str = arg("low_var_kl", "Estimator of the loss KL: kl | abs | mse | low_var_kl.")
+    kl_loss_type: str = arg("low_var_kl", "Estimator of the loss KL (names: docs/algorithms.md).")
     # policy loss
-    policy_loss: str = arg("ppo", "ppo | gspo | cispo | sapo.")
+    policy_loss: str = arg("ppo", "Policy loss (names: docs/algorithms.md).")
     pg_loss_coeff: float = arg(1.0, "Weight of the policy-gradient loss.")
     entropy_coeff: float = arg(0.0, "Entropy bonus weight.")
     clip_range_ratio: float = arg(0.2, "Ratio clip.")
@@ -60,9 +55,8 @@ class AlgorithmArgs:
     clip_ratio_c: Optional[float] = arg(None, "Dual-clip bound for negative advantages (> 1, e.g. 3; policy_loss ppo).")
     tau_pos: float = arg(1.0, "SAPO gate temperature for positive advantages.")
     tau_neg: float = arg(1.05, "SAPO gate temperature for negative advantages.")
-    loss_agg_mode: Optional[str] = arg(None, "token-mean | seq-mean-token-mean | seq-mean-token-sum | "
-                                       "seq-mean-token-sum-norm (default token-mean; dr_grpo: "
-                                       "seq-mean-token-sum-norm; gspo: seq-mean-token-mean).")
+    loss_agg_mode: Optional[str] = arg(None, "Loss aggregation (names and defaults: docs/algorithms.md; unset: the "
+                                       "estimator's or policy loss's own, else the preset's).")
     loss_scale_factor: Optional[float] = arg(None, "Divisor of seq-mean-token-sum-norm (default max_dec_len).")
     clip_range_value: float = arg(5.0, acted=False)
     # DAPO
@@ -77,15 +71,10 @@ class AlgorithmArgs:
 
     def _validate_algorithm(self, errors):
         for key, allowed in (("rl_algorithm", RL_ALGORITHMS), ("algorithm_preset", tuple(ALGORITHM_PRESETS)),
-                             ("policy_loss", POLICY_LOSSES), ("kl_penalty", KL_ESTIMATORS),
-                             ("kl_loss_type", KL_ESTIMATORS), ("scale_rewards", SCALE_REWARDS),
+                             ("scale_rewards", SCALE_REWARDS),
                              ("dynamic_sampling_fallback", DYNAMIC_SAMPLING_FALLBACKS)):
             if getattr(self, key) not in allowed:
                 errors.append(f"{key}: {getattr(self, key)!r} is not one of {', '.join(allowed)}")
-        for key, allowed in (("advantage_estimator", ADVANTAGE_ESTIMATORS), ("loss_agg_mode", LOSS_AGG_MODES)):
-            value = getattr(self, key)
-            if value is not None and value not in allowed:
-                errors.append(f"{key}: {value!r} is not one of {', '.join(allowed)}")
         for key in ("kl_coeff", "kl_loss_coeff", "entropy_coeff", "pg_loss_coeff", "clip_range_ratio",
                     "clip_range_score", "overlong_penalty_factor"):
             if getattr(self, key) < 0:
@@ -140,13 +129,9 @@ class AlgorithmArgs:
         return ALGORITHM_PRESETS.get(self.algorithm_preset, ALGORITHM_PRESETS["paddlenlp"])["grpo_eps"]
 
     @property
-    def resolved_loss_agg_mode(self) -> str:
-        if self.loss_agg_mode is not None:
-            return self.loss_agg_mode
-        if self.resolved_estimator in LOSS_AGG_FOR_ESTIMATOR:
-            return LOSS_AGG_FOR_ESTIMATOR[self.resolved_estimator]
-        if self.policy_loss in LOSS_AGG_FOR_POLICY_LOSS:
-            return LOSS_AGG_FOR_POLICY_LOSS[self.policy_loss]
+    def preset_loss_agg_mode(self) -> str:
+        """The preset's loss_agg_mode. The mode in effect (Objective.loss_agg_mode) is loss_agg_mode when set,
+        else the default the estimator or the policy loss registers (dr_grpo, gspo), else this."""
         return ALGORITHM_PRESETS.get(self.algorithm_preset, ALGORITHM_PRESETS["paddlenlp"])["loss_agg_mode"]
 
     @property

@@ -3,12 +3,24 @@ from typing import Optional
 
 from .fields import arg
 
+DASHBOARDS = ("visualdl", "tensorboard", "wandb")
+REPORT_TO_WORDS = DASHBOARDS + ("all", "none")
+
+
+def report_to_words(value) -> tuple:
+    """The words of a report_to value, lower case (a YAML list arrives space separated)."""
+    return tuple(w.lower() for w in str(value or "").replace(",", " ").split())
+
 
 @dataclass
 class LoggingArgs:
-    logging_dir: Optional[str] = arg(None, "VisualDL log folder (default: <output_dir>/logs).")
+    logging_dir: Optional[str] = arg(None, "Dashboard log folder (default: <output_dir>/logs).")
     logging_steps: int = arg(1, "Print and write dashboard scalars every this many steps (metrics.jsonl gets every step).")
-    report_to: str = arg("visualdl", "visualdl | none (wandb/tensorboard fall back to visualdl).")
+    report_to: str = arg("visualdl", "Dashboards, comma separated: visualdl | tensorboard (event files written by "
+                                     "this package, no TensorFlow needed) | wandb (offline unless $WANDB_MODE says "
+                                     "otherwise; needs the wandb package) | all (every one whose package is "
+                                     "installed) | none (also an empty value or list). A named dashboard whose "
+                                     "package is missing stops the run.")
     run_name: Optional[str] = arg(None, "Name of the run in dashboards.")
     disable_tqdm: bool = arg(False, "No progress bar.")
     skip_profile_timer: bool = arg(True, acted=False)
@@ -17,3 +29,13 @@ class LoggingArgs:
     def _validate_logging(self, errors):
         if self.logging_steps < 1:
             errors.append(f"logging_steps: must be >= 1, got {self.logging_steps}")
+        words = self.report_targets
+        unknown = [w for w in words if w not in REPORT_TO_WORDS]
+        if unknown:
+            errors.append(f"report_to: {', '.join(map(repr, unknown))} not one of {', '.join(REPORT_TO_WORDS)}")
+        elif len(words) > 1 and ("none" in words or "all" in words):
+            errors.append(f"report_to: none and all stand alone, got {self.report_to!r}")
+
+    @property
+    def report_targets(self) -> tuple:
+        return report_to_words(self.report_to)

@@ -8,8 +8,11 @@ class ParallelArgs:
     tensor_parallel_degree: int = arg(1, "Tensor-parallel group size (attention heads, MLP and vocabulary split).")
     pipeline_parallel_degree: int = arg(1, "Pipeline stages (decoder layers split into consecutive stages).")
     sharding_parallel_degree: int = arg(1, "Sharding group size: ranks that split the batch and partition the "
-                                           "optimizer states (and with stage2 the gradients).")
-    data_parallel_degree: int = arg(-1, "Data-parallel replicas (-1: world size / (tensor x pipeline x sharding)).")
+                                           "optimizer states (and with stage2 the gradients). -1 (PaddleNLP): "
+                                           "with a `sharding` stage, every rank that tensor x pipeline (x "
+                                           "data_parallel_degree, when given) leave; without one, 1.")
+    data_parallel_degree: int = arg(-1, "Data-parallel replicas (-1: world size / (tensor x pipeline x sharding); "
+                                        "1 when sharding_parallel_degree is -1, which takes those ranks).")
     sharding: str = arg("", "stage1 (optimizer states) | stage2 (+ gradients); empty means stage1 when "
                             "sharding_parallel_degree > 1.")
     rollout_tensor_parallel_degree: int = arg(-1, "Tensor-parallel size of the rollout (-1: tensor_parallel_degree); "
@@ -19,13 +22,16 @@ class ParallelArgs:
     virtual_pp_degree: int = arg(1, acted=False)
 
     def _validate_parallel(self, errors):
-        for key in ("tensor_parallel_degree", "pipeline_parallel_degree", "sharding_parallel_degree", "virtual_pp_degree"):
+        for key in ("tensor_parallel_degree", "pipeline_parallel_degree", "virtual_pp_degree"):
             if getattr(self, key) < 1:
                 errors.append(f"{key}: must be >= 1, got {getattr(self, key)}")
-        for key in ("data_parallel_degree", "rollout_tensor_parallel_degree"):
+        if self.sharding_parallel_degree == -1 and not self.sharding:
+            # PaddleNLP derives -1 only when a sharding stage is named; otherwise there is no sharding
+            self.sharding_parallel_degree = 1
+        for key in ("sharding_parallel_degree", "data_parallel_degree", "rollout_tensor_parallel_degree"):
             if getattr(self, key) == 0 or getattr(self, key) < -1:
                 errors.append(f"{key}: must be >= 1 or -1, got {getattr(self, key)}")
         if self.sharding not in ("", "stage1", "stage2", "stage3"):
             errors.append(f"sharding: must be stage1 or stage2, got {self.sharding!r}")
-        if self.sharding == "stage3" and self.sharding_parallel_degree > 1:
+        if self.sharding == "stage3" and self.sharding_parallel_degree != 1:
             errors.append("sharding: stage3 (parameter partitioning) is not implemented; use stage1 or stage2")

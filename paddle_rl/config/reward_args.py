@@ -48,15 +48,8 @@ class RewardArgs:
         if not self.use_rm_server:
             if not self.reward_funcs:
                 errors.append("reward_funcs: at least one reward function is required")
-            if not self.reward_plugins:
-                from ..rewards.rules import RULE_REWARDS
-                named = list(self.reward_funcs)
-                for spec in self.reward_routes.values():
-                    named += list(spec) if isinstance(spec, (list, dict)) else [spec]
-                unknown = sorted({str(n) for n in named if str(n) not in RULE_REWARDS})
-                if unknown:
-                    errors.append(f"reward_funcs: unknown {unknown} (available: {', '.join(sorted(RULE_REWARDS))}; "
-                                  f"or load your own with reward_plugins)")
+            # whether each named function exists is checked by paddle_rl.rewards.check_reward_config (the rule
+            # registry and the plugins live there), before any model loads
             for spec in self.reward_plugins:
                 spec = str(spec)
                 if (spec.endswith(".py") or os.sep in spec) and not os.path.isfile(spec):

@@ -21,7 +21,9 @@ class TrainingArgs:
     per_device_value_batch_size: int = arg(8, acted=False)
     num_train_epochs: float = arg(1.0, "Epochs over the training prompts (max_steps wins when > 0).")
     max_steps: int = arg(-1, "RL steps to run (-1: from num_train_epochs).")
-    max_length: int = arg(-1, "Maximum prompt + response length (-1: max_prompt_len + max_dec_len).")
+    max_length: int = arg(-1, "Longest training sequence, prompt + response, in tokens (PaddleNLP): checked to be "
+                              ">= max_prompt_len + max_dec_len, the longest sequence a step builds; -1: "
+                              "max_prompt_len + max_dec_len.")
     learning_rate: float = arg(5e-7, "Peak learning rate.")
     lr_scheduler_type: str = arg("constant", "constant | constant_with_warmup | linear | cosine.")
     warmup_steps: int = arg(0, "Linear warm-up steps (optimizer steps).")
@@ -33,7 +35,8 @@ class TrainingArgs:
     adam_epsilon: float = arg(1e-8)
     max_grad_norm: float = arg(1.0, "Clip the global gradient norm (0: off).")
     save_steps: int = arg(500, "Save a checkpoint every this many steps.")
-    save_strategy: str = arg("steps", "steps | no.")
+    save_strategy: str = arg("steps", "steps (every save_steps and at the end) | epoch (at the end of every pass "
+                             "over train_datasets, and at the end) | no.")
     save_total_limit: int = arg(-1, "Keep at most this many checkpoints (-1: all).")
     ignore_save_lr_and_optim: bool = arg(False, "Save only model weights (such a checkpoint cannot resume exactly).")
     resume_from_checkpoint: Optional[str] = arg(None, "auto (latest in output_dir) | PATH.")
@@ -56,18 +59,31 @@ class TrainingArgs:
         if self.learning_rate < 0:
             errors.append(f"learning_rate: must be >= 0, got {self.learning_rate}")
         if self.save_strategy not in ("steps", "no", "epoch"):
-            errors.append(f"save_strategy: must be steps or no, got {self.save_strategy!r}")
+            errors.append(f"save_strategy: must be steps, epoch or no, got {self.save_strategy!r}")
         if self.save_steps < 1:
             errors.append(f"save_steps: must be >= 1, got {self.save_steps}")
         if self.eval_steps < 1:
             errors.append(f"eval_steps: must be >= 1, got {self.eval_steps}")
         if self.max_steps == 0 or self.max_steps < -1:
             errors.append(f"max_steps: must be > 0 or -1, got {self.max_steps}")
+        self._check_max_length(errors)
         mini = self.mini_batch_prompts
         if self.global_batch_size >= 1 and mini >= 1 and self.global_batch_size % mini:
             errors.append(f"global_mini_batch_size: {mini} does not divide global_batch_size {self.global_batch_size}")
         if mini < 1:
             errors.append(f"global_mini_batch_size: must be >= 1 or -1, got {mini}")
+
+    def _check_max_length(self, errors):
+        # called by _validate_training (the loader runs every _validate_* method itself)
+        if self.max_length == 0 or self.max_length < -1:
+            errors.append(f"max_length: must be > 0 or -1, got {self.max_length}")
+            return
+        prompt, response = getattr(self, "max_prompt_len", None), getattr(self, "max_dec_len", None)
+        if self.max_length == -1 or prompt is None or response is None:
+            return
+        if prompt + response > self.max_length:
+            errors.append(f"max_length: {self.max_length} is shorter than max_prompt_len ({prompt}) + max_dec_len "
+                          f"({response}) = {prompt + response}; raise max_length or set it to -1")
 
     @property
     def mini_batch_prompts(self) -> int:

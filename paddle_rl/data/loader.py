@@ -219,8 +219,13 @@ class PromptSampler:
         full, rest = divmod(self.size, self.batch_size)
         return full + (1 if rest and not self.drop_last else 0)
 
+    @property
+    def epoch_done(self) -> bool:
+        """True when the next batch starts a new epoch (this epoch's batches are all taken)."""
+        return self.position >= self.size or (self.drop_last and self.position + self.batch_size > self.size)
+
     def next_batch(self) -> List[int]:
-        if self.position >= self.size or (self.drop_last and self.position + self.batch_size > self.size):
+        if self.epoch_done:
             self.epoch, self.position = self.epoch + 1, 0
         order = self._order(self.epoch)
         batch = order[self.position:self.position + self.batch_size].tolist()

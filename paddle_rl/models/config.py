@@ -4,7 +4,7 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Optional
 
-SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama")
+from .family import family_of
 
 
 @dataclass
@@ -31,12 +31,11 @@ class ModelConfig:
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self):
-        if self.model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(f"model_type {self.model_type!r} is not supported (supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
+        family = family_of(self.model_type)
         if self.head_dim is None:
             self.head_dim = self.hidden_size // self.num_attention_heads
         if self.attention_bias is None:
-            self.attention_bias = self.model_type == "qwen2"
+            self.attention_bias = family.attention_bias
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
         if self.hidden_act != "silu":
@@ -45,8 +44,12 @@ class ModelConfig:
             raise ValueError(f"rope_scaling {self.rope_scaling} is not supported")
 
     @property
+    def family(self):
+        return family_of(self.model_type)
+
+    @property
     def uses_qk_norm(self) -> bool:
-        return self.model_type == "qwen3"
+        return self.family.qk_norm
 
     @property
     def eos_token_ids(self) -> list:
@@ -75,9 +78,9 @@ class ModelConfig:
     def to_hf_dict(self) -> dict:
         data = {k: v for k, v in asdict(self).items() if k != "extra" and v is not None}
         data.update(self.extra)
-        data["architectures"] = [{"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}[self.model_type]]
-        if self.model_type == "llama":
-            data.setdefault("mlp_bias", False)
+        data["architectures"] = [self.family.architecture]
+        for key, value in self.family.extra_config:
+            data.setdefault(key, value)
         data.setdefault("torch_dtype", "float32")
         return data
 

@@ -1,7 +1,13 @@
-"""The decoder family: Qwen2/Qwen2.5 (q/k/v bias), Qwen3 (q/k RMSNorm) and Llama, in one definition.
+"""The dense decoder of every family in family.py (Qwen2/2.5 q/k/v bias, Qwen3 q/k RMSNorm, Llama, Mistral).
 
-Activations are [batch, tokens, hidden]. q/k/v and gate/up projections are stored fused
-(one matmul each); `layout.py` maps them to and from the Hugging Face tensor names.
+Activations are [batch, tokens, hidden]. q/k/v and gate/up projections are stored fused (one matmul each);
+each parameter carries its Hugging Face names and tensor-parallel split (layers.py).
+
+One forward serves training, prefill and decode: a `Pass` describes the tokens being run (positions, the
+attention bias, the KV caches) and every layer reads it. A decode step (one new token per row against a
+preallocated cache) takes the fused path in `Attention`: qkv projection -> `rotary_qkv_cache` (split, q/k
+norm, rotary, cache write in place) -> `decode_attention` (left padding skipped by a per-row start slot).
+A pipeline stage is the same model restricted to a range of layers (`stage=(index, count)`).
 """
 import math
 from typing import List, Optional
@@ -10,20 +16,11 @@ import paddle
 import paddle.nn as nn
 
 from .. import ops
-from ..parallel import tensor_parallel as tp
+from ..parallel.collectives import copy_to_group, gather_from_group, group_size
 from .config import ModelConfig
+from .layers import ColumnLinear, RMSNorm, RowLinear, VocabEmbedding, vocab_parallel_logprobs
 
 NEG_INF = -1e9
-
-
-class RMSNorm(nn.Layer):
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.eps = eps
-        self.weight = self.create_parameter([dim], default_initializer=nn.initializer.Constant(1.0))
-
-    def forward(self, x):
-        return ops.rms_norm(x, self.weight, self.eps)
 
 
 class RotaryEmbedding:
@@ -62,14 +59,16 @@ class LayerCache:
     def update(self, k, v):
         """Append k, v [B, kv_heads, L, head_dim]; returns the filled keys and values."""
         start, end = self.length, self.length + k.shape[2]
-        if self.k is None or end > self.k.shape[2]:
-            self._reserve(k, end)
+        self.reserve(k, end)
         self.k[:, :, start:end] = k
         self.v[:, :, start:end] = v
         self.length = end
         return self.keys, self.values
 
-    def _reserve(self, like, needed: int):
+    def reserve(self, like, needed: int):
+        """Buffers shaped like `like` [B, kv_heads, *, head_dim] with room for `needed` slots."""
+        if self.k is not None and needed <= self.k.shape[2]:
+            return
         size = max(needed, self.capacity, 2 * (0 if self.k is None else self.k.shape[2]))
         shape = [like.shape[0], like.shape[1], size, like.shape[3]]
         k, v = paddle.zeros(shape, like.dtype), paddle.zeros(shape, like.dtype)
@@ -122,26 +121,53 @@ def new_cache(config: ModelConfig, capacity: int = 0) -> List[LayerCache]:
     return [LayerCache(capacity) for _ in range(config.num_hidden_layers)]
 
 
+class Pass:
+    """What every layer reads about the tokens of one forward: rotary tables (or, for a decode step, the
+    positions and inverse frequencies the fused kernel takes), the additive attention bias and per-layer
+    caches. `decode_start` [B] marks a decode step: one token per row, attending to cache slots from
+    decode_start[b] on."""
+
+    def __init__(self, rotary, position_ids, attention_bias=None, caches=None, decode_start=None):
+        self.position_ids = position_ids
+        self.attention_bias = attention_bias
+        self.caches = caches
+        self.decode_start = decode_start
+        self.inv_freq = rotary.inv_freq
+        self.cos, self.sin = (None, None) if decode_start is not None else rotary(position_ids)
+
+    @property
+    def decode(self) -> bool:
+        return self.decode_start is not None
+
+    def cache(self, i: int):
+        return None if self.caches is None else self.caches[i]
+
+
 class Attention(nn.Layer):
-    def __init__(self, config: ModelConfig, tp_group=None):
+    def __init__(self, config: ModelConfig, tp_group, prefix: str):
         super().__init__()
-        # this rank's heads: all of them without tensor parallelism
-        self.num_heads, self.num_kv_heads = tp.local_heads(config, tp_group)
+        tp = group_size(tp_group)
+        if config.num_attention_heads % tp or config.num_key_value_heads % tp:
+            raise ValueError(f"tensor_parallel_degree {tp} must divide num_attention_heads "
+                             f"({config.num_attention_heads}) and num_key_value_heads ({config.num_key_value_heads})")
+        self.num_heads, self.num_kv_heads = config.num_attention_heads // tp, config.num_key_value_heads // tp
         self.head_dim = config.head_dim
         self.scale = 1.0 / math.sqrt(self.head_dim)
         self.split_sizes = [self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim,
                             self.num_kv_heads * self.head_dim]
         q_size = config.num_attention_heads * self.head_dim
         kv_size = config.num_key_value_heads * self.head_dim
-        self.qkv_proj = tp.column_linear(config.hidden_size, [q_size, kv_size, kv_size], config.attention_bias,
-                                         tp_group)
-        self.o_proj = tp.row_linear(q_size, config.hidden_size, False, tp_group)
+        self.qkv_proj = ColumnLinear(config.hidden_size, [q_size, kv_size, kv_size], config.attention_bias,
+                                     tp_group, prefix, ("q_proj", "k_proj", "v_proj"))
+        self.o_proj = RowLinear(q_size, config.hidden_size, False, tp_group, f"{prefix}.o_proj")
         self.qk_norm = config.uses_qk_norm
         if self.qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, f"{prefix}.q_norm.weight")
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, f"{prefix}.k_norm.weight")
 
-    def forward(self, x, cos, sin, attention_bias, cache: Optional[LayerCache] = None):
+    def forward(self, x, p: Pass, cache=None):
+        if p.decode:
+            return self.o_proj(self._decode(x, p, cache))
         batch, length = x.shape[0], x.shape[1]
         q, k, v = paddle.split(self.qkv_proj(x), self.split_sizes, axis=-1)
         q = q.reshape([batch, length, self.num_heads, self.head_dim])
@@ -149,41 +175,57 @@ class Attention(nn.Layer):
         v = v.reshape([batch, length, self.num_kv_heads, self.head_dim])
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_rotary(q, cos, sin).transpose([0, 2, 1, 3])
-        k = apply_rotary(k, cos, sin).transpose([0, 2, 1, 3])
+        q = apply_rotary(q, p.cos, p.sin).transpose([0, 2, 1, 3])
+        k = apply_rotary(k, p.cos, p.sin).transpose([0, 2, 1, 3])
         v = v.transpose([0, 2, 1, 3])
         if cache is not None:
             k, v = cache.update(k, v)
         groups = self.num_heads // self.num_kv_heads
         # heads h = kv * groups + j share kv head `kv`: fold the group into the query axis
         q = q.reshape([batch, self.num_kv_heads, groups * length, self.head_dim])
-        probs = ops.masked_softmax(paddle.matmul(q, k, transpose_y=True), attention_bias, self.scale)
+        probs = ops.masked_softmax(paddle.matmul(q, k, transpose_y=True), p.attention_bias, self.scale)
         out = paddle.matmul(probs, v).reshape([batch, self.num_heads, length, self.head_dim])
         out = out.transpose([0, 2, 1, 3]).reshape([batch, length, self.num_heads * self.head_dim])
         return self.o_proj(out)
 
+    def _decode(self, x, p: Pass, cache: LayerCache):
+        """One token per row: split, q/k norm, rotary and the cache write in one kernel, then attention over
+        the cache from each row's start slot."""
+        slot = cache.length
+        if cache.k is None or slot + 1 > cache.k.shape[2]:
+            cache.reserve(paddle.empty([x.shape[0], self.num_kv_heads, 1, self.head_dim], x.dtype), slot + 1)
+        q = ops.rotary_qkv_cache(self.qkv_proj(x), p.position_ids, p.inv_freq, cache.k, cache.v, self.num_heads,
+                                 self.num_kv_heads, slot, self.q_norm.weight if self.qk_norm else None,
+                                 self.k_norm.weight if self.qk_norm else None,
+                                 self.q_norm.eps if self.qk_norm else 1e-6)
+        cache.length = slot + 1
+        return ops.decode_attention(q, cache.k, cache.v, p.decode_start, slot + 1, self.scale)
+
 
 class MLP(nn.Layer):
-    def __init__(self, config: ModelConfig, tp_group=None):
+    def __init__(self, config: ModelConfig, tp_group, prefix: str):
         super().__init__()
         self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = tp.column_linear(config.hidden_size, [config.intermediate_size] * 2, False, tp_group)
-        self.down_proj = tp.row_linear(config.intermediate_size, config.hidden_size, False, tp_group)
+        self.gate_up_proj = ColumnLinear(config.hidden_size, [config.intermediate_size] * 2, False, tp_group, prefix,
+                                         ("gate_proj", "up_proj"))
+        self.down_proj = RowLinear(config.intermediate_size, config.hidden_size, False, tp_group,
+                                   f"{prefix}.down_proj")
 
     def forward(self, x):
         return self.down_proj(ops.swiglu(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Layer):
-    def __init__(self, config: ModelConfig, tp_group=None):
+    def __init__(self, config: ModelConfig, tp_group, prefix: str):
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, tp_group)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config, tp_group)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, f"{prefix}.input_layernorm.weight")
+        self.self_attn = Attention(config, tp_group, f"{prefix}.self_attn")
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps,
+                                                f"{prefix}.post_attention_layernorm.weight")
+        self.mlp = MLP(config, tp_group, f"{prefix}.mlp")
 
-    def forward(self, x, cos, sin, attention_bias, cache=None):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attention_bias, cache)
+    def forward(self, x, p: Pass, cache=None):
+        x = x + self.self_attn(self.input_layernorm(x), p, cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -207,19 +249,41 @@ def position_ids_from_mask(mask):
     return paddle.clip(paddle.cumsum(mask.astype("int64"), axis=-1) - 1, min=0)
 
 
-class CausalLM(nn.Layer):
-    """`tp_group` (a paddle.distributed group) builds the tensor-parallel layers of parallel/tensor_parallel.py."""
+def stage_layers(num_layers: int, num_stages: int, stage: int) -> List[int]:
+    """Layer indices of a pipeline stage: consecutive, sizes differ by at most one (earlier stages take the
+    extra)."""
+    if num_layers < num_stages:
+        raise ValueError(f"pipeline_parallel_degree {num_stages} exceeds num_hidden_layers {num_layers}")
+    base, extra = divmod(num_layers, num_stages)
+    start = stage * base + min(stage, extra)
+    return list(range(start, start + base + (1 if stage < extra else 0)))
 
-    def __init__(self, config: ModelConfig, tp_group=None):
+
+class CausalLM(nn.Layer):
+    """The decoder with its LM head. `tp_group` (a paddle.distributed group) splits the layers over tensor-parallel
+    ranks; `stage=(index, count)` keeps one pipeline stage: its layers, the embedding on the first stage, the
+    final norm and head on the last (a tied head keeps a copy of the table there, `pp_duplicate`)."""
+
+    def __init__(self, config: ModelConfig, tp_group=None, stage=(0, 1)):
         super().__init__()
         self.config = config
         self.tp_group = tp_group
-        self.embed_tokens = tp.embedding(config.vocab_size, config.hidden_size, tp_group)
-        self.layers = nn.LayerList([DecoderLayer(config, tp_group) for _ in range(config.num_hidden_layers)])
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.stage, self.num_stages = stage
+        self.is_first, self.is_last = self.stage == 0, self.stage == self.num_stages - 1
+        self.layer_ids = stage_layers(config.num_hidden_layers, self.num_stages, self.stage)
+        tied = config.tie_word_embeddings
+        if self.is_first or (self.is_last and tied):
+            self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, tp_group,
+                                               "model.embed_tokens.weight")
+            if not self.is_first:
+                self.embed_tokens.weight.pp_duplicate = True  # the first stage's copy counts in the gradient norm
+        self.layers = nn.LayerList([DecoderLayer(config, tp_group, f"model.layers.{i}") for i in self.layer_ids])
+        if self.is_last:
+            self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, "model.norm.weight")
+            if not tied:
+                self.lm_head = ColumnLinear(config.hidden_size, [config.vocab_size], False, tp_group, "",
+                                            ("lm_head",), pad=True)
         self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta)
-        if not config.tie_word_embeddings:
-            self.lm_head = tp.column_linear(config.hidden_size, [config.vocab_size], False, tp_group)
         self.recompute = False
 
     def init_weights(self, std: Optional[float] = None):
@@ -232,16 +296,31 @@ class CausalLM(nn.Layer):
             else:
                 param.set_value(paddle.normal(0.0, std, param.shape).astype(param.dtype))
 
-    def hidden_states(self, input_ids, position_ids, attention_bias, cache=None):
-        x = self.embed_tokens(input_ids)
-        cos, sin = self.rotary(position_ids)
+    def new_cache(self, capacity: int = 0) -> List[LayerCache]:
+        """One LayerCache per layer of this model; `capacity` (prompt + response slots) preallocates them."""
+        return [LayerCache(capacity) for _ in self.layers]
+
+    # ---------------------------------------------------------------- the one forward
+    def run(self, inputs, p: Pass):
+        """Token ids (first stage) or the previous stage's hidden states -> this stage's hidden states (after the
+        final norm on the last stage)."""
+        x = self.embed_tokens(inputs) if self.is_first else inputs
         for i, layer in enumerate(self.layers):
-            if self.recompute and self.training and cache is None:
+            if self.recompute and self.training and p.caches is None:
                 from paddle.distributed.fleet.utils import recompute
-                x = recompute(layer, x, cos, sin, attention_bias, use_reentrant=False)
+                x = recompute(layer, x, p, None, use_reentrant=False)
             else:
-                x = layer(x, cos, sin, attention_bias, None if cache is None else cache[i])
-        return self.norm(x)
+                x = layer(x, p, p.cache(i))
+        return self.norm(x) if self.is_last else x
+
+    def hidden_states(self, inputs, position_ids, attention_bias, cache=None):
+        return self.run(inputs, Pass(self.rotary, position_ids, attention_bias, cache))
+
+    def decode_step(self, tokens, positions, cache, start):
+        """Logits [B, V] of the next token after `tokens` [B] at `positions` [B, 1]; appends to `cache`.
+        `start` [B] int64: the first cache slot each row attends to (its prompt's first real token)."""
+        hidden = self.run(tokens.unsqueeze(-1), Pass(self.rotary, positions, caches=cache, decode_start=start))
+        return self.logits(hidden).reshape([tokens.shape[0], -1])
 
     def shared_prompt_hidden_states(self, input_ids, attention_mask, prompt_width: int, prompt_first, prompt_rows):
         """hidden_states of the whole [prompt | response] layout, returned at the response-predicting positions
@@ -265,20 +344,58 @@ class CausalLM(nn.Layer):
                                                                       causal=True), prefixes)
         return paddle.concat([last_prompt, response_hidden], axis=1)
 
+    # ---------------------------------------------------------------- the head
     @property
-    def lm_head_weight(self):
-        """[hidden, vocab] view of the output projection."""
-        return self.embed_tokens.weight.T if self.config.tie_word_embeddings else self.lm_head.weight
+    def head_weight(self):
+        """The output projection: (weight, transposed) with weight [hidden, V_r], or the tied table [V_r, hidden]."""
+        if self.config.tie_word_embeddings:
+            return self.embed_tokens.weight, True
+        return self.lm_head.weight, False
 
-    def logits(self, hidden):
-        """Full-vocabulary logits (gathered over the tensor-parallel group)."""
-        return tp.gather_from_group(self.local_logits(hidden), self.tp_group)
+    @property
+    def vocab_start(self) -> int:
+        """First vocabulary id of this rank's slice (0 without tensor parallelism)."""
+        weight, transposed = self.head_weight
+        return self.tp_rank * weight.shape[0 if transposed else 1]
+
+    @property
+    def tp_rank(self) -> int:
+        return 0 if self.tp_group is None else self.tp_group.rank
+
+    @property
+    def vocab_width(self) -> int:
+        """This rank's number of real vocabulary columns (its slice minus the padding)."""
+        weight, transposed = self.head_weight
+        per_rank = weight.shape[0 if transposed else 1]
+        return max(0, min(per_rank, self.config.vocab_size - self.vocab_start))
 
     def local_logits(self, hidden):
-        """Logits of this rank's vocabulary slice (all of it without tensor parallelism)."""
-        if self.config.tie_word_embeddings:
-            return paddle.matmul(tp.copy_to_group(hidden, self.tp_group), self.embed_tokens.weight, transpose_y=True)
+        """Logits of this rank's padded vocabulary slice (all of it without tensor parallelism)."""
+        weight, transposed = self.head_weight
+        if transposed:
+            return paddle.matmul(copy_to_group(hidden, self.tp_group), weight, transpose_y=True)
         return self.lm_head(hidden)
+
+    def logits(self, hidden):
+        """Full-vocabulary logits (gathered over the tensor-parallel group, padding cut off)."""
+        logits = gather_from_group(self.local_logits(hidden), self.tp_group)
+        return logits if logits.shape[-1] == self.config.vocab_size else logits[..., :self.config.vocab_size]
+
+    def head_logprobs(self, hidden, targets, temperature: float, with_entropy: bool = False):
+        """log softmax(logits / T) at `targets` (and the entropy) from hidden states [b, L, hidden]: [b, L].
+        One process: chunked through `ops.lm_head_logprobs` (never a [tokens, vocab] log-softmax); tensor
+        parallel: from vocabulary-sharded logits."""
+        batch, length = targets.shape[0], targets.shape[1]
+        weight, transposed = self.head_weight
+        if self.tp_group is None:
+            logp, entropy = ops.lm_head_logprobs(hidden.reshape([batch * length, hidden.shape[-1]]), weight,
+                                                 targets.reshape([-1]), temperature, with_entropy,
+                                                 transpose_weight=transposed)
+            return logp.reshape([batch, length]), None if entropy is None else entropy.reshape([batch, length])
+        logits = self.local_logits(hidden)[..., :self.vocab_width]
+        if temperature > 0:
+            logits = logits / temperature
+        return vocab_parallel_logprobs(logits, targets, self.tp_group, self.vocab_start, with_entropy)
 
     def forward(self, input_ids, attention_mask=None):
         """Full-sequence logits (no cache): [B, T, vocab]."""

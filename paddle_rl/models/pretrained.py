@@ -9,65 +9,67 @@ import paddle
 
 from .config import ModelConfig
 from .decoder import CausalLM
-from .layout import hf_to_local, local_to_hf
+from .layers import specs_of
 from .safetensors_io import load_state, save_state
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "chat_template.jinja",
                    "special_tokens_map.json")
 
 
-def load_model(folder: str, config: Optional[ModelConfig] = None, tp_group=None) -> CausalLM:
+def load_model(folder: str, config: Optional[ModelConfig] = None, tp_group=None, stage=(0, 1)) -> CausalLM:
     """The model of a Hugging Face folder; with `tp_group` each rank builds tensor-parallel layers and keeps
-    its own shard of every split tensor."""
+    its own shard of every split tensor; `stage=(index, count)` keeps one pipeline stage."""
     config = config or ModelConfig.from_pretrained(folder)
-    model = CausalLM(config, tp_group)
-    load_local_state(model, read_local_state(folder, config, tp_group), source=folder)
+    model = CausalLM(config, tp_group, stage)
+    load_weights(model, folder)
     return model
 
 
-def read_local_state(folder: str, config: ModelConfig, tp_group=None) -> dict:
-    """A checkpoint's tensors under this decoder's names (this rank's shards under tensor parallelism)."""
-    try:
-        local = hf_to_local(config, load_state(folder))
-    except KeyError as e:
-        raise KeyError(f"{folder}: checkpoint lacks tensor {e.args[0]}") from None
-    if tp_group is not None:
-        from ..parallel.tensor_parallel import shard_state
-        local = shard_state(config, local, tp_group.rank, tp_group.nranks)
-    return local
-
-
-def load_local_state(model: CausalLM, local: dict, source: str = "state") -> None:
-    params = dict(model.named_parameters())
-    for name, param in params.items():
-        if name not in local:
-            raise KeyError(f"{source}: missing tensor for parameter {name}")
-        value = local[name]
+def load_weights(model: CausalLM, source) -> None:
+    """Overwrite a model's parameters from a Hugging Face folder or a {HF name: array} state (each rank takes
+    its own shard through the parameters' specs)."""
+    tensors, where = (load_state(source), source) if isinstance(source, str) else (source, "state")
+    group = model.tp_group
+    rank, size = (0, 1) if group is None else (group.rank, group.nranks)
+    for name, param in specs_of(model):
+        try:
+            value = param.spec.shard(param.spec.from_hf(tensors), rank, size)
+        except KeyError as e:
+            raise KeyError(f"{where}: checkpoint lacks tensor {e.args[0]} (parameter {name})") from None
         if tuple(value.shape) != tuple(param.shape):
-            raise ValueError(f"{source}: {name} has shape {list(value.shape)}, model expects {list(param.shape)}")
+            raise ValueError(f"{where}: {', '.join(param.spec.hf_names)} gives shape {list(value.shape)} for "
+                             f"{name}, model expects {list(param.shape)}")
         param.set_value(paddle.to_tensor(np.ascontiguousarray(value), dtype=param.dtype))
 
 
-def model_state_numpy(model: CausalLM) -> dict:
-    """Full (unsharded) numpy state; a tensor-parallel model gathers its shards (collective over its group)."""
-    if getattr(model, "tp_group", None) is not None:
-        from ..parallel.tensor_parallel import gather_state
-        return gather_state(model, model.tp_group)
-    return {name: param.numpy() for name, param in model.named_parameters()}
+def hf_state(model: CausalLM) -> dict:
+    """This model's full tensors under their Hugging Face names; a tensor-parallel model gathers its shards
+    (a collective over its group: every rank calls it)."""
+    import paddle.distributed as dist
+    group = model.tp_group
+    out = {}
+    for _, param in specs_of(model):
+        if group is None or not param.is_distributed:
+            full = param.numpy()
+        else:
+            shards: list = []
+            dist.all_gather(shards, param.detach(), group=group)
+            full = param.spec.unshard([s.numpy() for s in shards])
+        out.update(param.spec.to_hf(full))
+    return out
 
 
 def save_model(model: CausalLM, folder: str, tokenizer_folder: Optional[str] = None,
                max_shard_bytes: int = 5 * 1024**3, state: Optional[dict] = None) -> None:
     """One ordinary checkpoint. A tensor-parallel model is gathered (every rank of its group calls this) and
-    written by the group's first rank; `state` passes an already gathered full state instead."""
+    written by the group's first rank; `state` passes an already gathered {HF name: array} state instead."""
     if state is None:
-        state = model_state_numpy(model)
-        group = getattr(model, "tp_group", None)
-        if group is not None and group.rank != 0:
+        state = hf_state(model)
+        if model.tp_group is not None and model.tp_group.rank != 0:
             return
     os.makedirs(folder, exist_ok=True)
     model.config.save(folder)
-    save_state(folder, local_to_hf(model.config, state), max_shard_bytes=max_shard_bytes)
+    save_state(folder, state, max_shard_bytes=max_shard_bytes)
     if tokenizer_folder:
         copy_tokenizer_files(tokenizer_folder, folder)
 

@@ -1,4 +1,5 @@
+from .dashboards import resolve_dashboards
 from .metrics_log import METRICS_FILE, TIMING_PREFIXES, MetricsLog, read_metrics
 from .timer import StageTimer
 
-__all__ = ["MetricsLog", "read_metrics", "METRICS_FILE", "TIMING_PREFIXES", "StageTimer"]
+__all__ = ["MetricsLog", "read_metrics", "METRICS_FILE", "TIMING_PREFIXES", "StageTimer", "resolve_dashboards"]

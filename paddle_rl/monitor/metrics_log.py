@@ -1,11 +1,10 @@
-"""metrics.jsonl (every step), VisualDL scalars and a console line (every logging_steps)."""
+"""metrics.jsonl (every step) and the dashboards of report_to (every logging_steps; dashboards.py)."""
 import json
-import logging
 import math
 import os
 from typing import Optional
 
-logger = logging.getLogger("paddle_rl")
+from .dashboards import open_dashboards
 
 METRICS_FILE = "metrics.jsonl"
 # Wall-clock figures: they differ between two runs of the same computation.
@@ -20,24 +19,24 @@ def _clean(value):
 class MetricsLog:
     def __init__(self, output_dir: str, logging_dir: Optional[str], report_to: str = "visualdl",
                  logging_steps: int = 1, run_name: Optional[str] = None, enabled: bool = True):
+        """`logging_dir` (default <output_dir>/logs) holds the dashboards' files; `enabled` is false on every
+        rank but the logging one. A dashboard named in report_to that cannot be opened raises ConfigError."""
         self.enabled = enabled
         self.path = os.path.join(output_dir, METRICS_FILE)
         self.logging_steps = logging_steps
-        self.writer = None
+        self.dashboards = []
         if not enabled:
             return
         os.makedirs(output_dir, exist_ok=True)
-        if report_to not in ("none", "") and logging_dir:
-            try:
-                from visualdl import LogWriter
-                os.makedirs(logging_dir, exist_ok=True)
-                self.writer = LogWriter(logdir=logging_dir, display_name=run_name or "")
-            except ImportError:
-                logger.warning("visualdl is not installed: dashboard scalars are off (metrics.jsonl still written)")
+        self.dashboards = open_dashboards(report_to, logging_dir or os.path.join(output_dir, "logs"), run_name)
 
     def truncate_after(self, step: int) -> None:
         """Drop lines of steps after `step` (written by an interrupted run that is being resumed)."""
-        if not self.enabled or not os.path.isfile(self.path):
+        if not self.enabled:
+            return
+        for dashboard in self.dashboards:
+            dashboard.restart(step)
+        if not os.path.isfile(self.path):
             return
         with open(self.path, encoding="utf-8") as f:
             lines = [line for line in f if line.strip() and json.loads(line)["step"] <= step]
@@ -54,16 +53,15 @@ class MetricsLog:
             f.write(json.dumps(record) + "\n")
             f.flush()
             os.fsync(f.fileno())
-        if self.writer is not None and (step % self.logging_steps == 0 or step == 0):
-            for key, value in record.items():
-                if key != "step" and isinstance(value, float):
-                    self.writer.add_scalar(tag=key, value=value, step=step)
-            self.writer.flush()
+        if self.dashboards and (step % self.logging_steps == 0 or step == 0):
+            scalars = {k: v for k, v in record.items() if k != "step" and isinstance(v, float)}
+            for dashboard in self.dashboards:
+                dashboard.add_scalars(step, scalars)
 
     def close(self) -> None:
-        if self.writer is not None:
-            self.writer.close()
-            self.writer = None
+        for dashboard in self.dashboards:
+            dashboard.close()
+        self.dashboards = []
 
 
 def read_metrics(path: str):

@@ -191,7 +191,7 @@ def build_sharded_optimizer(model, config, total_steps: int, sync: GradientSync,
                             build_optimizer=None):
     """(optimizer, scheduler): AdamW over every parameter, or over this rank's shard under sharding."""
     if build_optimizer is None:
-        from ..trainer.optim import build_optimizer
+        from ..optim import build_optimizer
     if sync.stage == 0:
         return build_optimizer(model, config, total_steps)
     inner, scheduler = build_optimizer(model, config, total_steps, parameters=sync.owned_params)

@@ -39,8 +39,23 @@ def world_size_from_env() -> int:
 
 def resolve_degrees(tensor: int = 1, pipe: int = 1, sharding: int = 1, data: int = -1,
                     world_size: Optional[int] = None) -> Dict[str, int]:
-    """Degrees per axis; data -1 takes what the others leave of the world size. Errors name the keys."""
+    """Degrees per axis; -1 derives a degree from the world size (the processes launched). Errors name the keys.
+
+    - sharding -1 (PaddleNLP's `sharding_parallel_degree: -1`) takes every rank that tensor x pipeline leave,
+      divided by data_parallel_degree when that is given (>= 1). With data -1 as well, sharding is derived
+      first and takes them all, so data is 1: PaddleNLP resolves sharding -1 before it derives the data degree
+      from what is left. (config/parallel_args.py turns -1 into 1 when no sharding stage is named.)
+    - data -1 takes what tensor x pipeline x sharding leave.
+    """
     world = world_size_from_env() if world_size is None else world_size
+    if sharding == -1:
+        rest = tensor * pipe * (1 if data == -1 else data)
+        rest_named = f"tensor_parallel_degree ({tensor}) x pipeline_parallel_degree ({pipe})" + (
+            "" if data == -1 else f" x data_parallel_degree ({data})")
+        if world % rest:
+            raise TopologyError(f"sharding_parallel_degree -1 takes the ranks that {rest_named} = {rest} leave, but "
+                                f"{rest} does not divide the world size {world} (processes launched)")
+        sharding = world // rest
     model = tensor * pipe * sharding
     named = (f"tensor_parallel_degree ({tensor}) x pipeline_parallel_degree ({pipe}) x "
              f"sharding_parallel_degree ({sharding})")
@@ -271,7 +286,7 @@ def _product_text(degrees: Dict[str, int]) -> str:
 def topology_from_config(config) -> Topology:
     return build_topology(tensor=config.tensor_parallel_degree, pipe=config.pipeline_parallel_degree,
                           sharding=config.sharding_parallel_degree, data=config.data_parallel_degree,
-                          sharding_stage=config.sharding if config.sharding_parallel_degree > 1 else "",
+                          sharding_stage=config.sharding if config.sharding_parallel_degree != 1 else "",
                           rollout_tensor=config.rollout_tensor_parallel_degree)
 
 

@@ -6,6 +6,7 @@
 - `use_rm_server: true`: a client of the reward server at `reward_server`.
 """
 from .base import RewardResult, RewardSample, concat_results
+from .check import check_reward_config
 from .client import RewardServerClient, RewardServerError
 from .composite import RewardError, RuleReward, build_local_reward
 from .plugins import PluginError, load_plugins
@@ -16,13 +17,16 @@ def build_reward(config, broadcast_group=None):
     """The reward callable a config asks for.
 
     `broadcast_group` (optional, a paddle.distributed group) is used only with `use_rm_server`: the group's
-    first rank calls the server and broadcasts the scores to the other ranks.
+    first rank calls the server and broadcasts its result to the other ranks.
+
+    Checks the reward keys first (`check_reward_config`: unknown function names, the soft overlong penalty
+    switched on twice); call that alone to fail before loading models.
     """
     if config.use_rm_server:
         return RewardServerClient.from_config(config, broadcast_group=broadcast_group)
     return build_local_reward(config)
 
 
-__all__ = ["RewardSample", "RewardResult", "RuleReward", "build_reward", "build_local_reward", "register_rule",
-           "concat_results", "RULE_REWARDS", "RewardServerClient", "RewardServerError", "RewardError",
+__all__ = ["RewardSample", "RewardResult", "RuleReward", "build_reward", "check_reward_config", "build_local_reward",
+           "register_rule", "concat_results", "RULE_REWARDS", "RewardServerClient", "RewardServerError", "RewardError",
            "PluginError", "SampleError", "load_plugins"]

@@ -8,8 +8,12 @@ seconds; other 4xx answers and scoring errors are not retried. When a request st
 - on_failure="skip": its samples come back with `skipped=True` and NaN scores (a warning is logged); the caller
   drops them. Configuration errors (401/403/404/413/400) raise even then.
 
+Samples the server scored with its timeout score (`--timeout-score`, listed in `timed_out`) are logged as a
+warning naming them, under either protocol.
+
 Under tensor parallelism, pass `broadcast_group` (a paddle.distributed group): its first rank calls the server
-and broadcasts scores, correctness and skip marks to the others (per-function scores stay on that rank).
+and broadcasts the whole result (scores, per-function scores, correctness, skip marks) to the others, so every
+rank of the group computes the same advantages (GDPO uses the per-function scores).
 """
 import json
 import logging
@@ -18,7 +22,7 @@ import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import numpy as np
 
@@ -29,6 +33,7 @@ logger = logging.getLogger("paddle_rl")
 API_KEY_ENV = "PADDLE_RL_REWARD_API_KEY"
 RETRY_STATUS = {408, 429, 500, 502, 503, 504}
 SKIPPABLE_STATUS = {422}
+OVERLONG_RULE, OVERLONG_KEY = "soft_overlong", "enable_overlong_reward_buffer"
 
 
 class RewardServerError(RuntimeError):
@@ -64,7 +69,8 @@ def _error_text(resp) -> str:
 class RewardServerClient:
     def __init__(self, url: str, batch_size: int = 8, timeout: float = 60.0, retries: int = 3,
                  backoff: float = 1.0, on_failure: str = "error", protocol: str = "auto",
-                 api_key: Optional[str] = None, broadcast_group=None, max_concurrency: int = 8):
+                 api_key: Optional[str] = None, broadcast_group=None, max_concurrency: int = 8,
+                 overlong_in_objective: bool = False):
         if on_failure not in ("error", "skip"):
             raise ValueError(f"on_failure: expected error or skip, got {on_failure!r}")
         if protocol not in ("auto", "v1", "paddlenlp"):
@@ -76,6 +82,9 @@ class RewardServerClient:
         self.api_key = api_key if api_key is not None else os.environ.get(API_KEY_ENV, "")
         self.broadcast_group = broadcast_group
         self.max_concurrency = max(1, int(max_concurrency))
+        # the objective applies the soft overlong penalty (enable_overlong_reward_buffer): a server that applies
+        # it too (its soft_overlong function) is a configuration error, found from /v1/score's per_function
+        self.overlong_in_objective = bool(overlong_in_objective)
         self._http = None
         self._lock = threading.Lock()
 
@@ -85,7 +94,8 @@ class RewardServerClient:
                    timeout=config.reward_server_timeout, retries=config.reward_server_retries,
                    backoff=config.reward_server_backoff, on_failure=config.reward_server_on_failure,
                    protocol=config.reward_server_protocol, api_key=config.reward_server_api_key or None,
-                   broadcast_group=broadcast_group)
+                   broadcast_group=broadcast_group,
+                   overlong_in_objective=bool(getattr(config, OVERLONG_KEY, False)))
 
     # ------------------------------------------------------------------------------------------ endpoints
     @property
@@ -122,7 +132,7 @@ class RewardServerClient:
             raise _Failure(f"{type(e).__name__}: {e}", retry=True) from None
         return resp
 
-    def _v1(self, samples: List[RewardSample]) -> Optional[RewardResult]:
+    def _v1(self, samples: List[RewardSample]) -> Optional[Tuple[RewardResult, List[int]]]:
         payload = {"samples": [{"prompt": s.prompt, "response": s.response, "response_length": int(s.response_length),
                                 "truncated": bool(s.truncated), "record": s.record} for s in samples]}
         resp = self._post(self.v1_url, payload)
@@ -131,19 +141,20 @@ class RewardServerClient:
         body = self._checked(resp, len(samples))
         per = {name: np.array([np.nan if v is None else float(v) for v in values], dtype=np.float32)
                for name, values in (body.get("per_function") or {}).items()}
+        if self.overlong_in_objective and OVERLONG_RULE in per:
+            raise _Failure(f"the server applies the reward function {OVERLONG_RULE!r} and this run has {OVERLONG_KEY}: "
+                           f"true: the DAPO soft overlong penalty would count twice; drop one of them",
+                           retry=False, skippable=False)
         correct = body.get("correct")
         correct = None if correct is None else np.array(correct, dtype=bool)
-        if body.get("timed_out"):
-            logger.warning("reward server %s: samples %s timed out and got the server's timeout score",
-                           self.url, body["timed_out"])
-        return RewardResult(np.array(body["score"], dtype=np.float32), per, correct)
+        return RewardResult(np.array(body["score"], dtype=np.float32), per, correct), body["timed_out"]
 
-    def _paddlenlp(self, samples: List[RewardSample]) -> RewardResult:
+    def _paddlenlp(self, samples: List[RewardSample]) -> Tuple[RewardResult, List[int]]:
         payload = {"src": [s.prompt for s in samples],
                    "tgt": [None if s.ground_truth is None else str(s.ground_truth) for s in samples],
                    "response": [s.response for s in samples]}
         body = self._checked(self._post(self.url, payload), len(samples))
-        return RewardResult(np.array(body["score"], dtype=np.float32))
+        return RewardResult(np.array(body["score"], dtype=np.float32)), body["timed_out"]
 
     def _checked(self, resp, n: int) -> dict:
         status = resp.status_code
@@ -166,9 +177,18 @@ class RewardServerClient:
         for i, v in enumerate(scores):
             if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v):
                 raise _Failure(f"score of sample {i} is {v!r}, not a finite number", retry=False, skippable=False)
+        timed_out = body.get("timed_out")
+        if timed_out is None:                          # absent from PaddleNLP's own server
+            timed_out = []
+        if not isinstance(timed_out, list) or not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < n
+                                                      for i in timed_out):
+            raise _Failure(f"timed_out is {timed_out!r}, not a list of sample indices below {n}", retry=False,
+                           skippable=False)
+        body["timed_out"] = timed_out
         return body
 
-    def _request(self, samples: List[RewardSample]) -> RewardResult:
+    def _request(self, samples: List[RewardSample]) -> Tuple[RewardResult, List[int]]:
+        """The result of one request and the (request-local) indices of samples given the timeout score."""
         if self.protocol != "paddlenlp":
             result = self._v1(samples)
             if result is not None:
@@ -184,12 +204,17 @@ class RewardServerClient:
             if attempt:
                 time.sleep(self.backoff * 2 ** (attempt - 1))
             try:
-                return self._request(samples)
+                result, timed_out = self._request(samples)
             except _Failure as e:
                 failure = e
                 attempts.append(f"attempt {attempt + 1}: {e}")
                 if not e.retry:
                     break
+                continue
+            if timed_out:
+                logger.warning("reward server %s: samples %s timed out and got the server's timeout score",
+                               self.url, [first + i for i in timed_out])
+            return result
         message = (f"reward server {self.url} failed to score {where} after {len(attempts)} attempt"
                    f"{'s' if len(attempts) > 1 else ''}:\n  " + "\n  ".join(attempts))
         if self.on_failure == "skip" and failure.skippable:
@@ -231,30 +256,27 @@ class RewardServerClient:
 
     # ------------------------------------------------------------------------------------------ tensor parallel
     def _score_and_broadcast(self, samples, group) -> RewardResult:
-        import paddle
         import paddle.distributed as dist
         src = group.ranks[0]
-        n = len(samples)
         error, result = None, None
         if dist.get_rank() == src:
             try:
                 result = self.score(samples)
             except Exception as e:  # noqa: BLE001 - re-raised after the others are told
                 error = e
-            packed = pack_result(result, n, error is not None)
-        else:
-            packed = np.zeros((n + 1, 3), dtype=np.float32)
-        tensor = paddle.to_tensor(packed)
-        dist.broadcast(tensor, src=src, group=group)
+        shared, failure = broadcast_result(result, None if error is None else f"{type(error).__name__}: {error}",
+                                           group)
         if error is not None:
             raise error
         if result is not None:
             return result
-        unpacked = unpack_result(tensor.numpy())
-        if unpacked is None:
-            raise RewardServerError(f"reward server {self.url}: rank {src} of the tensor-parallel group failed "
-                                    f"to score the batch (its log has the reason)")
-        return unpacked
+        if failure is not None:
+            raise RewardServerError(f"reward server {self.url}: rank {src} of the tensor-parallel group failed to "
+                                    f"score the batch: {failure}")
+        if len(shared) != len(samples):
+            raise RewardServerError(f"reward server {self.url}: rank {src} of the tensor-parallel group scored "
+                                    f"{len(shared)} samples, this rank holds {len(samples)}")
+        return shared
 
 
 def _distributed_ready() -> bool:
@@ -265,26 +287,30 @@ def _distributed_ready() -> bool:
         return False
 
 
-def pack_result(result: Optional[RewardResult], n: int, failed: bool) -> np.ndarray:
-    """[n+1, 3] float32: row 0 = (failed, has correct, has skipped); rows 1.. = (score, correct, skipped)."""
-    packed = np.zeros((n + 1, 3), dtype=np.float32)
-    if failed or result is None:
-        packed[0, 0] = 1.0
-        return packed
-    packed[0, 1] = float(result.correct is not None)
-    packed[0, 2] = float(result.skipped is not None)
-    packed[1:, 0] = result.scores
-    if result.correct is not None:
-        packed[1:, 1] = result.correct
-    if result.skipped is not None:
-        packed[1:, 2] = result.skipped
-    return packed
+def pack_result(result: Optional[RewardResult], failure: Optional[str] = None) -> dict:
+    """A picklable dict of a result (or of the failure message of the rank that could not score)."""
+    if failure is not None or result is None:
+        return {"failure": failure or "no result"}
+    return {"failure": None, "scores": np.asarray(result.scores, dtype=np.float32),
+            "per_function": {name: np.asarray(v, dtype=np.float32) for name, v in result.per_function.items()},
+            "correct": None if result.correct is None else np.asarray(result.correct, dtype=bool),
+            "skipped": None if result.skipped is None else np.asarray(result.skipped, dtype=bool)}
 
 
-def unpack_result(packed: np.ndarray) -> Optional[RewardResult]:
-    """Inverse of pack_result (None when the packing rank failed); per-function scores are not carried."""
-    if packed[0, 0]:
-        return None
-    correct = packed[1:, 1] > 0.5 if packed[0, 1] else None
-    skipped = packed[1:, 2] > 0.5 if packed[0, 2] else None
-    return RewardResult(packed[1:, 0].astype(np.float32), {}, correct, skipped)
+def unpack_result(packed: dict) -> Tuple[Optional[RewardResult], Optional[str]]:
+    """Inverse of pack_result: (result, None), or (None, the failure message)."""
+    if packed["failure"] is not None:
+        return None, packed["failure"]
+    return RewardResult(packed["scores"], dict(packed["per_function"]), packed["correct"], packed["skipped"]), None
+
+
+def broadcast_result(result: Optional[RewardResult], failure: Optional[str], group) -> Tuple[Optional[RewardResult],
+                                                                                          Optional[str]]:
+    """The group's first rank's (result, failure message) on every rank of `group`: scores, per-function scores
+    (names and NaNs included), correctness and skip marks, so ranks holding the same responses agree exactly.
+    Every rank of the group must call it; the arguments of the other ranks are ignored."""
+    import paddle.distributed as dist
+    src = group.ranks[0]
+    payload = [pack_result(result, failure) if dist.get_rank() == src else None]
+    dist.broadcast_object_list(payload, src=src, group=group)
+    return unpack_result(payload[0])

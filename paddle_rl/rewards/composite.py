@@ -5,6 +5,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from .base import RewardResult, RewardSample
+from .check import named_functions, overlong_errors, raise_errors, unknown_function_errors
 from .plugins import PluginError, PluginFunction
 from .rules import RULE_REWARDS, SampleError
 
@@ -62,10 +63,8 @@ class RuleReward:
                 spec = [spec] if isinstance(spec, str) else list(spec)
                 self.routes[str(source)] = [(str(n), default_weights.get(str(n), 1.0)) for n in spec]
         wanted = [n for n, _ in self.default] + [n for r in self.routes.values() for n, _ in r]
-        unknown = sorted({n for n in wanted if n not in RULE_REWARDS and n not in plugins})
-        if unknown:
-            available = sorted(set(RULE_REWARDS) | set(plugins))
-            raise ValueError(f"reward_funcs: unknown {unknown} (available: {', '.join(available)})")
+        named = named_functions([n for n, _ in self.default], {s: [n for n, _ in r] for s, r in self.routes.items()})
+        raise_errors(unknown_function_errors(named, plugins) + overlong_errors(config, named, plugins))
         self.functions, self.sources = {}, {}
         for name in dict.fromkeys(wanted):
             if name in plugins and name in RULE_REWARDS:
@@ -138,7 +137,8 @@ class RuleReward:
 
 
 def build_local_reward(config) -> RuleReward:
-    """The in-process reward of a config (rules and plugins; ignores use_rm_server)."""
-    from .plugins import load_plugins
-    plugins = load_plugins(list(config.reward_plugins)) if config.reward_plugins else {}
+    """The in-process reward of a config (rules and plugins; ignores use_rm_server). Makes the checks of
+    `check_reward_config` (RuleReward does), with the plugins that check loaded."""
+    from .plugins import load_plugins_cached
+    plugins = load_plugins_cached(list(config.reward_plugins)) if config.reward_plugins else {}
     return RuleReward(config.reward_funcs, config.reward_weights, config, plugins, config.reward_routes)

@@ -13,6 +13,7 @@ Two signatures are recognised, per function:
 A plugin module contributes its public functions (those defined in it, names not starting with "_") and the
 entries of a module-level `orms` dict (ms-swift plugin convention; classes are instantiated without arguments).
 """
+import hashlib
 import importlib
 import importlib.util
 import inspect
@@ -20,6 +21,7 @@ import logging
 import math
 import os
 import sys
+import threading
 from typing import Callable, Dict, List, Optional
 
 import numpy as np
@@ -196,3 +198,32 @@ def load_plugins(specs: List[str], root: Optional[str] = None) -> Dict[str, Plug
                 raise PluginError(f"reward plugin {spec}: function {name!r} is also defined in {found[name].source}")
             found[name] = PluginFunction(name, obj, source)
     return found
+
+
+_CACHE: Dict[tuple, Dict[str, PluginFunction]] = {}
+_CACHE_LOCK = threading.Lock()
+
+
+def _cache_key(specs: List[str], root: Optional[str]) -> tuple:
+    key = []
+    for spec in specs:
+        path = spec if os.path.isabs(spec) or not root else os.path.join(root, spec)
+        if os.path.isfile(path):
+            with open(path, "rb") as f:
+                key.append((spec, os.path.abspath(path), hashlib.sha256(f.read()).hexdigest()))
+        else:
+            key.append((spec, None, None))
+    return tuple(key), root
+
+
+def load_plugins_cached(specs: List[str], root: Optional[str] = None) -> Dict[str, PluginFunction]:
+    """load_plugins, once per process for the same files (same contents) and modules.
+
+    `check_reward_config` loads the plugins before any model loads and `build_reward` uses them later: a plugin
+    file's module code (which may load a model of its own) runs once. An edited file is loaded again.
+    """
+    key = _cache_key(list(specs), root)
+    with _CACHE_LOCK:
+        if key not in _CACHE:
+            _CACHE[key] = load_plugins(list(specs), root)
+        return dict(_CACHE[key])

@@ -310,22 +310,16 @@ def repetition_rule(config):
 
 # ----------------------------------------------------------------------------------------------- soft overlong
 
-def soft_overlong_penalty(length: int, max_len: int, buffer: int, factor: float) -> float:
-    """DAPO: 0 up to max_len - buffer, linear down to -factor at max_len, -factor beyond."""
-    expected = max_len - buffer
-    if length <= expected:
-        return 0.0
-    if length <= max_len:
-        return (expected - length) / buffer * factor
-    return -factor
-
-
 @register_rule("soft_overlong", needs_config=True)
 def soft_overlong_rule(config):
     """DAPO soft overlong penalty from max_dec_len, overlong_reward_buffer, overlong_penalty_factor."""
+    # The penalty's one implementation is paddle_rl.algorithms.dapo.soft_overlong_penalty, which the objective
+    # applies under enable_overlong_reward_buffer (check_reward_config refuses both at once). Imported here, when
+    # the rule is built, so rewards that do not use it (and reward-server workers) do not import Paddle.
+    from ..algorithms.dapo import soft_overlong_penalty
     max_len, buffer, factor = config.max_dec_len, config.overlong_reward_buffer, config.overlong_penalty_factor
 
     def fn(samples):
-        return _each(samples, lambda i, s: soft_overlong_penalty(_length(s, i, "soft_overlong"), max_len, buffer,
-                                                                 factor)), None
+        lengths = np.array([_length(s, i, "soft_overlong") for i, s in enumerate(samples)], dtype=np.int64)
+        return np.asarray(soft_overlong_penalty(lengths, max_len, buffer, factor), dtype=np.float32), None
     return fn

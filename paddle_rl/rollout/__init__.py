@@ -1,5 +1,6 @@
-from .engine import RolloutEngine, RolloutOutput, left_pad
+from ..batch import left_pad
+from .engine import RolloutEngine
 from .keys import sample_key, uniforms_for
 from .sampling import SamplingParams
 
-__all__ = ["RolloutEngine", "RolloutOutput", "SamplingParams", "sample_key", "uniforms_for", "left_pad"]
+__all__ = ["RolloutEngine", "SamplingParams", "sample_key", "uniforms_for", "left_pad"]

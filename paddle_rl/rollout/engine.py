@@ -1,40 +1,19 @@
-"""Batched KV-cached generation: prefill each prompt once, fan out to n samples, decode step by step."""
-from dataclasses import dataclass
-from typing import List, Optional, Sequence
+"""Batched KV-cached generation: prefill each prompt once, fan out to n samples, decode step by step.
+
+The engine is bound to the model it decodes with; its output is a StepBatch with the rollout's columns
+(prompt_ids, response_ids, response_mask, rollout_logp, lengths, truncated; row r is sample r % n of
+prompt r // n, responses right-padded to the longest).
+"""
+from typing import Optional, Sequence
 
 import numpy as np
 import paddle
 
 from .. import ops
-from ..models.decoder import CausalLM, attention_bias_from_mask, new_cache, position_ids_from_mask
+from ..batch import StepBatch, left_pad, rollout_batch
+from ..models.decoder import CausalLM, attention_bias_from_mask, position_ids_from_mask
 from .keys import uniforms_for
-from .runner import DecodeRunner
 from .sampling import SamplingParams
-
-
-@dataclass
-class RolloutOutput:
-    """Row r is sample r % n of prompt r // n. Response arrays are right-padded to the longest response."""
-    prompt_ids: List[List[int]]      # per row, unpadded
-    response_ids: np.ndarray         # [B, T] int64, pad_id after the end
-    response_mask: np.ndarray        # [B, T] float32, 1 on generated tokens (EOS included)
-    logprobs: np.ndarray             # [B, T] float32, log softmax(logits / T) of the drawn token; 0 on padding
-    lengths: np.ndarray              # [B] int64
-    truncated: np.ndarray            # [B] bool: reached max_dec_len without a stop token
-
-    def responses(self) -> List[List[int]]:
-        return [row[:n].tolist() for row, n in zip(self.response_ids, self.lengths)]
-
-
-def left_pad(seqs: Sequence[Sequence[int]], pad_id: int):
-    width = max(len(s) for s in seqs)
-    ids = np.full((len(seqs), width), pad_id, dtype=np.int64)
-    mask = np.zeros((len(seqs), width), dtype=np.int64)
-    for i, s in enumerate(seqs):
-        if len(s):
-            ids[i, width - len(s):] = s
-            mask[i, width - len(s):] = 1
-    return ids, mask
 
 
 class RolloutEngine:
@@ -44,9 +23,13 @@ class RolloutEngine:
         self.eos_ids = list(eos_ids)
         self.max_num_seqs = max_num_seqs
 
+    def bind(self, model: CausalLM) -> "RolloutEngine":
+        """The same settings, decoding with another model (a resharded rollout copy)."""
+        return RolloutEngine(model, self.pad_id, self.eos_ids, self.max_num_seqs)
+
     @paddle.no_grad()
     def generate(self, prompts: Sequence[Sequence[int]], n: int, params: SamplingParams,
-                 keys: Optional[Sequence] = None) -> RolloutOutput:
+                 keys: Optional[Sequence] = None) -> StepBatch:
         """`keys[i * n + j]` seeds sample j of prompt i (required unless greedy)."""
         if not params.greedy and keys is None:
             raise ValueError("sampling needs one key per sample")
@@ -56,16 +39,16 @@ class RolloutEngine:
             chunk = prompts[start:start + per_chunk]
             chunk_keys = None if keys is None else keys[start * n:(start + len(chunk)) * n]
             parts.append(self._generate_chunk(chunk, n, params, chunk_keys))
-        return parts[0] if len(parts) == 1 else concat_outputs(parts, self.pad_id)
+        return StepBatch.concat(parts)
 
-    def _generate_chunk(self, prompts, n, params: SamplingParams, keys) -> RolloutOutput:
+    def _generate_chunk(self, prompts, n, params: SamplingParams, keys) -> StepBatch:
         model = self.model
         was_training = model.training
         model.eval()
         stop_ids = sorted(set(params.stop_token_ids) | set(self.eos_ids))
         ids, mask = left_pad(prompts, self.pad_id)
         width = ids.shape[1]
-        cache = new_cache(model.config, width + params.max_dec_len)
+        cache = model.new_cache(width + params.max_dec_len)
         ids_t, mask_t = paddle.to_tensor(ids), paddle.to_tensor(mask)
         hidden = model.hidden_states(ids_t, position_ids_from_mask(mask_t),
                                      attention_bias_from_mask(mask_t, width, causal=True), cache)
@@ -93,8 +76,6 @@ class RolloutEngine:
         finished = paddle.zeros([batch], dtype="bool")
         lengths = paddle.zeros([batch], dtype="int64")
         ban = paddle.full([batch], True, dtype="bool") if params.min_dec_len > 0 else None
-        runner = DecodeRunner(model) if DecodeRunner.supports(model) else None
-        key_mask = None if runner is not None else paddle.to_tensor(mask)
         tokens_out, logp_out = [], []
         for t in range(params.max_dec_len):
             tokens, logp = ops.sample(logits, None if uniforms is None else uniforms[t], seen, ban, stop_t,
@@ -106,13 +87,7 @@ class RolloutEngine:
             ban = state.ban if params.min_dec_len > 0 else None
             if t + 1 == params.max_dec_len or bool(state.done):
                 break
-            if runner is not None:
-                logits = runner.step(state.tokens, next_pos, cache, start)
-            else:
-                key_mask = paddle.concat([key_mask, paddle.ones([batch, 1], dtype="int64")], axis=1)
-                hidden = model.hidden_states(state.tokens.unsqueeze(-1), next_pos,
-                                             attention_bias_from_mask(key_mask, 1, causal=False), cache)
-                logits = model.logits(hidden[:, -1])
+            logits = model.decode_step(state.tokens, next_pos, cache, start)
             next_pos = next_pos + 1
         if was_training:
             model.train()
@@ -121,20 +96,5 @@ class RolloutEngine:
         alive = (np.arange(response.shape[1])[None, :] < lengths_np[:, None]).astype(np.float32)
         logprobs = paddle.stack(logp_out, axis=1).numpy() * alive
         truncated = ~finished.numpy().astype(bool)
-        return RolloutOutput(rows_prompts, response, alive, logprobs.astype(np.float32), lengths_np, truncated)
-
-
-def concat_outputs(parts: List[RolloutOutput], pad_id: int) -> RolloutOutput:
-    """Rows of several outputs in order, responses right-padded to the widest."""
-    width = max(p.response_ids.shape[1] for p in parts)
-
-    def pad(a, value):
-        return np.pad(a, ((0, 0), (0, width - a.shape[1])), constant_values=value)
-
-    return RolloutOutput(
-        prompt_ids=[p for part in parts for p in part.prompt_ids],
-        response_ids=np.concatenate([pad(p.response_ids, pad_id) for p in parts]),
-        response_mask=np.concatenate([pad(p.response_mask, 0) for p in parts]),
-        logprobs=np.concatenate([pad(p.logprobs, 0) for p in parts]),
-        lengths=np.concatenate([p.lengths for p in parts]),
-        truncated=np.concatenate([p.truncated for p in parts]))
+        return rollout_batch(rows_prompts, response, alive, logprobs.astype(np.float32), lengths_np, truncated,
+                             self.pad_id)

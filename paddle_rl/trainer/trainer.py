@@ -1,6 +1,7 @@
 """The RL step loop: rollout -> rewards -> reference / old log-probs -> advantages -> update.
 
-Each stage is a call into its own module; this file only orders them and collects metrics.
+Each stage is a call into its own module and reads / extends one StepBatch (paddle_rl/batch.py); the
+parallel layout (paddle_rl/layouts) runs the model parts. This file orders the stages and collects metrics.
 """
 import logging
 import math
@@ -14,17 +15,18 @@ from paddle.utils import unique_name
 
 from .. import ops
 from ..algorithms import Objective
+from ..batch import StepBatch, object_column
 from ..config import check_paths
 from ..data.loader import PromptSampler, load_prompt_dataset
+from ..layouts import build_layout
 from ..models import Tokenizer
 from ..monitor import MetricsLog, StageTimer
-from ..parallel.runtime import ParallelRuntime
-from ..rewards import RewardSample, build_reward, concat_results
+from ..rewards import build_reward, check_reward_config
 from ..rollout import RolloutEngine, SamplingParams, sample_key
-from .batch import RolloutBatch, merge_rollouts, select_result, select_rollout
 from .checkpoint import (load_optimizer, load_trainer_state, resolve_resume, save_checkpoint, set_rng_state)
-from .evaluate import _reward_record, evaluate
+from .evaluate import evaluate
 from .logprobs import reuses_rollout_logprobs
+from .scoring import metric_columns, per_function_scores, reward_result, score
 
 logger = logging.getLogger("paddle_rl")
 
@@ -34,17 +36,18 @@ class RLTrainer:
         """`topology`: the process grid (parallel/topology.py); default: from the config's degrees when launched on
         several processes, else a single process."""
         check_paths(config)
+        check_reward_config(config)  # reward names against the registry, before any model loads
         self.config = config
         ops.configure(config.use_custom_ops)
-        self.parallel = ParallelRuntime(topology if topology is not None else _topology(config),
-                                        share_prompts=config.share_prompt_prefix)
-        self.parallel.check_config(config)
+        self.layout = build_layout(topology if topology is not None else _topology(config),
+                                   share_prompts=config.share_prompt_prefix)
+        self.layout.check_config(config)
         paddle.seed(config.seed)
         np.random.seed(config.seed)
         model_dir = config.actor_model_name_or_path
         self.tokenizer_dir = config.tokenizer_name_or_path or model_dir
         self.tokenizer = Tokenizer.from_pretrained(self.tokenizer_dir)
-        self.objective = Objective(config, reduce=self.parallel.stats_reduce)
+        self.objective = Objective(config, reduce=self.layout.stats_reduce)
         self.train_data = load_prompt_dataset(config.train_datasets, self.tokenizer, config.prompt_key,
                                               config.response_key, config.max_prompt_len, config.prompt_overflow)
         self.eval_data = None
@@ -57,12 +60,12 @@ class RLTrainer:
         self.total_steps = config.max_steps if config.max_steps > 0 else max(
             1, math.ceil(config.num_train_epochs * self.sampler.batches_per_epoch))
         with unique_name.guard("actor_"):
-            self.actor = self.parallel.load_model(model_dir)
+            self.actor = self.layout.load_model(model_dir)
         self.actor.recompute = config.recompute
         self.reference = None
         if self.objective.needs_reference:
             with unique_name.guard("reference_"):
-                self.reference = self.parallel.load_model(config.reference_model_name_or_path or model_dir)
+                self.reference = self.layout.load_model(config.reference_model_name_or_path or model_dir)
             self.reference.eval()
             for p in self.reference.parameters():
                 p.stop_gradient = True
@@ -72,14 +75,14 @@ class RLTrainer:
             raise ValueError(f"{self.tokenizer_dir}: no EOS token (tokenizer_config.json eos_token or "
                              "generation_config.json eos_token_id)")
         self.engine = RolloutEngine(self.actor, self.pad_id, self.stop_ids, config.rollout_max_num_seqs)
-        self.reward_fn = build_reward(config, broadcast_group=self.parallel.topo.group("model"))
+        self.reward_fn = build_reward(config, broadcast_group=self.layout.reward_group)
         self.mini_batches_per_step = config.global_batch_size // config.mini_batch_prompts
-        self.optimizer, self.scheduler = self.parallel.build_optimizer(
+        self.optimizer, self.scheduler = self.layout.build_optimizer(
             self.actor, config, self.total_steps * self.mini_batches_per_step * config.update_iters)
         self.step = 0
         self.log = MetricsLog(config.output_dir, config.logging_dir or os.path.join(config.output_dir, "logs"),
                               config.report_to, config.logging_steps, config.run_name,
-                              enabled=self.parallel.is_logging_rank)
+                              enabled=self.layout.is_logging_rank)
         self._resume(resolve_resume(config.resume_from_checkpoint, config.output_dir))
 
     # ---------------------------------------------------------------- resume / save
@@ -87,8 +90,8 @@ class RLTrainer:
         if path is None:
             return
         state = load_trainer_state(path)
-        self.parallel.load_weights(self.actor, path)
-        load_optimizer(path, self.optimizer, self.scheduler, state, **self.parallel.resume_args())
+        self.layout.load_weights(self.actor, path)
+        load_optimizer(path, self.optimizer, self.scheduler, state, **self.layout.resume_args())
         self.sampler.set_state_dict(state["sampler"])
         self.objective.set_state_dict(state.get("objective", {}))
         set_rng_state(state["rng"], path)
@@ -101,31 +104,81 @@ class RLTrainer:
                  "total_steps": self.total_steps}
         return save_checkpoint(self.config.output_dir, self.step, self.actor, self.tokenizer_dir, self.optimizer,
                                self.scheduler, state, save_optimizer=not self.config.ignore_save_lr_and_optim,
-                               total_limit=self.config.save_total_limit, **self.parallel.checkpoint_args(self.actor))
+                               total_limit=self.config.save_total_limit, **self.layout.checkpoint_args(self.actor))
 
     # ---------------------------------------------------------------- stages
-    def _rollout(self, items, step: int, timer: StageTimer, gen_round: int = 0):
+    def _generate_round(self, step: int, timer: StageTimer, gen_round: int) -> StepBatch:
+        """One generation round of this rank's share of a sampler batch: rollout, rewards, shaped scores."""
         cfg = self.config
         n = cfg.rollout_n
+        indices = self.layout.batch.local_prompt_indices(self.sampler.next_batch(), cfg.mini_batch_prompts)
+        items = [self.train_data[i] for i in indices]
         keys = [sample_key(cfg.seed, step, it["uid"], j, gen_round) for it in items for j in range(n)]
         params = SamplingParams.from_config(cfg, self.stop_ids)
         with timer.stage("rollout"):
-            out = self.parallel.generate(self.engine, self.actor, [it["prompt_ids"] for it in items], n, params, keys)
-        return out
-
-    def _score(self, items, out, timer: StageTimer):
-        n = self.config.rollout_n
+            batch = self.layout.generate(self.engine, [it["prompt_ids"] for it in items], n, params, keys)
+        batch["item"] = object_column(items[i // n] for i in range(batch.size))
         with timer.stage("reward"):
-            texts = self.tokenizer.decode_batch(out.responses())
-            samples = [RewardSample(items[i // n]["prompt"], text, _reward_record(items[i // n]),
-                                    int(out.lengths[i]), bool(out.truncated[i])) for i, text in enumerate(texts)]
-            result = self.reward_fn(samples)
-        return result
+            score(batch, self.tokenizer, self.reward_fn)
+        batch.meta["shape_metrics"] = self._shape_scores(batch)
+        return batch
 
-    def _update(self, batch: RolloutBatch, timer: StageTimer) -> dict:
+    def _shape_scores(self, batch: StepBatch) -> dict:
+        """Objective's score shaping on the scored samples (column `scores`); samples the reward server skipped
+        stay NaN."""
+        skipped = batch.get("skipped")
+        valid = np.ones(batch.size, dtype=bool) if skipped is None else ~skipped
+        scores = np.full(batch.size, np.nan, dtype=np.float32)
+        metrics = {}
+        if valid.any():
+            scores[valid], metrics = self.objective.shape_scores(batch["reward"][valid], batch["lengths"][valid],
+                                                                 batch["truncated"][valid])
+        batch["scores"] = scores
+        return metrics
+
+    def _generate_batch(self, step: int, timer: StageTimer):
+        """Generation rounds until the step's batch is complete (one round unless DAPO dynamic sampling drops
+        zero-variance groups or the reward server skipped samples). Returns (every generated sample, the
+        training batch selected from them, metrics).
+
+        Under dynamic sampling every rank sees every rank's samples in the single-process order, so the
+        ranks agree on the rounds and select the same groups as one process; each then trains on its share."""
         cfg = self.config
         n = cfg.rollout_n
-        mini_size = self.parallel.local_mini_prompts(cfg.mini_batch_prompts) * n
+        group_view = self.layout.batch
+        local_rounds, rounds = [], []
+        for gen_round in range(1, max(1, cfg.max_gen_batches if cfg.dynamic_sampling else 1) + 1):
+            local = self._generate_round(step, timer, gen_round - 1)
+            local_rounds.append(local)
+            rounds.append(group_view.to_global(local, n, cfg.mini_batch_prompts) if cfg.dynamic_sampling else local)
+            pool = StepBatch.concat(rounds)
+            group_ids = np.arange(pool.size) // n
+            keep, filter_metrics = self.objective.filter_groups(pool["scores"], group_ids)
+            skipped = pool.get("skipped")
+            if skipped is not None:
+                keep = keep & ~np.isin(group_ids, group_ids[skipped])
+            if cfg.dynamic_sampling:
+                index = self.objective.select_groups(keep, group_ids, cfg.global_batch_size, gen_round)
+            elif skipped is not None:
+                # without dynamic sampling only this rank's skipped groups leave, in the first and only round
+                index = self.objective.select_groups(keep, group_ids, int(keep.reshape(-1, n).all(1).sum()),
+                                                     max(gen_round, cfg.max_gen_batches))
+            else:
+                index = np.arange(pool.size)
+            if index is not None:
+                break
+        train = pool.select(index)
+        if cfg.dynamic_sampling:
+            train = group_view.local_share(train, n, cfg.mini_batch_prompts)
+        metrics = dict(local_rounds[-1].meta["shape_metrics"])
+        metrics.update(filter_metrics)
+        metrics["gen_rounds"] = float(gen_round)
+        return StepBatch.concat(local_rounds), train, metrics
+
+    def _update(self, batch: StepBatch, timer: StageTimer) -> dict:
+        cfg = self.config
+        n = cfg.rollout_n
+        mini_size = self.layout.batch.local_prompts(cfg.mini_batch_prompts) * n
         micro = cfg.per_device_train_batch_size
         keys = ["old_logp", "advantages"] + (["ref_logp"] if self.reference is not None else [])
         collected, weights, grad_norms, lrs = {}, [], [], []
@@ -133,115 +186,57 @@ class RLTrainer:
         with timer.stage("update"):
             for _ in range(cfg.update_iters):
                 for start in range(0, batch.size, mini_size):
-                    mini = batch.select(np.arange(start, min(start + mini_size, batch.size)))
+                    mini = batch.select(slice(start, min(start + mini_size, batch.size)))
                     # global token / sequence counts (summed over data-parallel ranks)
-                    num_tokens, num_seqs = (float(v) for v in self.parallel.sum(
-                        self.objective.loss_normalizers(mini.response_mask)))
+                    num_tokens, num_seqs = (float(v) for v in self.layout.batch.sum(
+                        self.objective.loss_normalizers(mini["response_mask"])))
 
                     def loss_fn(part, logp, entropy):
                         return self.objective.loss(logp, part["old_logp"], part.get("ref_logp"), part["advantages"],
                                                    part["response_mask"], entropy, num_tokens, num_seqs)
 
-                    for out in self.parallel.forward_backward(self.actor, mini, keys, micro, cfg.temperature, loss_fn):
+                    for out in self.layout.forward_backward(self.actor, mini, keys, micro, cfg.temperature, loss_fn):
                         for k, v in out.metrics.items():
                             collected.setdefault(k, []).append(v)
                         weights.append(out.num_tokens)
-                    grad_norms.append(self.parallel.clip_grad_norm_(self.actor, cfg.max_grad_norm))
+                    grad_norms.append(self.layout.clip_grad_norm_(self.actor, cfg.max_grad_norm))
                     lrs.append(self.optimizer.get_lr())
                     self.optimizer.step()
                     self.optimizer.clear_grad(set_to_zero=False)
                     self.scheduler.step()
-        metrics = {f"actor/{k}": v for k, v in self.parallel.weighted_means(collected, weights).items()}
+        metrics = {f"actor/{k}": v for k, v in self.layout.weighted_means(collected, weights).items()}
         metrics["actor/grad_norm"] = float(np.mean(grad_norms))
         metrics["actor/lr"] = float(lrs[-1])
         return metrics
 
     # ---------------------------------------------------------------- one step
-    def _generate_batch(self, step: int, timer: StageTimer):
-        """Rollout + reward rounds until the batch is complete (one round unless DAPO dynamic sampling drops
-        zero-variance groups or the reward server skipped samples). Returns the selected pool."""
-        cfg = self.config
-        n = cfg.rollout_n
-        pool = {"items": [], "outs": [], "results": [], "scores": [], "shape_metrics": []}
-        for gen_round in range(1, max(1, cfg.max_gen_batches if cfg.dynamic_sampling else 1) + 1):
-            indices = self.parallel.local_prompt_indices(self.sampler.next_batch(), cfg.mini_batch_prompts)
-            items = [self.train_data[i] for i in indices]
-            out = self._rollout(items, step, timer, gen_round - 1)
-            result = self._score(items, out, timer)
-            scores, shape_metrics = self._shape_scores(result, out)
-            for key, value in zip(("items", "outs", "results", "scores", "shape_metrics"),
-                                  (items, out, result, scores, shape_metrics)):
-                pool[key].append(value)
-            all_scores = np.concatenate(pool["scores"])
-            group_ids = np.repeat(np.arange(len(all_scores) // n), n)
-            keep, filter_metrics = self.objective.filter_groups(all_scores, group_ids)
-            skipped = concat_results(pool["results"]).skipped
-            if skipped is not None:
-                keep = keep & ~np.isin(group_ids, group_ids[skipped])
-            if not cfg.dynamic_sampling and skipped is None:
-                index = np.arange(len(all_scores))
-            else:
-                # without dynamic sampling only skipped groups leave, in the first and only round
-                # under data parallelism each rank fills its own share of the batch
-                share = cfg.global_batch_size // self.parallel.topo.batch_degree
-                target = share if cfg.dynamic_sampling else int(keep.reshape(-1, n).all(1).sum())
-                index = self.objective.select_groups(
-                    keep, group_ids, target, gen_round if cfg.dynamic_sampling else max(gen_round, cfg.max_gen_batches))
-            if index is not None:
-                break
-        items = [it for chunk in pool["items"] for it in chunk]
-        out = merge_rollouts(pool["outs"], self.pad_id)
-        result = concat_results(pool["results"])
-        metrics = dict(pool["shape_metrics"][-1])
-        metrics.update(filter_metrics)
-        metrics["gen_rounds"] = float(gen_round)
-        return items, out, result, np.concatenate(pool["scores"]), np.asarray(index, dtype=np.int64), metrics
-
-    def _shape_scores(self, result, out):
-        """Objective's score shaping on the scored samples; samples the reward server skipped stay NaN."""
-        skipped = getattr(result, "skipped", None)
-        if skipped is None or not skipped.any():
-            return self.objective.shape_scores(result.scores, out.lengths, out.truncated)
-        valid = ~skipped
-        scores = np.full(len(result.scores), np.nan, dtype=np.float32)
-        if valid.any():
-            scores[valid], metrics = self.objective.shape_scores(result.scores[valid], out.lengths[valid],
-                                                                 out.truncated[valid])
-            return scores, metrics
-        return scores, {}
-
     def train_step(self) -> dict:
         cfg = self.config
-        n = cfg.rollout_n
         step = self.step + 1
         timer = StageTimer()
         start = time.perf_counter()
-        items, out, result, scores, index, metrics = self._generate_batch(step, timer)
-        metrics = self.parallel.reduce_metrics(metrics)
-        batch_result, batch_out = self.parallel.batch_view(result, out)
-        metrics.update(batch_result.metrics("reward"))
-        metrics.update(self._length_metrics(batch_out))
-        generated = float(out.lengths.sum())
-        if len(index) < len(scores):
-            items = [items[g] for g in sorted(set((index // n).tolist()))]
-            out, scores = select_rollout(out, index), scores[index]
-            result = select_result(result, index)
-        group_ids = np.repeat(np.arange(len(items)), n)
-        batch = RolloutBatch.from_rollout(out, group_ids, self.pad_id)
-        if reuses_rollout_logprobs(cfg, self.mini_batches_per_step):
-            batch.arrays["rollout_logp"] = out.logprobs
-        batch.response_mask = np.asarray(self.objective.response_mask_for_update(batch.response_mask, out.truncated),
-                                         dtype=np.float32)
-        mask = batch.response_mask
-        if self.parallel.sum([mask.sum()])[0] > 0:  # every rank takes the same branch
-            metrics.update(self._prepare_and_update(batch, scores, result, timer))
+        pool, batch, metrics = self._generate_batch(step, timer)
+        metrics = self.layout.batch.reduce_metrics(metrics)
+        everything = self.layout.batch.gather(pool, metric_columns(pool))
+        metrics.update(reward_result(everything).metrics("reward"))
+        metrics.update(self._length_metrics(everything))
+        generated = float(pool["lengths"].sum())
+        batch["group"] = np.arange(batch.size) // cfg.rollout_n
+        batch.with_prompt_layout(self.pad_id)
+        if not reuses_rollout_logprobs(cfg, self.mini_batches_per_step):
+            batch.pop("rollout_logp")
+        batch["response_mask"] = np.asarray(
+            self.objective.response_mask_for_update(batch["response_mask"], batch["truncated"]), dtype=np.float32)
+        mask = batch["response_mask"]
+        if self.layout.batch.sum([mask.sum()])[0] > 0:  # every rank takes the same branch
+            metrics.update(self._prepare_and_update(batch, timer))
         else:
             metrics["actor/skipped_update"] = 1.0
         elapsed = time.perf_counter() - start
         metrics.update(timer.metrics())
         metrics["time/step"] = elapsed
-        generated, prompt_tokens, trained = (float(v) for v in self.parallel.sum(
-            [generated, float(batch.prompt_mask.sum()), float(mask.sum()) * cfg.update_iters]))
+        generated, prompt_tokens, trained = (float(v) for v in self.layout.batch.sum(
+            [generated, float(batch["prompt_mask"].sum()), float(mask.sum()) * cfg.update_iters]))
         metrics["perf/generated_tokens_per_s"] = generated / max(timer.seconds["rollout"], 1e-9)
         metrics["perf/tokens_per_s"] = (generated + prompt_tokens) / elapsed
         metrics["perf/trained_tokens_per_s"] = trained / max(timer.seconds.get("update", 0.0), 1e-9)
@@ -249,43 +244,36 @@ class RLTrainer:
         self.step = step
         return metrics
 
-    def _prepare_and_update(self, batch: RolloutBatch, scores, result, timer: StageTimer) -> dict:
+    def _prepare_and_update(self, batch: StepBatch, timer: StageTimer) -> dict:
         cfg = self.config
-        mask = batch.response_mask
+        mask = batch["response_mask"]
         metrics = {}
         if self.reference is not None:
             with timer.stage("ref_logprob"):
-                batch.arrays["ref_logp"] = self.parallel.batched_logprobs(self.reference, batch, cfg.temperature,
-                                                                          cfg.per_device_logprob_batch_size)
+                batch["ref_logp"] = self.layout.logprobs(self.reference, batch, cfg.temperature,
+                                                         cfg.per_device_logprob_batch_size)
         with timer.stage("old_logprob"):
-            if "rollout_logp" in batch.arrays:
-                batch.arrays["old_logp"] = batch.arrays.pop("rollout_logp") * mask
+            if "rollout_logp" in batch:
+                batch["old_logp"] = batch.pop("rollout_logp") * mask
             else:
-                batch.arrays["old_logp"] = self.parallel.batched_logprobs(self.actor, batch, cfg.temperature,
-                                                                          cfg.per_device_logprob_batch_size)
+                batch["old_logp"] = self.layout.logprobs(self.actor, batch, cfg.temperature,
+                                                         cfg.per_device_logprob_batch_size)
         with timer.stage("advantage"):
-            per_function = {k: np.nan_to_num(v) for k, v in result.per_function.items()}
-            adv, adv_metrics = self.objective.advantages_and_metrics(
-                scores, mask, batch.group_ids, batch.arrays["old_logp"], batch.arrays.get("ref_logp"),
-                per_function_scores=per_function)
-            batch.arrays["advantages"] = adv.numpy().astype(np.float32) if isinstance(adv, paddle.Tensor) else adv
-        metrics.update(self.parallel.reduce_value_metrics(adv_metrics, "advantage",
-                                                          batch.arrays["advantages"][mask > 0]))
-        if self.reference is not None:
-            diff = (batch.arrays["old_logp"] - batch.arrays["ref_logp"]) * mask
-            total, count = self.parallel.sum([diff.sum(), mask.sum()])
-            metrics["kl"] = float(total / max(count, 1.0))
-        if "reward_kl" in adv_metrics:
-            metrics["kl_coeff"] = self.objective.update_kl_controller(adv_metrics["reward_kl"], batch.size)
+            adv, adv_metrics = self.objective.step_advantages(
+                batch["scores"], mask, batch["group"], batch["old_logp"], batch.get("ref_logp"),
+                per_function_scores=per_function_scores(batch))
+            batch["advantages"] = adv.numpy().astype(np.float32) if isinstance(adv, paddle.Tensor) else adv
+        metrics.update(self.layout.batch.reduce_metrics(adv_metrics))
+        metrics.update(self.layout.batch.value_stats("advantage", batch["advantages"][mask > 0]))
         metrics.update(self._update(batch, timer))
         return metrics
 
     @staticmethod
-    def _length_metrics(out) -> dict:
-        lengths = out.lengths.astype(np.float64)
+    def _length_metrics(batch: StepBatch) -> dict:
+        lengths = batch["lengths"].astype(np.float64)
         return {"response_length/mean": float(lengths.mean()), "response_length/max": float(lengths.max()),
                 "response_length/min": float(lengths.min()),
-                "response_length/clipped_share": float(out.truncated.mean())}
+                "response_length/clipped_share": float(batch["truncated"].mean())}
 
     # ---------------------------------------------------------------- loop
     def evaluate(self) -> dict:
@@ -293,8 +281,8 @@ class RLTrainer:
             return {}
         timer = StageTimer()
         with timer.stage("eval"):
-            with self.parallel.rollout_model(self.engine, self.actor):
-                metrics = evaluate(self.engine, self.tokenizer, self.eval_data, self.reward_fn, self.config,
+            with self.layout.rollout_engine(self.engine) as engine:
+                metrics = evaluate(engine, self.tokenizer, self.eval_data, self.reward_fn, self.config,
                                    self.stop_ids)
         metrics.update(timer.metrics())
         return metrics
@@ -304,33 +292,39 @@ class RLTrainer:
         return self.eval_data is not None and cfg.evaluation_strategy != "no" and (
             step % cfg.eval_steps == 0 or step == self.total_steps)
 
+    def _should_save(self) -> bool:
+        cfg = self.config
+        if cfg.save_strategy == "steps":
+            return self.step % cfg.save_steps == 0 or self.step == self.total_steps
+        if cfg.save_strategy == "epoch":
+            return self.sampler.epoch_done or self.step == self.total_steps
+        return False
+
     def train(self) -> dict:
         cfg = self.config
         if self.step == 0 and self.eval_data is not None and cfg.evaluation_strategy != "no":
             initial = self.evaluate()
             self.log.log(0, initial)
             logger.info("step 0 eval: %s", _summary(initial))
-        progress = _progress(self.total_steps, self.step, cfg.disable_tqdm or not self.parallel.is_logging_rank)
         last = {}
-        while self.step < self.total_steps:
-            metrics = self.train_step()
-            if self._should_eval(self.step):
-                metrics.update(self.evaluate())
-            self.log.log(self.step, metrics)
-            last = metrics
-            if progress is not None:
-                progress.update(1)
-                progress.set_postfix_str(_summary(metrics, short=True))
-            if self.step % cfg.logging_steps == 0:
-                logger.info("step %d/%d %s", self.step, self.total_steps, _summary(metrics))
-            if cfg.save_strategy == "steps" and (self.step % cfg.save_steps == 0 or self.step == self.total_steps):
-                self.save()
-        if progress is not None:
-            progress.close()
+        # log records go through the bar while it is shown (monitor/progress.py), so they do not garble its line
+        with _progress(self.total_steps, self.step,
+                       cfg.disable_tqdm or not self.layout.is_logging_rank) as progress:
+            while self.step < self.total_steps:
+                metrics = self.train_step()
+                if self._should_eval(self.step):
+                    metrics.update(self.evaluate())
+                self.log.log(self.step, metrics)
+                last = metrics
+                progress.update(_summary(metrics, short=True))
+                if self.step % cfg.logging_steps == 0:
+                    logger.info("step %d/%d %s", self.step, self.total_steps, _summary(metrics))
+                if self._should_save():
+                    self.save()
         self.log.close()
         # ranks leave together: one that exits while another is still working can take the rendezvous down
         # under it
-        self.parallel.barrier()
+        self.layout.barrier()
         return last
 
 
@@ -353,10 +347,6 @@ def _summary(metrics: dict, short: bool = False) -> str:
 
 
 def _progress(total: int, done: int, disabled: bool):
-    if disabled:
-        return None
-    try:
-        from tqdm import tqdm
-    except ImportError:
-        return None
-    return tqdm(total=total, initial=done, desc="rl", unit="step", disable=None, dynamic_ncols=True)
+    """The step bar (a context manager yielding an object with update(summary)); logging goes through it."""
+    from ..monitor.progress import progress_bar
+    return progress_bar(total, initial=done, disabled=disabled)

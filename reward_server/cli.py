@@ -1,11 +1,16 @@
-"""`paddle-rl reward-server` (also `python -m reward_server`): the HTTP reward server's command line."""
+"""`paddle-rl reward-server` (also `python -m reward_server`): the HTTP reward server's command line.
+
+The server depends on paddle_rl (config, rewards); paddle_rl's own command line imports this module lazily, so the
+package paddle_rl never imports reward_server.
+"""
 import argparse
 import ipaddress
 import logging
 import os
 import typing
 
-API_KEY_ENV = "PADDLE_RL_REWARD_API_KEY"
+from paddle_rl.rewards.client import API_KEY_ENV
+
 LOOPBACK = ("localhost",)
 
 
@@ -64,6 +69,7 @@ def reward_config_values(config_path=None, overrides=None) -> dict:
     """
     from paddle_rl.config import ConfigError, RLConfig
     from paddle_rl.config import loader
+    from paddle_rl.rewards.check import reward_config_errors
 
     raw = loader._read_yaml(config_path) if config_path else {}
     raw.update(overrides or {})
@@ -85,6 +91,8 @@ def reward_config_values(config_path=None, overrides=None) -> dict:
         config._validate_reward(errors)
         if config.max_dec_len < 1:
             errors.append(f"max_dec_len: must be >= 1, got {config.max_dec_len}")
+        if not errors:
+            errors += reward_config_errors(config)   # function names (rules, plugins), overlong penalty once
     if errors:
         raise ConfigError("invalid reward server configuration:\n  " + "\n  ".join(errors))
     return values
@@ -92,7 +100,7 @@ def reward_config_values(config_path=None, overrides=None) -> dict:
 
 def settings_from_args(args):
     from paddle_rl.config import parse_overrides
-    from reward_server.app import ServerSettings
+    from .app import ServerSettings
 
     overrides = parse_overrides(args.overrides)
     if args.reward:
@@ -134,7 +142,7 @@ def _is_loopback(host: str) -> bool:
 def run_reward_server(args) -> int:
     import uvicorn
     from paddle_rl.config import ConfigError
-    from reward_server.app import create_app
+    from .app import create_app
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log = logging.getLogger("reward_server")

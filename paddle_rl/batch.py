@@ -1,0 +1,169 @@
+"""StepBatch: one RL step's samples as columns, one row per response; every stage reads it and adds columns.
+
+The rollout writes prompt_ids (each row's prompt, unpadded), response_ids / response_mask / rollout_logp
+([B, T], right-padded), lengths and truncated; rewards add score columns, the objective shaped scores and
+advantages, the log-prob passes old_logp / ref_logp. One `select` (rows by index) and one `concat` (rows
+of several batches, response columns padded to the widest) serve the engine's chunks, generation rounds,
+dynamic sampling, the rollout group and the update's mini- and micro-batches.
+
+Columns are numpy arrays whose first axis is the row; ragged per-row values (prompt token lists, dataset
+records) are object arrays. A 2-D column whose second axis is the response (`RESPONSE_COLUMNS` and any
+column registered with `pad`) is padded on concatenation with its pad value (0 unless set).
+"""
+from typing import Dict, Iterable, List, Optional, Sequence
+
+import numpy as np
+import paddle
+
+RESPONSE_COLUMNS = ("response_ids", "response_mask", "rollout_logp", "old_logp", "ref_logp", "advantages")
+
+
+def object_column(values: Iterable) -> np.ndarray:
+    """A 1-D object array holding arbitrary per-row values (lists, dicts) without numpy broadcasting them."""
+    values = list(values)
+    out = np.empty(len(values), dtype=object)
+    for i, v in enumerate(values):
+        out[i] = v
+    return out
+
+
+def left_pad(seqs: Sequence[Sequence[int]], pad_id: int):
+    """Token lists -> ids, mask [len, longest] (int64), padded on the left."""
+    width = max((len(s) for s in seqs), default=0)
+    ids = np.full((len(seqs), width), pad_id, dtype=np.int64)
+    mask = np.zeros((len(seqs), width), dtype=np.int64)
+    for i, s in enumerate(seqs):
+        if len(s):
+            ids[i, width - len(s):] = s
+            mask[i, width - len(s):] = 1
+    return ids, mask
+
+
+class StepBatch:
+    def __init__(self, columns: Optional[Dict[str, np.ndarray]] = None, pads: Optional[Dict[str, object]] = None,
+                 meta: Optional[dict] = None):
+        self.columns: Dict[str, np.ndarray] = {}
+        self.pads: Dict[str, object] = dict(pads or {})
+        self.meta: dict = dict(meta or {})   # batch-wide values (prompt_width of the token layout, ...)
+        for key, value in (columns or {}).items():
+            self[key] = value
+
+    # ---------------------------------------------------------------- columns
+    @property
+    def size(self) -> int:
+        return len(next(iter(self.columns.values()))) if self.columns else 0
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.columns
+
+    def __getitem__(self, key: str) -> np.ndarray:
+        if key not in self.columns:
+            raise KeyError(f"step batch has no column {key!r} (columns: {', '.join(sorted(self.columns))})")
+        return self.columns[key]
+
+    def __setitem__(self, key: str, value) -> None:
+        value = value if isinstance(value, np.ndarray) else np.asarray(value)
+        if self.columns and len(value) != self.size:
+            raise ValueError(f"column {key!r} has {len(value)} rows, the batch {self.size}")
+        self.columns[key] = value
+
+    def __getattr__(self, key: str):
+        columns = self.__dict__.get("columns")
+        if columns is not None and key in columns:
+            return columns[key]
+        raise AttributeError(key)
+
+    def get(self, key: str, default=None):
+        return self.columns.get(key, default)
+
+    def pop(self, key: str):
+        return self.columns.pop(key)
+
+    # ---------------------------------------------------------------- rows
+    def select(self, index) -> "StepBatch":
+        """Rows by index (an int array, a boolean mask or a slice), every column."""
+        if isinstance(index, slice):
+            return StepBatch({k: v[index] for k, v in self.columns.items()}, self.pads, self.meta)
+        index = np.asarray(index)
+        if index.dtype == bool:
+            index = np.flatnonzero(index)
+        return StepBatch({k: v[index.astype(np.int64)] for k, v in self.columns.items()}, self.pads, self.meta)
+
+    @staticmethod
+    def concat(parts: List["StepBatch"]) -> "StepBatch":
+        """Rows of several batches in order; response columns right-padded to the widest. Every part has the
+        same columns."""
+        parts = [p for p in parts if p.size] or parts[:1]
+        if len(parts) == 1:
+            return parts[0]
+        keys = list(parts[0].columns)
+        for p in parts[1:]:
+            if list(p.columns) != keys:
+                raise ValueError(f"concat: columns differ ({sorted(keys)} vs {sorted(p.columns)})")
+        pads = dict(parts[0].pads)
+        out = {}
+        for key in keys:
+            arrays = [p.columns[key] for p in parts]
+            if arrays[0].ndim == 2 and (key in RESPONSE_COLUMNS or key in pads):
+                width = max(a.shape[1] for a in arrays)
+                value = pads.get(key, 0)
+                arrays = [np.pad(a, ((0, 0), (0, width - a.shape[1])), constant_values=value) for a in arrays]
+            out[key] = np.concatenate(arrays)
+        return StepBatch(out, pads, parts[0].meta)
+
+    def trim(self) -> "StepBatch":
+        """Response columns cut to the longest response (at least one token)."""
+        width = max(int(self["lengths"].max()) if self.size else 1, 1)
+        columns = {k: (v[:, :width].copy() if v.ndim == 2 and (k in RESPONSE_COLUMNS or k in self.pads) else v)
+                   for k, v in self.columns.items()}
+        return StepBatch(columns, self.pads, self.meta)
+
+    # ---------------------------------------------------------------- views the stages use
+    def responses(self) -> List[List[int]]:
+        return [row[:n].tolist() for row, n in zip(self["response_ids"], self["lengths"])]
+
+    def with_prompt_layout(self, pad_id: int) -> "StepBatch":
+        """Adds prompt_tokens / prompt_mask [B, P], the prompts left-padded to the batch's longest (the
+        [prompt | response] layout of the log-prob and update passes)."""
+        ids, mask = left_pad(list(self["prompt_ids"]), pad_id)
+        self["prompt_tokens"], self["prompt_mask"] = ids, mask
+        self.meta["prompt_width"] = ids.shape[1]
+        return self
+
+    @property
+    def prompt_width(self) -> int:
+        return self.meta["prompt_width"]
+
+    def tensors(self, rows=slice(None), keys: Optional[List[str]] = None) -> Dict[str, paddle.Tensor]:
+        """The [prompt | response] layout of `rows` as Paddle tensors, plus the named per-token columns."""
+        prompt_ids, prompt_mask = self["prompt_tokens"][rows], self["prompt_mask"][rows]
+        response_ids, response_mask = self["response_ids"][rows], self["response_mask"][rows]
+        out = {
+            "input_ids": paddle.to_tensor(np.concatenate([prompt_ids, response_ids], axis=1)),
+            "attention_mask": paddle.to_tensor(np.concatenate([prompt_mask, response_mask.astype(np.int64)], axis=1)),
+            "response_ids": paddle.to_tensor(response_ids),
+            "response_mask": paddle.to_tensor(np.asarray(response_mask, dtype=np.float32)),
+        }
+        for key in keys or []:
+            out[key] = paddle.to_tensor(self[key][rows])
+        return out
+
+    def shared_prompts(self, rows=slice(None)):
+        """(prompt_first [U], prompt_rows [b]) of `rows`: the first row of each distinct group and each row's
+        group, as positions within `rows` (see CausalLM.shared_prompt_hidden_states); None when every row
+        has its own group."""
+        groups = self["group"][rows]
+        _, first, inverse = np.unique(groups, return_index=True, return_inverse=True)
+        if len(first) == len(groups):
+            return None
+        return paddle.to_tensor(first.astype(np.int64)), paddle.to_tensor(inverse.reshape(-1).astype(np.int64))
+
+
+def rollout_batch(prompt_ids, response_ids, response_mask, logprobs, lengths, truncated, pad_id: int) -> StepBatch:
+    """The columns a rollout writes (row r: sample r % n of prompt r // n)."""
+    return StepBatch({"prompt_ids": object_column(list(p) for p in prompt_ids), "response_ids": response_ids,
+                      "response_mask": response_mask, "rollout_logp": logprobs, "lengths": lengths,
+                      "truncated": truncated}, pads={"response_ids": pad_id})

@@ -1,0 +1,22 @@
+"""Parallel layouts as strategies: how one process group holds the model and runs it.
+
+The trainer talks to one `Layout` (base.py) and never branches on the layout or reads the topology:
+- `Replicated` (replicated.py): one process, data parallelism, sharding stage 1/2 and tensor parallelism:
+  every rank runs whole micro-batches through its (possibly tensor-split) model;
+- `Pipelined` (pipelined.py): consecutive layer ranges on the stages of a pipeline, 1F1B schedule;
+- the rollout (rollout.py) decodes on the training model itself or on a copy resharded to
+  `rollout_tensor_parallel_degree` (a pipeline rolls out on a gathered copy).
+"""
+from ..parallel.topology import Topology, single_process
+from .base import BatchGroup, Layout
+from .pipelined import Pipelined
+from .replicated import Replicated
+
+
+def build_layout(topo: Topology = None, share_prompts: bool = True) -> Layout:
+    topo = topo or single_process()
+    cls = Pipelined if topo.pp_degree > 1 else Replicated
+    return cls(topo, share_prompts)
+
+
+__all__ = ["Layout", "BatchGroup", "Replicated", "Pipelined", "build_layout"]

@@ -1,0 +1,235 @@
+"""The interface every parallel layout implements, and the batch group all of them share.
+
+A layout answers: load a model (this rank's part), log-probs over a StepBatch, forward + backward of a
+mini-batch, the full state (gathered under Hugging Face names), gradient clipping, the optimizer, the
+arguments of checkpoint save / resume, and the model the rollout decodes with.
+
+With a single process every method does exactly what the plain trainer did (no collectives, same
+arithmetic). Under a parallel topology:
+- the batch is split over the batch group (data x sharding) by whole prompts, each rank taking the same
+  share of every mini-batch, so mini-batch contents match the single-process run;
+- loss normalizers, statistics and metrics are summed over the batch group;
+- gradients are summed over the batch group (parallel/sharding.py), the norm counts every element once;
+- only global rank 0 writes metrics and checkpoints (each rank adds its optimizer shard).
+"""
+import contextlib
+from typing import Callable, Dict, List
+
+import numpy as np
+
+from ..batch import StepBatch
+from ..models import load_weights
+from ..parallel import collectives as C
+from ..parallel.sharding import GradientSync, build_sharded_optimizer, optimizer_state_bytes
+from ..parallel.topology import TopologyError
+from .rollout import Rollout
+
+
+class BatchGroup:
+    """The ranks holding different parts of the batch (data x sharding): how a step's prompts split over them,
+    and sums, means and gathers over them. One process: the whole batch, every operation the identity."""
+
+    def __init__(self, topo):
+        self.group = topo.group("batch")
+        self.degree = topo.batch_degree
+        self.rank = topo.batch_rank
+
+    def check_config(self, config) -> None:
+        if self.degree > 1 and config.mini_batch_prompts % self.degree:
+            raise TopologyError(f"global_mini_batch_size ({config.mini_batch_prompts} prompts) must be divisible by "
+                                f"data_parallel_degree x sharding_parallel_degree ({self.degree}): each rank takes "
+                                "whole prompt groups")
+
+    def local_prompt_indices(self, indices, mini_prompts: int) -> list:
+        """This rank's share of the step's prompts: the same contiguous slice of every mini-batch."""
+        if self.degree == 1:
+            return list(indices)
+        share = mini_prompts // self.degree
+        out = []
+        for start in range(0, len(indices), mini_prompts):
+            mini = list(indices[start:start + mini_prompts])
+            out += mini[self.rank * share:(self.rank + 1) * share]
+        return out
+
+    def to_global(self, batch: StepBatch, n: int, mini_prompts: int) -> StepBatch:
+        """Every rank's share of a sampler batch, gathered back into the single-process order (groups of n
+        rows; each rank holds the same slice of every mini-batch, see local_prompt_indices)."""
+        if self.group is None:
+            return batch
+        parts = C.gather_objects(batch, self.group)
+        share = mini_prompts // self.degree
+        groups = parts[0].size // n
+        order = []  # (rank, local group) in global order
+        for m in range(groups // share):
+            for r in range(self.degree):
+                order += [(r, m * share + w) for w in range(share)]
+        offsets = np.cumsum([0] + [p.size for p in parts])
+        rows = np.concatenate([offsets[r] + g * n + np.arange(n) for r, g in order])
+        return StepBatch.concat(parts).select(rows)
+
+    def local_share(self, batch: StepBatch, n: int, mini_prompts: int) -> StepBatch:
+        """This rank's share of a batch held whole, in single-process order (the inverse of to_global)."""
+        if self.group is None:
+            return batch
+        groups = self.local_prompt_indices(range(batch.size // n), mini_prompts)
+        return batch.select(np.concatenate([g * n + np.arange(n) for g in groups]).astype(np.int64))
+
+    def local_prompts(self, prompts: int) -> int:
+        return prompts // self.degree
+
+    def sum(self, values) -> np.ndarray:
+        """float64 sum over the batch group."""
+        return C.sum_numpy(values, self.group)
+
+    def max(self, values) -> np.ndarray:
+        return C.max_numpy(values, self.group)
+
+    def gather(self, batch: StepBatch, keys) -> StepBatch:
+        """The named columns of every rank's batch, concatenated in rank order (every rank gets them)."""
+        mine = StepBatch({k: batch[k] for k in keys}, batch.pads)
+        if self.group is None:
+            return mine
+        return StepBatch.concat(C.gather_objects(mine, self.group))
+
+    def reduce_metrics(self, metrics: dict) -> dict:
+        """Per-rank metrics of equal batch shares -> batch-wide: max for */max, min for */min, else the mean."""
+        if self.degree == 1 or not metrics:
+            return metrics
+        keys = sorted(metrics)
+        values = np.array([float(metrics[k]) for k in keys])
+        means = self.sum(values) / self.degree
+        maxes, mins = self.max(values), -self.max(-values)
+        return {k: float(maxes[i] if k.endswith("/max") else mins[i] if k.endswith("/min") else means[i])
+                for i, k in enumerate(keys)}
+
+    def value_stats(self, prefix: str, values) -> dict:
+        """{prefix}/mean, /std, /max, /min of every rank's values together ({} for one process: the caller's own
+        statistics are already exact)."""
+        if self.group is None:
+            return {}
+        v = np.asarray(values, dtype=np.float64).reshape(-1)
+        count, total, squares = self.sum([v.size, v.sum(), (v * v).sum()])
+        hi = self.max([v.max() if v.size else -np.inf, -(v.min() if v.size else np.inf)])
+        if count == 0:
+            return {f"{prefix}/{k}": 0.0 for k in ("mean", "std", "max", "min")}
+        mean = total / count
+        return {f"{prefix}/mean": float(mean), f"{prefix}/std": float(np.sqrt(max(squares / count - mean * mean, 0.0))),
+                f"{prefix}/max": float(hi[0]), f"{prefix}/min": float(-hi[1])}
+
+
+class Layout:
+    """Base of the layouts: what they share. Subclasses implement load_model, logprobs, forward_backward and
+    full_state; the rest is common."""
+
+    def __init__(self, topo, share_prompts: bool = True):
+        self._topo = topo
+        self.share_prompts = share_prompts
+        self.batch = BatchGroup(topo)
+        self.grad_sync = None
+        self.rollout = Rollout(topo, self)
+
+    # ---------------------------------------------------------------- facts
+    @property
+    def is_parallel(self) -> bool:
+        return self._topo.is_parallel
+
+    @property
+    def is_logging_rank(self) -> bool:
+        return self._topo.is_logging_rank
+
+    @property
+    def rank(self) -> int:
+        return self._topo.rank
+
+    @property
+    def stats_reduce(self):
+        """The group batch statistics are summed over (None: this process holds the whole batch)."""
+        return self.batch.group
+
+    @property
+    def reward_group(self):
+        """The ranks that hold one copy of the model and the same data: one scores, the others receive."""
+        return self._topo.group("model")
+
+    def describe(self) -> str:
+        return self._topo.describe()
+
+    def check_config(self, config) -> None:
+        self.batch.check_config(config)
+
+    # ---------------------------------------------------------------- models (per layout)
+    def load_model(self, folder: str):
+        raise NotImplementedError
+
+    def load_weights(self, model, folder: str) -> None:
+        """Overwrite a model's parameters from a checkpoint folder (each rank its own shard / stage)."""
+        load_weights(model, folder)
+
+    def full_state(self, model) -> Dict[str, np.ndarray]:
+        """The whole model under Hugging Face names (gathered over tensor / pipeline groups; every rank calls it)."""
+        raise NotImplementedError
+
+    def logprobs(self, model, batch: StepBatch, temperature: float, micro_batch_size: int,
+                 with_entropy: bool = False):
+        """No-grad log-probs of the batch's responses, numpy [B, T] (and the entropy), zero outside the mask."""
+        raise NotImplementedError
+
+    def forward_backward(self, model, mini: StepBatch, keys: List[str], micro: int, temperature: float,
+                         loss_fn: Callable) -> list:
+        """Forward + backward of every micro-batch of a mini-batch; loss_fn(part, logp, entropy) -> LossOutput.
+        Returns this rank's LossOutputs (under a pipeline only the last stage has them)."""
+        raise NotImplementedError
+
+    # ---------------------------------------------------------------- optimizer
+    def build_optimizer(self, model, config, total_steps: int):
+        self.grad_sync = GradientSync(self._topo, model.parameters())
+        return build_sharded_optimizer(model, config, total_steps, self.grad_sync)
+
+    def clip_grad_norm_(self, model, max_norm: float) -> float:
+        """Sum gradients over ranks, clip to max_norm; the norm before clipping."""
+        return self.grad_sync.clip_(max_norm)
+
+    @staticmethod
+    def optimizer_state_bytes(optimizer) -> dict:
+        """Bytes of optimizer state this rank holds (Adam moments; accumulators exist after the first step)."""
+        return optimizer_state_bytes(optimizer)
+
+    # ---------------------------------------------------------------- metrics of the update
+    def weighted_means(self, collected: dict, weights: list) -> dict:
+        """Token-weighted means of per-micro-batch metrics over the whole batch (every rank gets them)."""
+        sums, total = self._loss_sums(collected, weights)
+        keys = sorted(sums)
+        summed = self.batch.sum([sums[k] for k in keys] + [total])
+        total = summed[-1]
+        return {k: float(summed[i] / total) if total else 0.0 for i, k in enumerate(keys)}
+
+    def _loss_sums(self, collected: dict, weights: list):
+        sums = {k: sum(v * w for v, w in zip(vals, weights)) for k, vals in collected.items()}
+        return sums, float(sum(weights))
+
+    # ---------------------------------------------------------------- rollout
+    def generate(self, engine, prompts, n: int, params, keys) -> StepBatch:
+        """Responses of this rank's prompts (row i*n+j: sample j of prompt i), keyed by `keys`; `engine` holds
+        the sampling settings and the training model."""
+        return self.rollout.generate(engine, prompts, n, params, keys)
+
+    @contextlib.contextmanager
+    def rollout_engine(self, engine):
+        """`engine` bound to the model the rollout decodes with (the training model, or its resharded copy)."""
+        yield self.rollout.engine_for(engine)
+
+    # ---------------------------------------------------------------- saving / resuming
+    def barrier(self) -> None:
+        if self.is_parallel:
+            C.barrier()
+
+    def checkpoint_args(self, model) -> dict:
+        """Extra arguments of checkpoint.save_checkpoint: the gathered model state and this rank's place."""
+        if not self.is_parallel:
+            return {}
+        return {"model_state": self.full_state(model), "rank": self._topo.rank,
+                "world_size": self._topo.world_size, "barrier": self.barrier}
+
+    def resume_args(self) -> dict:
+        """Extra arguments of checkpoint.load_optimizer."""
+        return {"rank": self._topo.rank, "world_size": self._topo.world_size} if self.is_parallel else {}

@@ -1,0 +1,101 @@
+"""Pipeline parallelism: each stage holds a consecutive range of layers (the same CausalLM restricted to it),
+micro-batches move over send/recv in the 1F1B schedule of parallel/pipeline.py. Tied embeddings keep a copy of
+the table on the last stage whose gradient is summed with the first stage's."""
+import numpy as np
+import paddle
+import paddle.distributed as dist
+
+from ..models import hf_state, load_model
+from ..models.decoder import attention_bias_from_mask, position_ids_from_mask
+from ..parallel import collectives as C
+from ..parallel.pipeline import Link, forward_only, train_1f1b
+from .base import Layout
+
+
+def _inputs(part):
+    mask = part["attention_mask"]
+    return (part["input_ids"], position_ids_from_mask(mask),
+            attention_bias_from_mask(mask, part["input_ids"].shape[1], causal=True))
+
+
+class Pipelined(Layout):
+    def load_model(self, folder: str):
+        topo = self._topo
+        return load_model(folder, tp_group=topo.group("tp"), stage=(topo.pp_rank, topo.pp_degree))
+
+    def full_state(self, model) -> dict:
+        merged = {}
+        for part in C.gather_objects(hf_state(model), self._topo.group("pp")):
+            for k, v in part.items():
+                merged.setdefault(k, v)
+        return merged
+
+    def _stage_fn(self, model, parts, prompt_width, temperature, with_entropy, loss_fn=None, outputs=None):
+        def forward(i, x):
+            ids, pos, bias = _inputs(parts[i])
+            y = model.hidden_states(ids if model.is_first else x, pos, bias)
+            if not model.is_last:
+                return y
+            response_ids = parts[i]["response_ids"]
+            hidden = y[:, prompt_width - 1:prompt_width - 1 + response_ids.shape[1]]
+            logp, entropy = model.head_logprobs(hidden, response_ids, temperature, with_entropy)
+            if loss_fn is None:
+                return logp, entropy
+            out = loss_fn(parts[i], logp, entropy)
+            outputs.append(out)
+            return out.loss
+        return forward
+
+    def _act_shape(self, model, parts):
+        return lambda i: [parts[i]["input_ids"].shape[0], parts[i]["input_ids"].shape[1], model.config.hidden_size]
+
+    @paddle.no_grad()
+    def logprobs(self, model, batch, temperature: float, micro_batch_size: int, with_entropy: bool = False):
+        was_training = model.training
+        model.eval()
+        parts = [batch.tensors(slice(s, s + micro_batch_size)) for s in range(0, batch.size, micro_batch_size)]
+        link = Link(self._topo)
+        outs = forward_only(link, len(parts), self._stage_fn(model, parts, batch.prompt_width, temperature,
+                                                             with_entropy), self._act_shape(model, parts))
+        logps, ents = [], []
+        for part, out in zip(parts, outs):
+            shape = list(part["response_ids"].shape)
+            logp, ent = out if out is not None else (paddle.empty(shape, "float32"),
+                                                     paddle.empty(shape, "float32") if with_entropy else None)
+            dist.broadcast(logp, src=link.last_rank, group=link.group)
+            if with_entropy:
+                dist.broadcast(ent, src=link.last_rank, group=link.group)
+            logps.append(logp.numpy())
+            ents.append(None if ent is None else ent.numpy())
+        if was_training:
+            model.train()
+        mask = batch["response_mask"]
+        logp = np.concatenate(logps) * mask
+        return (logp, np.concatenate(ents) * mask) if with_entropy else logp
+
+    def forward_backward(self, model, mini, keys, micro: int, temperature: float, loss_fn) -> list:
+        parts = [mini.tensors(slice(s, s + micro), keys) for s in range(0, mini.size, micro)]
+        outputs = []
+        train_1f1b(Link(self._topo), len(parts),
+                   self._stage_fn(model, parts, mini.prompt_width, temperature, True, loss_fn, outputs),
+                   self._act_shape(model, parts))
+        return outputs
+
+    def clip_grad_norm_(self, model, max_norm: float) -> float:
+        self._sync_tied_embedding(model)
+        return self.grad_sync.clip_(max_norm)
+
+    def _sync_tied_embedding(self, model) -> None:
+        """Sum the gradients of the tied embedding's two copies (first and last stage)."""
+        group = self._topo.group("embed")
+        if not model.config.tie_word_embeddings or group is None or not (model.is_first or model.is_last):
+            return
+        grad = model.embed_tokens.weight.grad
+        if grad is not None:
+            dist.all_reduce(grad, group=group)
+
+    def _loss_sums(self, collected: dict, weights: list):
+        sums, total = super()._loss_sums(collected, weights)
+        topo = self._topo
+        # only the last stage computed losses
+        return C.broadcast_object((sums, total), topo.ranks_of["pp"][-1], topo.group("pp"))

@@ -1,0 +1,219 @@
+"""Layers that carry their own checkpoint mapping and tensor-parallel split.
+
+Every parameter holds a `ParamSpec` (attribute `spec`): the Hugging Face tensors it is made of, whether it
+is stored transposed (Paddle Linear weights are [in, out], HF ones [out, in]), and how it splits over the
+tensor-parallel group. Loading, saving, resharding and gradient norms read these specs; no other file
+lists parameter names.
+
+Tensor parallelism (Megatron-style) on the differentiable collectives of parallel/collectives.py:
+- ColumnLinear: weight [in, out/tp]. A fused projection lists its logical parts (q, k, v or gate, up);
+  rank r holds [part_0 shard r, part_1 shard r, ...], so the local output splits like the full one. The
+  input enters through copy_to_group (its gradient is all-reduced).
+- RowLinear: weight [in/tp, out] on the rank's slice of the input features; partial outputs are
+  all-reduced (bias added after the sum).
+- VocabEmbedding: rows [r*Vp/tp, (r+1)*Vp/tp) of the table, the vocabulary padded up to Vp, a multiple of
+  the degree (Megatron's padding): padded rows are zero, never looked up, and their logits are cut off
+  before sampling and log-probs. Tokens outside a rank's rows give zeros; the group sums the lookups.
+Without a group (one process) every layer is the plain single-device layer.
+"""
+from dataclasses import dataclass
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+
+import numpy as np
+import paddle
+import paddle.nn as nn
+import paddle.nn.functional as F
+
+from .. import ops
+from ..parallel.collectives import (all_reduce_max, copy_to_group, group_rank, group_size, reduce_from_group)
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    """One parameter's place in a Hugging Face checkpoint and under tensor parallelism.
+
+    hf_names: the HF tensors concatenated (along HF axis 0) into this parameter: q|k|v, gate|up, or one.
+    transpose: stored as the transpose of the concatenation (Linear weights).
+    axis: the local-layout axis split over the tensor-parallel group (None: replicated).
+    parts: logical sizes along `axis`; each part is split separately, so a rank's shard of a fused
+           projection is [q shard, k shard, v shard].
+    pad: parts may be padded up to a multiple of the degree (the vocabulary); otherwise they must divide.
+    """
+    hf_names: Tuple[str, ...]
+    transpose: bool = False
+    axis: Optional[int] = None
+    parts: Tuple[int, ...] = ()
+    pad: bool = False
+
+    # ---------------------------------------------------------------- checkpoint layout
+    def from_hf(self, tensors: Mapping[str, np.ndarray]) -> np.ndarray:
+        """The full local-layout tensor; KeyError names a missing HF tensor."""
+        arrays = []
+        for name in self.hf_names:
+            if name not in tensors:
+                raise KeyError(name)
+            arrays.append(tensors[name])
+        full = arrays[0] if len(arrays) == 1 else np.concatenate(arrays, axis=0)
+        return full.T if self.transpose else full
+
+    def to_hf(self, full: np.ndarray) -> Dict[str, np.ndarray]:
+        hf = full.T if self.transpose else full
+        if len(self.hf_names) == 1:
+            return {self.hf_names[0]: np.ascontiguousarray(hf)}
+        sizes = [self.parts[i] for i in range(len(self.hf_names))]
+        pieces = np.split(hf, np.cumsum(sizes)[:-1], axis=0)
+        return {n: np.ascontiguousarray(p) for n, p in zip(self.hf_names, pieces)}
+
+    # ---------------------------------------------------------------- tensor-parallel shards
+    def local_part(self, part: int, tp: int) -> int:
+        if part % tp:
+            if not self.pad:
+                raise ValueError(f"{self.hf_names[0]}: size {part} is not divisible by tensor_parallel_degree {tp}")
+            return -(-part // tp)
+        return part // tp
+
+    def local_size(self, tp: int) -> int:
+        return sum(self.local_part(p, tp) for p in self.parts)
+
+    def shard(self, full: np.ndarray, rank: int, tp: int) -> np.ndarray:
+        """This rank's shard of the full local-layout tensor (padded parts padded with zeros)."""
+        if self.axis is None or tp == 1:
+            return full
+        pieces = []
+        for part in np.split(full, np.cumsum(self.parts)[:-1], axis=self.axis):
+            size = self.local_part(part.shape[self.axis], tp)
+            missing = size * tp - part.shape[self.axis]
+            if missing:
+                widths = [(0, 0)] * part.ndim
+                widths[self.axis] = (0, missing)
+                part = np.pad(part, widths)
+            pieces.append(np.take(part, range(rank * size, (rank + 1) * size), axis=self.axis))
+        return np.ascontiguousarray(np.concatenate(pieces, axis=self.axis))
+
+    def unshard(self, shards: Sequence[np.ndarray]) -> np.ndarray:
+        """The full tensor from every rank's shard (rank order), padding cut off."""
+        if self.axis is None or len(shards) == 1:
+            return shards[0]
+        tp = len(shards)
+        sizes = [self.local_part(p, tp) for p in self.parts]
+        split = [np.split(s, np.cumsum(sizes)[:-1], axis=self.axis) for s in shards]  # [rank][part]
+        parts = []
+        for k, logical in enumerate(self.parts):
+            whole = np.concatenate([split[r][k] for r in range(tp)], axis=self.axis)
+            parts.append(np.take(whole, range(logical), axis=self.axis))
+        return np.concatenate(parts, axis=self.axis)
+
+
+def _param(layer: nn.Layer, shape, spec: ParamSpec, group, is_bias: bool = False, init=None):
+    param = layer.create_parameter(list(shape), is_bias=is_bias, default_initializer=init)
+    param.spec = spec
+    param.is_distributed = spec.axis is not None and group_size(group) > 1
+    return param
+
+
+class RMSNorm(nn.Layer):
+    def __init__(self, dim: int, eps: float, hf_name: str):
+        super().__init__()
+        self.eps = eps
+        self.weight = _param(self, [dim], ParamSpec((hf_name,)), None, init=nn.initializer.Constant(1.0))
+
+    def forward(self, x):
+        return ops.rms_norm(x, self.weight, self.eps)
+
+
+class ColumnLinear(nn.Layer):
+    """y = x @ W (+ b) with the output features split over the group; `sources` are the HF sub-modules fused
+    into it under `prefix` (q_proj, k_proj, v_proj), `parts` their output sizes."""
+
+    def __init__(self, in_features: int, parts: Sequence[int], bias: bool, group, prefix: str,
+                 sources: Sequence[str], pad: bool = False):
+        super().__init__()
+        self.group = group
+        names = tuple(f"{prefix}.{s}" if prefix else s for s in sources)
+        tp = group_size(group)
+        weight = ParamSpec(tuple(f"{n}.weight" for n in names), True, 1, tuple(parts), pad)
+        self.weight = _param(self, [in_features, weight.local_size(tp)], weight, group)
+        self.bias = None
+        if bias:
+            spec = ParamSpec(tuple(f"{n}.bias" for n in names), False, 0, tuple(parts), pad)
+            self.bias = _param(self, [spec.local_size(tp)], spec, group, is_bias=True)
+
+    def forward(self, x):
+        if self.group is None:
+            return F.linear(x, self.weight, self.bias)
+        y = paddle.matmul(copy_to_group(x, self.group), self.weight)
+        return y + self.bias if self.bias is not None else y
+
+
+class RowLinear(nn.Layer):
+    """y = x @ W (+ b) with the input features split over the group; partial outputs summed."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, group, hf_name: str):
+        super().__init__()
+        self.group = group
+        spec = ParamSpec((f"{hf_name}.weight",), True, 0, (in_features,))
+        self.weight = _param(self, [spec.local_size(group_size(group)), out_features], spec, group)
+        self.bias = _param(self, [out_features], ParamSpec((f"{hf_name}.bias",)), None, True) if bias else None
+
+    def forward(self, x):
+        if self.group is None:
+            return F.linear(x, self.weight, self.bias)
+        y = reduce_from_group(paddle.matmul(x, self.weight), self.group)
+        return y + self.bias if self.bias is not None else y
+
+
+class VocabEmbedding(nn.Layer):
+    def __init__(self, vocab_size: int, hidden_size: int, group, hf_name: str):
+        super().__init__()
+        self.group = group
+        spec = ParamSpec((hf_name,), False, 0, (vocab_size,), pad=True)
+        self.per_rank = spec.local_size(group_size(group))
+        self.vocab_start = group_rank(group) * self.per_rank
+        self.weight = _param(self, [self.per_rank, hidden_size], spec, group,
+                             init=nn.initializer.XavierNormal())
+
+    def forward(self, ids):
+        if self.group is None:
+            return F.embedding(ids, self.weight)
+        local = ids - self.vocab_start
+        inside = paddle.logical_and(local >= 0, local < self.per_rank)
+        emb = F.embedding(paddle.where(inside, local, paddle.zeros_like(local)), self.weight)
+        emb = emb * inside.astype(emb.dtype).unsqueeze(-1)
+        return reduce_from_group(emb, self.group)
+
+
+def vocab_parallel_logprobs(local_logits, targets, group, vocab_start: int, with_entropy: bool = False):
+    """log softmax(logits)[target] (and entropy) from this rank's vocabulary slice of the logits (padding
+    already cut off: the slices may differ in width).
+
+    local_logits [..., V_r] float32, targets [...] int64 (global ids). Differentiable: the sums go through
+    reduce_from_group (identity backward), the max shift is a constant. The full [tokens, vocab] logits never
+    exist on one rank.
+    """
+    width = local_logits.shape[-1]
+    shift = all_reduce_max(local_logits.max(axis=-1, keepdim=True), group)
+    shifted = local_logits - shift
+    exp = shifted.exp()
+    sum_exp = reduce_from_group(exp.sum(axis=-1), group)
+    log_z = sum_exp.log()
+    local = targets - vocab_start
+    inside = paddle.logical_and(local >= 0, local < width)
+    picked = paddle.take_along_axis(shifted, paddle.where(inside, local, paddle.zeros_like(local)).unsqueeze(-1),
+                                    axis=-1).squeeze(-1)
+    target = reduce_from_group(picked * inside.astype(picked.dtype), group)
+    logp = target - log_z
+    if not with_entropy:
+        return logp, None
+    # H = log Z - E_p[shifted]
+    expected = reduce_from_group((exp * shifted).sum(axis=-1), group) / sum_exp
+    return logp, log_z - expected
+
+
+def specs_of(model) -> List[Tuple[str, object]]:
+    """(name, parameter) pairs of a model, every one with its ParamSpec (an error names one without)."""
+    out = []
+    for name, param in model.named_parameters():
+        if getattr(param, "spec", None) is None:
+            raise TypeError(f"parameter {name} has no ParamSpec: build it with models/layers.py")
+        out.append((name, param))
+    return out

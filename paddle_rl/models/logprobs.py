@@ -1,0 +1,31 @@
+"""Per-token log-probs (and entropy) of response tokens under a model, for one micro-batch.
+
+The LM head runs on response positions only (`CausalLM.head_logprobs`: chunked, or vocabulary-parallel
+under tensor parallelism).
+"""
+from .decoder import attention_bias_from_mask, position_ids_from_mask
+
+
+def response_hidden(model, input_ids, attention_mask, prompt_width: int, length: int, shared_prompts=None):
+    """Final hidden states at the positions that predict the `length` response tokens: [b, length, hidden].
+
+    shared_prompts = (prompt_first [U], prompt_rows [b]) runs each distinct prompt once
+    (`CausalLM.shared_prompt_hidden_states`); None runs every row's prompt. Layer recompute in training
+    takes the full pass: a recomputed layer cannot hand its prompt keys/values, with their autograd
+    history, to the response pass."""
+    recomputing = model.recompute and model.training
+    if shared_prompts is not None and not recomputing and input_ids.shape[1] == prompt_width + length:
+        return model.shared_prompt_hidden_states(input_ids, attention_mask, prompt_width, *shared_prompts)
+    bias = attention_bias_from_mask(attention_mask, input_ids.shape[1], causal=True)
+    hidden = model.hidden_states(input_ids, position_ids_from_mask(attention_mask), bias)
+    return hidden[:, prompt_width - 1:prompt_width - 1 + length]
+
+
+def token_logprobs(model, input_ids, attention_mask, prompt_width: int, response_ids, temperature: float,
+                   with_entropy: bool = False, shared_prompts=None):
+    """log softmax(logits / T) at response_ids: [b, T] (and entropy [b, T], else None).
+
+    input_ids = [left-padded prompt | right-padded response]; shared_prompts: see `response_hidden`.
+    """
+    hidden = response_hidden(model, input_ids, attention_mask, prompt_width, response_ids.shape[1], shared_prompts)
+    return model.head_logprobs(hidden, response_ids, temperature, with_entropy)

@@ -1,0 +1,112 @@
+"""The dashboards `report_to` names: VisualDL, TensorBoard event files, Weights & Biases (offline).
+
+A dashboard that is named but whose package cannot be imported stops the run with a ConfigError naming
+`report_to` and the package; nothing is replaced by another dashboard. `all` opens every dashboard whose
+package is installed (TensorBoard always: its event files are written by tb_events.py) and logs which.
+"""
+import importlib
+import logging
+import os
+from typing import Dict, List, Optional
+
+from ..config.loader import ConfigError
+from ..config.logging_args import DASHBOARDS, REPORT_TO_WORDS, report_to_words
+from .tb_events import EventFileWriter
+
+logger = logging.getLogger("paddle_rl")
+
+PACKAGES = {"visualdl": "visualdl", "tensorboard": None, "wandb": "wandb"}  # None: nothing to import
+
+
+def _importable(package: Optional[str]) -> bool:
+    if package is None:
+        return True
+    try:
+        importlib.import_module(package)
+    except ImportError:
+        return False
+    return True
+
+
+def resolve_dashboards(report_to) -> List[str]:
+    """The dashboards to open; raises ConfigError for an unknown name or a named one whose package is missing."""
+    words = report_to_words(report_to)
+    unknown = [w for w in words if w not in REPORT_TO_WORDS]
+    if unknown:
+        raise ConfigError(f"report_to: {', '.join(map(repr, unknown))} not one of {', '.join(REPORT_TO_WORDS)}")
+    if not words or words == ("none",):
+        return []
+    if words == ("all",):
+        chosen = [name for name in DASHBOARDS if _importable(PACKAGES[name])]
+        logger.info("report_to all: %s (the others' packages are not installed)", ", ".join(chosen))
+        return chosen
+    missing = [name for name in words if not _importable(PACKAGES[name])]
+    if missing:
+        packages = " ".join(PACKAGES[name] for name in missing)
+        raise ConfigError(f"report_to: {', '.join(missing)} needs the Python package(s) {packages}, which cannot be "
+                          f"imported; install them (pip install {packages}) or leave {', '.join(missing)} out of "
+                          f"report_to")
+    return list(dict.fromkeys(words))
+
+
+class VisualDLDashboard:
+    def __init__(self, logdir: str, run_name: Optional[str]):
+        from visualdl import LogWriter
+        self.writer = LogWriter(logdir=logdir, display_name=run_name or "")
+
+    def add_scalars(self, step: int, scalars: Dict[str, float]) -> None:
+        for key, value in scalars.items():
+            self.writer.add_scalar(tag=key, value=value, step=step)
+        self.writer.flush()
+
+    def restart(self, step: int) -> None:
+        """VisualDL has no marker for a resumed run: its charts keep the interrupted run's later points."""
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class TensorBoardDashboard:
+    def __init__(self, logdir: str, run_name: Optional[str]):
+        self.writer = EventFileWriter(logdir)
+
+    def add_scalars(self, step: int, scalars: Dict[str, float]) -> None:
+        for key, value in scalars.items():
+            self.writer.add_scalar(key, value, step)
+        self.writer.flush()
+
+    def restart(self, step: int) -> None:
+        self.writer.add_session_start(step + 1)  # TensorBoard drops the interrupted run's steps after `step`
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class WandbDashboard:
+    """A wandb run in offline mode (sync later with `wandb sync`); $WANDB_MODE and $WANDB_PROJECT override."""
+
+    def __init__(self, logdir: str, run_name: Optional[str]):
+        import wandb
+        os.makedirs(logdir, exist_ok=True)
+        self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", "paddle_rl"), name=run_name, dir=logdir,
+                              mode=os.environ.get("WANDB_MODE", "offline"))
+
+    def add_scalars(self, step: int, scalars: Dict[str, float]) -> None:
+        self.run.log(dict(scalars), step=step)
+
+    def restart(self, step: int) -> None:
+        """A resumed run is a new wandb run; nothing to mark."""
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+OPENERS = {"visualdl": VisualDLDashboard, "tensorboard": TensorBoardDashboard, "wandb": WandbDashboard}
+
+
+def open_dashboards(report_to, logdir: str, run_name: Optional[str]) -> list:
+    names = resolve_dashboards(report_to)
+    if names:
+        os.makedirs(logdir, exist_ok=True)
+    return [OPENERS[name](logdir, run_name) for name in names]

@@ -1,0 +1,49 @@
+"""Rewards on a StepBatch: each row's decoded response scored with its dataset record; the result as columns
+(reward, reward/<function>, correct, skipped) and back as a RewardResult for metrics."""
+import numpy as np
+
+from ..batch import StepBatch
+from ..rewards import RewardResult, RewardSample
+
+
+def reward_record(item) -> dict:
+    record = dict(item["record"]) if isinstance(item["record"], dict) else {}
+    if item.get("ground_truth") is not None:
+        record.setdefault("ground_truth", item["ground_truth"])
+    if item.get("data_source"):
+        record.setdefault("data_source", item["data_source"])
+    return record
+
+
+def score(batch: StepBatch, tokenizer, reward_fn) -> None:
+    """Adds the reward columns; rows need the column `item` (their dataset item)."""
+    texts = tokenizer.decode_batch(batch.responses())
+    samples = [RewardSample(it["prompt"], text, reward_record(it), int(length), bool(truncated))
+               for it, text, length, truncated in zip(batch["item"], texts, batch["lengths"], batch["truncated"])]
+    add_reward_columns(batch, reward_fn(samples))
+
+
+def add_reward_columns(batch: StepBatch, result: RewardResult) -> None:
+    batch["reward"] = np.asarray(result.scores, dtype=np.float32)
+    for name, values in result.per_function.items():
+        batch[f"reward/{name}"] = np.asarray(values, dtype=np.float32)
+    if result.correct is not None:
+        batch["correct"] = np.asarray(result.correct, dtype=bool)
+    if result.skipped is not None:
+        batch["skipped"] = np.asarray(result.skipped, dtype=bool)
+
+
+def per_function_scores(batch: StepBatch) -> dict:
+    return {k.split("/", 1)[1]: v for k, v in batch.columns.items() if k.startswith("reward/")}
+
+
+def reward_result(batch: StepBatch) -> RewardResult:
+    return RewardResult(batch["reward"], per_function_scores(batch), batch.get("correct"), batch.get("skipped"))
+
+
+# columns the step-wide metrics read (reward, accuracy, lengths)
+METRIC_COLUMNS = ("reward", "correct", "skipped", "lengths", "truncated")
+
+
+def metric_columns(batch: StepBatch) -> list:
+    return [k for k in batch.columns if k in METRIC_COLUMNS or k.startswith("reward/")]

@@ -1,0 +1,109 @@
+"""The `paddle-rl` command line: overrides anywhere, subcommands that say what they miss, errors with or without
+a traceback."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+from paddle_rl import cli
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_python(code: str, *args, timeout=300):
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    return subprocess.run([sys.executable, "-c", code, *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def run_cli(*args, timeout=300):
+    return run_python("import sys; from paddle_rl.cli import main; sys.exit(main(sys.argv[1:]))", *args,
+                      timeout=timeout)
+
+
+# ---- h: key=value overrides before and after options
+def test_overrides_after_options_are_accepted():
+    args = cli.parse_args(["train", "c.yaml", "--nproc_per_node", "2", "rollout_n=4", "--log_dir", "L", "seed=3"])
+    assert (args.config, args.overrides, args.nproc_per_node, args.log_dir) == ("c.yaml", ["rollout_n=4", "seed=3"],
+                                                                             2, "L")
+    args = cli.parse_args(["train", "a=1", "c.yaml", "b=2", "--nproc_per_node", "2", "c=3"])
+    assert (args.config, args.overrides) == ("c.yaml", ["a=1", "b=2", "c=3"])
+    args = cli.parse_args(["eval", "c.yaml", "k=v"])
+    assert (args.config, args.overrides) == ("c.yaml", ["k=v"])
+
+
+def test_launch_command_carries_every_override(monkeypatch):
+    seen = []
+    monkeypatch.setattr(cli.subprocess, "call", lambda cmd: seen.append(cmd) or 0)
+    assert cli.main(["train", "c.yaml", "--nproc_per_node", "2", "rollout_n=4"]) == 0
+    cmd = seen[0]
+    assert cmd[cmd.index("--nproc_per_node") + 1] == "2"
+    assert cmd[-3].endswith("run_rl.py") and cmd[-2:] == ["c.yaml", "rollout_n=4"]
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["train", "c.yaml", "--nproc_per_node", "2", "--rollout_n=4"], "unrecognized arguments: --rollout_n=4"),
+    (["train", "c.yaml", "d.yaml"], "expected one CONFIG file and key=value overrides"),
+    (["train", "--nproc_per_node", "2", "a=1"], "expected one CONFIG file"),
+    (["data", "kk", "x=1"], "unrecognized arguments: x=1"),
+])
+def test_bad_words_are_still_rejected(capsys, argv, message):
+    with pytest.raises(SystemExit) as exit_:
+        cli.parse_args(argv)
+    assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
+# ---- j: a subcommand whose module cannot be imported still exists and names what is missing
+HIDE_AND_RUN = """
+import sys
+sys.modules[sys.argv[1]] = None  # the import fails as for a missing package
+from paddle_rl.cli import main
+sys.exit(main(sys.argv[2:]))
+"""
+
+
+@pytest.mark.parametrize("module,command,options", [
+    ("paddle_rl.bench", ["bench"], ["--steps", "1"]),
+    (cli.REWARD_SERVER[1], ["reward-server"], ["--port", "8999"]),
+    (cli.DATA_CONVERT[1], ["data", "convert"], ["in.jsonl", "--out", "x"]),
+])
+def test_subcommand_with_a_missing_import_names_it(module, command, options):
+    result = run_python(HIDE_AND_RUN, module, *command, *options)
+    assert result.returncode == 2, result.stderr
+    assert "invalid choice" not in result.stderr
+    assert f"error: paddle-rl {' '.join(command)}: cannot import {module}" in result.stderr
+    listed = run_python(HIDE_AND_RUN, module, *command[:-1], "--help")  # the parent command lists it
+    assert listed.returncode == 0 and f"unavailable: cannot import {module}" in " ".join(listed.stdout.split())
+
+
+def test_missing_third_party_package_is_named():
+    error = ModuleNotFoundError("No module named 'fastapi'", name="fastapi")
+    reason = cli._unavailable_reason("reward_server.cli", error)
+    assert "Python package 'fastapi' cannot be imported" in reason and "install it" in reason
+
+
+# ---- k: setup errors are one line; an error during training keeps its traceback
+def test_config_error_is_one_line(tmp_path):
+    result = run_cli("train", os.devnull, "rollout_nn=3", f"output_dir={tmp_path}")
+    assert result.returncode == 2
+    assert "did you mean 'rollout_n'" in result.stderr and "Traceback" not in result.stderr
+
+
+BOOM = '''
+def boom(completions, **kwargs):
+    raise KeyError("field_the_records_lack")
+'''
+
+
+def test_error_during_training_keeps_its_traceback(micro, tmp_path):
+    from micro_model import micro_overrides
+    plugin = tmp_path / "boom_reward.py"
+    plugin.write_text(BOOM)
+    overrides = micro_overrides(micro, str(tmp_path / "out"), do_eval=False, max_steps=1, report_to="none",
+                                reward_funcs="[boom]", reward_plugins=f"[{plugin}]")
+    result = run_cli("train", os.devnull, *overrides, timeout=600)
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert "Traceback (most recent call last)" in result.stderr
+    assert "field_the_records_lack" in result.stderr
+    assert "\nerror: " not in result.stderr
