@@ -19,6 +19,9 @@ def _hf_model(kind, tie):
     elif kind == "qwen3":
         cfg = transformers.Qwen3Config(**COMMON, head_dim=24, tie_word_embeddings=tie)
         cls = transformers.Qwen3ForCausalLM
+    elif kind == "mistral":
+        cfg = transformers.MistralConfig(**COMMON, sliding_window=None, tie_word_embeddings=tie)
+        cls = transformers.MistralForCausalLM
     else:
         cfg = transformers.LlamaConfig(**COMMON, tie_word_embeddings=tie)
         cls = transformers.LlamaForCausalLM
@@ -41,7 +44,7 @@ def _inputs():
 
 
 @pytest.mark.parametrize("kind,tie", [("qwen2", False), ("qwen2", True), ("qwen3", False), ("llama", False),
-                                      ("llama", True)])
+                                      ("llama", True), ("mistral", False)])
 def test_logits_match_transformers(tmp_path, kind, tie):
     hf = _hf_model(kind, tie)
     hf.save_pretrained(tmp_path / "hf", safe_serialization=True)
@@ -62,6 +65,24 @@ def test_logits_match_transformers(tmp_path, kind, tie):
         again = back(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask),
                      position_ids=torch.tensor(pos)).logits.numpy()
     assert np.abs(again[valid] - ref[valid]).max() <= 1e-5
+
+
+def test_rope_parameters_as_transformers_5_writes_them(tmp_path):
+    """transformers 5 writes `rope_parameters: {rope_theta, rope_type}` instead of a top-level rope_theta; a theta
+    other than the default must be read from there (it was silently replaced by 10000 before)."""
+    cfg = transformers.LlamaConfig(**dict(COMMON, rope_theta=100000.0))
+    torch.manual_seed(0)
+    hf = transformers.LlamaForCausalLM(cfg).eval()
+    hf.save_pretrained(tmp_path / "hf", safe_serialization=True)
+    ids, mask = _inputs()
+    pos = np.clip(np.cumsum(mask, -1) - 1, 0, None)
+    with torch.no_grad():
+        ref = hf(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask),
+                 position_ids=torch.tensor(pos)).logits.numpy()
+    ours = load_model(str(tmp_path / "hf"))
+    assert ours.config.rope_theta == 100000.0
+    out = ours(paddle.to_tensor(ids), paddle.to_tensor(mask)).numpy()
+    assert np.abs(out[mask.astype(bool)] - ref[mask.astype(bool)]).max() <= 1e-4
 
 
 def test_sharded_checkpoint_roundtrip(tmp_path):

@@ -92,13 +92,17 @@ def test_training_log_lines_do_not_land_on_the_bar(micro, tmp_path, monkeypatch,
     from paddle_rl.trainer import RLTrainer
     terminal = FakeTerminal()
     monkeypatch.setattr(sys, "stderr", terminal)
-    handler = logging.StreamHandler(sys.stderr)  # what logging.basicConfig installs (run_rl.py)
+    handler = logging.StreamHandler(sys.stderr)  # what logging.basicConfig installs on the root (run_rl.py)
     handler.setFormatter(logging.Formatter("LOG %(message)s"))
-    paddle_rl_logger.addHandler(handler)
-    overrides = micro_overrides(micro, str(tmp_path), max_steps=3, logging_steps=2, do_eval=False,
-                                report_to="none", disable_tqdm=False)
-    RLTrainer(load_config(None, overrides)).train()
-    assert paddle_rl_logger.handlers[-1] is handler
+    root = logging.getLogger()
+    root.addHandler(handler)
+    try:
+        overrides = micro_overrides(micro, str(tmp_path), max_steps=3, logging_steps=2, do_eval=False,
+                                    report_to="none", disable_tqdm=False)
+        RLTrainer(load_config(None, overrides)).train()
+        assert root.handlers[-1] is handler
+    finally:
+        root.removeHandler(handler)
     text = terminal.getvalue()
     shown = log_lines_start_their_line(text)
     assert [line for line in shown if line.startswith("LOG step ")] == [

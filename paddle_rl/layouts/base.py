@@ -16,6 +16,7 @@ import contextlib
 from typing import Callable, Dict, List
 
 import numpy as np
+import paddle
 
 from ..batch import StepBatch
 from ..models import load_weights
@@ -169,9 +170,22 @@ class Layout:
         """The whole model under Hugging Face names (gathered over tensor / pipeline groups; every rank calls it)."""
         raise NotImplementedError
 
+    @paddle.no_grad()
     def logprobs(self, model, batch: StepBatch, temperature: float, micro_batch_size: int,
                  with_entropy: bool = False):
         """No-grad log-probs of the batch's responses, numpy [B, T] (and the entropy), zero outside the mask."""
+        was_training = model.training
+        model.eval()
+        chunks = self._logprob_chunks(model, batch, temperature, micro_batch_size, with_entropy)
+        if was_training:
+            model.train()
+        mask = batch["response_mask"]
+        logp = np.concatenate([c[0] for c in chunks]) * mask
+        return (logp, np.concatenate([c[1] for c in chunks]) * mask) if with_entropy else logp
+
+    def _logprob_chunks(self, model, batch: StepBatch, temperature: float, micro_batch_size: int,
+                        with_entropy: bool) -> list:
+        """(logp, entropy or None) numpy arrays of each micro-batch of rows, in order."""
         raise NotImplementedError
 
     def forward_backward(self, model, mini: StepBatch, keys: List[str], micro: int, temperature: float,

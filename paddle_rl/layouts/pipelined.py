@@ -1,7 +1,6 @@
 """Pipeline parallelism: each stage holds a consecutive range of layers (the same CausalLM restricted to it),
 micro-batches move over send/recv in the 1F1B schedule of parallel/pipeline.py. Tied embeddings keep a copy of
 the table on the last stage whose gradient is summed with the first stage's."""
-import numpy as np
 import paddle
 import paddle.distributed as dist
 
@@ -49,15 +48,14 @@ class Pipelined(Layout):
     def _act_shape(self, model, parts):
         return lambda i: [parts[i]["input_ids"].shape[0], parts[i]["input_ids"].shape[1], model.config.hidden_size]
 
-    @paddle.no_grad()
-    def logprobs(self, model, batch, temperature: float, micro_batch_size: int, with_entropy: bool = False):
-        was_training = model.training
-        model.eval()
+    def _logprob_chunks(self, model, batch, temperature: float, micro_batch_size: int, with_entropy: bool) -> list:
+        """Forward only through the stages; the last stage broadcasts each micro-batch's log-probs to its
+        pipeline."""
         parts = [batch.tensors(slice(s, s + micro_batch_size)) for s in range(0, batch.size, micro_batch_size)]
         link = Link(self._topo)
         outs = forward_only(link, len(parts), self._stage_fn(model, parts, batch.prompt_width, temperature,
                                                              with_entropy), self._act_shape(model, parts))
-        logps, ents = [], []
+        chunks = []
         for part, out in zip(parts, outs):
             shape = list(part["response_ids"].shape)
             logp, ent = out if out is not None else (paddle.empty(shape, "float32"),
@@ -65,13 +63,8 @@ class Pipelined(Layout):
             dist.broadcast(logp, src=link.last_rank, group=link.group)
             if with_entropy:
                 dist.broadcast(ent, src=link.last_rank, group=link.group)
-            logps.append(logp.numpy())
-            ents.append(None if ent is None else ent.numpy())
-        if was_training:
-            model.train()
-        mask = batch["response_mask"]
-        logp = np.concatenate(logps) * mask
-        return (logp, np.concatenate(ents) * mask) if with_entropy else logp
+            chunks.append((logp.numpy(), None if ent is None else ent.numpy()))
+        return chunks
 
     def forward_backward(self, model, mini, keys, micro: int, temperature: float, loss_fn) -> list:
         parts = [mini.tensors(slice(s, s + micro), keys) for s in range(0, mini.size, micro)]

@@ -1,8 +1,5 @@
 """One process, data parallelism, sharding and tensor parallelism: each rank runs whole micro-batches through
 its model (tensor-parallel layers split inside it); gradients are summed over the batch group."""
-import numpy as np
-import paddle
-
 from ..models import hf_state, load_model
 from ..models.logprobs import token_logprobs
 from ..optim import clip_grad_norm_
@@ -19,24 +16,15 @@ class Replicated(Layout):
     def _shared(self, batch, rows):
         return batch.shared_prompts(rows) if self.share_prompts else None
 
-    @paddle.no_grad()
-    def logprobs(self, model, batch, temperature: float, micro_batch_size: int, with_entropy: bool = False):
-        was_training = model.training
-        model.eval()
-        outs, ents = [], []
+    def _logprob_chunks(self, model, batch, temperature: float, micro_batch_size: int, with_entropy: bool) -> list:
+        chunks = []
         for start in range(0, batch.size, micro_batch_size):
             rows = slice(start, start + micro_batch_size)
             part = batch.tensors(rows)
             logp, ent = token_logprobs(model, part["input_ids"], part["attention_mask"], batch.prompt_width,
                                        part["response_ids"], temperature, with_entropy, self._shared(batch, rows))
-            outs.append(logp.numpy())
-            if with_entropy:
-                ents.append(ent.numpy())
-        if was_training:
-            model.train()
-        mask = batch["response_mask"]
-        logp = np.concatenate(outs) * mask
-        return (logp, np.concatenate(ents) * mask) if with_entropy else logp
+            chunks.append((logp.numpy(), None if ent is None else ent.numpy()))
+        return chunks
 
     def forward_backward(self, model, mini, keys, micro: int, temperature: float, loss_fn) -> list:
         outs = []

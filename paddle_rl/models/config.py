@@ -62,6 +62,14 @@ class ModelConfig:
         known = {f for f in cls.__dataclass_fields__ if f != "extra"}
         kwargs = {k: v for k, v in data.items() if k in known}
         kwargs["extra"] = {k: v for k, v in data.items() if k not in known}
+        rope = data.get("rope_parameters")
+        if isinstance(rope, dict):  # transformers 5 writes the rotary settings here, not at the top level
+            if "rope_theta" in rope:
+                if "rope_theta" in data and float(data["rope_theta"]) != float(rope["rope_theta"]):
+                    raise ValueError(f"rope_theta {data['rope_theta']} contradicts rope_parameters {rope}")
+                kwargs["rope_theta"] = float(rope["rope_theta"])
+            if rope.get("rope_type", "default") != "default":
+                kwargs["rope_scaling"] = rope
         return cls(**kwargs)
 
     @classmethod

@@ -1,5 +1,4 @@
 """Greedy evaluation on held-out prompts: accuracy and mean reward."""
-import numpy as np
 
 from ..batch import StepBatch, object_column
 from ..rollout import SamplingParams
