@@ -79,6 +79,21 @@ def test_save_strategy_epoch_saves_at_each_epoch_end(micro, tmp_path):
     assert saved == ["checkpoint-2", "checkpoint-3"]
 
 
+def test_resume_refuses_optimizer_state_of_other_parameters(micro, tmp_path):
+    """Optimizer moments saved under other parameter names (another release's layout) stop the resume with a
+    clear error instead of being skipped silently."""
+    import paddle
+    out = tmp_path / "run"
+    train_in_process(micro_overrides(micro, str(out), max_steps=2, do_eval=False))
+    path = out / "checkpoint-2" / "optimizer.pdopt"
+    saved = paddle.load(str(path))
+    paddle.save({k.replace("actor_", "old_", 1) if isinstance(k, str) else k: v for k, v in saved.items()},
+                str(path))
+    with pytest.raises(ValueError, match="no optimizer state for .* parameter"):
+        train_in_process(micro_overrides(micro, str(out), max_steps=3, do_eval=False,
+                                         resume_from_checkpoint=str(out / "checkpoint-2")))
+
+
 def test_no_reference_model_without_kl(micro, tmp_path):
     from paddle_rl.trainer import RLTrainer
     trainer = RLTrainer(load_config(None, micro_overrides(micro, str(tmp_path), max_steps=1, do_eval=False)))

@@ -128,5 +128,21 @@ def load_optimizer(path: str, optimizer, scheduler, state: dict, rank: int = 0, 
     opt_path = os.path.join(path, optimizer_file(rank, world_size))
     if not os.path.isfile(opt_path):
         raise FileNotFoundError(f"checkpoint file not found: {opt_path}")
-    optimizer.set_state_dict(paddle.load(opt_path))
+    saved = paddle.load(opt_path)
+    _check_optimizer_state(opt_path, optimizer, saved)
+    optimizer.set_state_dict(saved)
     scheduler.set_state_dict(state["scheduler"])
+
+
+def _check_optimizer_state(path: str, optimizer, saved: dict) -> None:
+    """Every trained parameter has saved moments (paddle would silently skip the ones it cannot match, e.g. a
+    checkpoint written by a release that named parameters differently)."""
+    inner = getattr(optimizer, "inner", optimizer)
+    prefixes = {k.rsplit("_moment", 1)[0] for k in saved if isinstance(k, str) and "_moment" in k}
+    if not prefixes:
+        return  # saved before the first optimizer step: nothing to match
+    missing = [p.name for p in getattr(inner, "_parameter_list", []) if p.name not in prefixes]
+    if missing:
+        raise ValueError(f"{path}: no optimizer state for {len(missing)} parameter(s) (first: {missing[0]}); the "
+                         "checkpoint was written by a different model layout or release. Resume its weights with "
+                         "ignore_save_lr_and_optim or start from it as actor_model_name_or_path")
