@@ -7,7 +7,6 @@ import argparse
 import ipaddress
 import logging
 import os
-import typing
 
 from paddle_rl.rewards.client import API_KEY_ENV
 
@@ -68,23 +67,10 @@ def reward_config_values(config_path=None, overrides=None) -> dict:
     validated, so a training config without model paths serves as well.
     """
     from paddle_rl.config import ConfigError, RLConfig
-    from paddle_rl.config import loader
+    from paddle_rl.config.loader import read_values
     from paddle_rl.rewards.check import reward_config_errors
 
-    raw = loader._read_yaml(config_path) if config_path else {}
-    raw.update(overrides or {})
-    fields, aliases = loader._fields(), loader._aliases()
-    hints = typing.get_type_hints(RLConfig)
-    values, errors = {}, []
-    for key, value in raw.items():
-        name = aliases.get(key, key)
-        if name not in fields:
-            errors.append(f"unknown key {key!r}{loader._suggest(key, list(fields) + list(aliases))}")
-            continue
-        try:
-            values[name] = loader._coerce(key, value, hints[name])
-        except ConfigError as e:
-            errors.append(str(e))
+    values, errors = read_values(config_path, dict(overrides or {}))
     values["use_rm_server"] = False
     if not errors:
         config = RLConfig(**values)

@@ -328,12 +328,25 @@ def test_four_process_layouts(setup, reference, name, degrees):
     check_parity(setup, reference, out_dir)
 
 
+def model_variant(setup, name, model):
+    """Save `model` (a change of the micro model) with the micro tokenizer as `name`, and run it in one process:
+    (setup with that model, the single-process reference run)."""
+    from paddle_rl.models.pretrained import copy_tokenizer_files, save_model, write_generation_config
+    folder = str(setup["root"] / f"{name}-model")
+    save_model(model, folder)
+    copy_tokenizer_files(setup["micro"]["model"], folder)
+    write_generation_config(folder, setup["micro"]["tokenizer"].eos_token_ids, setup["micro"]["tokenizer"].pad_token_id)
+    variant = dict(setup, micro=dict(setup["micro"], model=folder))
+    out_dir = str(setup["root"] / f"single-{name}")
+    os.makedirs(out_dir, exist_ok=True)
+    train_and_probe(run_overrides(variant["micro"], out_dir, setup["plugin"]), out_dir, setup["prompts"])
+    return variant, {"grpo": out_dir}
+
+
 @pytest.fixture(scope="module")
 def tied(setup):
     """The micro model with tied input / output embeddings, and its single-process run."""
     from paddle_rl.models import CausalLM, ModelConfig, load_model
-    from paddle_rl.models.pretrained import copy_tokenizer_files, save_model, write_generation_config
-    folder = str(setup["root"] / "tied-model")
     config = ModelConfig.from_pretrained(setup["micro"]["model"])
     config.tie_word_embeddings = True
     untied = load_model(setup["micro"]["model"])
@@ -341,14 +354,7 @@ def tied(setup):
     state = {n: p.numpy() for n, p in untied.named_parameters() if n != "lm_head.weight"}
     for name, param in model.named_parameters():
         param.set_value(state[name])
-    save_model(model, folder)
-    copy_tokenizer_files(setup["micro"]["model"], folder)
-    write_generation_config(folder, setup["micro"]["tokenizer"].eos_token_ids, setup["micro"]["tokenizer"].pad_token_id)
-    tied_setup = dict(setup, micro=dict(setup["micro"], model=folder))
-    out_dir = str(setup["root"] / "single-tied")
-    os.makedirs(out_dir, exist_ok=True)
-    train_and_probe(run_overrides(tied_setup["micro"], out_dir, setup["plugin"]), out_dir, setup["prompts"])
-    return tied_setup, {"grpo": out_dir}
+    return model_variant(setup, "tied", model)
 
 
 @pytest.mark.parametrize("name,degrees", [("tied-pp", dict(pipeline_parallel_degree=2)),
@@ -365,8 +371,6 @@ def odd_vocab(setup):
     """The micro model with one more (never used) vocabulary entry, so the vocabulary (odd) does not divide
     tensor_parallel_degree 2, and its single-process run."""
     from paddle_rl.models import CausalLM, ModelConfig, load_model
-    from paddle_rl.models.pretrained import copy_tokenizer_files, save_model, write_generation_config
-    folder = str(setup["root"] / "odd-vocab-model")
     config = ModelConfig.from_pretrained(setup["micro"]["model"])
     if config.vocab_size % 2 == 0:
         config.vocab_size += 1
@@ -380,14 +384,7 @@ def odd_vocab(setup):
             extra = rng.normal(0, 0.02, size=[1 if a == axis else value.shape[a] for a in range(value.ndim)])
             value = np.concatenate([value, extra.astype(value.dtype)], axis=axis)
         param.set_value(value)
-    save_model(model, folder)
-    copy_tokenizer_files(setup["micro"]["model"], folder)
-    write_generation_config(folder, setup["micro"]["tokenizer"].eos_token_ids, setup["micro"]["tokenizer"].pad_token_id)
-    odd_setup = dict(setup, micro=dict(setup["micro"], model=folder))
-    out_dir = str(setup["root"] / "single-odd-vocab")
-    os.makedirs(out_dir, exist_ok=True)
-    train_and_probe(run_overrides(odd_setup["micro"], out_dir, setup["plugin"]), out_dir, setup["prompts"])
-    return odd_setup, {"grpo": out_dir}, config.vocab_size
+    return (*model_variant(setup, "odd-vocab", model), config.vocab_size)
 
 
 def test_tensor_parallel_pads_an_indivisible_vocabulary(odd_vocab):

@@ -118,8 +118,9 @@ def _read_yaml(path: str) -> dict:
     return data
 
 
-def load_config(path: Optional[str] = None, overrides: Optional[Iterable[str] | dict] = None, warn_unused: bool = True):
-    """Read `path` (YAML) and apply overrides; raise ConfigError listing every bad key or value."""
+def read_values(path: Optional[str] = None, overrides: Optional[Iterable[str] | dict] = None):
+    """(values by field name, errors): a YAML file's keys plus overrides, aliases resolved, each value coerced to
+    its field's type; unknown keys and bad values become error lines (with the closest name)."""
     cls = _config_class()
     fields, aliases = _fields(), _aliases()
     raw = _read_yaml(path) if path else {}
@@ -137,6 +138,14 @@ def load_config(path: Optional[str] = None, overrides: Optional[Iterable[str] | 
                                    else typing.get_type_hints(cls)[name])
         except ConfigError as e:
             errors.append(f"{where}{e}")
+    return values, errors
+
+
+def load_config(path: Optional[str] = None, overrides: Optional[Iterable[str] | dict] = None, warn_unused: bool = True):
+    """Read `path` (YAML) and apply overrides; raise ConfigError listing every bad key or value."""
+    cls = _config_class()
+    fields = _fields()
+    values, errors = read_values(path, overrides)
     if errors:
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(errors))
     config = cls(**values)

@@ -12,6 +12,7 @@ arithmetic). Under a parallel topology:
 - gradients are summed over the batch group (parallel/sharding.py), the norm counts every element once;
 - only global rank 0 writes metrics and checkpoints (each rank adds its optimizer shard).
 """
+import abc
 import contextlib
 from typing import Callable, Dict, List
 
@@ -118,9 +119,9 @@ class BatchGroup:
                 f"{prefix}/max": float(hi[0]), f"{prefix}/min": float(-hi[1])}
 
 
-class Layout:
-    """Base of the layouts: what they share. Subclasses implement load_model, logprobs, forward_backward and
-    full_state; the rest is common."""
+class Layout(abc.ABC):
+    """Base of the layouts: what they share. Subclasses implement the abstract methods (load_model, full_state,
+    _logprob_chunks, forward_backward); the rest is common."""
 
     def __init__(self, topo, share_prompts: bool = True):
         self._topo = topo
@@ -152,23 +153,21 @@ class Layout:
         """The ranks that hold one copy of the model and the same data: one scores, the others receive."""
         return self._topo.group("model")
 
-    def describe(self) -> str:
-        return self._topo.describe()
-
     def check_config(self, config) -> None:
         self.batch.check_config(config)
 
     # ---------------------------------------------------------------- models (per layout)
+    @abc.abstractmethod
     def load_model(self, folder: str):
-        raise NotImplementedError
+        """This rank's part of the model in a Hugging Face folder."""
 
     def load_weights(self, model, folder: str) -> None:
         """Overwrite a model's parameters from a checkpoint folder (each rank its own shard / stage)."""
         load_weights(model, folder)
 
+    @abc.abstractmethod
     def full_state(self, model) -> Dict[str, np.ndarray]:
         """The whole model under Hugging Face names (gathered over tensor / pipeline groups; every rank calls it)."""
-        raise NotImplementedError
 
     @paddle.no_grad()
     def logprobs(self, model, batch: StepBatch, temperature: float, micro_batch_size: int,
@@ -183,16 +182,16 @@ class Layout:
         logp = np.concatenate([c[0] for c in chunks]) * mask
         return (logp, np.concatenate([c[1] for c in chunks]) * mask) if with_entropy else logp
 
+    @abc.abstractmethod
     def _logprob_chunks(self, model, batch: StepBatch, temperature: float, micro_batch_size: int,
                         with_entropy: bool) -> list:
         """(logp, entropy or None) numpy arrays of each micro-batch of rows, in order."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def forward_backward(self, model, mini: StepBatch, keys: List[str], micro: int, temperature: float,
                          loss_fn: Callable) -> list:
         """Forward + backward of every micro-batch of a mini-batch; loss_fn(part, logp, entropy) -> LossOutput.
         Returns this rank's LossOutputs (under a pipeline only the last stage has them)."""
-        raise NotImplementedError
 
     # ---------------------------------------------------------------- optimizer
     def build_optimizer(self, model, config, total_steps: int):

@@ -31,19 +31,8 @@ class RotaryEmbedding:
         self.inv_freq = 1.0 / (theta ** exponents)
 
     def __call__(self, position_ids):
-        freqs = position_ids.astype("float32").unsqueeze(-1) * self.inv_freq
-        emb = paddle.concat([freqs, freqs], axis=-1).unsqueeze(2)  # [B, T, 1, head_dim]
-        return emb.cos(), emb.sin()
-
-
-def rotate_half(x):
-    x1, x2 = x.chunk(2, axis=-1)
-    return paddle.concat([-x2, x1], axis=-1)
-
-
-def apply_rotary(x, cos, sin):
-    """x * cos + rotate_half(x) * sin (one fused kernel when available)."""
-    return ops.rotary(x, cos, sin)
+        """cos, sin [B, T, 1, head_dim]."""
+        return ops.rotary_tables(position_ids, self.inv_freq)
 
 
 class LayerCache:
@@ -59,19 +48,19 @@ class LayerCache:
     def update(self, k, v):
         """Append k, v [B, kv_heads, L, head_dim]; returns the filled keys and values."""
         start, end = self.length, self.length + k.shape[2]
-        self.reserve(k, end)
+        self.reserve(k.shape, k.dtype, end)
         self.k[:, :, start:end] = k
         self.v[:, :, start:end] = v
         self.length = end
         return self.keys, self.values
 
-    def reserve(self, like, needed: int):
-        """Buffers shaped like `like` [B, kv_heads, *, head_dim] with room for `needed` slots."""
+    def reserve(self, shape, dtype, needed: int):
+        """Buffers [B, kv_heads, >= needed, head_dim] (B, kv_heads, head_dim from `shape`), the filled slots kept."""
         if self.k is not None and needed <= self.k.shape[2]:
             return
         size = max(needed, self.capacity, 2 * (0 if self.k is None else self.k.shape[2]))
-        shape = [like.shape[0], like.shape[1], size, like.shape[3]]
-        k, v = paddle.zeros(shape, like.dtype), paddle.zeros(shape, like.dtype)
+        shape = [shape[0], shape[1], size, shape[3]]
+        k, v = paddle.zeros(shape, dtype), paddle.zeros(shape, dtype)
         if self.length:
             k[:, :, :self.length] = self.keys
             v[:, :, :self.length] = self.values
@@ -175,8 +164,8 @@ class Attention(nn.Layer):
         v = v.reshape([batch, length, self.num_kv_heads, self.head_dim])
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_rotary(q, p.cos, p.sin).transpose([0, 2, 1, 3])
-        k = apply_rotary(k, p.cos, p.sin).transpose([0, 2, 1, 3])
+        q = ops.rotary(q, p.cos, p.sin).transpose([0, 2, 1, 3])
+        k = ops.rotary(k, p.cos, p.sin).transpose([0, 2, 1, 3])
         v = v.transpose([0, 2, 1, 3])
         if cache is not None:
             k, v = cache.update(k, v)
@@ -192,8 +181,7 @@ class Attention(nn.Layer):
         """One token per row: split, q/k norm, rotary and the cache write in one kernel, then attention over
         the cache from each row's start slot."""
         slot = cache.length
-        if cache.k is None or slot + 1 > cache.k.shape[2]:
-            cache.reserve(paddle.empty([x.shape[0], self.num_kv_heads, 1, self.head_dim], x.dtype), slot + 1)
+        cache.reserve([x.shape[0], self.num_kv_heads, 1, self.head_dim], x.dtype, slot + 1)
         q = ops.rotary_qkv_cache(self.qkv_proj(x), p.position_ids, p.inv_freq, cache.k, cache.v, self.num_heads,
                                  self.num_kv_heads, slot, self.q_norm.weight if self.qk_norm else None,
                                  self.k_norm.weight if self.qk_norm else None,

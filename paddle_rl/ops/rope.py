@@ -30,7 +30,7 @@ def rotary(x, cos, sin):
 
 
 def rotary_tables(positions, inv_freq):
-    """cos, sin [B, L, 1, D] of positions [B, L] (what RotaryEmbedding computes)."""
+    """cos, sin [B, L, 1, D] of positions [B, L] and inverse frequencies [D / 2]."""
     freqs = positions.astype("float32").unsqueeze(-1) * inv_freq
     emb = paddle.concat([freqs, freqs], axis=-1).unsqueeze(2)
     return emb.cos(), emb.sin()
