@@ -1,4 +1,4 @@
-"""`paddle-rl train | eval | data | reward-server | bench`."""
+"""`paddle-rl train | eval | data | convert | fetch | reward-server | bench`."""
 import argparse
 import importlib
 import os
@@ -16,7 +16,11 @@ OVERRIDE = re.compile(r"^[A-Za-z_][A-Za-z0-9_.\-]*=")
 REWARD_SERVER = ("reward-server", "reward_server.cli", "add_reward_server_subparser",
                  "serve rule / plugin rewards over HTTP")
 BENCH = ("bench", "paddle_rl.bench", "add_bench_subparser", "time RL steps on a synthetic workload")
+CONVERT = ("convert", "paddle_rl.models.gguf_import", "add_convert_subparser",
+           "convert a model file (GGUF) to a Hugging Face folder")
+FETCH = ("fetch", "paddle_rl.models.hub", "add_fetch_subparser", "download and convert a known model once")
 DATA_KK = ("kk", "paddle_rl.data.kk_cli", "add_kk_subparser", "generate Knights-and-Knaves puzzles")
+DATA_ARITH = ("arith", "paddle_rl.data.arith", "add_arith_subparser", "addition problems in a model's chat template")
 DATA_CONVERT = ("convert", "paddle_rl.data.convert", "add_convert_subparser",
                 "convert GSM8K / MATH / NuminaMath files to the trainer's layouts")
 
@@ -106,6 +110,7 @@ def _add_data(sub):
     data_sub = p.add_subparsers(dest="data_command", required=True)
     _add_module_subcommand(data_sub, DATA_KK)
     _add_module_subcommand(data_sub, DATA_CONVERT)
+    _add_module_subcommand(data_sub, DATA_ARITH)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -114,6 +119,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_train(sub)
     _add_eval(sub)
     _add_data(sub)
+    _add_module_subcommand(sub, CONVERT)
+    _add_module_subcommand(sub, FETCH)
     _add_module_subcommand(sub, REWARD_SERVER)
     _add_module_subcommand(sub, BENCH)
     return parser

@@ -397,6 +397,38 @@ def test_tensor_parallel_pads_an_indivisible_vocabulary(odd_vocab):
     assert weights(out_dir)["model.embed_tokens.weight"].shape[0] == vocab
 
 
+@pytest.fixture(scope="module")
+def moe(setup):
+    """The micro model with Qwen2-MoE blocks (4 experts, top-2, a shared expert) in place of its MLPs and the
+    load-balancing loss in the training loss (output_router_logits), and its single-process run."""
+    from paddle_rl.models import CausalLM, ModelConfig, load_model
+    import paddle
+    base = load_model(setup["micro"]["model"])
+    data = dict(base.config.to_hf_dict(), model_type="qwen2_moe", num_experts=4, num_experts_per_tok=2,
+                moe_intermediate_size=16, shared_expert_intermediate_size=24, norm_topk_prob=True,
+                output_router_logits=True, router_aux_loss_coef=0.05)
+    model = CausalLM(ModelConfig.from_dict(data))
+    paddle.seed(4)
+    model.init_weights(0.1)
+    state = dict(base.named_parameters())
+    for name, param in model.named_parameters():
+        if name in state:
+            param.set_value(state[name].numpy())
+        elif name.endswith("mlp.gate"):  # routers far from uniform: no near-ties between the top-k
+            param.set_value(paddle.normal(0.0, 1.0, param.shape))
+    return model_variant(setup, "moe", model)
+
+
+def test_tensor_parallel_mixture_of_experts(moe):
+    """Qwen2-MoE under tensor_parallel_degree 2: every expert's intermediate dimension split over the ranks, one
+    sum per block; routers, the load-balancing loss (logged as actor/router_aux_loss) and the run equal one
+    process."""
+    moe_setup, reference = moe
+    out_dir, _ = run_layout(moe_setup, "moe-tp", tensor_parallel_degree=2)
+    check_parity(moe_setup, reference, out_dir)
+    assert all(r["actor/router_aux_loss"] > 0 for r in read_rows(out_dir))
+
+
 # --------------------------------------------------------------------------------------------- worker
 
 def _worker(spec_path):

@@ -80,6 +80,8 @@ def _fake_model(folder):
     os.makedirs(folder, exist_ok=True)
     with open(os.path.join(folder, "config.json"), "w") as f:
         json.dump({"model_type": "qwen2"}, f)
+    with open(os.path.join(folder, "tokenizer.json"), "w") as f:
+        f.write("{}")  # checked for presence only
 
 
 def test_documented_data_commands_fill_the_recipes(tmp_path, monkeypatch, capsys):

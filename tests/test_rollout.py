@@ -29,7 +29,17 @@ def step_batch(prompt_ids, prompt_mask, response_ids, response_mask, groups):
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13], [14, 15, 16, 17]]
 KINDS = {"qwen2": dict(model_type="qwen2"), "qwen3_tied": dict(model_type="qwen3", tie_word_embeddings=True),
-         "llama": dict(model_type="llama")}
+         "llama": dict(model_type="llama"),
+         # llama3 rope scaling on a context of 8: the decode step's fused rotary must use the scaled frequencies too
+         "llama3": dict(model_type="llama", rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
+                                                              high_freq_factor=4.0,
+                                                              original_max_position_embeddings=8)),
+         "qwen2_moe": dict(model_type="qwen2_moe", extra=dict(num_experts=4, num_experts_per_tok=2,
+                                                              moe_intermediate_size=32,
+                                                              shared_expert_intermediate_size=48)),
+         "qwen3_moe": dict(model_type="qwen3_moe", extra=dict(num_local_experts=4, num_experts_per_tok=2,
+                                                              moe_intermediate_size=32, norm_topk_prob=True,
+                                                              mlp_only_layers=[1]))}
 
 
 def make_model(kind, vocab=211, hidden=64, layers=2, std=0.2, seed=0):
@@ -201,7 +211,9 @@ def test_shared_prompt_pass_equals_full_pass(kind, micro, op_mode):
         logp, entropy = token_logprobs(model, part["input_ids"], part["attention_mask"], batch.prompt_width,
                                        part["response_ids"], 0.7, True,
                                        batch.shared_prompts(rows) if share else None)
-        ((logp + 0.1 * entropy) * part["response_mask"]).sum().backward()
+        loss = ((logp + 0.1 * entropy) * part["response_mask"]).sum()
+        aux = model.aux_loss()  # MoE: the load-balancing loss counts each prompt once per row in both passes
+        (loss if aux is None else loss + aux).backward()
         grads = {name: p.grad.numpy().copy() for name, p in model.named_parameters()}
         model.clear_gradients()
         return grads

@@ -44,14 +44,16 @@ def test_variant_trains_with_finite_metrics(micro, tmp_path, case):
             assert isinstance(row[key], float) and math.isfinite(row[key]), (key, row.get(key))
 
 
-def test_dynamic_sampling_keeps_only_informative_groups(micro, tmp_path):
+def test_dynamic_sampling_keeps_only_informative_groups(micro, tmp_path, monkeypatch):
     import zlib
 
     import numpy as np
 
     from paddle_rl.rewards import register_rule
+    from paddle_rl.rewards.rules import RULE_REWARDS
     from paddle_rl.trainer import RLTrainer
     n, groups = 4, 4  # rollout_n, global_batch_size
+    monkeypatch.setitem(RULE_REWARDS, "some_informative_for_test", None)  # the test's rule leaves with the test
 
     @register_rule("some_informative_for_test")
     def some_informative(samples, *args, **kwargs):
@@ -103,11 +105,12 @@ def test_dynamic_sampling_keeps_only_informative_groups(micro, tmp_path):
     assert dropped > 0 and max(r["gen_rounds"] for r in rows) > 1  # groups were dropped and more rounds generated
 
 
-def test_dynamic_sampling_error_is_clear(micro, tmp_path):
+def test_dynamic_sampling_error_is_clear(micro, tmp_path, monkeypatch):
     from paddle_rl.trainer import RLTrainer
     # a constant reward gives every group zero variance
-    from paddle_rl.rewards import register_rule
+    from paddle_rl.rewards import RULE_REWARDS, register_rule
     import numpy as np
+    monkeypatch.setitem(RULE_REWARDS, "constant_for_test", None)  # the test's rule leaves with the test
 
     @register_rule("constant_for_test")
     def constant(samples, *args, **kwargs):

@@ -172,12 +172,29 @@ def _dataset_paths(spec: str):
 
 def check_paths(config) -> None:
     """Fail before any model loads when a model or data path is missing."""
+    from ..models.hub import resolve_model
     problems = []
+    for key in ("actor_model_name_or_path", "reference_model_name_or_path", "tokenizer_name_or_path"):
+        try:  # a fetchable model's name -> its cached folder (fetched the first time)
+            setattr(config, key, resolve_model(getattr(config, key)))
+        except (RuntimeError, ValueError) as e:
+            raise ConfigError(f"{key}: {e}") from None
     model = config.actor_model_name_or_path
     if not os.path.isdir(model):
         problems.append(f"actor_model_name_or_path: folder not found: {model}")
     elif not os.path.isfile(os.path.join(model, "config.json")):
         problems.append(f"actor_model_name_or_path: {os.path.join(model, 'config.json')} not found")
+    else:
+        from ..models.config import ModelConfig
+        try:  # an unsupported family, rope type or setting: before any model loads
+            ModelConfig.from_pretrained(model)
+        except ValueError as e:
+            problems.append(f"actor_model_name_or_path: {e}")
+    tokenizer = config.tokenizer_name_or_path or model
+    if os.path.isdir(tokenizer) and not os.path.isfile(os.path.join(tokenizer, "tokenizer.json")):
+        key = "tokenizer_name_or_path" if config.tokenizer_name_or_path else "actor_model_name_or_path"
+        problems.append(f"{key}: {os.path.join(tokenizer, 'tokenizer.json')} not found (a folder written by "
+                        "transformers' save_pretrained of a fast tokenizer has it)")
     for key in ("reference_model_name_or_path", "tokenizer_name_or_path"):
         value = getattr(config, key)
         if value and not os.path.isdir(value):

@@ -6,6 +6,44 @@ from typing import Optional
 
 from .family import family_of
 
+ROPE_TYPES = ("default", "linear", "llama3")  # rotary scalings the decoder implements (decoder.RotaryEmbedding)
+
+
+def rope_settings(rope, key: str, max_position_embeddings: int) -> Optional[dict]:
+    """The rotary scaling a config.json dict asks for, normalized for the decoder: None for the plain rotary
+    embedding, else {"rope_type": "linear" | "llama3", "factor", ...}. `key` (rope_parameters or rope_scaling) is
+    where the dict came from; a rope type or setting the decoder does not implement is a ValueError naming it."""
+    if not rope:
+        return None
+    if not isinstance(rope, dict):
+        raise ValueError(f"{key} must be a mapping, got {rope!r}")
+    type_key = "type" if "rope_type" not in rope and "type" in rope else "rope_type"  # "type": older configs
+    kind = rope.get(type_key, "default")
+    if kind not in ROPE_TYPES:
+        raise ValueError(f"{key}.{type_key} {kind!r} is not supported (supported: {', '.join(ROPE_TYPES)})")
+    if float(rope.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise ValueError(f"{key}.partial_rotary_factor {rope['partial_rotary_factor']} is not supported (1.0 only)")
+    if kind == "default":
+        return None
+
+    def number(name, default=None):
+        value = rope.get(name, default)
+        if value is None:
+            raise ValueError(f"{key}.rope_type {kind!r} needs {key}.{name}")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+            raise ValueError(f"{key}.{name} must be a positive number, got {value!r}")
+        return float(value)
+
+    out = {"rope_type": kind, "factor": number("factor")}
+    if kind == "llama3":
+        out.update(low_freq_factor=number("low_freq_factor"), high_freq_factor=number("high_freq_factor"),
+                   original_max_position_embeddings=number("original_max_position_embeddings",
+                                                           max_position_embeddings))
+        if out["high_freq_factor"] <= out["low_freq_factor"]:
+            raise ValueError(f"{key}.high_freq_factor {out['high_freq_factor']} must exceed "
+                             f"{key}.low_freq_factor {out['low_freq_factor']}")
+    return out
+
 
 @dataclass
 class ModelConfig:
@@ -40,12 +78,16 @@ class ModelConfig:
             raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
         if self.hidden_act != "silu":
             raise ValueError(f"hidden_act {self.hidden_act!r} is not supported (silu only)")
-        if self.rope_scaling and self.rope_scaling.get("rope_type", self.rope_scaling.get("type")) not in (None, "default"):
-            raise ValueError(f"rope_scaling {self.rope_scaling} is not supported")
+        rope_settings(self.rope_scaling, "rope_scaling", self.max_position_embeddings)  # an unsupported one: error
 
     @property
     def family(self):
         return family_of(self.model_type)
+
+    @property
+    def rope(self) -> Optional[dict]:
+        """The rotary scaling, normalized (`rope_settings`); None for the plain rotary embedding."""
+        return rope_settings(self.rope_scaling, "rope_scaling", self.max_position_embeddings)
 
     @property
     def uses_qk_norm(self) -> bool:
@@ -61,14 +103,22 @@ class ModelConfig:
     def from_dict(cls, data: dict) -> "ModelConfig":
         known = {f for f in cls.__dataclass_fields__ if f != "extra"}
         kwargs = {k: v for k, v in data.items() if k in known}
-        kwargs["extra"] = {k: v for k, v in data.items() if k not in known}
+        # the weights' dtype on disk (transformers 5: "dtype", older: "torch_dtype") describes the file, not the model:
+        # this suite computes in float32 and writes float32, so neither is carried over to a saved config
+        kwargs["extra"] = {k: v for k, v in data.items() if k not in known and k not in ("dtype", "torch_dtype")}
         rope = data.get("rope_parameters")
         if isinstance(rope, dict):  # transformers 5 writes the rotary settings here, not at the top level
             if "rope_theta" in rope:
                 if "rope_theta" in data and float(data["rope_theta"]) != float(rope["rope_theta"]):
                     raise ValueError(f"rope_theta {data['rope_theta']} contradicts rope_parameters {rope}")
                 kwargs["rope_theta"] = float(rope["rope_theta"])
-            if rope.get("rope_type", "default") != "default":
+            max_positions = data.get("max_position_embeddings", cls.max_position_embeddings)
+            scaling = rope_settings(rope, "rope_parameters", max_positions)
+            if scaling is not None:
+                # transformers 5 reads a legacy rope_scaling over rope_parameters: both present must agree
+                legacy = data.get("rope_scaling")
+                if legacy and rope_settings(legacy, "rope_scaling", max_positions) != scaling:
+                    raise ValueError(f"rope_scaling {legacy} contradicts rope_parameters {rope}")
                 kwargs["rope_scaling"] = rope
         return cls(**kwargs)
 
@@ -82,6 +132,8 @@ class ModelConfig:
                 return cls.from_dict(json.load(f))
             except json.JSONDecodeError as e:
                 raise ValueError(f"{path}: invalid JSON: {e}") from None
+            except (ValueError, TypeError) as e:  # an unsupported rope type, family, activation ...: name the file
+                raise ValueError(f"{path}: {e}") from None
 
     def to_hf_dict(self) -> dict:
         data = {k: v for k, v in asdict(self).items() if k != "extra" and v is not None}
@@ -89,7 +141,7 @@ class ModelConfig:
         data["architectures"] = [self.family.architecture]
         for key, value in self.family.extra_config:
             data.setdefault(key, value)
-        data.setdefault("torch_dtype", "float32")
+        data["dtype"] = data["torch_dtype"] = "float32"  # what save_model writes (transformers 5 reads "dtype")
         return data
 
     def save(self, folder: str) -> None:

@@ -1,4 +1,5 @@
-"""The dense decoder of every family in family.py (Qwen2/2.5 q/k/v bias, Qwen3 q/k RMSNorm, Llama, Mistral).
+"""The decoder of every family in family.py (Qwen2/2.5 q/k/v bias, Qwen3 q/k RMSNorm, Llama, Mistral; Qwen2-MoE and
+Qwen3-MoE with the sparse blocks of moe.py in place of the MLP).
 
 Activations are [batch, tokens, hidden]. q/k/v and gate/up projections are stored fused (one matmul each);
 each parameter carries its Hugging Face names and tensor-parallel split (layers.py).
@@ -19,20 +20,41 @@ from .. import ops
 from ..parallel.collectives import copy_to_group, gather_from_group, group_size
 from .config import ModelConfig
 from .layers import ColumnLinear, RMSNorm, RowLinear, VocabEmbedding, vocab_parallel_logprobs
+from .moe import MoESettings, RouterStats, SparseMoE
 
 NEG_INF = -1e9
 
 
 class RotaryEmbedding:
-    """cos/sin tables of rotate-half RoPE for arbitrary position ids."""
+    """cos/sin tables of rotate-half RoPE for arbitrary position ids. `scaling` (ModelConfig.rope) rescales the
+    inverse frequencies: linear (all divided by the factor) or llama3 (long wavelengths divided by the factor,
+    short ones kept, a smooth blend between); every path (the tables and the fused decode step) reads
+    `inv_freq`, so scaling them here scales all."""
 
-    def __init__(self, head_dim: int, theta: float):
+    def __init__(self, head_dim: int, theta: float, scaling: Optional[dict] = None):
         exponents = paddle.arange(0, head_dim, 2, dtype="int64").astype("float32") / head_dim
         self.inv_freq = 1.0 / (theta ** exponents)
+        if scaling is not None:
+            self.inv_freq = scaled_inv_freq(self.inv_freq, scaling)
 
     def __call__(self, position_ids):
         """cos, sin [B, T, 1, head_dim]."""
         return ops.rotary_tables(position_ids, self.inv_freq)
+
+
+def scaled_inv_freq(inv_freq, scaling: dict):
+    """Inverse frequencies under a rope scaling (transformers' linear and llama3 rope types)."""
+    factor = scaling["factor"]
+    if scaling["rope_type"] == "linear":
+        return inv_freq / factor
+    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    context = scaling["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = paddle.where(wavelen > context / low, inv_freq / factor, inv_freq)
+    smooth = (context / wavelen - low) / (high - low)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = paddle.logical_and(wavelen >= context / high, wavelen <= context / low)
+    return paddle.where(medium, blended, scaled)
 
 
 class LayerCache:
@@ -114,13 +136,17 @@ class Pass:
     """What every layer reads about the tokens of one forward: rotary tables (or, for a decode step, the
     positions and inverse frequencies the fused kernel takes), the additive attention bias and per-layer
     caches. `decode_start` [B] marks a decode step: one token per row, attending to cache slots from
-    decode_start[b] on."""
+    decode_start[b] on. MoE blocks add their router statistics to `router` (none in a decode step), each token
+    weighted by `token_weight` [B, T] (0 on padding; None: every token counts once)."""
 
-    def __init__(self, rotary, position_ids, attention_bias=None, caches=None, decode_start=None):
+    def __init__(self, rotary, position_ids, attention_bias=None, caches=None, decode_start=None, token_weight=None,
+                 router=None):
         self.position_ids = position_ids
         self.attention_bias = attention_bias
         self.caches = caches
         self.decode_start = decode_start
+        self.token_weight = None if token_weight is None else token_weight.astype("float32").reshape([-1])
+        self.router = None if decode_start is not None else router if router is not None else RouterStats()
         self.inv_freq = rotary.inv_freq
         self.cos, self.sin = (None, None) if decode_start is not None else rotary(position_ids)
 
@@ -146,7 +172,7 @@ class Attention(nn.Layer):
                             self.num_kv_heads * self.head_dim]
         q_size = config.num_attention_heads * self.head_dim
         kv_size = config.num_key_value_heads * self.head_dim
-        self.qkv_proj = ColumnLinear(config.hidden_size, [q_size, kv_size, kv_size], config.attention_bias,
+        self.qkv_proj = ColumnLinear(config.hidden_size, [q_size, kv_size, kv_size], config.family.qkv_bias(config),
                                      tp_group, prefix, ("q_proj", "k_proj", "v_proj"))
         self.o_proj = RowLinear(q_size, config.hidden_size, False, tp_group, f"{prefix}.o_proj")
         self.qk_norm = config.uses_qk_norm
@@ -199,22 +225,28 @@ class MLP(nn.Layer):
         self.down_proj = RowLinear(config.intermediate_size, config.hidden_size, False, tp_group,
                                    f"{prefix}.down_proj")
 
-    def forward(self, x):
+    def forward(self, x, p: Optional[Pass] = None):
         return self.down_proj(ops.swiglu(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Layer):
-    def __init__(self, config: ModelConfig, tp_group, prefix: str):
+    """Layer `index`: attention, then the MLP, or the sparse MoE block where `moe` (MoESettings) puts one."""
+
+    def __init__(self, config: ModelConfig, tp_group, index: int, moe: Optional[MoESettings] = None):
         super().__init__()
+        prefix = f"model.layers.{index}"
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, f"{prefix}.input_layernorm.weight")
         self.self_attn = Attention(config, tp_group, f"{prefix}.self_attn")
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps,
                                                 f"{prefix}.post_attention_layernorm.weight")
-        self.mlp = MLP(config, tp_group, f"{prefix}.mlp")
+        if moe is not None and moe.sparse(index):
+            self.mlp = SparseMoE(config, moe, tp_group, f"{prefix}.mlp")
+        else:
+            self.mlp = MLP(config, tp_group, f"{prefix}.mlp")
 
     def forward(self, x, p: Pass, cache=None):
         x = x + self.self_attn(self.input_layernorm(x), p, cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        return x + self.mlp(self.post_attention_layernorm(x), p)
 
 
 def attention_bias_from_mask(key_mask, query_len: int, causal: bool):
@@ -265,14 +297,16 @@ class CausalLM(nn.Layer):
                                                "model.embed_tokens.weight")
             if not self.is_first:
                 self.embed_tokens.weight.pp_duplicate = True  # the first stage's copy counts in the gradient norm
-        self.layers = nn.LayerList([DecoderLayer(config, tp_group, f"model.layers.{i}") for i in self.layer_ids])
+        self.moe = MoESettings.of(config)
+        self.layers = nn.LayerList([DecoderLayer(config, tp_group, i, self.moe) for i in self.layer_ids])
         if self.is_last:
             self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, "model.norm.weight")
             if not tied:
                 self.lm_head = ColumnLinear(config.hidden_size, [config.vocab_size], False, tp_group, "",
                                             ("lm_head",), pad=True)
-        self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta)
+        self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope)
         self.recompute = False
+        self._router = None
 
     def init_weights(self, std: Optional[float] = None):
         std = self.config.initializer_range if std is None else std
@@ -299,10 +333,25 @@ class CausalLM(nn.Layer):
                 x = recompute(layer, x, p, None, use_reentrant=False)
             else:
                 x = layer(x, p, p.cache(i))
+        self._router = p.router
         return self.norm(x) if self.is_last else x
 
-    def hidden_states(self, inputs, position_ids, attention_bias, cache=None):
-        return self.run(inputs, Pass(self.rotary, position_ids, attention_bias, cache))
+    def hidden_states(self, inputs, position_ids, attention_bias, cache=None, token_weight=None):
+        """`token_weight` [B, T]: how much each token counts in the load-balancing loss (None: all once)."""
+        return self.run(inputs, Pass(self.rotary, position_ids, attention_bias, cache, token_weight=token_weight))
+
+    # ---------------------------------------------------------------- Mixture-of-Experts load balancing
+    def aux_loss(self):
+        """The load-balancing loss of the last forward (transformers' `load_balancing_loss_func` over this model's
+        MoE layers and the pass's real tokens; differentiable), or None without MoE layers."""
+        router = self._router
+        return None if router is None or router.counts is None else router.loss()
+
+    @property
+    def router_aux_loss_coef(self) -> float:
+        """The weight of `aux_loss()` in a training loss: config.json's router_aux_loss_coef when its
+        output_router_logits is true (as transformers' MoE models add it to their loss), else 0."""
+        return self.moe.aux_loss_coef if self.moe is not None and self.moe.aux_loss_in_training else 0.0
 
     def decode_step(self, tokens, positions, cache, start):
         """Logits [B, V] of the next token after `tokens` [B] at `positions` [B, 1]; appends to `cache`.
@@ -319,17 +368,22 @@ class CausalLM(nn.Layer):
         prompt_ids, prompt_mask = input_ids[:, :prompt_width], attention_mask[:, :prompt_width]
         first_ids, first_mask = paddle.gather(prompt_ids, prompt_first), paddle.gather(prompt_mask, prompt_first)
         recorded = [RecordingCache() for _ in self.layers]
-        prompt_hidden = self.hidden_states(first_ids, position_ids_from_mask(first_mask),
-                                           attention_bias_from_mask(first_mask, prompt_width, causal=True), recorded)
+        # the router statistics of both passes together, each distinct prompt counted once per row that has it
+        router = RouterStats()
+        uses = paddle.bincount(prompt_rows, minlength=first_ids.shape[0]).astype("float32").unsqueeze(-1)
+        prompt_hidden = self.run(first_ids, Pass(self.rotary, position_ids_from_mask(first_mask),
+                                                 attention_bias_from_mask(first_mask, prompt_width, causal=True),
+                                                 recorded, token_weight=first_mask.astype("float32") * uses,
+                                                 router=router))
         last_prompt = paddle.gather(prompt_hidden[:, -1], prompt_rows).unsqueeze(1)
         response_len = input_ids.shape[1] - prompt_width
         if response_len == 1:
             return last_prompt
         prefixes = [PrefixCache(paddle.gather(c.k, prompt_rows), paddle.gather(c.v, prompt_rows)) for c in recorded]
-        response_hidden = self.hidden_states(input_ids[:, prompt_width:-1],
-                                             position_ids_from_mask(attention_mask)[:, prompt_width:-1],
-                                             attention_bias_from_mask(attention_mask[:, :-1], response_len - 1,
-                                                                      causal=True), prefixes)
+        response_hidden = self.run(input_ids[:, prompt_width:-1],
+                                   Pass(self.rotary, position_ids_from_mask(attention_mask)[:, prompt_width:-1],
+                                        attention_bias_from_mask(attention_mask[:, :-1], response_len - 1, causal=True),
+                                        prefixes, token_weight=attention_mask[:, prompt_width:-1], router=router))
         return paddle.concat([last_prompt, response_hidden], axis=1)
 
     # ---------------------------------------------------------------- the head
@@ -390,5 +444,6 @@ class CausalLM(nn.Layer):
         if attention_mask is None:
             attention_mask = paddle.ones_like(input_ids)
         bias = attention_bias_from_mask(attention_mask, input_ids.shape[1], causal=True)
-        hidden = self.hidden_states(input_ids, position_ids_from_mask(attention_mask), bias)
+        hidden = self.hidden_states(input_ids, position_ids_from_mask(attention_mask), bias,
+                                    token_weight=attention_mask)
         return self.logits(hidden)

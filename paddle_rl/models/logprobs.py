@@ -3,6 +3,8 @@
 The LM head runs on response positions only (`CausalLM.head_logprobs`: chunked, or vocabulary-parallel
 under tensor parallelism).
 """
+import paddle
+
 from .decoder import attention_bias_from_mask, position_ids_from_mask
 
 
@@ -17,7 +19,9 @@ def response_hidden(model, input_ids, attention_mask, prompt_width: int, length:
     if shared_prompts is not None and not recomputing and input_ids.shape[1] == prompt_width + length:
         return model.shared_prompt_hidden_states(input_ids, attention_mask, prompt_width, *shared_prompts)
     bias = attention_bias_from_mask(attention_mask, input_ids.shape[1], causal=True)
-    hidden = model.hidden_states(input_ids, position_ids_from_mask(attention_mask), bias)
+    # the load-balancing loss (MoE) counts the tokens the shared-prompt pass runs: all real ones but the last column
+    weight = paddle.concat([attention_mask[:, :-1], paddle.zeros_like(attention_mask[:, -1:])], axis=1)
+    hidden = model.hidden_states(input_ids, position_ids_from_mask(attention_mask), bias, token_weight=weight)
     return hidden[:, prompt_width - 1:prompt_width - 1 + length]
 
 

@@ -35,7 +35,8 @@ def run_eval(config) -> dict:
     from ..rewards import build_reward, check_reward_config
     from ..rollout import RolloutEngine
 
-    model_dir = config.actor_model_name_or_path
+    from ..models.hub import resolve_model
+    model_dir = config.actor_model_name_or_path = resolve_model(config.actor_model_name_or_path)
     if not os.path.isdir(model_dir):
         raise FileNotFoundError(f"actor_model_name_or_path: folder not found: {model_dir}")
     if not config.eval_datasets:

@@ -62,6 +62,10 @@ class RLTrainer:
         with unique_name.guard("actor_"):
             self.actor = self.layout.load_model(model_dir)
         self.actor.recompute = config.recompute
+        if self.actor.router_aux_loss_coef and config.pipeline_parallel_degree > 1:
+            raise ValueError("the MoE load-balancing loss (config.json output_router_logits: true, "
+                             f"router_aux_loss_coef {self.actor.router_aux_loss_coef}) needs the routers of every "
+                             "layer in one forward: not supported with pipeline_parallel_degree > 1")
         self.reference = None
         if self.objective.needs_reference:
             with unique_name.guard("reference_"):
@@ -192,8 +196,9 @@ class RLTrainer:
                         self.objective.loss_normalizers(mini["response_mask"])))
 
                     def loss_fn(part, logp, entropy):
-                        return self.objective.loss(logp, part["old_logp"], part.get("ref_logp"), part["advantages"],
-                                                   part["response_mask"], entropy, num_tokens, num_seqs)
+                        out = self.objective.loss(logp, part["old_logp"], part.get("ref_logp"), part["advantages"],
+                                                  part["response_mask"], entropy, num_tokens, num_seqs)
+                        return self._with_router_aux_loss(out, part, num_seqs)
 
                     for out in self.layout.forward_backward(self.actor, mini, keys, micro, cfg.temperature, loss_fn):
                         for k, v in out.metrics.items():
@@ -208,6 +213,19 @@ class RLTrainer:
         metrics["actor/grad_norm"] = float(np.mean(grad_norms))
         metrics["actor/lr"] = float(lrs[-1])
         return metrics
+
+    def _with_router_aux_loss(self, out, part, num_seqs: float):
+        """The micro-batch's loss plus the MoE load-balancing loss of its forward (`CausalLM.aux_loss`) times
+        router_aux_loss_coef (non-zero when config.json's output_router_logits is true, as transformers adds it) and
+        the micro-batch's share of the mini-batch's sequences, so micro-batches and ranks sum to coef x their mean."""
+        coef = self.actor.router_aux_loss_coef
+        if not coef:
+            return out
+        aux = self.actor.aux_loss()
+        live = float((part["response_mask"].numpy().sum(-1) > 0).sum())
+        out.loss = out.loss + (coef * live / max(num_seqs, 1.0)) * aux
+        out.metrics["router_aux_loss"] = float(aux)
+        return out
 
     # ---------------------------------------------------------------- one step
     def train_step(self) -> dict:
