@@ -35,6 +35,7 @@ setup(
         "visualdl",
         "tokenizers",
         "safetensors",
+        "gguf>=0.10",           # paddle-rl convert gguf / fetch: reads and dequantizes llama.cpp files
         "jinja2",
         "pyarrow",
         "math-verify",
@@ -45,7 +46,8 @@ setup(
     extras_require={
         # parity checks against Hugging Face transformers (PyTorch CPU); torch is pinned: an unpinned torch
         # pulls a multi-GB CUDA build
-        "test": ["pytest", "torch==2.13.0", "transformers"],
+        # (accelerate: transformers needs it to read a GGUF file, the independent side of the GGUF parity tests)
+        "test": ["pytest", "torch==2.13.0", "transformers", "accelerate"],
     },
     entry_points={"console_scripts": ["paddle-rl=paddle_rl.cli:main"]},
 )
