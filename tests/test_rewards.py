@@ -333,6 +333,12 @@ PLUGIN = textwrap.dedent('''
     def format(completions, **kwargs):
         return [7.0] * len(completions)
 
+    def inf_third(completions, **kwargs):
+        return [math.inf if i == 2 else 1.0 for i in range(len(completions))]
+
+    def text_score(completions, **kwargs):
+        return ["1.0"] * len(completions)
+
     def _private(completions, **kwargs):
         raise AssertionError("never registered")
 ''')
@@ -399,6 +405,11 @@ def test_plugin_failures_name_plugin_and_sample(plugin_file):
         build_reward(RLConfig(reward_funcs=["short"], reward_plugins=[plugin_file]))(samples)
     with pytest.raises(RewardError, match=r"'nan'.*sample 0.*returned nan"):
         build_reward(RLConfig(reward_funcs=["nan"], reward_plugins=[plugin_file]))(samples)
+    with pytest.raises(RewardError, match=r"'inf_third'.*my_rewards\.py.*returned inf for sample 2: a reward must be "
+                                          r"finite"):
+        build_reward(RLConfig(reward_funcs=["inf_third"], reward_plugins=[plugin_file]))(samples)
+    with pytest.raises(RewardError, match=r"'text_score'.*sample 0.*returned '1\.0', not a number"):
+        build_reward(RLConfig(reward_funcs=["text_score"], reward_plugins=[plugin_file]))(samples)
     # routed subsets report indices of the whole batch
     routed = RLConfig(reward_funcs=["kk"], reward_plugins=[plugin_file], reward_routes={"b": ["explode"]})
     batch = [sample("x", tgt=KK_TRUTH), sample("fine", data_source="b"), sample("BOOM", data_source="b")]
@@ -439,3 +450,25 @@ def test_kk_prompt_without_think_tag_scores_the_response_as_is():
     assert kk_score(response, truth, prompt="<|im_start|>assistant\n") == 3.0
     assert kk_score(response, truth) == -3.0  # PaddleNLP's rule: the prompt opened <think> already
     assert kk_score(response[len("<think>"):], truth, prompt="...<|im_start|>assistant\n<think>") == 3.0
+
+
+@pytest.mark.parametrize("returned, message", [
+    ([1, 2.0, "x", "0"], r"reward function 'bad_for_test' returned 'x' for sample 2, not a number"),
+    ([1.0, 2.0, 3.0, -math.inf], r"reward function 'bad_for_test' returned -inf for sample 3: a reward must be finite"),
+    ([1.0, 2.0, 3.0], r"reward function 'bad_for_test' returned 3 scores for 4 samples \[samples 0\.\.3\]"),
+    ([None, None, None, None], r"sample 0: none of \['bad_for_test'\] produced a score"),
+    ([1.0, [2.0, 3.0], 0.0, 0.0], r"'bad_for_test' returned \[2\.0, 3\.0\] for sample 1, not a number"),
+])
+def test_rule_returning_bad_scores_names_function_and_sample(monkeypatch, returned, message):
+    """A rule (or plugin) returning a string, an infinite score, None for every function of a sample or the wrong
+    count is an error naming the function and the first bad sample (None / NaN alone mean "does not apply")."""
+    from paddle_rl.rewards import register_rule
+    from paddle_rl.rewards.rules import RULE_REWARDS
+    monkeypatch.setitem(RULE_REWARDS, "bad_for_test", None)  # the test's rule leaves with the test
+
+    @register_rule("bad_for_test")
+    def bad(samples):
+        return returned, None
+
+    with pytest.raises(RewardError, match=message):
+        score(["bad_for_test"], [sample(str(i)) for i in range(4)])

@@ -34,10 +34,18 @@ class TrainingArgs:
     adam_beta2: float = arg(0.999)
     adam_epsilon: float = arg(1e-8)
     max_grad_norm: float = arg(1.0, "Clip the global gradient norm (0: off).")
+    max_nonfinite_skips: int = arg(3, "An optimizer update whose loss or gradient norm is NaN or inf (on any rank) is "
+                                      "skipped: no optimizer or lr-schedule step, gradients dropped, counted as "
+                                      "actor/nonfinite_skipped. This many skipped updates in a row are tolerated; the "
+                                      "next one stops the run, naming the step and the first non-finite tensor (0: "
+                                      "the first non-finite update stops it; -1: never stop).")
     save_steps: int = arg(500, "Save a checkpoint every this many steps.")
     save_strategy: str = arg("steps", "steps (every save_steps and at the end) | epoch (at the end of every pass "
                              "over train_datasets, and at the end) | no.")
     save_total_limit: int = arg(-1, "Keep at most this many checkpoints (-1: all).")
+    save_error: str = arg("stop", "A checkpoint that cannot be written (full disk, I/O error; its partial folder is "
+                                  "removed, earlier checkpoints are untouched): stop (the run ends with the error) | "
+                                  "continue (logged as an error; training goes on and saves again when due).")
     ignore_save_lr_and_optim: bool = arg(False, "Save only model weights (such a checkpoint cannot resume exactly).")
     resume_from_checkpoint: Optional[str] = arg(None, "auto (latest in output_dir) | PATH.")
     do_train: bool = arg(True, acted=False)
@@ -60,6 +68,10 @@ class TrainingArgs:
             errors.append(f"learning_rate: must be >= 0, got {self.learning_rate}")
         if self.save_strategy not in ("steps", "no", "epoch"):
             errors.append(f"save_strategy: must be steps, epoch or no, got {self.save_strategy!r}")
+        if self.save_error not in ("stop", "continue"):
+            errors.append(f"save_error: must be stop or continue, got {self.save_error!r}")
+        if self.max_nonfinite_skips < -1:
+            errors.append(f"max_nonfinite_skips: must be >= 0 or -1, got {self.max_nonfinite_skips}")
         if self.save_steps < 1:
             errors.append(f"save_steps: must be >= 1, got {self.save_steps}")
         if self.eval_steps < 1:

@@ -156,6 +156,19 @@ class Layout(abc.ABC):
     def check_config(self, config) -> None:
         self.batch.check_config(config)
 
+    # ---------------------------------------------------------------- decisions every rank makes alike
+    def any_rank(self, flag: bool) -> bool:
+        """True on every rank when `flag` is true on any rank (a max over all ranks)."""
+        if not self.is_parallel:
+            return bool(flag)
+        return bool(C.max_numpy([1.0 if flag else 0.0], self._topo.group("world"))[0] > 0)
+
+    def first_of_ranks(self, value):
+        """The first value that is not None over all ranks in rank order (the same on every rank), or None."""
+        if not self.is_parallel:
+            return value
+        return next((v for v in C.gather_objects(value, self._topo.group("world")) if v is not None), None)
+
     # ---------------------------------------------------------------- models (per layout)
     @abc.abstractmethod
     def load_model(self, folder: str):
@@ -241,7 +254,7 @@ class Layout(abc.ABC):
         if not self.is_parallel:
             return {}
         return {"model_state": self.full_state(model), "rank": self._topo.rank,
-                "world_size": self._topo.world_size, "barrier": self.barrier}
+                "world_size": self._topo.world_size, "barrier": self.barrier, "first_error": self.first_of_ranks}
 
     def resume_args(self) -> dict:
         """Extra arguments of checkpoint.load_optimizer."""

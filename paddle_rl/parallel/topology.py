@@ -181,7 +181,7 @@ class Topology:
 
 
 GROUP_AXES = {"tp": ("tensor",), "pp": ("pipe",), "sharding": ("sharding",), "dp": ("data",),
-              "batch": ("data", "sharding"), "model": ("pipe", "tensor")}
+              "batch": ("data", "sharding"), "model": ("pipe", "tensor"), "world": AXES}
 
 _GROUP_CACHE: Dict[Tuple[int, ...], object] = {}
 _INITIALIZED = False

@@ -39,6 +39,18 @@ def _weighted(names, weights=None) -> List[Tuple[str, float]]:
     return [(str(n), float(w)) for n, w in zip(names, weights)]
 
 
+def _number(value) -> Optional[float]:
+    """float(value) for a number (NaN for None: "does not apply"), None for anything else (strings included)."""
+    if value is None:
+        return float("nan")
+    if isinstance(value, (str, bytes)):
+        return None
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return None
+
+
 class RuleReward:
     """Weighted sum of named reward functions: built-in rules (RULE_REWARDS) and plugin functions.
 
@@ -82,6 +94,36 @@ class RuleReward:
         source = self.sources.get(name)
         return f"reward plugin {name!r} ({source})" if source else f"reward function {name!r}"
 
+    def _scores(self, name: str, values, global_idx: List[int]) -> np.ndarray:
+        """A function's scores for the samples `global_idx` as float32. None (and a rule's NaN) means "does not
+        apply"; the wrong number of scores, a string, any other non-number or an infinite score is an error naming
+        the function and the first bad sample (a plugin refuses its own NaN: its "does not apply" is None)."""
+        try:
+            array = np.asarray(values)
+        except (TypeError, ValueError):  # ragged nesting
+            array = np.asarray([None], dtype=object)
+        numbers = array.dtype.kind in "biuf"
+        items = array.reshape(-1) if numbers or not isinstance(values, (list, tuple)) else list(values)
+        if len(items) != len(global_idx):
+            raise RewardError(f"{self.label(name)} returned {len(items)} scores for {len(global_idx)} samples "
+                              f"[{_abbrev(global_idx)}]", name)
+        if numbers:
+            scores = items.astype(np.float32)
+        else:  # strings, None, other objects: find the first bad value
+            scores = np.empty(len(items), dtype=np.float32)
+            for i, value in enumerate(items):
+                number = _number(value)
+                if number is None:
+                    raise RewardError(f"{self.label(name)} returned {value!r} for sample {global_idx[i]}, not a "
+                                      "number", name, global_idx[i])
+                scores[i] = number
+        infinite = np.flatnonzero(np.isinf(scores))
+        if infinite.size:
+            i = int(infinite[0])
+            raise RewardError(f"{self.label(name)} returned {float(scores[i])} for sample {global_idx[i]}: a reward "
+                              "must be finite", name, global_idx[i])
+        return scores
+
     def plan(self, sample: RewardSample) -> List[Tuple[str, float]]:
         source = sample.data_source
         return self.routes.get(source, self.default) if source is not None else self.default
@@ -106,10 +148,7 @@ class RuleReward:
             except Exception as e:  # noqa: BLE001
                 raise RewardError(f"{self.label(name)} failed on {_abbrev(global_idx)}: {type(e).__name__}: {e}",
                                   name) from e
-            scores = np.asarray(scores, dtype=np.float32).reshape(-1)
-            if len(scores) != len(subset):
-                raise RewardError(f"{self.label(name)} returned {len(scores)} scores for {len(subset)} samples "
-                                  f"[{_abbrev(global_idx)}]", name)
+            scores = self._scores(name, scores, global_idx)
             column = np.full(n, np.nan, dtype=np.float32)
             column[idx] = scores
             per[name] = column

@@ -137,11 +137,13 @@ class PluginFunction:
     def _number(self, value, i, allow_none):
         if value is None and allow_none:
             return np.nan
+        if isinstance(value, (str, bytes)):
+            raise SampleError(i, f"returned {value!r}, not a number")
         try:
             number = float(value)
         except (TypeError, ValueError):
             raise SampleError(i, f"returned {value!r}, not a number") from None
-        if math.isnan(number) or math.isinf(number):
+        if math.isnan(number):  # "does not apply" is None (RuleReward refuses infinite scores of every function)
             raise SampleError(i, f"returned {number}")
         return number
 

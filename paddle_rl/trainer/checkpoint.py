@@ -17,7 +17,9 @@ from typing import Optional
 import numpy as np
 import paddle
 
-from ..models.pretrained import save_model
+from ..models.pretrained import hf_state, save_model
+from . import faults
+from .nonfinite import NonFiniteError, first_nonfinite_array
 
 STATE_FILE = "trainer_state.json"
 OPTIMIZER_FILE = "optimizer.pdopt"
@@ -70,39 +72,82 @@ def optimizer_file(rank: int = 0, world_size: int = 1) -> str:
     return OPTIMIZER_FILE if world_size == 1 else f"optimizer.rank{rank:05d}.pdopt"
 
 
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be written (the partial folder was removed; earlier checkpoints are untouched)."""
+
+
 def save_checkpoint(output_dir: str, step: int, model, tokenizer_folder: str, optimizer, scheduler,
                     trainer_state: dict, save_optimizer: bool = True, total_limit: int = -1,
-                    model_state: Optional[dict] = None, rank: int = 0, world_size: int = 1, barrier=None) -> str:
+                    model_state: Optional[dict] = None, rank: int = 0, world_size: int = 1, barrier=None,
+                    first_error=None) -> str:
     """model_state: the full (gathered) model state when `model` holds only a shard; rank / world_size /
-    barrier: the calling process among several (all of them call this)."""
+    barrier / first_error: the calling process among several (all of them call this; first_error(value) is the
+    first non-None value over the ranks, so every rank takes the same branch).
+
+    Refuses (NonFiniteError, nothing written) a model with a NaN or inf weight. A failed write (a full disk, an
+    I/O error on any rank) removes the temporary folder and raises CheckpointError on every rank; earlier
+    checkpoints are untouched either way."""
     final = os.path.join(output_dir, f"{PREFIX}{step}")
     tmp = os.path.join(output_dir, f".tmp-{PREFIX}{step}")
     sync = barrier or (lambda: None)
-    if rank == 0:
-        if os.path.isdir(tmp):
-            shutil.rmtree(tmp)
-        os.makedirs(tmp)
-    sync()
+    agree = first_error or (lambda value: value)
+    if model_state is None:
+        model_state = hf_state(model)
+    bad = agree(first_nonfinite_array(model_state))
+    if bad is not None:
+        raise NonFiniteError(f"{final} not written: weight {bad} holds NaN or inf (earlier checkpoints are "
+                             "untouched)")
     state = dict(trainer_state, step=step, rng=rng_state(), has_optimizer=save_optimizer, world_size=world_size)
-    if rank == 0:
-        save_model(model, tmp, tokenizer_folder=tokenizer_folder, state=model_state)
-        paddle.save(paddle.get_rng_state(), os.path.join(tmp, RNG_FILE))
-    if save_optimizer:
-        paddle.save(optimizer.state_dict(), os.path.join(tmp, optimizer_file(rank, world_size)))
-        state["scheduler"] = scheduler.state_dict()
-    if rank == 0:
-        with open(os.path.join(tmp, STATE_FILE), "w", encoding="utf-8") as f:
-            json.dump(state, f, indent=2, sort_keys=True, default=_json_default)
-    sync()
-    if rank == 0:
-        if os.path.isdir(final):
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        if total_limit > 0:
-            for old in checkpoint_dirs(output_dir)[:-total_limit]:
-                shutil.rmtree(old, ignore_errors=True)
+
+    def fresh_folder():
+        if rank == 0:
+            if os.path.isdir(tmp):
+                shutil.rmtree(tmp)
+            os.makedirs(tmp)
+
+    def write_parts():
+        if rank == 0:
+            save_model(model, tmp, tokenizer_folder=tokenizer_folder, state=model_state)
+            paddle.save(paddle.get_rng_state(), os.path.join(tmp, RNG_FILE))
+        if save_optimizer:
+            paddle.save(optimizer.state_dict(), os.path.join(tmp, optimizer_file(rank, world_size)))
+            state["scheduler"] = scheduler.state_dict()
+        faults.fail_save(step, rank, tmp)
+        if rank == 0:
+            with open(os.path.join(tmp, STATE_FILE), "w", encoding="utf-8") as f:
+                json.dump(state, f, indent=2, sort_keys=True, default=_json_default)
+
+    def rename():
+        if rank == 0:
+            if os.path.isdir(final):
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+
+    for stage in (fresh_folder, write_parts, rename):  # each ends with every rank agreeing on the outcome
+        error = agree(_write_error(stage, f" (rank {rank})" if world_size > 1 else ""))
+        if error is not None:
+            if rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            sync()
+            previous = checkpoint_dirs(output_dir)
+            raise CheckpointError(f"{final} could not be written: {error}. The partial folder was removed; "
+                                  + (f"the last complete checkpoint is {previous[-1]}" if previous else
+                                     "there is no earlier checkpoint"))
+    if rank == 0 and total_limit > 0:
+        for old in checkpoint_dirs(output_dir)[:-total_limit]:
+            shutil.rmtree(old, ignore_errors=True)
     sync()
     return final
+
+
+def _write_error(stage, where: str) -> Optional[str]:
+    """None when stage() wrote its files, else what went wrong (a full disk, an I/O or permission error; the
+    safetensors writer reports its I/O errors as its own exception type)."""
+    try:
+        stage()
+    except Exception as e:  # noqa: BLE001 - every rank has to learn of it, and the temporary folder must go
+        return f"{type(e).__name__}: {e}{where}"
+    return None
 
 
 def _json_default(value):

@@ -23,9 +23,12 @@ from ..models import Tokenizer
 from ..monitor import MetricsLog, StageTimer
 from ..rewards import build_reward, check_reward_config
 from ..rollout import RolloutEngine, SamplingParams, sample_key
-from .checkpoint import (load_optimizer, load_trainer_state, resolve_resume, save_checkpoint, set_rng_state)
+from . import faults
+from .checkpoint import (CheckpointError, load_optimizer, load_trainer_state, resolve_resume, save_checkpoint,
+                         set_rng_state)
 from .evaluate import evaluate
 from .logprobs import reuses_rollout_logprobs
+from .nonfinite import NonFiniteGuard, first_nonfinite_grad
 from .scoring import metric_columns, per_function_scores, reward_result, score
 
 logger = logging.getLogger("paddle_rl")
@@ -84,6 +87,7 @@ class RLTrainer:
         self.optimizer, self.scheduler = self.layout.build_optimizer(
             self.actor, config, self.total_steps * self.mini_batches_per_step * config.update_iters)
         self.step = 0
+        self.nonfinite = NonFiniteGuard(config.max_nonfinite_skips)
         self.log = MetricsLog(config.output_dir, config.logging_dir or os.path.join(config.output_dir, "logs"),
                               config.report_to, config.logging_steps, config.run_name,
                               enabled=self.layout.is_logging_rank)
@@ -98,17 +102,26 @@ class RLTrainer:
         load_optimizer(path, self.optimizer, self.scheduler, state, **self.layout.resume_args())
         self.sampler.set_state_dict(state["sampler"])
         self.objective.set_state_dict(state.get("objective", {}))
+        self.nonfinite.set_state_dict(state.get("nonfinite", {}))
         set_rng_state(state["rng"], path)
         self.step = int(state["step"])
         self.log.truncate_after(self.step)
         logger.info("resumed from %s at step %d", path, self.step)
 
-    def save(self) -> str:
+    def save(self) -> Optional[str]:
+        """checkpoint-<step>; None when it could not be written and save_error is continue."""
         state = {"sampler": self.sampler.state_dict(), "objective": self.objective.state_dict(),
-                 "total_steps": self.total_steps}
-        return save_checkpoint(self.config.output_dir, self.step, self.actor, self.tokenizer_dir, self.optimizer,
-                               self.scheduler, state, save_optimizer=not self.config.ignore_save_lr_and_optim,
-                               total_limit=self.config.save_total_limit, **self.layout.checkpoint_args(self.actor))
+                 "total_steps": self.total_steps, "nonfinite": self.nonfinite.state_dict()}
+        try:
+            return save_checkpoint(self.config.output_dir, self.step, self.actor, self.tokenizer_dir, self.optimizer,
+                                   self.scheduler, state, save_optimizer=not self.config.ignore_save_lr_and_optim,
+                                   total_limit=self.config.save_total_limit,
+                                   **self.layout.checkpoint_args(self.actor))
+        except CheckpointError as e:
+            if self.config.save_error != "continue":
+                raise
+            logger.error("%s; training goes on (save_error: continue)", e)
+            return None
 
     # ---------------------------------------------------------------- stages
     def _generate_round(self, step: int, timer: StageTimer, gen_round: int) -> StepBatch:
@@ -186,6 +199,8 @@ class RLTrainer:
         micro = cfg.per_device_train_batch_size
         keys = ["old_logp", "advantages"] + (["ref_logp"] if self.reference is not None else [])
         collected, weights, grad_norms, lrs = {}, [], [], []
+        step, rank = self.step + 1, self.layout.rank
+        updates, skipped = cfg.update_iters * -(-batch.size // mini_size), 0
         self.actor.train()
         with timer.stage("update"):
             for _ in range(cfg.update_iters):
@@ -198,21 +213,48 @@ class RLTrainer:
                     def loss_fn(part, logp, entropy):
                         out = self.objective.loss(logp, part["old_logp"], part.get("ref_logp"), part["advantages"],
                                                   part["response_mask"], entropy, num_tokens, num_seqs)
-                        return self._with_router_aux_loss(out, part, num_seqs)
+                        out = self._with_router_aux_loss(out, part, num_seqs)
+                        out.loss = faults.poison_loss(step, rank, out.loss)
+                        return out
 
+                    finite_loss = True
                     for out in self.layout.forward_backward(self.actor, mini, keys, micro, cfg.temperature, loss_fn):
                         for k, v in out.metrics.items():
                             collected.setdefault(k, []).append(v)
                         weights.append(out.num_tokens)
-                    grad_norms.append(self.layout.clip_grad_norm_(self.actor, cfg.max_grad_norm))
+                        finite_loss = finite_loss and math.isfinite(float(out.loss))
+                    faults.poison_grads(step, rank, self.actor)
+                    norm = self.layout.clip_grad_norm_(self.actor, cfg.max_grad_norm)
                     lrs.append(self.optimizer.get_lr())
+                    if self.layout.any_rank(not (finite_loss and math.isfinite(norm))):
+                        self._skip_update(step, len(lrs), updates, finite_loss)
+                        skipped += 1
+                        continue
+                    self.nonfinite.applied()
+                    grad_norms.append(norm)
                     self.optimizer.step()
                     self.optimizer.clear_grad(set_to_zero=False)
                     self.scheduler.step()
         metrics = {f"actor/{k}": v for k, v in self.layout.weighted_means(collected, weights).items()}
-        metrics["actor/grad_norm"] = float(np.mean(grad_norms))
+        # the norms of the applied updates (NaN when every update of the step was skipped)
+        metrics["actor/grad_norm"] = float(np.mean(grad_norms)) if grad_norms else float("nan")
         metrics["actor/lr"] = float(lrs[-1])
+        metrics["actor/nonfinite_skipped"] = float(skipped)
+        metrics["actor/nonfinite_skipped_total"] = float(self.nonfinite.total)
         return metrics
+
+    def _skip_update(self, step: int, update: int, updates: int, finite_loss: bool) -> None:
+        """An update with a non-finite loss or gradient norm on some rank (every rank comes here together): no
+        optimizer or schedule step, gradients dropped; NonFiniteGuard stops the run after max_nonfinite_skips in a
+        row, naming the first non-finite tensor over the ranks."""
+        mine = "loss" if not finite_loss else first_nonfinite_grad(self.actor.parameters())
+        if mine is not None and mine != "loss":
+            mine = f"gradient of {mine}"
+        if mine is not None and self.layout.is_parallel:
+            mine += f" (rank {self.layout.rank})"
+        culprit = self.layout.first_of_ranks(mine) or "gradient norm (every gradient is finite; their squares overflow)"
+        self.optimizer.clear_grad(set_to_zero=False)
+        self.nonfinite.skip(step, update, updates, culprit)
 
     def _with_router_aux_loss(self, out, part, num_seqs: float):
         """The micro-batch's loss plus the MoE load-balancing loss of its forward (`CausalLM.aux_loss`) times

@@ -1,0 +1,61 @@
+"""Test-only fault injection (tests/test_faults.py). A run reads these environment variables here and nowhere
+else; nothing in a configuration sets them, and unset (always, outside tests) every function is a no-op.
+
+PADDLE_RL_TEST_POISON=STEPS:TARGET[@RANK]
+    In the updates of the listed steps: TARGET `loss` adds a detached NaN to every micro-batch loss (the loss is
+    non-finite, its gradient is not); any other TARGET fills with NaN the gradient of the first parameter whose
+    Hugging Face name contains it (after backward, before gradients are summed over ranks).
+PADDLE_RL_TEST_FAIL_SAVE=STEPS[@RANK]
+    Saving checkpoint-STEP raises OSError(ENOSPC) once the model files are in the temporary folder.
+
+STEPS: steps (1-based) and ranges, comma-separated: `3`, `2-4`, `2,5`. @RANK: only on that global rank (default:
+every rank; a save fails on rank 0, the rank that writes the model).
+"""
+import errno
+import os
+from typing import Optional, Tuple
+
+import paddle
+
+POISON = "PADDLE_RL_TEST_POISON"
+FAIL_SAVE = "PADDLE_RL_TEST_FAIL_SAVE"
+
+
+def _spec(variable: str, step: int, rank: int, default_rank: Optional[int] = None) -> Optional[str]:
+    """The TARGET of `variable` ("" without one) when it names this step and rank, else None."""
+    value, _, only = os.environ.get(variable, "").partition("@")
+    if not value or rank != (int(only) if only else rank if default_rank is None else default_rank):
+        return None
+    steps, _, target = value.partition(":")
+    return target if step in _steps(steps) else None
+
+
+def _steps(text: str) -> Tuple[int, ...]:
+    out = []
+    for part in text.split(","):
+        first, _, last = part.partition("-")
+        out += range(int(first), int(last or first) + 1)
+    return tuple(out)
+
+
+def poison_loss(step: int, rank: int, loss):
+    if _spec(POISON, step, rank) != "loss":
+        return loss
+    return loss + paddle.to_tensor(float("nan"), dtype=loss.dtype)
+
+
+@paddle.no_grad()
+def poison_grads(step: int, rank: int, model) -> None:
+    target = _spec(POISON, step, rank)
+    if not target or target == "loss":
+        return
+    for p in model.parameters():
+        spec = getattr(p, "spec", None)
+        if p.grad is not None and spec is not None and any(target in n for n in spec.hf_names):
+            paddle.assign(p.grad + paddle.to_tensor(float("nan"), dtype=p.grad.dtype), output=p.grad)
+            return
+
+
+def fail_save(step: int, rank: int, folder: str) -> None:
+    if _spec(FAIL_SAVE, step, rank, default_rank=0) is not None:
+        raise OSError(errno.ENOSPC, f"No space left on device (injected by {FAIL_SAVE})", folder)
