@@ -17,6 +17,13 @@ class ParallelArgs:
                             "sharding_parallel_degree > 1.")
     rollout_tensor_parallel_degree: int = arg(-1, "Tensor-parallel size of the rollout (-1: tensor_parallel_degree); "
                                                   "weights are resharded in memory before and after each rollout.")
+    collective_timeout: float = arg(1800.0, "Seconds a rank of a multi-process run waits inside one collective "
+                                            "(all-reduce, gather, broadcast, barrier, send/recv) before it stops, "
+                                            "naming the collective, the step and the state of its peers (a peer "
+                                            "that died or exited stops the others at once). On CPU, gloo also "
+                                            "gives up on any single wait after 30 s by itself (fixed in Paddle "
+                                            "3.3.1), so only values below 30 shorten the wait there.",
+                                    aliases=("ddp_timeout",))
     sharding_parallel_config: str = arg("", acted=False)
     sequence_parallel: bool = arg(False, acted=False)
     virtual_pp_degree: int = arg(1, acted=False)
@@ -31,6 +38,8 @@ class ParallelArgs:
         for key in ("sharding_parallel_degree", "data_parallel_degree", "rollout_tensor_parallel_degree"):
             if getattr(self, key) == 0 or getattr(self, key) < -1:
                 errors.append(f"{key}: must be >= 1 or -1, got {getattr(self, key)}")
+        if not self.collective_timeout > 0:
+            errors.append(f"collective_timeout: must be > 0 seconds, got {self.collective_timeout}")
         if self.sharding not in ("", "stage1", "stage2", "stage3"):
             errors.append(f"sharding: must be stage1 or stage2, got {self.sharding!r}")
         if self.sharding == "stage3" and self.sharding_parallel_degree != 1:

@@ -8,6 +8,7 @@ from ..models import hf_state, load_model
 from ..models.decoder import attention_bias_from_mask, position_ids_from_mask
 from ..parallel import collectives as C
 from ..parallel.pipeline import Link, forward_only, train_1f1b
+from ..parallel.watchdog import watched
 from .base import Layout
 
 
@@ -24,7 +25,12 @@ class Pipelined(Layout):
 
     def full_state(self, model) -> dict:
         merged = {}
-        for part in C.gather_objects(hf_state(model), self._topo.group("pp")):
+        if self._topo.group("tp") is None:
+            own = hf_state(model)
+        else:
+            with watched("all_gather of the tensor-parallel weights", self._topo.group("tp")):  # one wait for all
+                own = hf_state(model)
+        for part in C.gather_objects(own, self._topo.group("pp")):
             for k, v in part.items():
                 merged.setdefault(k, v)
         return merged
@@ -60,9 +66,10 @@ class Pipelined(Layout):
             shape = list(part["response_ids"].shape)
             logp, ent = out if out is not None else (paddle.empty(shape, "float32"),
                                                      paddle.empty(shape, "float32") if with_entropy else None)
-            dist.broadcast(logp, src=link.last_rank, group=link.group)
-            if with_entropy:
-                dist.broadcast(ent, src=link.last_rank, group=link.group)
+            with watched(f"broadcast of log-probs from rank {link.last_rank}", link.group):
+                dist.broadcast(logp, src=link.last_rank, group=link.group)
+                if with_entropy:
+                    dist.broadcast(ent, src=link.last_rank, group=link.group)
             chunks.append((logp.numpy(), None if ent is None else ent.numpy()))
         return chunks
 
@@ -85,7 +92,8 @@ class Pipelined(Layout):
             return
         grad = model.embed_tokens.weight.grad
         if grad is not None:
-            dist.all_reduce(grad, group=group)
+            with watched("all_reduce of the tied embedding's gradient", group):
+                dist.all_reduce(grad, group=group)
 
     def _loss_sums(self, collected: dict, weights: list):
         sums, total = super()._loss_sums(collected, weights)

@@ -3,6 +3,7 @@ its model (tensor-parallel layers split inside it); gradients are summed over th
 from ..models import hf_state, load_model
 from ..models.logprobs import token_logprobs
 from ..optim import clip_grad_norm_
+from ..parallel.watchdog import watched
 from .base import Layout
 
 
@@ -11,7 +12,10 @@ class Replicated(Layout):
         return load_model(folder, tp_group=self._topo.group("tp"))
 
     def full_state(self, model) -> dict:
-        return hf_state(model)
+        if self._topo.group("tp") is None:
+            return hf_state(model)
+        with watched("all_gather of the tensor-parallel weights", self._topo.group("tp")):  # one wait for them all
+            return hf_state(model)
 
     def _shared(self, batch, rows):
         return batch.shared_prompts(rows) if self.share_prompts else None

@@ -3,13 +3,16 @@ from contextlib import contextmanager
 
 
 class StageTimer:
-    """Seconds spent per named stage of a step (`time/<stage>`)."""
+    """Seconds spent per named stage of a step (`time/<stage>`); `on_stage(name)` is told of each stage entered."""
 
-    def __init__(self):
+    def __init__(self, on_stage=None):
         self.seconds = {}
+        self.on_stage = on_stage
 
     @contextmanager
     def stage(self, name: str):
+        if self.on_stage is not None:
+            self.on_stage(name)
         start = time.perf_counter()
         try:
             yield

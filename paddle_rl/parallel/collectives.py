@@ -5,7 +5,8 @@ Tensor parallelism needs four conjugate pairs (forward / backward):
 - reduce_from_group: all-reduce sum / identity         (output of a row-parallel layer, vocab sums)
 - gather_from_group: all-gather     / take own slice   (full logits for sampling)
 - scatter_to_group:  take own slice / all-gather
-Every function is the identity when `group` is None (an axis of size 1).
+Every function is the identity when `group` is None (an axis of size 1). Every blocking call runs inside
+`watchdog.watched`, so a rank waiting for a dead or stuck peer stops with a message (parallel/watchdog.py).
 """
 from typing import List
 
@@ -13,6 +14,8 @@ import numpy as np
 import paddle
 import paddle.distributed as dist
 from paddle.autograd import PyLayer
+
+from .watchdog import watched
 
 
 def group_size(group) -> int:
@@ -25,13 +28,15 @@ def group_rank(group) -> int:
 
 def _all_reduce(x, group, op=None):
     out = x.clone()
-    dist.all_reduce(out, op=dist.ReduceOp.SUM if op is None else op, group=group)
+    with watched("all_reduce", group):
+        dist.all_reduce(out, op=dist.ReduceOp.SUM if op is None else op, group=group)
     return out
 
 
 def _all_gather_last(x, group):
     parts: List[paddle.Tensor] = []
-    dist.all_gather(parts, x.contiguous() if hasattr(x, "contiguous") else x, group=group)
+    with watched("all_gather", group):
+        dist.all_gather(parts, x.contiguous() if hasattr(x, "contiguous") else x, group=group)
     return paddle.concat(parts, axis=-1)
 
 
@@ -114,7 +119,8 @@ def sum_numpy(values, group) -> np.ndarray:
     if group is None:
         return values
     tensor = paddle.to_tensor(values.reshape(-1), dtype="float64")
-    dist.all_reduce(tensor, group=group)
+    with watched("all_reduce (sum)", group):
+        dist.all_reduce(tensor, group=group)
     return tensor.numpy().reshape(values.shape)
 
 
@@ -123,7 +129,8 @@ def max_numpy(values, group) -> np.ndarray:
     if group is None:
         return values
     tensor = paddle.to_tensor(values.reshape(-1), dtype="float64")
-    dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
+    with watched("all_reduce (max)", group):
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
     return tensor.numpy().reshape(values.shape)
 
 
@@ -132,7 +139,8 @@ def gather_objects(obj, group) -> list:
     if group is None:
         return [obj]
     out: list = []
-    dist.all_gather_object(out, obj, group=group)
+    with watched("all_gather_object", group):
+        dist.all_gather_object(out, obj, group=group)
     return out
 
 
@@ -146,7 +154,8 @@ def broadcast_object(obj, src_rank: int, group):
 
 def barrier(group=None) -> None:
     if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier(group)
+        with watched("barrier", group):
+            dist.barrier(group)
 
 
 def is_distributed(param) -> bool:

@@ -15,6 +15,8 @@ from typing import Callable, List
 import paddle
 import paddle.distributed as dist
 
+from .watchdog import watched
+
 
 class Link:
     """Blocking send/recv between neighbouring stages of this rank's pipeline."""
@@ -34,7 +36,8 @@ class Link:
     @staticmethod
     def _recv(shape, src):
         buf = paddle.empty(shape, dtype="float32")
-        dist.recv(buf, src=src)
+        with watched(f"recv from rank {src}", ranks=[src]):
+            dist.recv(buf, src=src)
         return buf
 
     def recv_forward(self, shape):
@@ -46,14 +49,16 @@ class Link:
 
     def send_forward(self, y):
         if self.next is not None:
-            dist.send(y.detach(), dst=self.next)
+            with watched(f"send to rank {self.next}", ranks=[self.next]):
+                dist.send(y.detach(), dst=self.next)
 
     def recv_backward(self, shape):
         return None if self.next is None else self._recv(shape, self.next)
 
     def send_backward(self, grad):
         if self.prev is not None:
-            dist.send(grad, dst=self.prev)
+            with watched(f"send to rank {self.prev}", ranks=[self.prev]):
+                dist.send(grad, dst=self.prev)
 
     def send_forward_recv_backward(self, y, shape):
         """Lower side of an exchange: send first."""

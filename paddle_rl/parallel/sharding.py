@@ -18,6 +18,7 @@ import paddle
 import paddle.distributed as dist
 
 from .collectives import is_distributed
+from .watchdog import watched
 
 BUCKET_BYTES = 32 * 1024**2
 
@@ -49,6 +50,16 @@ def _coalesced(params: List, collective) -> None:
             paddle.assign(flat[offset:offset + n].reshape(g.shape).astype(g.dtype), output=g)
             g.stop_gradient = True
             offset += n
+
+
+def _reduce(flat, owner: int, group) -> None:
+    with watched(f"reduce of gradients to rank {owner}", group):
+        dist.reduce(flat, dst=owner, group=group)
+
+
+def _all_reduce(flat, group) -> None:
+    with watched("all_reduce of gradients", group):
+        dist.all_reduce(flat, group=group)
 
 
 def partition_params(params: List, n: int) -> List[int]:
@@ -91,16 +102,16 @@ class GradientSync:
             group = topo.group("sharding")
             for owner in sorted(set(self.owner_rank)):
                 mine = [p for p, o in zip(self.params, self.owner_rank) if o == owner and p.grad is not None]
-                _coalesced(mine, lambda flat, o=owner: dist.reduce(flat, dst=o, group=group))
+                _coalesced(mine, lambda flat, o=owner: _reduce(flat, o, group))
             owned = [p for p in self.owned_params if p.grad is not None]
             for i, p in enumerate(self.params):
                 if not self.owned(i):
                     p.clear_gradient(False)  # stage2: only the owner keeps a gradient
             if topo.group("dp") is not None:
-                _coalesced(owned, lambda flat: dist.all_reduce(flat, group=topo.group("dp")))
+                _coalesced(owned, lambda flat: _all_reduce(flat, topo.group("dp")))
         else:
             group = topo.group("batch")
-            _coalesced(params, lambda flat: dist.all_reduce(flat, group=group))
+            _coalesced(params, lambda flat: _all_reduce(flat, group))
 
     def squared_norm(self) -> float:
         """Squared global L2 norm of the (synchronized) gradient: each element counted once."""
@@ -154,7 +165,8 @@ class ShardedOptimizer:
                 mine = [p for p, o in zip(self.sync.params, self.sync.owner_rank) if o == owner]
                 for bucket in _buckets(mine):
                     flat = paddle.concat([p.reshape([-1]) for p in bucket])
-                    dist.broadcast(flat, src=owner, group=group)
+                    with watched(f"broadcast of updated parameters from rank {owner}", group):
+                        dist.broadcast(flat, src=owner, group=group)
                     offset = 0
                     for p in bucket:
                         n = int(np.prod(p.shape))

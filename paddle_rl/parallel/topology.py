@@ -22,6 +22,9 @@ import os
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
+from . import watchdog
+from .watchdog import watched
+
 logger = logging.getLogger("paddle_rl")
 
 AXES = ("data", "sharding", "pipe", "tensor")
@@ -195,16 +198,20 @@ def _new_group(ranks: Tuple[int, ...]):
             # to connect on paddle 3.3.1)
             _GROUP_CACHE[ranks] = dist.get_group(0)
         else:
-            _GROUP_CACHE[ranks] = dist.new_group(list(ranks))
+            with watched(f"new_group {list(ranks)}"):
+                _GROUP_CACHE[ranks] = dist.new_group(list(ranks))
             # members connect while other ranks may already be creating the next group; without this barrier
             # overlapping groups on 4 processes hung or refused connections (gloo, paddle 3.3.1)
-            dist.barrier()
+            with watched("barrier after new_group"):
+                dist.barrier()
     return _GROUP_CACHE[ranks]
 
 
 def build_topology(tensor: int = 1, pipe: int = 1, sharding: int = 1, data: int = -1, sharding_stage: str = "",
-                   rollout_tensor: int = -1) -> Topology:
-    """Initialize paddle.distributed (once per process) and create every group of this grid.
+                   rollout_tensor: int = -1, collective_timeout: float = watchdog.DEFAULT_TIMEOUT) -> Topology:
+    """Initialize paddle.distributed (once per process), start this rank's watchdog (parallel/watchdog.py: a
+    collective pending for more than `collective_timeout` seconds, or a dead peer, stops the rank with a message)
+    and create every group of this grid.
 
     A single process with every degree 1 gets a topology without groups and without initializing anything.
     """
@@ -233,6 +240,7 @@ def build_topology(tensor: int = 1, pipe: int = 1, sharding: int = 1, data: int 
         if not dist.is_initialized():
             dist.init_parallel_env()
         _INITIALIZED = True
+    watchdog.start(dist.get_rank(), dist.get_world_size(), collective_timeout)
     if dist.get_world_size() != world:
         raise TopologyError(f"{_product_text(degrees)} = {world} does not match the world size "
                             f"{dist.get_world_size()}")
@@ -287,7 +295,8 @@ def topology_from_config(config) -> Topology:
     return build_topology(tensor=config.tensor_parallel_degree, pipe=config.pipeline_parallel_degree,
                           sharding=config.sharding_parallel_degree, data=config.data_parallel_degree,
                           sharding_stage=config.sharding if config.sharding_parallel_degree != 1 else "",
-                          rollout_tensor=config.rollout_tensor_parallel_degree)
+                          rollout_tensor=config.rollout_tensor_parallel_degree,
+                          collective_timeout=config.collective_timeout)
 
 
 def single_process() -> Topology:

@@ -310,7 +310,10 @@ def broadcast_result(result: Optional[RewardResult], failure: Optional[str], gro
     (names and NaNs included), correctness and skip marks, so ranks holding the same responses agree exactly.
     Every rank of the group must call it; the arguments of the other ranks are ignored."""
     import paddle.distributed as dist
+
+    from ..parallel.watchdog import watched
     src = group.ranks[0]
     payload = [pack_result(result, failure) if dist.get_rank() == src else None]
-    dist.broadcast_object_list(payload, src=src, group=group)
+    with watched(f"broadcast of rewards from rank {src}", group):
+        dist.broadcast_object_list(payload, src=src, group=group)
     return unpack_result(payload[0])

@@ -112,6 +112,7 @@ def save_checkpoint(output_dir: str, step: int, model, tokenizer_folder: str, op
         if save_optimizer:
             paddle.save(optimizer.state_dict(), os.path.join(tmp, optimizer_file(rank, world_size)))
             state["scheduler"] = scheduler.state_dict()
+        faults.die("save", step, rank)
         faults.fail_save(step, rank, tmp)
         if rank == 0:
             with open(os.path.join(tmp, STATE_FILE), "w", encoding="utf-8") as f:

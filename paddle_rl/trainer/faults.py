@@ -7,18 +7,31 @@ PADDLE_RL_TEST_POISON=STEPS:TARGET[@RANK]
     Hugging Face name contains it (after backward, before gradients are summed over ranks).
 PADDLE_RL_TEST_FAIL_SAVE=STEPS[@RANK]
     Saving checkpoint-STEP raises OSError(ENOSPC) once the model files are in the temporary folder.
+PADDLE_RL_TEST_DIE=STEPS:STAGE[@RANK]
+    The process prints one line with the time and kills itself with SIGKILL at STAGE of the listed steps,
+    DIE_DELAY seconds after reaching it (so that its peers already wait in their next collective). STAGE: `rollout`
+    (the start of the step's rollout), `update` (after the first mini-batch's forward / backward, before its
+    gradients are summed over the ranks) or `save` (once its part of checkpoint-STEP is in the temporary folder).
+PADDLE_RL_TEST_HANG=STEPS:STAGE[@RANK]
+    The same points, with SIGSTOP: the process stays alive and makes no progress (a stuck rank).
 
 STEPS: steps (1-based) and ranges, comma-separated: `3`, `2-4`, `2,5`. @RANK: only on that global rank (default:
 every rank; a save fails on rank 0, the rank that writes the model).
 """
 import errno
 import os
+import signal
+import sys
+import time
 from typing import Optional, Tuple
 
 import paddle
 
 POISON = "PADDLE_RL_TEST_POISON"
 FAIL_SAVE = "PADDLE_RL_TEST_FAIL_SAVE"
+DIE = "PADDLE_RL_TEST_DIE"
+HANG = "PADDLE_RL_TEST_HANG"
+DIE_DELAY = 1.0
 
 
 def _spec(variable: str, step: int, rank: int, default_rank: Optional[int] = None) -> Optional[str]:
@@ -59,3 +72,13 @@ def poison_grads(step: int, rank: int, model) -> None:
 def fail_save(step: int, rank: int, folder: str) -> None:
     if _spec(FAIL_SAVE, step, rank, default_rank=0) is not None:
         raise OSError(errno.ENOSPC, f"No space left on device (injected by {FAIL_SAVE})", folder)
+
+
+def die(stage: str, step: int, rank: int) -> None:
+    """SIGKILL (PADDLE_RL_TEST_DIE) or SIGSTOP (PADDLE_RL_TEST_HANG) this process at `stage` of `step`."""
+    for variable, sig in ((DIE, signal.SIGKILL), (HANG, signal.SIGSTOP)):
+        if _spec(variable, step, rank) == stage:
+            time.sleep(DIE_DELAY)
+            print(f"{variable}: rank {rank} (pid {os.getpid()}) sends itself {sig.name} at step {step} {stage}, "
+                  f"time {time.time():.3f}", file=sys.stderr, flush=True)
+            os.kill(os.getpid(), sig)

@@ -21,6 +21,7 @@ from ..data.loader import PromptSampler, load_prompt_dataset
 from ..layouts import build_layout
 from ..models import Tokenizer
 from ..monitor import MetricsLog, StageTimer
+from ..parallel import watchdog
 from ..rewards import build_reward, check_reward_config
 from ..rollout import RolloutEngine, SamplingParams, sample_key
 from . import faults
@@ -110,6 +111,7 @@ class RLTrainer:
 
     def save(self) -> Optional[str]:
         """checkpoint-<step>; None when it could not be written and save_error is continue."""
+        watchdog.note(f"step {self.step}, checkpoint save")
         state = {"sampler": self.sampler.state_dict(), "objective": self.objective.state_dict(),
                  "total_steps": self.total_steps, "nonfinite": self.nonfinite.state_dict()}
         try:
@@ -133,6 +135,7 @@ class RLTrainer:
         keys = [sample_key(cfg.seed, step, it["uid"], j, gen_round) for it in items for j in range(n)]
         params = SamplingParams.from_config(cfg, self.stop_ids)
         with timer.stage("rollout"):
+            faults.die("rollout", step, self.layout.rank)
             batch = self.layout.generate(self.engine, [it["prompt_ids"] for it in items], n, params, keys)
         batch["item"] = object_column(items[i // n] for i in range(batch.size))
         with timer.stage("reward"):
@@ -224,6 +227,7 @@ class RLTrainer:
                         weights.append(out.num_tokens)
                         finite_loss = finite_loss and math.isfinite(float(out.loss))
                     faults.poison_grads(step, rank, self.actor)
+                    faults.die("update", step, rank)
                     norm = self.layout.clip_grad_norm_(self.actor, cfg.max_grad_norm)
                     lrs.append(self.optimizer.get_lr())
                     if self.layout.any_rank(not (finite_loss and math.isfinite(norm))):
@@ -273,7 +277,7 @@ class RLTrainer:
     def train_step(self) -> dict:
         cfg = self.config
         step = self.step + 1
-        timer = StageTimer()
+        timer = StageTimer(on_stage=lambda name: watchdog.note(f"step {step}, {name}"))
         start = time.perf_counter()
         pool, batch, metrics = self._generate_batch(step, timer)
         metrics = self.layout.batch.reduce_metrics(metrics)
@@ -339,7 +343,7 @@ class RLTrainer:
     def evaluate(self) -> dict:
         if self.eval_data is None:
             return {}
-        timer = StageTimer()
+        timer = StageTimer(on_stage=lambda name: watchdog.note(f"after step {self.step}, {name}"))
         with timer.stage("eval"):
             with self.layout.rollout_engine(self.engine) as engine:
                 metrics = evaluate(engine, self.tokenizer, self.eval_data, self.reward_fn, self.config,
@@ -361,6 +365,13 @@ class RLTrainer:
         return False
 
     def train(self) -> dict:
+        try:
+            return self._train()
+        except BaseException:
+            watchdog.leaving()  # peers raising the same error may exit first: not a dead rank
+            raise
+
+    def _train(self) -> dict:
         cfg = self.config
         if self.step == 0 and self.eval_data is not None and cfg.evaluation_strategy != "no":
             initial = self.evaluate()
@@ -383,7 +394,8 @@ class RLTrainer:
                     self.save()
         self.log.close()
         # ranks leave together: one that exits while another is still working can take the rendezvous down
-        # under it
+        # under it. A peer that passed this barrier may exit before this rank's barrier returns: expected.
+        watchdog.leaving()
         self.layout.barrier()
         return last
 
