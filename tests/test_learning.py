@@ -14,16 +14,22 @@ from paddle_rl.monitor import read_metrics
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("config", ["configs/tiny_arith_grpo.yaml", "configs/tiny_arith_reinforce_pp.yaml"])
-def test_tiny_default_gains_20_points(config, tmp_path):
+def held_out_curve(config, tmp_path, *overrides):
+    """Train `config` (a repository path) in a real process; [(step, eval/accuracy)] and the wall time."""
     start = time.time()
-    proc = subprocess.run([sys.executable, "-m", "paddle_rl", "train", config, f"output_dir={tmp_path}",
+    proc = subprocess.run([sys.executable, "-m", "paddle_rl", "train", config, *overrides, f"output_dir={tmp_path}",
                            f"logging_dir={tmp_path}/logs", "disable_tqdm=true"],
                           cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT), capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
     curve = [(r["step"], r["eval/accuracy"]) for r in read_metrics(str(tmp_path / "metrics.jsonl"))
              if "eval/accuracy" in r]
     print(f"{config}: {time.time() - start:.0f} s, held-out accuracy by step {curve}")
+    return curve
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config", ["configs/tiny_arith_grpo.yaml", "configs/tiny_arith_reinforce_pp.yaml"])
+def test_tiny_default_gains_20_points(config, tmp_path):
+    curve = held_out_curve(config, tmp_path)
     assert curve[0][0] == 0 and curve[-1][0] == 200
     assert curve[-1][1] - curve[0][1] >= 0.20, curve

@@ -149,19 +149,7 @@ def test_greedy_generation_matches_transformers(smollm2):
 def test_grpo_recipe_gains_10_points(tmp_path):
     """configs/smollm2_135m_grpo.yaml, its first 15 steps (about half an hour on 2 cores): held-out greedy
     accuracy on the 200 test problems rises by at least 10 points."""
-    import subprocess
-    import sys
-    import time
-
-    from paddle_rl.monitor import read_metrics
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    start = time.time()
-    proc = subprocess.run([sys.executable, "-m", "paddle_rl", "train", "configs/smollm2_135m_grpo.yaml", "max_steps=15",
-                           f"output_dir={tmp_path}", f"logging_dir={tmp_path}/logs", "disable_tqdm=true"],
-                          cwd=root, env=dict(os.environ, PYTHONPATH=root), capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    curve = [(r["step"], r["eval/accuracy"]) for r in read_metrics(str(tmp_path / "metrics.jsonl"))
-             if "eval/accuracy" in r]
-    print(f"{time.time() - start:.0f} s, held-out accuracy by step {curve}")
+    from test_learning import held_out_curve
+    curve = held_out_curve("configs/smollm2_135m_grpo.yaml", tmp_path, "max_steps=15")
     assert curve[0][0] == 0 and curve[-1][0] == 15
     assert curve[-1][1] - curve[0][1] >= 0.10, curve

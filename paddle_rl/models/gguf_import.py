@@ -204,20 +204,6 @@ def read_tensors(reader, config: dict, arch: str, path: str) -> Dict[str, np.nda
     return out
 
 
-def _byte_alphabet() -> Dict[int, str]:
-    """GPT-2's byte -> printable character table (the alphabet of byte-level BPE vocabularies)."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
-        list(range(ord("®"), ord("ÿ") + 1))
-    table, extra = {}, 0
-    for b in range(256):
-        if b in printable:
-            table[b] = chr(b)
-        else:
-            table[b] = chr(256 + extra)
-            extra += 1
-    return table
-
-
 def build_tokenizer(meta: dict, path: str):
     """A `tokenizers.Tokenizer` (byte-level BPE) from the file's vocabulary, merges and pre-tokenizer name."""
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
@@ -240,7 +226,7 @@ def build_tokenizer(meta: dict, path: str):
               pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
     tok.pre_tokenizer = pre_tokenizers.Sequence(steps)
     tok.decoder = decoders.ByteLevel()
-    alphabet = set(_byte_alphabet().values())
+    alphabet = set(pre_tokenizers.ByteLevel.alphabet())  # GPT-2's 256 printable byte characters
     # a control token spelled outside the byte alphabet is a llama.cpp mislabel: it is no real token
     special = [AddedToken(t, special=True, normalized=False) for t, k in zip(tokens, types)
                if k == TOKEN_CONTROL and set(t) <= alphabet]
@@ -295,11 +281,10 @@ def convert_gguf(path: str, out: str, dtype: str = "float32") -> dict:
     config = hf_config(meta, names, path)
     tokenizer, tokens = build_tokenizer(meta, path)
     tensors = read_tensors(reader, config, meta["general.architecture"], path)
-    expected = {"model.embed_tokens.weight": (config["vocab_size"], config["hidden_size"])}
-    for name, shape in expected.items():
-        if name not in tensors or tuple(tensors[name].shape) != shape:
-            raise GGUFError(f"{path}: {name} has shape {list(tensors.get(name, np.zeros(0)).shape)}, config says "
-                            f"{list(shape)}")
+    embedding, shape = tensors.get("model.embed_tokens.weight"), (config["vocab_size"], config["hidden_size"])
+    if embedding is None or tuple(embedding.shape) != shape:
+        found = "missing" if embedding is None else f"shape {list(embedding.shape)}"
+        raise GGUFError(f"{path}: token_embd.weight is {found}, the metadata says {list(shape)}")
     tok_config, generation = tokenizer_files(meta, tokens)
     if dtype != "float32":
         tensors = {k: v.astype(np.float16) for k, v in tensors.items()}
