@@ -1,18 +1,28 @@
-"""`paddle-rl bench`: time RL steps of a synthetic workload through the real trainer.
+"""`paddle-rl bench`: time RL steps of a workload through the real trainer.
 
-Workload W1 (the default): a random-init Qwen2-architecture decoder (hidden 256, 4 layers, 4 heads, 2 KV
-heads, ffn 688, vocab 4096, untied head), 8 prompts of ~32 tokens x rollout_n 8, exactly 64 response tokens
-(min_dec_len = max_dec_len), kl_loss_coeff 0.04 (reference model on), one optimizer step per rollout, fp32.
+    paddle-rl bench                                   # W1 (3 timed steps)
+    paddle-rl bench --workload w2 --steps 2
+    paddle-rl bench --workload w3 --model-path DIR     # DIR: a converted SmolLM2-135M-Instruct folder
+    paddle-rl bench --workload w4 --model-path DIR --steps 1
+    paddle-rl bench --rollout-n 16 --response-len 128 --set recompute=true
 
-    paddle-rl bench --steps 3                       # W1
-    paddle-rl bench --rollout-n 16 --response-len 128
-    paddle-rl bench --model qwen2.5-0.5b --prompts 1 --rollout-n 2 --steps 1 --set recompute=true
+Workloads (docs/performance.md):
+- W1: a random-init Qwen2-architecture decoder (hidden 256, 4 layers, 4 heads, 2 KV heads, ffn 688, vocab 4096,
+  untied head), 8 prompts of ~32 tokens x rollout_n 8, exactly 64 response tokens (min_dec_len = max_dec_len),
+  kl_loss_coeff 0.04 (reference model on), one optimizer step per rollout, fp32.
+- W2: W1's model and prompts; response lengths forced by an EOS schedule to a fixed long-tailed set (the 64
+  quantiles of a log-normal with median 96, sigma 1, cut at 1024; the same set every step, assigned to samples
+  by their sampling keys), so every run generates exactly the same lengths.
+- W3: a real model (`--model-path`), 8 chat prompts x 8 samples, exactly 128 response tokens, kl_loss_coeff 0.04.
+- W4: the same model and prompts sampled naturally: temperature 1.0, max_dec_len 512, no minimum length.
 
-Prints seconds per step and its split by stage, generated and trained tokens/s, effective GFLOP/s against a
-matmul peak measured in the same process, peak RSS; the last line is one JSON object.
+Prints seconds per step and its split by stage, generated and trained tokens, rows processed by decode steps,
+effective GFLOP/s against a matmul peak measured in the same process, peak RSS; the last line is one JSON
+object.
 """
 import argparse
 import json
+import math
 import os
 import resource
 import sys
@@ -27,6 +37,23 @@ MODELS = {
 }
 STAGES = ("rollout", "reward", "ref_logprob", "old_logprob", "advantage", "update")
 SPECIALS = ["<|endoftext|>", "<|im_end|>"]
+# what each workload sets (command-line options override); `lengths`: the response lengths of W2's schedule
+WORKLOADS = {
+    "w1": dict(model="w1", response_len=64, exact=True),
+    "w2": dict(model="w1", response_len=1024, exact=False, lengths="long_tail"),
+    "w3": dict(model="path", response_len=128, exact=True),
+    "w4": dict(model="path", response_len=512, exact=False),
+}
+CHAT_PROMPTS = [
+    "Explain how a rainbow forms.",
+    "Write a short story about a lighthouse keeper.",
+    "What are the main causes of the seasons on Earth?",
+    "Give me some tips for learning a new language.",
+    "Describe the water cycle.",
+    "Why is the sky blue?",
+    "How do plants make their food?",
+    "Write a poem about the ocean.",
+]
 
 
 def _register_bench_rule():
@@ -40,6 +67,29 @@ def _register_bench_rule():
     def bench_distinct_chars(samples):
         """Share of distinct characters in the response (synthetic benchmark reward)."""
         return np.array([len(set(s.response)) / max(1, len(s.response)) for s in samples], np.float32), None
+
+
+def long_tail_lengths(count: int, median: float = 96.0, sigma: float = 1.0, cap: int = 1024):
+    """`count` response lengths: the quantiles (i + 0.5) / count of a log-normal with this median and sigma, cut
+    to [1, cap] (W2: median 96, the longest 1024 for 64 samples)."""
+    from statistics import NormalDist
+    normal = NormalDist()
+    return [int(min(cap, max(1, round(median * math.exp(sigma * normal.inv_cdf((i + 0.5) / count))))))
+            for i in range(count)]
+
+
+def keyed_schedule(lengths):
+    """A forced-length schedule for the rollout engine: the i-th smallest sampling key of a generate call gets
+    the i-th length, so the lengths do not depend on batch order (keys are fixed by seed, step, prompt, sample)."""
+    import numpy as np
+
+    def schedule(keys) -> np.ndarray:
+        order = sorted(range(len(keys)), key=lambda i: tuple(int(x) for x in keys[i]))
+        out = np.empty(len(keys), dtype=np.int64)
+        for rank, i in enumerate(order):
+            out[i] = lengths[rank % len(lengths)]
+        return out
+    return schedule
 
 
 def build_workload(folder: str, model: str, prompts: int, prompt_len: int, seed: int = 0) -> dict:
@@ -124,6 +174,39 @@ def _read_metrics(path: str) -> list:
         return [json.loads(line) for line in f if line.strip()]
 
 
+def chat_workload(folder: str, model_dir: str, prompts: int) -> dict:
+    """W3 / W4: a real model folder and a jsonl of `prompts` chat prompts (CHAT_PROMPTS, rendered with the
+    model's chat template by the data loader)."""
+    from .models.hub import resolve_model
+    data = os.path.join(folder, "chat_prompts.jsonl")
+    with open(data, "w", encoding="utf-8") as f:
+        for i in range(max(prompts, 1)):
+            text = CHAT_PROMPTS[i % len(CHAT_PROMPTS)]
+            f.write(json.dumps({"messages": [{"role": "user", "content": text}], "tgt": "none"}) + "\n")
+    return {"model_dir": resolve_model(model_dir), "data": data}
+
+
+def model_shape(model_dir: str) -> dict:
+    from .models import ModelConfig
+    config = ModelConfig.from_pretrained(model_dir)
+    keys = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+            "vocab_size")
+    return {k: getattr(config, k) for k in keys}
+
+
+def resolve_args(args) -> dict:
+    """The workload's settings with the command line's options over them."""
+    spec = dict(WORKLOADS[args.workload])
+    if args.model is not None:
+        spec["model"] = args.model
+    if spec["model"] == "path" and not args.model_path:
+        raise SystemExit(f"paddle-rl bench: workload {args.workload} needs --model-path (a converted model folder, "
+                         "e.g. `paddle-rl fetch smollm2-135m-instruct`)")
+    if args.response_len is not None:
+        spec["response_len"] = args.response_len
+    return spec
+
+
 def run(args) -> dict:
     # strided views make Paddle's CPU transposes/reshapes copy element by element (~10x slower than a real
     # transpose): the decoder's attention is much faster with them off (see docs/performance.md)
@@ -139,21 +222,29 @@ def run(args) -> dict:
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     _register_bench_rule()
+    spec = resolve_args(args)
     steps = args.warmup + args.steps
+    rows = args.prompts * args.rollout_n
+    lengths = long_tail_lengths(rows) if spec.get("lengths") == "long_tail" else None
     with tempfile.TemporaryDirectory(prefix="paddle_rl_bench_") as tmp:
         start = time.perf_counter()
-        work = build_workload(tmp, args.model, args.prompts, args.prompt_len, args.seed)
+        if spec["model"] == "path":
+            work = chat_workload(tmp, args.model_path, args.prompts)
+            shape = model_shape(work["model_dir"])
+        else:
+            work = build_workload(tmp, spec["model"], args.prompts, args.prompt_len, args.seed)
+            shape = MODELS[spec["model"]]
         build_s = time.perf_counter() - start
         overrides = {
             "actor_model_name_or_path": work["model_dir"], "train_datasets": work["data"],
             "prompt_key": "src", "response_key": "tgt", "output_dir": os.path.join(tmp, "out"),
-            "max_prompt_len": args.prompt_len + 8, "max_dec_len": args.response_len,
-            "min_dec_len": args.response_len, "temperature": 1.0, "top_p": 1.0, "rollout_n": args.rollout_n,
-            "global_batch_size": args.prompts, "global_mini_batch_size": -1, "update_iters": 1,
-            "per_device_train_batch_size": args.prompts * args.rollout_n,
-            "per_device_logprob_batch_size": args.prompts * args.rollout_n, "kl_loss_coeff": args.kl_loss_coeff,
-            "learning_rate": 1e-5, "max_steps": steps, "save_strategy": "no", "do_eval": False,
-            "report_to": "none", "disable_tqdm": True, "reward_funcs": ["bench_distinct_chars"], "seed": args.seed,
+            "max_prompt_len": max(args.prompt_len + 8, 256), "max_dec_len": spec["response_len"],
+            "min_dec_len": spec["response_len"] if spec["exact"] else 0, "temperature": 1.0, "top_p": 1.0,
+            "rollout_n": args.rollout_n, "global_batch_size": args.prompts, "global_mini_batch_size": -1,
+            "update_iters": 1, "per_device_train_batch_size": rows, "per_device_logprob_batch_size": rows,
+            "kl_loss_coeff": args.kl_loss_coeff, "learning_rate": 1e-5, "max_steps": steps, "save_strategy": "no",
+            "do_eval": False, "report_to": "none", "disable_tqdm": True, "reward_funcs": ["bench_distinct_chars"],
+            "seed": args.seed,
         }
         for item in args.set or []:
             key, value = item.split("=", 1)
@@ -163,6 +254,8 @@ def run(args) -> dict:
         peak = matmul_peak()
         load_before = os.getloadavg()[0]
         trainer = RLTrainer(config)
+        if lengths is not None:
+            trainer.engine.forced_lengths = keyed_schedule(lengths)
         cpu_start = time.process_time()
         trainer.train()
         cpu_s = time.process_time() - cpu_start
@@ -174,24 +267,29 @@ def run(args) -> dict:
         return float(np.mean(values)) if values else 0.0
 
     step_s = mean("time/step")
-    rows = args.prompts * args.rollout_n
     response_tokens = mean("response_length/mean") * rows
-    prompt_tokens = float(args.prompt_len * rows)
-    shape = MODELS[args.model]
+    prompt_tokens = mean("prompt_length/mean") * rows
     flops = step_flops(shape, prompt_tokens, response_tokens, rows, config.kl_loss_coeff > 0 or config.kl_coeff > 0,
                        mean("time/old_logprob") > 0 and "time/old_logprob" in timed[-1], groups=args.prompts,
                        shared_prompts=config.share_prompt_prefix and args.rollout_n > 1,
                        shared_update=config.share_prompt_prefix and args.rollout_n > 1 and not config.recompute)
     result = {
-        "workload": args.model, "prompts": args.prompts, "rollout_n": args.rollout_n, "prompt_len": args.prompt_len,
-        "response_len": args.response_len, "steps_timed": len(timed), "step_s": step_s,
-        **{f"{s}_s": mean(f"time/{s}") for s in STAGES},
+        "workload": args.workload, "model": spec["model"] if spec["model"] != "path" else args.model_path,
+        "prompts": args.prompts, "rollout_n": args.rollout_n, "prompt_len": mean("prompt_length/mean"),
+        "response_len": spec["response_len"], "exact_length": spec["exact"], "steps_timed": len(timed),
+        "step_s": step_s, **{f"{s}_s": mean(f"time/{s}") for s in STAGES},
+        "generated_tokens": mean("perf/generated_tokens"), "trained_tokens": mean("perf/trained_tokens"),
+        "decode_row_steps": mean("perf/decode_row_steps"),
+        "response_length_mean": mean("response_length/mean"), "clipped_share": mean("response_length/clipped_share"),
         "generated_tokens_per_s": mean("perf/generated_tokens_per_s"),
         "trained_tokens_per_s": mean("perf/trained_tokens_per_s"),
+        "s_per_generated_token": mean("time/rollout") / max(mean("perf/generated_tokens"), 1e-9),
+        "s_per_trained_token": mean("time/update") / max(mean("perf/trained_tokens"), 1e-9),
         "effective_gflops": flops["step"] / max(step_s, 1e-9) / 1e9,
         "rollout_gflops": flops["rollout"] / max(mean("time/rollout"), 1e-9) / 1e9,
         "update_gflops": flops["update"] / max(mean("time/update"), 1e-9) / 1e9,
-        "matmul_peak_gflops": peak, "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "peak_gflops": peak, "matmul_peak_gflops": peak,
+        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "threads": os.environ.get("OMP_NUM_THREADS"), "setup_s": build_s,
         "cpu_s_per_step": cpu_s / max(len(records), 1), "load_avg": [load_before, os.getloadavg()[0]],
         "stride_kernel": os.environ.get("FLAGS_use_stride_kernel"),
@@ -210,14 +308,17 @@ def _custom_ops_status() -> str:
 
 
 def report(result: dict) -> str:
-    lines = [f"workload {result['workload']}: {result['prompts']} prompts x rollout_n {result['rollout_n']}, "
-             f"prompt ~{result['prompt_len']}, response {result['response_len']} tokens; "
+    exact = "exactly" if result["exact_length"] else "at most"
+    lines = [f"workload {result['workload']} ({result['model']}): {result['prompts']} prompts x rollout_n "
+             f"{result['rollout_n']}, prompt ~{result['prompt_len']:.0f}, response {exact} {result['response_len']} "
+             f"tokens (mean {result['response_length_mean']:.1f}); "
              f"{result['steps_timed']} timed step(s), OMP_NUM_THREADS={result['threads']}, custom ops "
              f"{result['custom_ops']}, load average {result['load_avg'][0]:.1f} -> {result['load_avg'][1]:.1f}",
              f"  step          {result['step_s']:8.3f} s"]
     for stage in STAGES:
         lines.append(f"  {stage:<13} {result[f'{stage}_s']:8.3f} s")
-    lines += [f"  generated     {result['generated_tokens_per_s']:8.0f} tokens/s",
+    lines += [f"  generated     {result['generated_tokens_per_s']:8.0f} tokens/s ({result['generated_tokens']:.0f} tokens, "
+              f"{result['decode_row_steps']:.0f} rows in decode steps)",
               f"  trained       {result['trained_tokens_per_s']:8.0f} tokens/s",
               f"  effective     {result['effective_gflops']:8.1f} GFLOP/s (rollout {result['rollout_gflops']:.1f}, "
               f"update {result['update_gflops']:.1f}; matmul peak {result['matmul_peak_gflops']:.1f})",
@@ -235,20 +336,24 @@ def _bench(args) -> int:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", choices=sorted(MODELS), default="w1", help="model shape (random init)")
+    p.add_argument("--workload", choices=sorted(WORKLOADS), default="w1", help="see docs/performance.md")
+    p.add_argument("--model", choices=sorted(MODELS), default=None, help="a random-init model shape instead of the "
+                   "workload's")
+    p.add_argument("--model-path", default=None, help="W3 / W4: a model folder (or a name `paddle-rl fetch` knows)")
     p.add_argument("--steps", type=int, default=3, help="timed steps")
     p.add_argument("--warmup", type=int, default=1, help="untimed first steps")
     p.add_argument("--prompts", type=int, default=8, help="prompts per step")
     p.add_argument("--prompt-len", type=int, default=32, help="prompt length (+-4 tokens)")
     p.add_argument("--rollout-n", type=int, default=8)
-    p.add_argument("--response-len", type=int, default=64, help="exact response length (min = max_dec_len)")
+    p.add_argument("--response-len", type=int, default=None, help="the workload's response length (exact for W1 "
+                   "and W3, the maximum for W2 and W4)")
     p.add_argument("--kl-loss-coeff", type=float, default=0.04, help="> 0 loads the reference model")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="any configuration override (repeatable)")
 
 
 def add_bench_subparser(subparsers) -> None:
-    p = subparsers.add_parser("bench", help="time RL steps on a synthetic workload (W1 by default)")
+    p = subparsers.add_parser("bench", help="time RL steps of a workload (W1 by default)")
     add_arguments(p)
     p.set_defaults(func=_bench)
 

@@ -3,6 +3,7 @@ import numpy as np
 import paddle
 import pytest
 
+from paddle_rl.batch import StepBatch
 from paddle_rl.models import CausalLM, ModelConfig
 from paddle_rl.rollout import RolloutEngine, SamplingParams, sample_key
 
@@ -59,16 +60,25 @@ def test_sampling_logprobs_match_full_forward_and_layout(model, monkeypatch):
     params = SamplingParams(max_dec_len=16, temperature=0.8, top_p=0.9, top_k=50, repetition_penalty=1.1)
     shapes = record_batch_shapes(monkeypatch)
     a = RolloutEngine(model, 0, [1]).generate(PROMPTS, 4, params, keys)
-    # one prefill of the 3 prompts (left-padded to 5), every decode step on all 12 samples
-    assert shapes["prefill"] == [(3, 5)] and set(shapes["decode"]) == {12}, shapes
-    # max_num_seqs caps the samples decoded together: 4 -> one prompt (x 4 samples) a chunk, 8 -> two
-    for max_num_seqs, prefills in ((4, [(1, 5), (1, 2), (1, 3)]), (8, [(2, 5), (1, 3)])):
+    # each prompt is prefilled once, unpadded (prompts of one length together); a row leaves the decode batch as
+    # soon as it finishes, so every decode step runs only live rows: a row of L tokens is in L - 1 steps (its
+    # last token needs none)
+    assert shapes["prefill"] == [(1, 2), (1, 3), (1, 5)], shapes
+    assert shapes["decode"][0] == 12 and shapes["decode"] == sorted(shapes["decode"], reverse=True), shapes
+    assert sum(shapes["decode"]) == int((a.lengths - 1).sum()) == int(a.decode_steps.sum())
+    assert len(set(a.lengths.tolist())) > 1  # rows do finish at different steps here
+    # max_num_seqs caps the rows decoded together: 4 -> one prompt (x 4 samples) at a time, 8 -> two, the third
+    # joining as soon as four rows have left (continuous batching)
+    for max_num_seqs, prefills in ((4, [(1, 5), (1, 2), (1, 3)]), (8, [(1, 2), (1, 5), (1, 3)])):
         shapes["prefill"].clear()
         shapes["decode"].clear()
         b = RolloutEngine(model, 0, [1], max_num_seqs=max_num_seqs).generate(PROMPTS, 4, params, keys)
         assert shapes["prefill"] == prefills, (max_num_seqs, shapes)
-        assert shapes["decode"] and set(shapes["decode"]) == {4 * rows for rows, _ in prefills}, (max_num_seqs, shapes)
-        # chunking changes neither the tokens nor their log-probs (keys, not positions, decide)
+        assert max(shapes["decode"]) == max_num_seqs, (max_num_seqs, shapes)
+        assert sum(shapes["decode"]) == int((b.lengths - 1).sum())
+        # the layout changes neither the tokens nor their log-probs (keys, not positions, decide). The engine's
+        # own kernels are batch-invariant; MKL's fp32 GEMM is not (a row's result depends on how many rows the
+        # matmul has: its tail blocks round differently), which bounds the log-prob agreement at ~1e-5
         assert np.array_equal(a.response_ids, b.response_ids)
         np.testing.assert_allclose(b.rollout_logp, a.rollout_logp, atol=1e-5)
     assert len({tuple(r) for r in a.response_ids.tolist()}) > 3  # samples differ
@@ -103,3 +113,58 @@ def test_top_k_one_equals_greedy(model):
                                                                                top_k=1), keys)
     greedy = RolloutEngine(model, 0, [1]).generate(PROMPTS, 1, SamplingParams(max_dec_len=8, temperature=0))
     assert np.array_equal(sampled.response_ids, greedy.response_ids)
+
+
+def test_continuous_batching_is_layout_invariant(model):
+    """Rows of very different lengths (an EOS schedule up to 200 tokens, past the cache's growth step): every
+    layout of the rollout (rows decoded at once, KV budget, prompts split as over two ranks) gives the same tokens
+    and log-probs; rows leave as they finish and waiting prompts join within the limits."""
+    from paddle_rl.bench import keyed_schedule, long_tail_lengths
+
+    prompts = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14], [20, 21, 22, 23], [30], [40, 41, 42, 43, 44, 45]]
+    n = 4
+    keys = [sample_key(3, 1, i // n, i % n) for i in range(len(prompts) * n)]
+    expected = keyed_schedule(long_tail_lengths(len(keys), median=20, sigma=1.2, cap=200))(keys)
+    by_key = {tuple(k.tolist()): int(length) for k, length in zip(keys, expected)}
+    params = SamplingParams(max_dec_len=200, temperature=1.0)
+
+    def run(prompt_rows=slice(None), **limits):
+        engine = RolloutEngine(model, 0, [1], **limits)
+        engine.forced_lengths = lambda ks: [by_key[tuple(k.tolist())] for k in ks]
+        rows = range(len(prompts))[prompt_rows]
+        out = engine.generate([prompts[i] for i in rows], n, params, [keys[i * n + j] for i in rows for j in range(n)])
+        return out, engine.stats
+
+    whole, stats = run()
+    assert whole.lengths.tolist() == expected.tolist() and expected.max() == 200 and not whole.truncated.any()
+    assert whole.decode_steps.tolist() == (whole.lengths - 1).tolist()   # a row is decoded only while it lives
+    assert stats["peak_rows"] == len(keys) and stats["relayouts"] > 10
+    layouts = {"max_num_seqs=4": dict(max_num_seqs=4), "max_num_seqs=16": dict(max_num_seqs=16),
+               "kv budget": dict(max_cache_tokens=8 * (6 + 200))}
+    for name, limits in layouts.items():
+        out, s = run(**limits)
+        assert s["peak_rows"] <= (limits.get("max_num_seqs") or 8) and s["prefills"] > 1, (name, s)
+        assert np.array_equal(out.response_ids, whole.response_ids), name
+        np.testing.assert_allclose(out.rollout_logp, whole.rollout_logp, atol=1e-5, err_msg=name)
+    halves = [run(slice(0, 3))[0], run(slice(3, 6))[0]]   # the prompts of two data-parallel ranks
+    joined = StepBatch.concat(halves)
+    assert np.array_equal(joined.response_ids, whole.response_ids)
+    np.testing.assert_allclose(joined.rollout_logp, whole.rollout_logp, atol=1e-5)
+    # the longest row (past a cache regrowth and many compactions) against a full forward; the schedule bans the
+    # stop token (id 1) before the row's length and allows only it at the end (log-prob 0)
+    r = int(np.argmax(whole.lengths))
+    seq = list(whole.prompt_ids[r]) + whole.response_ids[r].tolist()
+    p = len(whole.prompt_ids[r])
+    logits = full_logits(model, seq).numpy()
+    logits[:, 1] = -np.inf
+    logp = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) - logits.max(-1, keepdims=True)
+    np.testing.assert_allclose(whole.rollout_logp[r], [logp[p - 1 + t, seq[p + t]] for t in range(199)] + [0.0],
+                               atol=1e-4)
+
+
+def test_scheduler_limits_are_checked(model):
+    params = SamplingParams(max_dec_len=8, temperature=0)
+    with pytest.raises(ValueError, match="rollout_kv_cache_tokens"):
+        RolloutEngine(model, 0, [1], max_cache_tokens=10).generate(PROMPTS, 2, params)
+    with pytest.raises(ValueError, match="rollout_max_num_seqs"):
+        RolloutEngine(model, 0, [1], max_num_seqs=2).generate(PROMPTS, 4, params)

@@ -47,26 +47,29 @@ std::vector<paddle::Tensor> DecodeAttention(const paddle::Tensor& q, const paddl
       const float* keys = kp + (bi * kv + g) * cap * d;
       const float* values = vp + (bi * kv + g) * cap * d;
       const float* q0 = qp + (bi * heads + g * groups) * d;  // the group's query heads are adjacent
-      // scores of every query head of the group, reading each key once
-      for (int64_t s = first; s < length; ++s) {
-        const float* k = keys + s * d;
+      // scores of every query head of the group, reading each key once; the scratch is indexed from the row's
+      // first slot, so the sums below see the same lanes wherever the row's window sits in the cache (a row's
+      // result does not depend on its start slot or on the rows beside it)
+      const int64_t n = length - first;
+      for (int64_t s = 0; s < n; ++s) {
+        const float* k = keys + (first + s) * d;
         for (int64_t j = 0; j < groups; ++j)
           scores[j * cap + s] = (wide ? prl::Dot8(q0 + j * d, k, d) : prl::Dot(q0 + j * d, k, d)) * scale;
       }
       for (int64_t j = 0; j < groups; ++j) {
         float* sc = scores.data() + j * cap;
         float mx = -3.0e38f;
-        for (int64_t s = first; s < length; ++s) mx = std::max(mx, sc[s]);
+        for (int64_t s = 0; s < n; ++s) mx = std::max(mx, sc[s]);
         float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
-        for (int64_t s = first; s < length; ++s) {
+        for (int64_t s = 0; s < n; ++s) {
           sc[s] = prl::ExpF(sc[s] - mx);
           sum += sc[s];
         }
         std::fill(acc.begin(), acc.end(), 0.0f);
-        for (int64_t s = first; s < length; ++s) {
+        for (int64_t s = 0; s < n; ++s) {
           const float p = sc[s];
-          const float* v = values + s * d;
+          const float* v = values + (first + s) * d;
           for (int64_t i = 0; i < d; ++i) acc[i] += p * v[i];
         }
         float* o = op_ + (bi * heads + g * groups + j) * d;

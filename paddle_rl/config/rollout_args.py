@@ -14,7 +14,13 @@ class RolloutArgs:
     top_k: int = arg(0, "Keep the k most likely tokens (0: off).")
     repetition_penalty: float = arg(1.0, "CTRL-style penalty on tokens already in the sequence.")
     stop_token_ids: list = arg([], "Extra token ids that end a response (EOS ids of the tokenizer always do).")
-    rollout_max_num_seqs: int = arg(-1, "Sequences decoded at once (-1: all of a batch).")
+    rollout_max_num_seqs: int = arg(-1, "Most sequences in the running decode batch (-1: all of a batch). Finished "
+                                        "sequences leave at once and waiting prompts (with their rollout_n samples) "
+                                        "join as others finish (continuous batching).")
+    rollout_kv_cache_tokens: int = arg(-1, "KV-cache budget of the running decode batch in token slots per layer "
+                                           "(-1: unlimited): a prompt's samples join only while rows x (longest "
+                                           "prompt + max_dec_len) stays within it. Bytes = slots x 2 x layers x "
+                                           "kv_heads x head_dim x 4.")
     per_device_rollout_batch_size: int = arg(-1, acted=False)
     eval_max_dec_len: Optional[int] = arg(None, "Response length for evaluation; defaults to max_dec_len.")
     reuse_rollout_logprobs: str = arg("auto", "Use the log-probs recorded while sampling as the old-policy log-probs "
@@ -26,6 +32,13 @@ class RolloutArgs:
         self.reuse_rollout_logprobs = {"true": "on", "false": "off", "yes": "on", "no": "off"}.get(str(self.reuse_rollout_logprobs).lower(), str(self.reuse_rollout_logprobs).lower())
         if self.reuse_rollout_logprobs not in ("auto", "on", "off"):
             errors.append(f"reuse_rollout_logprobs: must be auto, on or off, got {self.reuse_rollout_logprobs!r}")
+        if self.rollout_max_num_seqs == 0 or self.rollout_max_num_seqs < -1:
+            errors.append(f"rollout_max_num_seqs: must be -1 (unlimited) or >= 1, got {self.rollout_max_num_seqs}")
+        elif self.rollout_max_num_seqs > 0 and self.rollout_max_num_seqs < self.rollout_n:
+            errors.append(f"rollout_max_num_seqs: {self.rollout_max_num_seqs} is smaller than rollout_n "
+                          f"{self.rollout_n} (the samples of one prompt are decoded together)")
+        if self.rollout_kv_cache_tokens == 0 or self.rollout_kv_cache_tokens < -1:
+            errors.append(f"rollout_kv_cache_tokens: must be -1 (unlimited) or >= 1, got {self.rollout_kv_cache_tokens}")
         if self.rollout_n < 1:
             errors.append(f"rollout_n: must be >= 1, got {self.rollout_n}")
         if self.max_dec_len < 1:

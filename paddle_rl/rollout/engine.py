@@ -1,100 +1,187 @@
-"""Batched KV-cached generation: prefill each prompt once, fan out to n samples, decode step by step.
+"""The rollout engine: continuous batching over sequences, each finished row leaving the running batch at once.
 
-The engine is bound to the model it decodes with; its output is a StepBatch with the rollout's columns
-(prompt_ids, response_ids, response_mask, rollout_logp, lengths, truncated; row r is sample r % n of
-prompt r // n, responses right-padded to the longest).
+`generate(prompts, n, params, keys)` makes one `Sequence` per sample (row r = sample r % n of prompt r // n) and
+runs the loop
+    admit waiting prompt groups (Scheduler: rollout_max_num_seqs rows, rollout_kv_cache_tokens slots)
+      -> prefill them together, fan each prompt's keys and values out to its n samples (RunningBatch.relayout)
+    sample one token for every running row (the fused sampling kernel; row r draws uniform number
+      len(tokens) of its own key, so the draw never depends on the batch it ran in)
+    drop the rows that stopped or reached max_dec_len (relayout)
+    one decode step of the model for the rows left
+until nothing waits or runs. The output is a StepBatch with the rollout's columns (prompt_ids, response_ids,
+response_mask, rollout_logp, lengths, truncated, decode_steps: how many decode steps processed the row).
 """
-from typing import Optional, Sequence
+from typing import Optional, Sequence as Seq
 
 import numpy as np
 import paddle
 
 from .. import ops
-from ..batch import StepBatch, left_pad, rollout_batch
-from ..models.decoder import CausalLM, attention_bias_from_mask, position_ids_from_mask
+from ..batch import StepBatch, rollout_batch
+from ..models.decoder import CausalLM, LayerCache, attention_bias_from_mask
+from ..ops.kv_cache import kv_place
 from .keys import uniforms_for
-from .sampling import SamplingParams
+from .running import RunningBatch
+from .sampling import SamplingParams, force_lengths, stop_masks
+from .sequence import Scheduler, Sequence
 
 
 class RolloutEngine:
-    def __init__(self, model: CausalLM, pad_id: int, eos_ids: Sequence[int], max_num_seqs: int = -1):
+    def __init__(self, model: CausalLM, pad_id: int, eos_ids: Seq[int], max_num_seqs: int = -1,
+                 max_cache_tokens: int = -1):
         self.model = model
         self.pad_id = pad_id
         self.eos_ids = list(eos_ids)
         self.max_num_seqs = max_num_seqs
+        self.max_cache_tokens = max_cache_tokens
+        self.forced_lengths = None   # benchmark only: keys -> response lengths (an EOS schedule)
+        self.stats = {}              # the last generate's counters (peak_rows, decode_steps, relayouts, prefills)
 
     def bind(self, model: CausalLM) -> "RolloutEngine":
         """The same settings, decoding with another model (a resharded rollout copy)."""
-        return RolloutEngine(model, self.pad_id, self.eos_ids, self.max_num_seqs)
+        engine = RolloutEngine(model, self.pad_id, self.eos_ids, self.max_num_seqs, self.max_cache_tokens)
+        engine.forced_lengths = self.forced_lengths
+        return engine
 
-    @paddle.no_grad()
-    def generate(self, prompts: Sequence[Sequence[int]], n: int, params: SamplingParams,
-                 keys: Optional[Sequence] = None) -> StepBatch:
-        """`keys[i * n + j]` seeds sample j of prompt i (required unless greedy)."""
+    # ---------------------------------------------------------------- sequences
+    def _sequences(self, prompts, n: int, params: SamplingParams, keys):
         if not params.greedy and keys is None:
             raise ValueError("sampling needs one key per sample")
-        per_chunk = len(prompts) if self.max_num_seqs <= 0 else max(1, self.max_num_seqs // n)
-        parts = []
-        for start in range(0, len(prompts), per_chunk):
-            chunk = prompts[start:start + per_chunk]
-            chunk_keys = None if keys is None else keys[start * n:(start + len(chunk)) * n]
-            parts.append(self._generate_chunk(chunk, n, params, chunk_keys))
-        return StepBatch.concat(parts)
+        uniforms = None if params.greedy else uniforms_for(keys, params.max_dec_len)
+        targets = None if self.forced_lengths is None else np.asarray(self.forced_lengths(keys), dtype=np.int64)
+        if targets is not None and (targets.min() < 1 or targets.max() > params.max_dec_len):
+            raise ValueError(f"forced lengths must lie in [1, max_dec_len {params.max_dec_len}]")
+        groups = []
+        for i, prompt in enumerate(prompts):
+            groups.append([Sequence(i * n + j, i, j, list(prompt), None if uniforms is None else uniforms[i * n + j],
+                                    None if targets is None else int(targets[i * n + j])) for j in range(n)])
+        return groups
 
-    def _generate_chunk(self, prompts, n, params: SamplingParams, keys) -> StepBatch:
+    # ---------------------------------------------------------------- the loop
+    @paddle.no_grad()
+    def generate(self, prompts: Seq[Seq[int]], n: int, params: SamplingParams,
+                 keys: Optional[Seq] = None) -> StepBatch:
+        """`keys[i * n + j]` seeds sample j of prompt i (required unless greedy)."""
         model = self.model
         was_training = model.training
         model.eval()
+        groups = self._sequences(prompts, n, params, keys)
+        scheduler = Scheduler(groups, self.max_num_seqs, self.max_cache_tokens, params.max_dec_len)
         stop_ids = sorted(set(params.stop_token_ids) | set(self.eos_ids))
-        ids, mask = left_pad(prompts, self.pad_id)
-        width = ids.shape[1]
-        cache = model.new_cache(width + params.max_dec_len)
-        ids_t, mask_t = paddle.to_tensor(ids), paddle.to_tensor(mask)
-        hidden = model.hidden_states(ids_t, position_ids_from_mask(mask_t),
-                                     attention_bias_from_mask(mask_t, width, causal=True), cache)
-        logits = model.logits(hidden[:, -1])
-        if n > 1:
-            for layer in cache:
-                layer.repeat_interleave(n)
-            logits = paddle.repeat_interleave(logits, n, axis=0)
-            mask = np.repeat(mask, n, axis=0)
-        batch = logits.shape[0]
-        rows_prompts = [list(p) for p in prompts for _ in range(n)]
-        prompt_lens = mask.sum(1).astype(np.int64)
-        next_pos = paddle.to_tensor(prompt_lens.reshape(-1, 1))
-        start = paddle.to_tensor(width - prompt_lens)          # first cache slot of each row's prompt
-        uniforms = None
-        if not params.greedy:
-            uniforms = paddle.to_tensor(np.ascontiguousarray(uniforms_for(keys, params.max_dec_len).T))
-        seen = None
-        if params.repetition_penalty != 1.0:
-            seen_np = np.zeros((batch, logits.shape[-1]), dtype=np.float32)
-            for r, p in enumerate(rows_prompts):
-                seen_np[r, p] = 1.0
-            seen = paddle.to_tensor(seen_np)
         stop_t = paddle.to_tensor(np.asarray(stop_ids, dtype=np.int64).reshape([-1]))
-        finished = paddle.zeros([batch], dtype="bool")
-        lengths = paddle.zeros([batch], dtype="int64")
-        ban = paddle.full([batch], True, dtype="bool") if params.min_dec_len > 0 else None
-        tokens_out, logp_out = [], []
-        for t in range(params.max_dec_len):
-            tokens, logp = ops.sample(logits, None if uniforms is None else uniforms[t], seen, ban, stop_t,
-                                      params.temperature, params.top_k, params.top_p, params.repetition_penalty)
-            state = ops.step_update(tokens, logp, finished, lengths, stop_t, seen, self.pad_id, params.min_dec_len)
-            tokens_out.append(state.tokens)
-            logp_out.append(state.logprob)
-            finished, lengths, seen = state.finished, state.lengths, state.seen
-            ban = state.ban if params.min_dec_len > 0 else None
-            if t + 1 == params.max_dec_len or bool(state.done):
-                break
-            logits = model.decode_step(state.tokens, next_pos, cache, start)
-            next_pos = next_pos + 1
+        masks = None if self.forced_lengths is None else stop_masks(stop_ids, model.config.vocab_size)
+        batch = RunningBatch(len(model.layers), params.max_dec_len)
+        stats = {"peak_rows": 0, "decode_steps": 0, "prefills": 0}
+        done = []
+        while not scheduler.done or len(batch):
+            joining = scheduler.admit(batch.seqs)
+            if joining:
+                self._prefill(batch, joining, params, stats["decode_steps"])
+                stats["prefills"] += 1
+            stats["peak_rows"] = max(stats["peak_rows"], len(batch))
+            finished = self._sample(batch, params, stop_t, masks)
+            if finished.any():
+                for i in np.flatnonzero(finished):
+                    seq = batch.seqs[i]
+                    seq.decode_steps = stats["decode_steps"] - seq.joined_at
+                    done.append(seq)
+                batch.relayout(np.flatnonzero(~finished), decode_count=stats["decode_steps"])
+            if not len(batch):
+                continue
+            if batch.slot >= batch.capacity:
+                batch.relayout(np.arange(len(batch)), decode_count=stats["decode_steps"])
+            last = paddle.to_tensor(np.array([s.tokens[-1] for s in batch.seqs], dtype=np.int64))
+            positions = paddle.to_tensor(batch.positions().reshape(-1, 1))
+            batch.logits = model.decode_step(last, positions, batch.layers, batch.start_tensor())
+            stats["decode_steps"] += 1
+            # decode_steps counts row-steps below (joined_at is per row)
         if was_training:
             model.train()
-        response = paddle.stack(tokens_out, axis=1).numpy()
-        lengths_np = lengths.numpy().astype(np.int64)
-        alive = (np.arange(response.shape[1])[None, :] < lengths_np[:, None]).astype(np.float32)
-        logprobs = paddle.stack(logp_out, axis=1).numpy() * alive
-        truncated = ~finished.numpy().astype(bool)
-        return rollout_batch(rows_prompts, response, alive, logprobs.astype(np.float32), lengths_np, truncated,
-                             self.pad_id)
+        stats["relayouts"] = batch.relayouts
+        self.stats = stats
+        return self._output(done, n * len(prompts))
+
+    def _prefill(self, batch: RunningBatch, joining, params: SamplingParams, decode_count: int) -> None:
+        """Run the joining groups' prompts once and place n rows per prompt. Prompts of one length run together
+        and none is padded, so a prompt's keys, values and first logits never depend on which prompts joined
+        with it (padding would change the float rounding of its attention sums)."""
+        model = self.model
+        lengths = np.array([len(g[0].prompt) for g in joining])
+        width = int(lengths.max())
+        caches = None
+        logits = [None] * len(joining)
+        for length in np.unique(lengths):
+            members = np.flatnonzero(lengths == length)
+            ids = paddle.to_tensor(np.array([joining[i][0].prompt for i in members], dtype=np.int64))
+            cache = model.new_cache(int(length))
+            positions = paddle.arange(int(length), dtype="int64").unsqueeze(0).expand(ids.shape)
+            bias = attention_bias_from_mask(paddle.ones_like(ids), int(length), causal=True)
+            hidden = model.hidden_states(ids, positions, bias, cache)
+            last = model.logits(hidden[:, -1])
+            for j, i in enumerate(members):
+                logits[i] = last[j]
+            if caches is None:
+                caches = [LayerCache() for _ in cache]
+                for layer, src in zip(caches, cache):
+                    shape = [len(joining), src.k.shape[1], width, src.k.shape[3]]
+                    layer.k, layer.v = paddle.zeros(shape, src.k.dtype), paddle.zeros(shape, src.v.dtype)
+            rows = paddle.arange(len(members), dtype="int64")
+            for layer, src in zip(caches, cache):
+                for j, i in enumerate(members):
+                    kv_place(layer.k, src.k, rows[j:j + 1], int(i), 0, width - int(length), int(length))
+                    kv_place(layer.v, src.v, rows[j:j + 1], int(i), 0, width - int(length), int(length))
+        seqs = [s for g in joining for s in g]
+        fan = np.repeat(np.arange(len(joining)), [len(g) for g in joining]).astype(np.int64)
+        new = {"logits": paddle.gather(paddle.stack(logits), paddle.to_tensor(fan))}
+        if not params.greedy:
+            new["uniforms"] = paddle.to_tensor(np.stack([s.uniforms for s in seqs]))
+        if params.repetition_penalty != 1.0:
+            seen = np.zeros((len(seqs), new["logits"].shape[-1]), dtype=np.float32)
+            for r, s in enumerate(seqs):
+                seen[r, s.prompt] = 1.0
+            new["seen"] = paddle.to_tensor(seen)
+        if self.forced_lengths is not None:
+            new["targets"] = paddle.to_tensor(np.array([s.target for s in seqs], dtype=np.int64))
+        batch.relayout(np.arange(len(batch)), seqs, caches, fan, width, new, decode_count)
+
+    def _sample(self, batch: RunningBatch, params: SamplingParams, stop_t, masks) -> np.ndarray:
+        """One token for every running row; returns which rows finished (stop token or max_dec_len)."""
+        lengths = paddle.to_tensor(batch.lengths())
+        logits = batch.logits
+        if batch.targets is not None:
+            logits = force_lengths(logits, batch.targets, lengths, masks)
+        uniforms = None
+        if batch.uniforms is not None:
+            uniforms = paddle.take_along_axis(batch.uniforms, lengths.unsqueeze(-1), axis=1).squeeze(-1)
+        ban = lengths < params.min_dec_len if params.min_dec_len > 0 else None
+        tokens, logp = ops.sample(logits, uniforms, batch.seen, ban, stop_t, params.temperature, params.top_k,
+                                  params.top_p, params.repetition_penalty)
+        alive = paddle.zeros([len(batch)], dtype="bool")
+        state = ops.step_update(tokens, logp, alive, lengths, stop_t, batch.seen, self.pad_id, params.min_dec_len)
+        batch.seen = state.seen
+        batch.logits = None
+        tokens_np, logp_np = state.tokens.numpy(), state.logprob.numpy()
+        stopped = state.finished.numpy().astype(bool)
+        finished = np.zeros(len(batch), dtype=bool)
+        for i, seq in enumerate(batch.seqs):
+            seq.tokens.append(int(tokens_np[i]))
+            seq.logprobs.append(float(logp_np[i]))
+            seq.stopped = bool(stopped[i])
+            finished[i] = seq.stopped or len(seq.tokens) >= params.max_dec_len
+        return finished
+
+    def _output(self, done, rows: int) -> StepBatch:
+        done = sorted(done, key=lambda s: s.row)
+        assert len(done) == rows and all(s.row == r for r, s in enumerate(done))
+        width = max(1, max(len(s.tokens) for s in done))
+        response = np.full((rows, width), self.pad_id, dtype=np.int64)
+        logprobs = np.zeros((rows, width), dtype=np.float32)
+        lengths = np.array([len(s.tokens) for s in done], dtype=np.int64)
+        for r, s in enumerate(done):
+            response[r, :len(s.tokens)] = s.tokens
+            logprobs[r, :len(s.tokens)] = s.logprobs
+        mask = (np.arange(width)[None, :] < lengths[:, None]).astype(np.float32)
+        out = rollout_batch([s.prompt for s in done], response, mask, logprobs, lengths,
+                            np.array([s.truncated for s in done]), self.pad_id)
+        out["decode_steps"] = np.array([s.decode_steps for s in done], dtype=np.int64)
+        return out

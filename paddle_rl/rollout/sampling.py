@@ -8,6 +8,9 @@ kernel with a pure-Paddle reference.
 from dataclasses import dataclass, field
 from typing import List
 
+import numpy as np
+import paddle
+
 from .. import ops
 from ..ops.sampling import (NEG_INF, apply_repetition_penalty, ban_tokens, draw, sampled_logprob,  # noqa: F401
                             top_k_filter, top_p_filter)
@@ -39,3 +42,25 @@ def next_tokens(logits, params: SamplingParams, seen, uniforms, ban_eos_rows=Non
     """One decode step: (tokens [B], logprob [B]) from raw logits [B, V]."""
     return ops.sample(logits, uniforms, seen, ban_eos_rows, eos_ids, params.temperature, params.top_k, params.top_p,
                       params.repetition_penalty)
+
+
+def stop_masks(stop_ids, vocab: int):
+    """[V] bool masks of the stop tokens and of the first stop token (what `force_lengths` reads)."""
+    stops = np.zeros(vocab, dtype=bool)
+    stops[list(stop_ids)] = True
+    first = np.zeros(vocab, dtype=bool)
+    first[list(stop_ids)[:1]] = True
+    return paddle.to_tensor(stops), paddle.to_tensor(first)
+
+
+def force_lengths(logits, targets, generated, masks):
+    """Logits that make each row stop at exactly `targets` [B] response tokens (a benchmark's EOS schedule):
+    stop tokens banned while `generated` [B] + 1 < target, only the first stop token allowed at the target.
+    `masks`: stop_masks(...)."""
+    stops, first = masks
+    next_len = (generated + 1).unsqueeze(-1)
+    goal = targets.unsqueeze(-1)
+    neg = paddle.full_like(logits, NEG_INF)
+    logits = paddle.where(paddle.logical_and(next_len < goal, stops.unsqueeze(0)), neg, logits)
+    at_goal = paddle.logical_and(next_len >= goal, paddle.logical_not(first).unsqueeze(0))
+    return paddle.where(at_goal, neg, logits)

@@ -47,5 +47,6 @@ def run_eval(config) -> dict:
     dataset = load_prompt_dataset(config.eval_datasets, tokenizer, config.prompt_key, config.response_key,
                                   config.max_prompt_len, config.prompt_overflow, limit=config.max_eval_samples)
     stop_ids = sorted(set(tokenizer.eos_token_ids) | set(model.config.eos_token_ids))
-    engine = RolloutEngine(model, tokenizer.pad_token_id, stop_ids, config.rollout_max_num_seqs)
+    engine = RolloutEngine(model, tokenizer.pad_token_id, stop_ids, config.rollout_max_num_seqs,
+                           config.rollout_kv_cache_tokens)
     return evaluate(engine, tokenizer, dataset, build_reward(config), config, stop_ids)

@@ -82,7 +82,8 @@ class RLTrainer:
         if not self.stop_ids:
             raise ValueError(f"{self.tokenizer_dir}: no EOS token (tokenizer_config.json eos_token or "
                              "generation_config.json eos_token_id)")
-        self.engine = RolloutEngine(self.actor, self.pad_id, self.stop_ids, config.rollout_max_num_seqs)
+        self.engine = RolloutEngine(self.actor, self.pad_id, self.stop_ids, config.rollout_max_num_seqs,
+                                     config.rollout_kv_cache_tokens)
         self.reward_fn = build_reward(config, broadcast_group=self.layout.reward_group)
         self.mini_batches_per_step = config.global_batch_size // config.mini_batch_prompts
         self.optimizer, self.scheduler = self.layout.build_optimizer(
@@ -299,8 +300,13 @@ class RLTrainer:
         elapsed = time.perf_counter() - start
         metrics.update(timer.metrics())
         metrics["time/step"] = elapsed
-        generated, prompt_tokens, trained = (float(v) for v in self.layout.batch.sum(
-            [generated, float(batch["prompt_mask"].sum()), float(mask.sum()) * cfg.update_iters]))
+        generated, prompt_tokens, trained, decode_rows, rows = (float(v) for v in self.layout.batch.sum(
+            [generated, float(batch["prompt_mask"].sum()), float(mask.sum()) * cfg.update_iters,
+             float(pool["decode_steps"].sum()), float(batch.size)]))
+        metrics["perf/generated_tokens"] = generated
+        metrics["perf/trained_tokens"] = trained
+        metrics["perf/decode_row_steps"] = decode_rows
+        metrics["prompt_length/mean"] = prompt_tokens / max(rows, 1.0)
         metrics["perf/generated_tokens_per_s"] = generated / max(timer.seconds["rollout"], 1e-9)
         metrics["perf/tokens_per_s"] = (generated + prompt_tokens) / elapsed
         metrics["perf/trained_tokens_per_s"] = trained / max(timer.seconds.get("update", 0.0), 1e-9)

@@ -1,0 +1,107 @@
+"""The running batch of the rollout engine: its sequences, their KV cache and per-row sampling state, kept
+compact.
+
+The KV cache is contiguous: per layer k, v [rows, kv_heads, capacity, head_dim]; slots [0, slot) are written
+and row r attends to slots [start[r], slot). Every row writes its next token at the same slot, so a decode step
+is one batched call of the model's fused decode path. When rows finish they leave at once and the slots before
+the oldest live row's prompt are dropped; joining rows are placed so that their prompt ends at `slot`. Both are
+one relayout: a fresh buffer filled by `ops.kv_place` (one copy of the live window). docs/performance.md and
+ARCHITECTURE.md say why this and not a paged cache.
+"""
+from typing import List, Optional
+
+import numpy as np
+import paddle
+
+from ..models.decoder import LayerCache
+from ..ops.kv_cache import kv_place
+from .sequence import Sequence
+
+GROWTH = 128   # slots added past the widest window when a buffer is (re)built (bounded by prompt + max_dec_len)
+
+
+class RunningBatch:
+    def __init__(self, num_layers: int, max_dec_len: int):
+        self.max_dec_len = max_dec_len
+        self.layers: List[LayerCache] = [LayerCache() for _ in range(num_layers)]
+        self.seqs: List[Sequence] = []
+        self.start = np.zeros(0, dtype=np.int64)
+        self.capacity = 0
+        # per-row tensors, aligned with seqs
+        self.logits = None        # [R, V] the next token's logits
+        self.uniforms = None      # [R, max_dec_len] float32 (sampling)
+        self.seen = None          # [R, V] float32 (repetition penalty)
+        self.targets = None       # [R] int64 (forced lengths)
+        self.relayouts = 0
+
+    @property
+    def slot(self) -> int:
+        """The cache slot the next decode step writes (the model's decode path advances the layers' length)."""
+        return self.layers[0].length
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+    # ---------------------------------------------------------------- row-aligned values
+    def lengths(self) -> np.ndarray:
+        return np.array([len(s.tokens) for s in self.seqs], dtype=np.int64)
+
+    def positions(self) -> np.ndarray:
+        """The position id of each row's next token (prompt tokens + tokens so far, minus one for the last
+        sampled token not yet in the cache)."""
+        return np.array([len(s.prompt) + len(s.tokens) - 1 for s in self.seqs], dtype=np.int64)
+
+    # ---------------------------------------------------------------- relayout
+    def relayout(self, keep: np.ndarray, new_seqs: List[Sequence] = (), prefill: Optional[List[LayerCache]] = None,
+                 fan: Optional[np.ndarray] = None, prompt_width: int = 0, new_rows: Optional[dict] = None,
+                 decode_count: int = 0) -> None:
+        """Keep rows `keep` (indices, in order), then append `new_seqs` whose keys and values are rows `fan` of
+        the prefill caches (prompts left-padded to `prompt_width`); `new_rows` holds their logits / uniforms /
+        seen / targets tensors. Builds buffers just wide enough for the live window plus GROWTH slots."""
+        keep = np.asarray(keep, dtype=np.int64)
+        kept = [self.seqs[i] for i in keep]
+        origin = int(self.start[keep].min()) if len(keep) else self.slot
+        old_width = self.slot - origin
+        width = max(old_width, prompt_width if new_seqs else 0)
+        seqs = kept + list(new_seqs)
+        if not seqs:
+            relayouts = self.relayouts + 1
+            self.__init__(len(self.layers), self.max_dec_len)
+            self.relayouts = relayouts
+            return
+        widest = max(len(s.prompt) for s in seqs) + self.max_dec_len
+        remaining = max(self.max_dec_len - len(s.tokens) for s in seqs)
+        capacity = max(width + 1, min(width + min(GROWTH, remaining), widest))
+        keep_t = paddle.to_tensor(keep)
+        fan_t = None if fan is None else paddle.to_tensor(np.asarray(fan, dtype=np.int64))
+        for i, layer in enumerate(self.layers):
+            source = prefill[i] if prefill is not None else None
+            shape_of = layer.k if layer.k is not None else source.k
+            shape = [len(seqs), shape_of.shape[1], capacity, shape_of.shape[3]]
+            k, v = paddle.zeros(shape, shape_of.dtype), paddle.zeros(shape, shape_of.dtype)
+            if len(keep) and old_width:
+                kv_place(k, layer.k, keep_t, 0, origin, width - old_width, old_width)
+                kv_place(v, layer.v, keep_t, 0, origin, width - old_width, old_width)
+            if source is not None:
+                kv_place(k, source.k, fan_t, len(keep), 0, width - prompt_width, prompt_width)
+                kv_place(v, source.v, fan_t, len(keep), 0, width - prompt_width, prompt_width)
+            layer.k, layer.v, layer.length, layer.capacity = k, v, width, capacity
+        starts = [self.start[keep] - origin + (width - old_width)] + \
+                 [np.array([width - len(s.prompt) for s in new_seqs], dtype=np.int64)]
+        self.start = np.concatenate(starts).astype(np.int64)
+        for s in new_seqs:
+            s.joined_at = decode_count
+        for name in ("logits", "uniforms", "seen", "targets"):
+            old = getattr(self, name)
+            parts = []
+            if old is not None and len(keep):
+                parts.append(old if len(keep) == len(self.seqs) and (keep == np.arange(len(keep))).all()
+                             else paddle.gather(old, keep_t))
+            if new_rows is not None and new_rows.get(name) is not None:
+                parts.append(new_rows[name])
+            setattr(self, name, None if not parts else parts[0] if len(parts) == 1 else paddle.concat(parts))
+        self.seqs, self.capacity = seqs, capacity
+        self.relayouts += 1
+
+    def start_tensor(self):
+        return paddle.to_tensor(self.start)

@@ -1,0 +1,78 @@
+"""One sample of a rollout as a record every stage of the engine reads and extends, and the scheduler that
+admits prompt groups into the running batch.
+
+A `Sequence` is sample `sample` of prompt `group`: its prompt, its random stream (keys.py) and, once decoding,
+its tokens and log-probs. The `Scheduler` keeps the waiting prompt groups (a prompt and its `n` samples are
+admitted together: the prompt is prefilled once and fanned out) and admits them while the running batch stays
+within `max_num_seqs` rows and `max_cache_tokens` KV slots (rows x the widest window a row can need: its
+prompt plus `max_dec_len`).
+"""
+from collections import deque
+from typing import List, Optional
+
+import numpy as np
+
+
+class Sequence:
+    __slots__ = ("row", "group", "sample", "prompt", "uniforms", "target", "tokens", "logprobs", "stopped",
+                 "joined_at", "decode_steps")
+
+    def __init__(self, row: int, group: int, sample: int, prompt: List[int], uniforms: Optional[np.ndarray],
+                 target: Optional[int]):
+        self.row = row                 # its row in the rollout's output (group * n + sample)
+        self.group = group
+        self.sample = sample
+        self.prompt = prompt
+        self.uniforms = uniforms       # [max_dec_len] float32 of its key, None when greedy
+        self.target = target           # a forced response length (benchmark EOS schedule), else None
+        self.tokens: List[int] = []
+        self.logprobs: List[float] = []
+        self.stopped = False           # ended with a stop token (else truncated at max_dec_len)
+        self.joined_at = 0             # the engine's decode-step counter when it joined the running batch
+        self.decode_steps = 0          # decode steps that processed this row
+
+    @property
+    def truncated(self) -> bool:
+        return not self.stopped
+
+
+class Scheduler:
+    def __init__(self, groups: List[List[Sequence]], max_num_seqs: int, max_cache_tokens: int, max_dec_len: int):
+        self.waiting = deque(groups)
+        self.max_num_seqs = max_num_seqs
+        self.max_cache_tokens = max_cache_tokens
+        self.max_dec_len = max_dec_len
+        for group in groups:
+            self._check_fits(group)
+
+    def _slots(self, group: List[Sequence]) -> int:
+        return len(group) * (len(group[0].prompt) + self.max_dec_len)
+
+    def _check_fits(self, group: List[Sequence]) -> None:
+        if 0 < self.max_num_seqs < len(group):
+            raise ValueError(f"rollout_max_num_seqs ({self.max_num_seqs}) is smaller than rollout_n "
+                             f"({len(group)}): the samples of one prompt are decoded together")
+        if 0 < self.max_cache_tokens < self._slots(group):
+            raise ValueError(f"rollout_kv_cache_tokens ({self.max_cache_tokens}) cannot hold one prompt's samples: "
+                             f"{len(group)} x (prompt {len(group[0].prompt)} + max_dec_len {self.max_dec_len}) = "
+                             f"{self._slots(group)} slots")
+
+    def admit(self, running: List[Sequence]) -> List[List[Sequence]]:
+        """The waiting groups that join now (in order: a group never overtakes an earlier one)."""
+        rows = len(running)
+        widest = max((len(s.prompt) for s in running), default=0)
+        out = []
+        while self.waiting:
+            group = self.waiting[0]
+            widest_after = max(widest, len(group[0].prompt))
+            if 0 < self.max_num_seqs < rows + len(group):
+                break
+            if 0 < self.max_cache_tokens < (rows + len(group)) * (widest_after + self.max_dec_len):
+                break
+            out.append(self.waiting.popleft())
+            rows, widest = rows + len(group), widest_after
+        return out
+
+    @property
+    def done(self) -> bool:
+        return not self.waiting
