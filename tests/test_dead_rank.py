@@ -1,5 +1,5 @@
 """A rank killed with SIGKILL, or stuck (SIGSTOP), in a 2-process run (DP2, TP2) never hangs the others
-(docs/reliability.md, issue 15 item 1).
+(docs/reliability.md).
 
 Each case trains the micro model on 2 real processes (gloo on CPU), launched by `python -m
 paddle.distributed.launch ... run_rl.py` or by `paddle-rl train --nproc_per_node 2`, and makes one rank signal
@@ -23,7 +23,7 @@ from micro_model import micro_overrides
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MARKER = "PADDLE_RL_TEST_RUN"
-LIMIT = 120.0   # seconds from the signal to the command's exit (issue 15)
+LIMIT = 120.0   # seconds from the signal to the command's exit
 PLUGIN = '''
 def length_parity(completions, **kwargs):
     return [float(len(c) % 5) - 2.0 for c in completions]

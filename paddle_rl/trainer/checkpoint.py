@@ -5,18 +5,25 @@ previous checkpoints untouched and every checkpoint-N folder is complete.
 
 Under several processes every rank calls save_checkpoint: rank 0 writes the (gathered) model and the
 trainer state, every rank writes its own optimizer state (optimizer.rankNNNNN.pdopt: a shard under
-sharding / tensor / pipeline parallelism), and rank 0 renames the folder once all have written.
+sharding / tensor / pipeline parallelism) and its random generators' states (rng_state.rankNNNNN.pdstate), and
+rank 0 renames the folder once all have written. So every rank needs the same output_dir (on several nodes: a
+file system they all mount); check_shared_folder verifies it at start-up.
 """
+import contextlib
 import json
 import os
 import random
 import re
+import secrets
 import shutil
+import socket
+import time
 from typing import Optional
 
 import numpy as np
 import paddle
 
+from ..config import ConfigError
 from ..models.pretrained import hf_state, save_model
 from . import faults
 from .nonfinite import NonFiniteError, first_nonfinite_array
@@ -51,6 +58,14 @@ def resolve_resume(spec: Optional[str], output_dir: str) -> Optional[str]:
     return spec
 
 
+def seed_rngs(seed: int) -> None:
+    """Seed the generators a checkpoint keeps (Python's random, NumPy's global one, Paddle's), so that code
+    drawing from them (a reward function, say) repeats from run to run."""
+    random.seed(seed)
+    np.random.seed(seed)
+    paddle.seed(seed)
+
+
 def rng_state() -> dict:
     version, internal, gauss = random.getstate()
     name, keys, pos, has_gauss, cached = np.random.get_state()
@@ -58,18 +73,99 @@ def rng_state() -> dict:
             "numpy": [name, keys.tolist(), int(pos), int(has_gauss), float(cached)]}
 
 
-def set_rng_state(state: dict, path: str) -> None:
-    version, internal, gauss = state["python"]
+def set_rng_state(rng: dict, path: str, rank: int = 0, world_size: int = 1) -> None:
+    """This rank's generators as its save left them, from its own rng_file (`rng`: trainer_state.json's, rank 0's
+    Python and NumPy states, which a checkpoint written before the ranks kept their own states holds alone)."""
+    host, device = rng, None
+    for name in dict.fromkeys((rng_file(rank, world_size), RNG_FILE)):
+        if os.path.isfile(os.path.join(path, name)):
+            saved = paddle.load(os.path.join(path, name))
+            host, device = (saved["host"], saved["paddle"]) if isinstance(saved, dict) else (host, saved)
+            break
+    version, internal, gauss = host["python"]
     random.setstate((version, tuple(internal), gauss))
-    name, keys, pos, has_gauss, cached = state["numpy"]
+    name, keys, pos, has_gauss, cached = host["numpy"]
     np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
-    rng_path = os.path.join(path, RNG_FILE)
-    if os.path.isfile(rng_path):
-        paddle.set_rng_state(paddle.load(rng_path))
+    if device is not None:
+        paddle.set_rng_state(device)
+
+
+def rng_file(rank: int = 0, world_size: int = 1) -> str:
+    """Each rank's generators (Python, NumPy, Paddle): a reward function or sampler drawing from the global
+    generators consumes them by its rank's data, so the ranks' states differ."""
+    return RNG_FILE if world_size == 1 else f"rng_state.rank{rank:05d}.pdstate"
 
 
 def optimizer_file(rank: int = 0, world_size: int = 1) -> str:
     return OPTIMIZER_FILE if world_size == 1 else f"optimizer.rank{rank:05d}.pdopt"
+
+
+def rank_files(world_size: int, save_optimizer: bool = True) -> list:
+    """The files each rank adds to a checkpoint folder."""
+    return [name for rank in range(world_size) for name in
+            (rng_file(rank, world_size), *((optimizer_file(rank, world_size),) if save_optimizer else ()))]
+
+
+# ---------------------------------------------------------------- one output_dir for every rank
+SHARED_CHECK_PREFIX = ".shared-folder-check-"
+SHARED_CHECK_WAIT = 5.0   # seconds a rank looks for rank 0's file (a network file system may show it late)
+NOT_SHARED_HINT = "is output_dir one folder that every node shares?"
+
+
+class SharedFolderError(ConfigError):
+    """output_dir is not one folder for every rank (node-local folders, or different paths per node)."""
+
+
+def check_shared_folder(output_dir: str, first_of_ranks, rank: int = 0, world_size: int = 1,
+                        wait: float = SHARED_CHECK_WAIT) -> None:
+    """Every rank of a run writes its part of each checkpoint into output_dir, and `resume_from_checkpoint:
+    auto` reads it on every rank: all ranks need one folder. Rank 0 writes a file with a random name and
+    content there, every other rank must read it in its own output_dir within `wait` seconds; otherwise every
+    rank raises SharedFolderError naming the folders and the hosts. first_of_ranks(value): the first value
+    that is not None over the ranks, on every rank (a collective). Nothing to check in a single process."""
+    if world_size == 1:
+        return
+    host, folder = socket.gethostname(), os.path.abspath(output_dir)
+    sent = None
+    if rank == 0:
+        token = secrets.token_hex(16)
+        error = _write_error(lambda: _write_token(os.path.join(output_dir, SHARED_CHECK_PREFIX + token), token), "")
+        sent = {"token": token, "host": host, "folder": folder, "error": error}
+    sent = first_of_ranks(sent)  # rank 0 wrote its file before it entered this collective
+    if sent["error"] is not None:
+        raise SharedFolderError(f"output_dir {sent['folder']}: rank 0 (host {sent['host']}) cannot write there: "
+                                f"{sent['error']}")
+    path = os.path.join(output_dir, SHARED_CHECK_PREFIX + sent["token"])
+    deadline = time.monotonic() + wait
+    while rank != 0 and not _holds(path, sent["token"]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    blind = first_of_ranks(None if rank == 0 or _holds(path, sent["token"]) else (rank, host, folder))
+    if rank == 0:
+        with contextlib.suppress(OSError):
+            os.remove(path)
+    if blind is not None:
+        raise SharedFolderError(
+            f"output_dir is not one folder shared by every rank: rank {blind[0]} (host {blind[1]}) does not see in "
+            f"{blind[2]} the file {os.path.basename(path)} that rank 0 (host {sent['host']}) wrote into "
+            f"{sent['folder']} (it looked for {wait:g} s). Every rank writes its part of each checkpoint into "
+            "output_dir and resumes from it: give every node the same output_dir, on a file system that all nodes "
+            "mount (NFS, a cluster file system).")
+
+
+def _write_token(path: str, token: str) -> None:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(token)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _holds(path: str, token: str) -> bool:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read() == token
+    except OSError:
+        return False
 
 
 class CheckpointError(RuntimeError):
@@ -106,9 +202,12 @@ def save_checkpoint(output_dir: str, step: int, model, tokenizer_folder: str, op
             os.makedirs(tmp)
 
     def write_parts():
+        if rank != 0 and not os.path.isdir(tmp):  # paddle.save would create it: a folder rank 0 never sees
+            raise FileNotFoundError(f"{tmp}, created by rank 0, is not visible to this rank ({NOT_SHARED_HINT})")
         if rank == 0:
             save_model(model, tmp, tokenizer_folder=tokenizer_folder, state=model_state)
-            paddle.save(paddle.get_rng_state(), os.path.join(tmp, RNG_FILE))
+        paddle.save({"host": state["rng"], "paddle": paddle.get_rng_state()},
+                    os.path.join(tmp, rng_file(rank, world_size)))
         if save_optimizer:
             paddle.save(optimizer.state_dict(), os.path.join(tmp, optimizer_file(rank, world_size)))
             state["scheduler"] = scheduler.state_dict()
@@ -120,6 +219,11 @@ def save_checkpoint(output_dir: str, step: int, model, tokenizer_folder: str, op
 
     def rename():
         if rank == 0:
+            missing = [name for name in rank_files(world_size, save_optimizer)
+                       if not os.path.isfile(os.path.join(tmp, name))]
+            if missing:
+                raise FileNotFoundError(f"{', '.join(missing)} missing from {tmp} after every rank wrote its part "
+                                        f"({NOT_SHARED_HINT})")
             if os.path.isdir(final):
                 shutil.rmtree(final)
             os.replace(tmp, final)

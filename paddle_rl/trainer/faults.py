@@ -1,5 +1,6 @@
-"""Test-only fault injection (tests/test_faults.py). A run reads these environment variables here and nowhere
-else; nothing in a configuration sets them, and unset (always, outside tests) every function is a no-op.
+"""Test-only fault injection (tests/test_faults.py, test_dead_rank.py, test_resume_layouts.py). A run reads these
+environment variables here and nowhere else; nothing in a configuration sets them, and unset (always, outside
+tests) every function is a no-op.
 
 PADDLE_RL_TEST_POISON=STEPS:TARGET[@RANK]
     In the updates of the listed steps: TARGET `loss` adds a detached NaN to every micro-batch loss (the loss is

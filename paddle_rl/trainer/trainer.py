@@ -25,8 +25,8 @@ from ..parallel import watchdog
 from ..rewards import build_reward, check_reward_config
 from ..rollout import RolloutEngine, SamplingParams, sample_key
 from . import faults
-from .checkpoint import (CheckpointError, load_optimizer, load_trainer_state, resolve_resume, save_checkpoint,
-                         set_rng_state)
+from .checkpoint import (CheckpointError, check_shared_folder, load_optimizer, load_trainer_state, resolve_resume,
+                         save_checkpoint, seed_rngs, set_rng_state)
 from .evaluate import evaluate
 from .logprobs import reuses_rollout_logprobs
 from .nonfinite import NonFiniteGuard, first_nonfinite_grad
@@ -46,8 +46,8 @@ class RLTrainer:
         self.layout = build_layout(topology if topology is not None else _topology(config),
                                    share_prompts=config.share_prompt_prefix)
         self.layout.check_config(config)
-        paddle.seed(config.seed)
-        np.random.seed(config.seed)
+        check_shared_folder(config.output_dir, self.layout.first_of_ranks, **self.layout.resume_args())
+        seed_rngs(config.seed)
         model_dir = config.actor_model_name_or_path
         self.tokenizer_dir = config.tokenizer_name_or_path or model_dir
         self.tokenizer = Tokenizer.from_pretrained(self.tokenizer_dir)
@@ -105,7 +105,7 @@ class RLTrainer:
         self.sampler.set_state_dict(state["sampler"])
         self.objective.set_state_dict(state.get("objective", {}))
         self.nonfinite.set_state_dict(state.get("nonfinite", {}))
-        set_rng_state(state["rng"], path)
+        set_rng_state(state["rng"], path, **self.layout.resume_args())
         self.step = int(state["step"])
         self.log.truncate_after(self.step)
         logger.info("resumed from %s at step %d", path, self.step)
