@@ -13,7 +13,7 @@ import paddle
 import pytest
 
 from paddle_rl import ops
-from paddle_rl.ops import build
+from paddle_rl.ops import build, kv_cache
 from paddle_rl.ops import logprob as logprob_module
 
 SEED = int.from_bytes(os.urandom(4), "little")
@@ -89,6 +89,76 @@ def test_rotary_qkv_cache_write(rng, qk_norm, batch, length, slot):
     close(q_fused.numpy(), q_ref.numpy(), what="q")
     close(fused_cache[0].numpy(), cache[0].numpy(), what="k cache")
     np.testing.assert_array_equal(fused_cache[1].numpy(), cache[1].numpy())
+
+
+# ------------------------------------------------------------------------------------------------ KV-cache relayout
+
+def _kv_buffers(rng, rd, rs, heads, cd, cs, d):
+    """dst and src: distinct random buffers (the window's old dst values differ from what is copied in)."""
+    return t(rng.standard_normal((rd, heads, cd, d))), t(rng.standard_normal((rs, heads, cs, d)))
+
+
+def _window(rng, n, rd, cd, cs, width, rows):
+    return (paddle.to_tensor(np.asarray(rows, dtype=np.int64)), int(rng.integers(0, rd - n + 1)),
+            int(rng.integers(0, cs - width + 1)), int(rng.integers(0, cd - width + 1)), width)
+
+
+# n rows (None: a random subset, "fan": one row repeated n times), width; the last case is large enough for the
+# (row, head) windows to be split across threads
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("rd,rs,heads,cd,cs,d,n,width,rows", [
+    (5, 4, 2, 12, 9, 8, 3, 6, None), (6, 6, 3, 7, 7, 16, 6, 7, None), (4, 3, 2, 10, 6, 8, 0, 4, None),
+    (4, 3, 2, 10, 6, 8, 2, 0, None), (8, 2, 2, 9, 5, 32, 8, 5, "fan"), (3, 3, 1, 4, 20, 4, 1, 1, None),
+    (24, 6, 4, 300, 260, 64, 24, 250, "fan")])
+def test_kv_place_equals_reference(rng, dtype, rd, rs, heads, cd, cs, d, n, width, rows):
+    if rows is None:
+        rows = rng.permutation(rs)[:n]
+    elif rows == "fan":  # one prompt fanned out to n samples
+        rows = np.full(n, rng.integers(0, rs))
+    dst32, src32 = _kv_buffers(rng, rd, rs, heads, cd, cs, d)
+    args = _window(rng, n, rd, cd, cs, width, rows)
+    # a copy is exact in any dtype: the float32 reference, cast (Paddle's CPU gather has no float16)
+    expected = ops.kv_place_reference(dst32.clone(), src32, *args).astype(dtype)
+    dst, src = dst32.astype(dtype), src32.astype(dtype)
+    before = dst.clone()
+    assert ops.kv_place_fused(dst, src, *args) is dst  # in place on the caller's tensor
+    np.testing.assert_array_equal(dst.astype("float32").numpy(), expected.astype("float32").numpy())
+    changed = (dst.astype("float32").numpy() != before.astype("float32").numpy()).any(axis=(1, 3))
+    assert changed.sum() == len(rows) * width  # [row, slot] windows written
+    # the dispatch takes the kernel and writes the same
+    again = before.clone()
+    assert kv_cache._fusable(again, src, args[0])
+    assert ops.kv_place(again, src, *args) is again
+    np.testing.assert_array_equal(again.astype("float32").numpy(), expected.astype("float32").numpy())
+
+
+def test_kv_place_src_view_and_same_buffer(rng):
+    """A strided src is read through a contiguous copy; dst and src in one buffer (overlapping windows) go to
+    the reference, which copies the window before writing."""
+    dst, src = _kv_buffers(rng, 4, 6, 2, 10, 12, 8)
+    view = src[:, :, 2:11]  # not contiguous
+    rows = paddle.to_tensor(np.array([5, 1, 1], dtype=np.int64))
+    expected = ops.kv_place_reference(dst.clone(), view.contiguous(), rows, 1, 1, 3, 7)
+    np.testing.assert_array_equal(ops.kv_place(dst, view, rows, 1, 1, 3, 7).numpy(), expected.numpy())
+    buf = src.clone()
+    keep = paddle.to_tensor(np.array([2, 3, 5], dtype=np.int64))  # compaction of one buffer into itself
+    expected = ops.kv_place_reference(buf.clone(), src.clone(), keep, 0, 4, 0, 8)
+    np.testing.assert_array_equal(ops.kv_place(buf, buf, keep, 0, 4, 0, 8).numpy(), expected.numpy())
+    with pytest.raises(Exception, match="overlap"):
+        ops.kv_place_fused(buf, buf, keep, 0, 4, 0, 8)
+    with pytest.raises(Exception, match=r"src_rows\[1\] = 6 outside \[0, 6\)"):
+        ops.kv_place_fused(dst, src, paddle.to_tensor(np.array([0, 6], dtype=np.int64)), 0, 0, 0, 2)
+
+
+@pytest.mark.parametrize("dst_row,src_start,dst_start,width,n", [
+    (3, 0, 0, 2, 2), (-1, 0, 0, 2, 1), (0, 5, 0, 2, 1), (0, -1, 0, 2, 1), (0, 0, 8, 3, 1), (0, 0, -2, 1, 1),
+    (0, 0, 0, -1, 1), (0, 0, 0, 7, 1)])
+def test_kv_place_out_of_bounds(rng, dst_row, src_start, dst_start, width, n):
+    dst, src = _kv_buffers(rng, 4, 3, 2, 10, 6, 8)
+    before = dst.numpy().copy()
+    with pytest.raises(ValueError, match="kv_place: .* out of bounds"):
+        ops.kv_place(dst, src, paddle.zeros([n], dtype="int64"), dst_row, src_start, dst_start, width)
+    np.testing.assert_array_equal(dst.numpy(), before)
 
 
 # ------------------------------------------------------------------------------------------------ attention

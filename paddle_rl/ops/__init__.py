@@ -8,6 +8,7 @@ when it is in use, else the reference). `configure("auto" | "on" | "off")` selec
 - swiglu: silu(gate) * up of a fused [gate | up] projection, with its backward
 - rotary: rotate-half rotary embedding with its backward
 - rotary_qkv_cache: the decode step's qkv split + q/k norm + rotary + in-place KV-cache write
+- kv_place: the rollout's KV-cache relayout (rows' windows copied into another buffer, in place)
 - decode_attention: one decode step of grouped-query attention over the cache
 - masked_softmax: the training / prefill attention's softmax(scale * scores + bias), with its backward
 - sample: penalty, stop-token ban, temperature, top-k, top-p and the inverse-CDF draw; log-prob of the draw
@@ -18,6 +19,7 @@ from .activation import swiglu, swiglu_fused, swiglu_reference
 from .attention import (decode_attention, decode_attention_fused, decode_attention_reference, masked_softmax,
                         masked_softmax_fused, masked_softmax_reference)
 from .build import CustomOpsError, available, configure, mode, status
+from .kv_cache import kv_place, kv_place_fused, kv_place_reference
 from .logprob import lm_head_logprobs, lm_head_logprobs_reference, logprobs_from_logits
 from .norm import rms_norm, rms_norm_fused, rms_norm_reference
 from .rollout_state import StepState, step_update, step_update_fused, step_update_reference
@@ -30,6 +32,7 @@ __all__ = ["configure", "available", "mode", "status", "CustomOpsError",
            "swiglu", "swiglu_fused", "swiglu_reference",
            "rotary", "rotary_fused", "rotary_reference", "rotary_tables",
            "rotary_qkv_cache", "rotary_qkv_cache_fused", "rotary_qkv_cache_reference",
+           "kv_place", "kv_place_fused", "kv_place_reference",
            "decode_attention", "decode_attention_fused", "decode_attention_reference",
            "masked_softmax", "masked_softmax_fused", "masked_softmax_reference",
            "sample", "sample_fused", "sample_reference",

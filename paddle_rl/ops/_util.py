@@ -8,13 +8,13 @@ def contiguous(x):
     return x if x.is_contiguous() else x.contiguous()
 
 
-def fusable(*tensors) -> bool:
-    """float32 tensors on a place the kernels were built for, eager mode, and the kernels in use."""
+def fusable(*tensors, dtypes=(paddle.float32,)) -> bool:
+    """Tensors of `dtypes` (float32) on a place the kernels were built for, eager mode, and the kernels in use."""
     if not paddle.in_dynamic_mode():
         return False
     for t in tensors:
         if t is None:
             continue
-        if t.dtype != paddle.float32 or not (t.place.is_cpu_place() or t.place.is_gpu_place()):
+        if t.dtype not in dtypes or not (t.place.is_cpu_place() or t.place.is_gpu_place()):
             return False
     return build.available()

@@ -5,6 +5,9 @@
 for every i, with dst [Rd, H, Cd, D] and src [Rs, H, Cs, D] of one dtype. It is the one copy of the
 continuous-batching engine (rollout/engine.py): dropping finished rows and the dead slots before the oldest
 live row (compaction), fanning a prefilled prompt out to its samples, and placing joining rows.
+The kernel (prl_kv_place, csrc/cpu/kv_cache.cc and csrc/cuda/kv_cache.cu) copies bytes: float32, float16 and
+bfloat16 alike; it runs when dst is contiguous, does not share memory with src and no gradient is asked for
+(else the reference, which copies the window first and is differentiable).
 """
 import paddle
 
@@ -21,18 +24,34 @@ def kv_place_reference(dst, src, src_rows, dst_row: int, src_start: int, dst_sta
 
 
 def kv_place_fused(dst, src, src_rows, dst_row: int, src_start: int, dst_start: int, width: int):
+    """dst contiguous, not overlapping src; src_rows int64 on dst's place."""
     if src_rows.shape[0] == 0 or width == 0:
         return dst
     build.run("prl_kv_place", dst, contiguous(src), src_rows, int(dst_row), int(src_start), int(dst_start), int(width))
     return dst
 
 
+DTYPES = (paddle.float32, paddle.float16, paddle.bfloat16)
+
+
+def _fusable(dst, src, src_rows) -> bool:
+    if dst.dtype != src.dtype or src_rows.dtype != paddle.int64 or not dst.is_contiguous():
+        return False
+    if paddle.is_grad_enabled() and not (src.stop_gradient and dst.stop_gradient):  # the kernel has no backward
+        return False
+    if src.is_contiguous():  # else the kernel reads a contiguous copy of src
+        a, b = dst.data_ptr(), src.data_ptr()
+        if a < b + src.size * src.element_size() and b < a + dst.size * dst.element_size():
+            return False
+    return fusable(dst, src, dtypes=DTYPES)
+
+
 def kv_place(dst, src, src_rows, dst_row: int, src_start: int, dst_start: int, width: int):
     """In place on `dst` (returned). `src_rows` int64 [n]."""
-    if not (0 <= src_start and src_start + width <= src.shape[2] and 0 <= dst_start
+    if not (0 <= width and 0 <= src_start and src_start + width <= src.shape[2] and 0 <= dst_start
             and dst_start + width <= dst.shape[2] and 0 <= dst_row and dst_row + src_rows.shape[0] <= dst.shape[0]):
         raise ValueError(f"kv_place: window [{src_start}, {src_start + width}) of {src.shape} -> rows "
                          f"[{dst_row}, {dst_row + src_rows.shape[0]}) slots [{dst_start}, {dst_start + width}) of "
                          f"{dst.shape} is out of bounds")
-    fn = kv_place_reference
+    fn = kv_place_fused if _fusable(dst, src, src_rows) else kv_place_reference
     return fn(dst, src, src_rows, dst_row, src_start, dst_start, width)

@@ -35,7 +35,7 @@ class RolloutEngine:
         self.max_num_seqs = max_num_seqs
         self.max_cache_tokens = max_cache_tokens
         self.forced_lengths = None   # benchmark only: keys -> response lengths (an EOS schedule)
-        self.stats = {}              # the last generate's counters (peak_rows, decode_steps, relayouts, prefills)
+        self.stats = {}   # the last generate's counters: peak_rows, decode_steps, prefills, relayouts, copied_slots, peak_slots
 
     def bind(self, model: CausalLM) -> "RolloutEngine":
         """The same settings, decoding with another model (a resharded rollout copy)."""
@@ -94,10 +94,9 @@ class RolloutEngine:
             positions = paddle.to_tensor(batch.positions().reshape(-1, 1))
             batch.logits = model.decode_step(last, positions, batch.layers, batch.start_tensor())
             stats["decode_steps"] += 1
-            # decode_steps counts row-steps below (joined_at is per row)
         if was_training:
             model.train()
-        stats["relayouts"] = batch.relayouts
+        stats.update(relayouts=batch.relayouts, copied_slots=batch.copied_slots, peak_slots=batch.peak_slots)
         self.stats = stats
         return self._output(done, n * len(prompts))
 

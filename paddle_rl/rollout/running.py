@@ -33,6 +33,8 @@ class RunningBatch:
         self.seen = None          # [R, V] float32 (repetition penalty)
         self.targets = None       # [R] int64 (forced lengths)
         self.relayouts = 0
+        self.copied_slots = 0      # row-slots copied by relayouts (per layer, keys and values each)
+        self.peak_slots = 0        # the most row-slots the buffers held (rows x capacity)
 
     @property
     def slot(self) -> int:
@@ -65,9 +67,9 @@ class RunningBatch:
         width = max(old_width, prompt_width if new_seqs else 0)
         seqs = kept + list(new_seqs)
         if not seqs:
-            relayouts = self.relayouts + 1
+            counters = (self.relayouts + 1, self.copied_slots, self.peak_slots)
             self.__init__(len(self.layers), self.max_dec_len)
-            self.relayouts = relayouts
+            self.relayouts, self.copied_slots, self.peak_slots = counters
             return
         widest = max(len(s.prompt) for s in seqs) + self.max_dec_len
         remaining = max(self.max_dec_len - len(s.tokens) for s in seqs)
@@ -102,6 +104,8 @@ class RunningBatch:
             setattr(self, name, None if not parts else parts[0] if len(parts) == 1 else paddle.concat(parts))
         self.seqs, self.capacity = seqs, capacity
         self.relayouts += 1
+        self.copied_slots += len(keep) * old_width + (len(new_seqs) * prompt_width if new_seqs else 0)
+        self.peak_slots = max(self.peak_slots, len(seqs) * capacity)
 
     def start_tensor(self):
         return paddle.to_tensor(self.start)

@@ -1,0 +1,156 @@
+"""Every CUDA source of csrc/cuda compiles with nvcc against the installed Paddle's headers (a CPU wheel's
+headers suffice), so a defect in a CUDA kernel shows on a machine without a GPU; and the CPU unit compiled with
+the CUDA dispatch on (-DPRL_WITH_CUDA) calls exactly the host functions the CUDA sources define, with the same
+signatures (its undefined `...CUDA` symbols against the CUDA object's defined ones).
+
+Flags: those paddle.utils.cpp_extension gives nvcc (-DPADDLE_WITH_CUDA -DEIGEN_USE_GPU -DNVCC, C++17, relaxed
+constexpr), the project's (build.CUDA_FLAGS, -DPRL_WITH_CUDA), sm_90, and -DPADDLE_NO_PYTHON: without it
+paddle/extension.h includes Paddle's Python bindings, which need the cuBLAS headers of a full CUDA toolkit.
+Paddle's headers dominate the time (about 25 s per file on 2 cores), so the default tests compile all CUDA files
+as one translation unit, beside the CPU unit (30-45 s together); the per-file compiles (what the build does;
+3-4 minutes on 2 cores, run in parallel) are marked slow.
+"""
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sysconfig
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from paddle_rl.ops import build
+
+NVCC = shutil.which("nvcc") or next((p for p in ("/usr/local/cuda/bin/nvcc",) if os.access(p, os.X_OK)), None)
+SOURCES = sorted(n for n in os.listdir(os.path.join(build.CSRC, "cuda")) if n.endswith(".cu"))
+FLAGS = ["-c", "-DPADDLE_WITH_CUDA", "-DPADDLE_NO_PYTHON", "-DEIGEN_USE_GPU", "-DNVCC", "-std=c++17",
+         "--expt-relaxed-constexpr", "-arch=sm_90", "-Xcompiler", "-fPIC", "-DPRL_WITH_CUDA", *build.CUDA_FLAGS]
+
+needs_nvcc = pytest.mark.skipif(NVCC is None, reason="nvcc is not on PATH nor at /usr/local/cuda/bin/nvcc: the "
+                                                     "CUDA sources of csrc/cuda are not compiled")
+
+
+def _includes():
+    paddle_dirs = build._cpp_extension()[1].find_paddle_includes(False)  # paddle/include, its third_party, ...
+    return [f"-I{d}" for d in (*paddle_dirs, sysconfig.get_paths()["include"], build.CSRC)]
+
+
+def _compile(source: str, obj: str):
+    """(return code, the compiler's output) of one nvcc -c."""
+    done = subprocess.run([NVCC, *FLAGS, *_includes(), source, "-o", obj], capture_output=True, text=True,
+                          timeout=900)
+    return done.returncode, done.stdout + done.stderr
+
+
+def _errors(output: str):
+    """The compiler's error lines (nvcc's `file(line): error` and the host compiler's `file:line: error`)."""
+    return [line for line in output.splitlines() if re.search(r"(\(\d+\)|:\d+(:\d+)?): (fatal )?error", line)]
+
+
+def _check(rc: int, output: str, what: str):
+    errors = _errors(output)
+    failed = sorted({os.path.basename(re.split(r"[(:]", e, maxsplit=1)[0]) for e in errors})
+    assert rc == 0, (f"nvcc failed on {what} (errors in {', '.join(failed) or '?'}):\n"
+                     + "\n".join(errors[:20] or output.splitlines()[-20:]))
+
+
+def _cuda_includes():
+    """nvcc's own include folders (the toolkit's include/ and include/cccl), for the host compiler."""
+    probe = subprocess.run([NVCC, "--dryrun", "-c", "-x", "cu", os.devnull, "-o", os.devnull], capture_output=True,
+                           text=True, timeout=60)
+    flags = []
+    for line in (probe.stdout + probe.stderr).splitlines():
+        m = re.match(r"#\$ (SYSTEM_)?INCLUDES=(.*)", line)
+        if m:
+            flags += shlex.split(m.group(2))
+    return flags
+
+
+def _compile_cpu_unit(obj: str):
+    """The CPU unit (csrc/paddle_rl_ops.cc) with the CUDA dispatch on, as the CUDA build compiles it (-O0: only
+    its symbols matter here)."""
+    cxx = shutil.which("c++") or shutil.which("g++")
+    assert cxx, "no C++ compiler (c++ or g++) on PATH"
+    done = subprocess.run([cxx, "-c", "-O0", "-fPIC", "-std=c++17", "-fopenmp", "-DPADDLE_WITH_CUDA",
+                           "-DPADDLE_NO_PYTHON", "-DPRL_WITH_CUDA", *_includes(), *_cuda_includes(),
+                           os.path.join(build.CSRC, "paddle_rl_ops.cc"), "-o", obj], capture_output=True, text=True,
+                          timeout=900)
+    return done.returncode, done.stdout + done.stderr
+
+
+@pytest.fixture(scope="module")
+def units(tmp_path_factory):
+    """{"cuda": every CUDA source as one unit, "cpu": the CPU unit}: (return code, output, object), compiled
+    side by side."""
+    folder = tmp_path_factory.mktemp("cuda_units")
+    unit = folder / "all_cuda_sources.cu"
+    unit.write_text("".join(f'#include "cuda/{name}"\n' for name in SOURCES))
+    objects = {"cuda": str(folder / "all_cuda_sources.o"), "cpu": str(folder / "paddle_rl_ops.o")}
+    with ThreadPoolExecutor(2) as pool:
+        cuda = pool.submit(_compile, str(unit), objects["cuda"])
+        cpu = pool.submit(_compile_cpu_unit, objects["cpu"])
+        return {"cuda": (*cuda.result(), objects["cuda"]), "cpu": (*cpu.result(), objects["cpu"])}
+
+
+def _cuda_entries(obj: str, defined: bool):
+    """Mangled names of the free functions named ...CUDA that `obj` defines (or needs)."""
+    nm = shutil.which("nm")
+    assert nm, "nm (binutils) is needed to read the objects' symbols"
+    which = "--defined-only" if defined else "--undefined-only"
+    listed = subprocess.run([nm, "--extern-only", which, "--format=just-symbols", obj], capture_output=True, text=True,
+                            check=True).stdout.split()
+    names = set()
+    for symbol in listed:
+        m = re.match(r"_Z(\d+)", symbol)
+        if m and symbol[m.end():m.end() + int(m.group(1))].endswith("CUDA"):
+            names.add(symbol)
+    return names
+
+
+def _demangled(symbols):
+    filt = shutil.which("c++filt")
+    if not filt or not symbols:
+        return sorted(symbols)
+    return subprocess.run([filt], input="\n".join(sorted(symbols)) + "\n", capture_output=True,
+                          text=True).stdout.splitlines()
+
+
+@needs_nvcc
+def test_cuda_sources_compile_as_one_unit(units):
+    rc, output, obj = units["cuda"]
+    _check(rc, output, f"{len(SOURCES)} files as one unit")
+    assert os.path.getsize(obj) > 0
+
+
+@needs_nvcc
+def test_cpu_dispatch_matches_cuda_sources(units):
+    """Each `XxxCUDA(...)` the CPU kernels call when built with CUDA is defined by csrc/cuda with that exact
+    signature (else loading the library fails on a GPU machine), and each one csrc/cuda defines is called."""
+    rc, output, obj = units["cpu"]
+    assert rc == 0, "the CPU unit does not compile with -DPRL_WITH_CUDA:\n" + "\n".join(
+        _errors(output)[:20] or output.splitlines()[-20:])
+    assert units["cuda"][0] == 0, "the CUDA sources do not compile (test_cuda_sources_compile_as_one_unit)"
+    called, defined = _cuda_entries(obj, defined=False), _cuda_entries(units["cuda"][2], defined=True)
+    assert called, "the CPU unit calls no ...CUDA function: is the CUDA dispatch compiled in?"
+    assert called == defined, (f"called by csrc/cpu but not defined in csrc/cuda: {_demangled(called - defined)}; "
+                               f"defined in csrc/cuda but never called: {_demangled(defined - called)}")
+
+
+@pytest.fixture(scope="module")
+def compiled_each(request, tmp_path_factory):
+    """name -> (return code, output) of each source the session runs test_cuda_source_compiles for, compiled
+    in parallel (one nvcc per core)."""
+    chosen = sorted({item.callspec.params["source"] for item in request.session.items
+                     if getattr(item, "originalname", "") == "test_cuda_source_compiles"})
+    folder = tmp_path_factory.mktemp("cuda_objects")
+    with ThreadPoolExecutor(max(1, min(len(chosen), os.cpu_count() or 1))) as pool:
+        results = pool.map(lambda n: _compile(os.path.join(build.CSRC, "cuda", n), str(folder / f"{n}.o")), chosen)
+        return dict(zip(chosen, results))
+
+
+@needs_nvcc
+@pytest.mark.slow
+@pytest.mark.parametrize("source", SOURCES)
+def test_cuda_source_compiles(compiled_each, source):
+    _check(*compiled_each[source], source)
