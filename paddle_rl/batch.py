@@ -137,6 +137,24 @@ class StepBatch:
     def prompt_width(self) -> int:
         return self.meta["prompt_width"]
 
+    def micro(self, rows) -> "StepBatch":
+        """`rows` as a batch of their own in the [prompt | response] layout, padded only to their own longest
+        prompt and to their last response column under the mask (a micro-batch of the log-prob and update
+        passes; the cut columns are padding, so log-probs and gradients are those of the wider layout)."""
+        part = self.select(rows)
+        used = np.flatnonzero((np.asarray(part["response_mask"]) > 0).any(0))
+        width = int(used[-1]) + 1 if used.size else 1
+        prompt_width = max(int(part["prompt_mask"].sum(1).max()) if part.size else 1, 1)
+        cut = self.prompt_width - prompt_width
+        columns = {}
+        for key, value in part.columns.items():
+            if key in ("prompt_tokens", "prompt_mask"):
+                value = value[:, cut:]
+            elif value.ndim == 2 and (key in RESPONSE_COLUMNS or key in self.pads):
+                value = value[:, :width]
+            columns[key] = value
+        return StepBatch(columns, self.pads, dict(self.meta, prompt_width=prompt_width))
+
     def tensors(self, rows=slice(None), keys: Optional[List[str]] = None) -> Dict[str, paddle.Tensor]:
         """The [prompt | response] layout of `rows` as Paddle tensors, plus the named per-token columns."""
         prompt_ids, prompt_mask = self["prompt_tokens"][rows], self["prompt_mask"][rows]

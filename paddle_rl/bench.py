@@ -15,6 +15,7 @@ Workloads (docs/performance.md):
   by their sampling keys), so every run generates exactly the same lengths.
 - W3: a real model (`--model-path`), 8 chat prompts x 8 samples, exactly 128 response tokens, kl_loss_coeff 0.04.
 - W4: the same model and prompts sampled naturally: temperature 1.0, max_dec_len 512, no minimum length.
+W2-W4 train packed (use_remove_padding: true) in micro-batches of at most 8192 tokens (max_tokens_per_micro_batch).
 
 Prints seconds per step and its split by stage, generated and trained tokens, rows processed by decode steps,
 effective GFLOP/s against a matmul peak measured in the same process, peak RSS; the last line is one JSON
@@ -38,11 +39,13 @@ MODELS = {
 STAGES = ("rollout", "reward", "ref_logprob", "old_logprob", "advantage", "update")
 SPECIALS = ["<|endoftext|>", "<|im_end|>"]
 # what each workload sets (command-line options override); `lengths`: the response lengths of W2's schedule
+# W2-W4 train packed (use_remove_padding) in micro-batches of at most 8192 tokens, as a user at real lengths would
+REAL_LENGTHS = {"use_remove_padding": True, "max_tokens_per_micro_batch": 8192}
 WORKLOADS = {
-    "w1": dict(model="w1", response_len=64, exact=True),
-    "w2": dict(model="w1", response_len=1024, exact=False, lengths="long_tail"),
-    "w3": dict(model="path", response_len=128, exact=True),
-    "w4": dict(model="path", response_len=512, exact=False),
+    "w1": dict(model="w1", response_len=64, exact=True, settings={}),
+    "w2": dict(model="w1", response_len=1024, exact=False, lengths="long_tail", settings=REAL_LENGTHS),
+    "w3": dict(model="path", response_len=128, exact=True, settings=REAL_LENGTHS),
+    "w4": dict(model="path", response_len=512, exact=False, settings=REAL_LENGTHS),
 }
 CHAT_PROMPTS = [
     "Explain how a rainbow forms.",
@@ -225,7 +228,7 @@ def run(args) -> dict:
     spec = resolve_args(args)
     steps = args.warmup + args.steps
     rows = args.prompts * args.rollout_n
-    lengths = long_tail_lengths(rows) if spec.get("lengths") == "long_tail" else None
+    lengths = long_tail_lengths(rows, cap=spec["response_len"]) if spec.get("lengths") == "long_tail" else None
     with tempfile.TemporaryDirectory(prefix="paddle_rl_bench_") as tmp:
         start = time.perf_counter()
         if spec["model"] == "path":
@@ -244,7 +247,7 @@ def run(args) -> dict:
             "update_iters": 1, "per_device_train_batch_size": rows, "per_device_logprob_batch_size": rows,
             "kl_loss_coeff": args.kl_loss_coeff, "learning_rate": 1e-5, "max_steps": steps, "save_strategy": "no",
             "do_eval": False, "report_to": "none", "disable_tqdm": True, "reward_funcs": ["bench_distinct_chars"],
-            "seed": args.seed,
+            "seed": args.seed, **spec["settings"],
         }
         for item in args.set or []:
             key, value = item.split("=", 1)

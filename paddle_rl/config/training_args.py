@@ -17,6 +17,15 @@ class TrainingArgs:
     update_iters: int = arg(1, "Passes over each rollout batch.")
     per_device_train_batch_size: int = arg(8, "Sequences per micro-batch in the update (gradient accumulation fills the mini-batch).")
     per_device_logprob_batch_size: int = arg(8, "Sequences per forward pass for reference / old log-probs.")
+    max_tokens_per_micro_batch: int = arg(0, "Form the micro-batches of the update and of the reference / old "
+                                             "log-prob passes by a token budget instead of a row count (verl's "
+                                             "ppo_max_token_len_per_gpu): rows sorted by length, each micro-batch "
+                                             "padded to its own longest prompt and response and holding at most this "
+                                             "many tokens (rows x (longest prompt + longest response); with "
+                                             "use_remove_padding the packed tokens, each shared prompt once). A "
+                                             "sequence longer than the budget runs alone (logged once). The "
+                                             "per_device_*_batch_size row counts are then not used. Same loss and "
+                                             "gradients as the row split. 0: off.")
     per_device_reward_batch_size: int = arg(8, "Responses per reward call.")
     per_device_value_batch_size: int = arg(8, acted=False)
     num_train_epochs: float = arg(1.0, "Epochs over the training prompts (max_steps wins when > 0).")
@@ -53,8 +62,17 @@ class TrainingArgs:
     evaluation_strategy: str = arg("steps", "steps | no.")
     eval_steps: int = arg(20, "Evaluate every this many steps.")
     per_device_eval_batch_size: int = arg(32, "Prompts decoded at once in evaluation.")
-    balance_batch: bool = arg(False, acted=False)
-    use_remove_padding: bool = arg(False, acted=False)
+    balance_batch: bool = arg(False, "Under data / sharding parallelism, assign each mini-batch's prompt groups to "
+                                      "the ranks by their tokens (largest first onto the least loaded rank) instead "
+                                      "of the same contiguous share; rows move after the rollout, the update equals "
+                                      "the unbalanced one (metric perf/token_imbalance). Does nothing with one "
+                                      "process or one batch rank.")
+    use_remove_padding: bool = arg(False, "Pack each micro-batch of the update and log-prob passes into one row of "
+                                          "real tokens (each shared prompt once, then its responses) with "
+                                          "per-sequence positions and attention per block of similar-length "
+                                          "segments: no padding in projections, MLP, norms or the LM head. Same "
+                                          "log-probs and gradients as the padded layout. Not with "
+                                          "pipeline_parallel_degree > 1.")
 
     def _validate_training(self, errors):
         positive = ("global_batch_size", "update_iters", "per_device_train_batch_size",
@@ -79,6 +97,11 @@ class TrainingArgs:
         if self.max_steps == 0 or self.max_steps < -1:
             errors.append(f"max_steps: must be > 0 or -1, got {self.max_steps}")
         self._check_max_length(errors)
+        if self.max_tokens_per_micro_batch < 0:
+            errors.append(f"max_tokens_per_micro_batch: must be >= 0 (0: off), got {self.max_tokens_per_micro_batch}")
+        if self.use_remove_padding and getattr(self, "pipeline_parallel_degree", 1) > 1:
+            errors.append("use_remove_padding: packed micro-batches are not supported with pipeline_parallel_degree "
+                          f"{self.pipeline_parallel_degree} (the stages exchange padded activations); set it to false")
         mini = self.mini_batch_prompts
         if self.global_batch_size >= 1 and mini >= 1 and self.global_batch_size % mini:
             errors.append(f"global_mini_batch_size: {mini} does not divide global_batch_size {self.global_batch_size}")

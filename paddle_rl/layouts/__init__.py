@@ -3,20 +3,25 @@
 The trainer talks to one `Layout` (base.py) and never branches on the layout or reads the topology:
 - `Replicated` (replicated.py): one process, data parallelism, sharding stage 1/2 and tensor parallelism:
   every rank runs whole micro-batches through its (possibly tensor-split) model;
+- `MicroBatching` (micro.py): micro-batches by rows or by a token budget, padded to their own longest or packed;
 - `Pipelined` (pipelined.py): consecutive layer ranges on the stages of a pipeline, 1F1B schedule;
 - the rollout (rollout.py) decodes on the training model itself or on a copy resharded to
   `rollout_tensor_parallel_degree` (a pipeline rolls out on a gathered copy).
 """
 from ..parallel.topology import Topology, single_process
 from .base import BatchGroup, Layout
+from .micro import MicroBatching
 from .pipelined import Pipelined
 from .replicated import Replicated
 
 
-def build_layout(topo: Topology = None, share_prompts: bool = True) -> Layout:
+def build_layout(topo: Topology = None, share_prompts: bool = True, max_tokens: int = 0,
+                 remove_padding: bool = False) -> Layout:
+    """`share_prompts`, `max_tokens` (a token budget per micro-batch, 0: rows) and `remove_padding` (packed
+    micro-batches) choose how micro-batches are formed and run (micro.py)."""
     topo = topo or single_process()
     cls = Pipelined if topo.pp_degree > 1 else Replicated
-    return cls(topo, share_prompts)
+    return cls(topo, share_prompts, max_tokens, remove_padding)
 
 
-__all__ = ["Layout", "BatchGroup", "Replicated", "Pipelined", "build_layout"]
+__all__ = ["Layout", "BatchGroup", "MicroBatching", "Replicated", "Pipelined", "build_layout"]

@@ -7,7 +7,9 @@ arguments of checkpoint save / resume, and the model the rollout decodes with.
 With a single process every method does exactly what the plain trainer did (no collectives, same
 arithmetic). Under a parallel topology:
 - the batch is split over the batch group (data x sharding) by whole prompts, each rank taking the same
-  share of every mini-batch, so mini-batch contents match the single-process run;
+  share of every mini-batch, so mini-batch contents match the single-process run; with balance_batch the
+  prompt groups of each mini-batch move between ranks after the rollout, balancing their tokens
+  (`BatchGroup.place`);
 - loss normalizers, statistics and metrics are summed over the batch group;
 - gradients are summed over the batch group (parallel/sharding.py), the norm counts every element once;
 - only global rank 0 writes metrics and checkpoints (each rank adds its optimizer shard).
@@ -24,7 +26,24 @@ from ..models import load_weights
 from ..parallel import collectives as C
 from ..parallel.sharding import GradientSync, build_sharded_optimizer, optimizer_state_bytes
 from ..parallel.topology import TopologyError
+from .micro import MicroBatching
 from .rollout import Rollout
+
+
+def balance_groups(tokens, ranks: int) -> np.ndarray:
+    """The rank of each group: largest first onto the rank with the fewest tokens so far (ties: the lower rank)."""
+    tokens = np.asarray(tokens, dtype=np.float64)
+    loads = np.zeros(ranks)
+    owner = np.zeros(len(tokens), dtype=np.int64)
+    for g in np.argsort(-tokens, kind="stable"):
+        owner[g] = int(np.argmin(loads))
+        loads[owner[g]] += tokens[g]
+    return owner
+
+
+def row_tokens(batch: StepBatch) -> np.ndarray:
+    """Prompt + response tokens of each row (what its log-prob and update passes cost)."""
+    return np.array([len(p) for p in batch["prompt_ids"]], dtype=np.int64) + np.asarray(batch["lengths"], np.int64)
 
 
 class BatchGroup:
@@ -79,6 +98,39 @@ class BatchGroup:
     def local_prompts(self, prompts: int) -> int:
         return prompts // self.degree
 
+    def place(self, batch: StepBatch, n: int, mini_prompts: int, balance: bool):
+        """(this rank's rows for the log-prob and update passes, metrics). Adds column `mini_batch` (each row's
+        mini-batch). Without `balance` the rows stay where the rollout put them (the same contiguous share of
+        every mini-batch); with it, each mini-batch's prompt groups are assigned to the ranks by their tokens
+        (`balance_groups`; ranks may hold different numbers of groups, the union is the same mini-batch).
+        perf/token_imbalance: the largest rank's tokens of a mini-batch over the ranks' mean, averaged over the
+        mini-batches (1 for one process)."""
+        if balance and self.degree > 1:
+            whole = self.to_global(batch, n, mini_prompts)
+            sizes = row_tokens(whole).reshape(-1, n).sum(1)
+            mine, minis = [], []
+            for m, start in enumerate(range(0, len(sizes), mini_prompts)):
+                owner = balance_groups(sizes[start:start + mini_prompts], self.degree)
+                groups = start + np.flatnonzero(owner == self.rank)
+                mine += [g * n + np.arange(n) for g in groups]
+                minis += [m] * (len(groups) * n)
+            batch = whole.select(np.concatenate(mine) if mine else np.zeros(0, np.int64))
+            batch["mini_batch"] = np.array(minis, dtype=np.int64)
+        else:
+            batch["mini_batch"] = np.arange(batch.size) // (self.local_prompts(mini_prompts) * n)
+        return batch, {"perf/token_imbalance": self.token_imbalance(batch)}
+
+    def token_imbalance(self, batch: StepBatch) -> float:
+        """Max over ranks of a mini-batch's tokens / their mean, averaged over the mini-batches."""
+        if self.group is None:
+            return 1.0
+        mine = np.bincount(batch["mini_batch"], weights=row_tokens(batch)) if batch.size else np.zeros(0)
+        parts = C.gather_objects(mine, self.group)
+        width = max(len(p) for p in parts)
+        loads = np.stack([np.pad(p, (0, width - len(p))) for p in parts])
+        mean = loads.mean(0)
+        return float(np.mean(loads.max(0)[mean > 0] / mean[mean > 0])) if (mean > 0).any() else 1.0
+
     def sum(self, values) -> np.ndarray:
         """float64 sum over the batch group."""
         return C.sum_numpy(values, self.group)
@@ -123,9 +175,9 @@ class Layout(abc.ABC):
     """Base of the layouts: what they share. Subclasses implement the abstract methods (load_model, full_state,
     _logprob_chunks, forward_backward); the rest is common."""
 
-    def __init__(self, topo, share_prompts: bool = True):
+    def __init__(self, topo, share_prompts: bool = True, max_tokens: int = 0, remove_padding: bool = False):
         self._topo = topo
-        self.share_prompts = share_prompts
+        self.micro = MicroBatching(share_prompts, max_tokens, remove_padding)
         self.batch = BatchGroup(topo)
         self.grad_sync = None
         self.rollout = Rollout(topo, self)
@@ -185,26 +237,33 @@ class Layout(abc.ABC):
     @paddle.no_grad()
     def logprobs(self, model, batch: StepBatch, temperature: float, micro_batch_size: int,
                  with_entropy: bool = False):
-        """No-grad log-probs of the batch's responses, numpy [B, T] (and the entropy), zero outside the mask."""
+        """No-grad log-probs of the batch's responses, numpy [B, T] (and the entropy), zero outside the mask, in the
+        batch's row order. Micro-batches: `micro_batch_size` rows, or the token budget (self.micro)."""
         was_training = model.training
         model.eval()
-        chunks = self._logprob_chunks(model, batch, temperature, micro_batch_size, with_entropy)
+        chunks = self._logprob_chunks(model, batch, self.micro.plan(batch, micro_batch_size), temperature,
+                                      with_entropy)
         if was_training:
             model.train()
         mask = batch["response_mask"]
-        logp = np.concatenate([c[0] for c in chunks]) * mask
-        return (logp, np.concatenate([c[1] for c in chunks]) * mask) if with_entropy else logp
+        out = [np.zeros(mask.shape, dtype=np.float32) for _ in range(2 if with_entropy else 1)]
+        for rows, *values in chunks:
+            for full, value in zip(out, values):
+                full[rows, :value.shape[1]] = value
+        return (out[0] * mask, out[1] * mask) if with_entropy else out[0] * mask
 
     @abc.abstractmethod
-    def _logprob_chunks(self, model, batch: StepBatch, temperature: float, micro_batch_size: int,
+    def _logprob_chunks(self, model, batch: StepBatch, plan: List[np.ndarray], temperature: float,
                         with_entropy: bool) -> list:
-        """(logp, entropy or None) numpy arrays of each micro-batch of rows, in order."""
+        """(rows, logp, entropy or None) of each micro-batch of `plan` (row indices): numpy arrays [rows, width of
+        the micro-batch]."""
 
     @abc.abstractmethod
     def forward_backward(self, model, mini: StepBatch, keys: List[str], micro: int, temperature: float,
                          loss_fn: Callable) -> list:
-        """Forward + backward of every micro-batch of a mini-batch; loss_fn(part, logp, entropy) -> LossOutput.
-        Returns this rank's LossOutputs (under a pipeline only the last stage has them)."""
+        """Forward + backward of every micro-batch of a mini-batch (`micro` rows, or the token budget);
+        loss_fn(part, logp, entropy) -> LossOutput with `part` the micro-batch's tensors (StepBatch.tensors of
+        StepBatch.micro). Returns this rank's LossOutputs (under a pipeline only the last stage has them)."""
 
     # ---------------------------------------------------------------- optimizer
     def build_optimizer(self, model, config, total_steps: int):

@@ -1,6 +1,9 @@
 """Pipeline parallelism: each stage holds a consecutive range of layers (the same CausalLM restricted to it),
 micro-batches move over send/recv in the 1F1B schedule of parallel/pipeline.py. Tied embeddings keep a copy of
-the table on the last stage whose gradient is summed with the first stage's."""
+the table on the last stage whose gradient is summed with the first stage's. Micro-batches come from the layout's
+MicroBatching (rows or a token budget, each padded to its own longest; every stage of a pipeline holds the same
+batch, so every stage plans the same micro-batches); packed rows (use_remove_padding) are refused at config
+check."""
 import paddle
 import paddle.distributed as dist
 
@@ -12,10 +15,10 @@ from ..parallel.watchdog import watched
 from .base import Layout
 
 
-def _inputs(part):
-    mask = part["attention_mask"]
-    return (part["input_ids"], position_ids_from_mask(mask),
-            attention_bias_from_mask(mask, part["input_ids"].shape[1], causal=True))
+def _inputs(tensors):
+    mask = tensors["attention_mask"]
+    return (tensors["input_ids"], position_ids_from_mask(mask),
+            attention_bias_from_mask(mask, tensors["input_ids"].shape[1], causal=True))
 
 
 class Pipelined(Layout):
@@ -35,49 +38,55 @@ class Pipelined(Layout):
                 merged.setdefault(k, v)
         return merged
 
-    def _stage_fn(self, model, parts, prompt_width, temperature, with_entropy, loss_fn=None, outputs=None):
+    def _stage_fn(self, model, parts, temperature, with_entropy, loss_fn=None, outputs=None):
+        """`parts`: (micro-batch, its tensors) pairs."""
         def forward(i, x):
-            ids, pos, bias = _inputs(parts[i])
+            part, tensors = parts[i]
+            ids, pos, bias = _inputs(tensors)
             y = model.hidden_states(ids if model.is_first else x, pos, bias)
             if not model.is_last:
                 return y
-            response_ids = parts[i]["response_ids"]
-            hidden = y[:, prompt_width - 1:prompt_width - 1 + response_ids.shape[1]]
+            response_ids, width = tensors["response_ids"], part.prompt_width
+            hidden = y[:, width - 1:width - 1 + response_ids.shape[1]]
             logp, entropy = model.head_logprobs(hidden, response_ids, temperature, with_entropy)
             if loss_fn is None:
                 return logp, entropy
-            out = loss_fn(parts[i], logp, entropy)
+            out = loss_fn(tensors, logp, entropy)
             outputs.append(out)
             return out.loss
         return forward
 
     def _act_shape(self, model, parts):
-        return lambda i: [parts[i]["input_ids"].shape[0], parts[i]["input_ids"].shape[1], model.config.hidden_size]
+        return lambda i: [*parts[i][1]["input_ids"].shape, model.config.hidden_size]
 
-    def _logprob_chunks(self, model, batch, temperature: float, micro_batch_size: int, with_entropy: bool) -> list:
+    @staticmethod
+    def _parts(batch, plan, keys=None):
+        parts = [batch.micro(rows) for rows in plan]
+        return [(part, part.tensors(keys=keys)) for part in parts]
+
+    def _logprob_chunks(self, model, batch, plan, temperature: float, with_entropy: bool) -> list:
         """Forward only through the stages; the last stage broadcasts each micro-batch's log-probs to its
         pipeline."""
-        parts = [batch.tensors(slice(s, s + micro_batch_size)) for s in range(0, batch.size, micro_batch_size)]
+        parts = self._parts(batch, plan)
         link = Link(self._topo)
-        outs = forward_only(link, len(parts), self._stage_fn(model, parts, batch.prompt_width, temperature,
-                                                             with_entropy), self._act_shape(model, parts))
+        outs = forward_only(link, len(parts), self._stage_fn(model, parts, temperature, with_entropy),
+                            self._act_shape(model, parts))
         chunks = []
-        for part, out in zip(parts, outs):
-            shape = list(part["response_ids"].shape)
+        for rows, (_, tensors), out in zip(plan, parts, outs):
+            shape = list(tensors["response_ids"].shape)
             logp, ent = out if out is not None else (paddle.empty(shape, "float32"),
                                                      paddle.empty(shape, "float32") if with_entropy else None)
             with watched(f"broadcast of log-probs from rank {link.last_rank}", link.group):
                 dist.broadcast(logp, src=link.last_rank, group=link.group)
                 if with_entropy:
                     dist.broadcast(ent, src=link.last_rank, group=link.group)
-            chunks.append((logp.numpy(), None if ent is None else ent.numpy()))
+            chunks.append((rows, logp.numpy(), None if ent is None else ent.numpy()))
         return chunks
 
     def forward_backward(self, model, mini, keys, micro: int, temperature: float, loss_fn) -> list:
-        parts = [mini.tensors(slice(s, s + micro), keys) for s in range(0, mini.size, micro)]
+        parts = self._parts(mini, self.micro.plan(mini, micro), keys)
         outputs = []
-        train_1f1b(Link(self._topo), len(parts),
-                   self._stage_fn(model, parts, mini.prompt_width, temperature, True, loss_fn, outputs),
+        train_1f1b(Link(self._topo), len(parts), self._stage_fn(model, parts, temperature, True, loss_fn, outputs),
                    self._act_shape(model, parts))
         return outputs
 

@@ -137,11 +137,13 @@ class Pass:
     positions and inverse frequencies the fused kernel takes), the additive attention bias and per-layer
     caches. `decode_start` [B] marks a decode step: one token per row, attending to cache slots from
     decode_start[b] on. MoE blocks add their router statistics to `router` (none in a decode step), each token
-    weighted by `token_weight` [B, T] (0 on padding; None: every token counts once)."""
+    weighted by `token_weight` [B, T] (0 on padding; None: every token counts once). `packing` (packing.Packing)
+    marks a packed row of several sequences: attention runs on its blocks instead of a bias over the row."""
 
     def __init__(self, rotary, position_ids, attention_bias=None, caches=None, decode_start=None, token_weight=None,
-                 router=None):
+                 router=None, packing=None):
         self.position_ids = position_ids
+        self.packing = packing
         self.attention_bias = attention_bias
         self.caches = caches
         self.decode_start = decode_start
@@ -190,9 +192,10 @@ class Attention(nn.Layer):
         v = v.reshape([batch, length, self.num_kv_heads, self.head_dim])
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q = ops.rotary(q, p.cos, p.sin).transpose([0, 2, 1, 3])
-        k = ops.rotary(k, p.cos, p.sin).transpose([0, 2, 1, 3])
-        v = v.transpose([0, 2, 1, 3])
+        q, k = ops.rotary(q, p.cos, p.sin), ops.rotary(k, p.cos, p.sin)
+        if p.packing is not None:  # several sequences in one row: attention on the packing's blocks
+            return self.o_proj(p.packing.attend(q, k, v, self.scale))
+        q, k, v = q.transpose([0, 2, 1, 3]), k.transpose([0, 2, 1, 3]), v.transpose([0, 2, 1, 3])
         if cache is not None:
             k, v = cache.update(k, v)
         groups = self.num_heads // self.num_kv_heads
@@ -339,6 +342,12 @@ class CausalLM(nn.Layer):
     def hidden_states(self, inputs, position_ids, attention_bias, cache=None, token_weight=None):
         """`token_weight` [B, T]: how much each token counts in the load-balancing loss (None: all once)."""
         return self.run(inputs, Pass(self.rotary, position_ids, attention_bias, cache, token_weight=token_weight))
+
+    def packed_hidden_states(self, packing):
+        """hidden_states [1, N, hidden] of a packed row (packing.Packing: real tokens only, attention per
+        segment block)."""
+        return self.run(packing.input_ids, Pass(self.rotary, packing.position_ids, token_weight=packing.token_weight,
+                                                packing=packing))
 
     # ---------------------------------------------------------------- Mixture-of-Experts load balancing
     def aux_loss(self):

@@ -1,4 +1,5 @@
-"""Per-token log-probs (and entropy) of response tokens under a model, for one micro-batch.
+"""Per-token log-probs (and entropy) of response tokens under a model, for one micro-batch (padded, or packed
+into one row: packing.py).
 
 The LM head runs on response positions only (`CausalLM.head_logprobs`: chunked, or vocabulary-parallel
 under tensor parallelism).
@@ -33,3 +34,11 @@ def token_logprobs(model, input_ids, attention_mask, prompt_width: int, response
     """
     hidden = response_hidden(model, input_ids, attention_mask, prompt_width, response_ids.shape[1], shared_prompts)
     return model.head_logprobs(hidden, response_ids, temperature, with_entropy)
+
+
+def packed_token_logprobs(model, packing, temperature: float, with_entropy: bool = False):
+    """token_logprobs of a packed micro-batch (packing.Packing): [b, W] (and entropy), the LM head on the
+    positions that predict real response tokens only; 0 where nothing is predicted."""
+    hidden = paddle.gather(model.packed_hidden_states(packing)[0], packing.select).unsqueeze(0)
+    logp, entropy = model.head_logprobs(hidden, packing.targets, temperature, with_entropy)
+    return packing.place(logp), None if entropy is None else packing.place(entropy)

@@ -44,7 +44,9 @@ class RLTrainer:
         self.config = config
         ops.configure(config.use_custom_ops)
         self.layout = build_layout(topology if topology is not None else _topology(config),
-                                   share_prompts=config.share_prompt_prefix)
+                                   share_prompts=config.share_prompt_prefix,
+                                   max_tokens=config.max_tokens_per_micro_batch,
+                                   remove_padding=config.use_remove_padding)
         self.layout.check_config(config)
         check_shared_folder(config.output_dir, self.layout.first_of_ranks, **self.layout.resume_args())
         seed_rngs(config.seed)
@@ -198,18 +200,17 @@ class RLTrainer:
 
     def _update(self, batch: StepBatch, timer: StageTimer) -> dict:
         cfg = self.config
-        n = cfg.rollout_n
-        mini_size = self.layout.batch.local_prompts(cfg.mini_batch_prompts) * n
+        minis = [np.flatnonzero(batch["mini_batch"] == m) for m in np.unique(batch["mini_batch"])]
         micro = cfg.per_device_train_batch_size
         keys = ["old_logp", "advantages"] + (["ref_logp"] if self.reference is not None else [])
         collected, weights, grad_norms, lrs = {}, [], [], []
         step, rank = self.step + 1, self.layout.rank
-        updates, skipped = cfg.update_iters * -(-batch.size // mini_size), 0
+        updates, skipped = cfg.update_iters * len(minis), 0
         self.actor.train()
         with timer.stage("update"):
             for _ in range(cfg.update_iters):
-                for start in range(0, batch.size, mini_size):
-                    mini = batch.select(slice(start, min(start + mini_size, batch.size)))
+                for rows in minis:
+                    mini = batch.select(rows)
                     # global token / sequence counts (summed over data-parallel ranks)
                     num_tokens, num_seqs = (float(v) for v in self.layout.batch.sum(
                         self.objective.loss_normalizers(mini["response_mask"])))
@@ -286,6 +287,8 @@ class RLTrainer:
         metrics.update(reward_result(everything).metrics("reward"))
         metrics.update(self._length_metrics(everything))
         generated = float(pool["lengths"].sum())
+        batch, placement = self.layout.batch.place(batch, cfg.rollout_n, cfg.mini_batch_prompts, cfg.balance_batch)
+        metrics.update(placement)
         batch["group"] = np.arange(batch.size) // cfg.rollout_n
         batch.with_prompt_layout(self.pad_id)
         if not reuses_rollout_logprobs(cfg, self.mini_batches_per_step):

@@ -1,0 +1,32 @@
+"""`paddle-rl bench` workloads through the real trainer: W2's EOS schedule forces exactly its lengths, and the
+rollout decodes each row only while it lives (decode_row_steps <= generated tokens)."""
+import argparse
+
+from paddle_rl import bench
+
+
+def args_for(*argv):
+    p = argparse.ArgumentParser()
+    bench.add_arguments(p)
+    return p.parse_args(list(argv))
+
+
+def test_long_tail_lengths_have_the_promised_shape():
+    lengths = bench.long_tail_lengths(64)
+    assert len(lengths) == 64 and max(lengths) == 1024 and min(lengths) >= 1
+    assert 90 <= sorted(lengths)[31] <= 100   # median about 96
+    assert bench.long_tail_lengths(64, cap=48) == [min(n, 48) for n in lengths]
+
+
+def test_w2_generates_the_schedule_and_decodes_live_rows_only():
+    result = bench.run(args_for("--workload", "w2", "--response-len", "40", "--steps", "1", "--warmup", "0",
+                                "--prompts", "2", "--rollout-n", "4", "--kl-loss-coeff", "0"))
+    lengths = bench.long_tail_lengths(8, cap=40)
+    assert result["generated_tokens"] == sum(lengths)
+    assert result["response_length_mean"] == sum(lengths) / 8
+    # every row is in a decode step only until its last token: L - 1 steps for a row of L tokens
+    assert result["decode_row_steps"] == sum(n - 1 for n in lengths)
+    assert result["trained_tokens"] == sum(lengths)
+    for key in ("step_s", "rollout_s", "ref_logprob_s", "update_s", "effective_gflops", "rollout_gflops",
+                "peak_gflops", "peak_rss_mb"):
+        assert key in result
