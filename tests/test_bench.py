@@ -2,7 +2,17 @@
 rollout decodes each row only while it lives (decode_row_steps <= generated tokens)."""
 import argparse
 
+import pytest
+
 from paddle_rl import bench
+from paddle_rl.rewards.rules import RULE_REWARDS
+
+
+@pytest.fixture
+def bench_rule():
+    """The benchmark registers its reward rule; it leaves the registry with the test."""
+    yield
+    RULE_REWARDS.pop("bench_distinct_chars", None)
 
 
 def args_for(*argv):
@@ -18,7 +28,7 @@ def test_long_tail_lengths_have_the_promised_shape():
     assert bench.long_tail_lengths(64, cap=48) == [min(n, 48) for n in lengths]
 
 
-def test_w2_generates_the_schedule_and_decodes_live_rows_only():
+def test_w2_generates_the_schedule_and_decodes_live_rows_only(bench_rule):
     result = bench.run(args_for("--workload", "w2", "--response-len", "40", "--steps", "1", "--warmup", "0",
                                 "--prompts", "2", "--rollout-n", "4", "--kl-loss-coeff", "0"))
     lengths = bench.long_tail_lengths(8, cap=40)

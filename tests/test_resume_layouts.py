@@ -21,12 +21,11 @@ import signal
 import subprocess
 import sys
 import time
-import uuid
 
 import numpy as np
 import pytest
 
-from test_dead_rank import MARKER, marked_pids
+from test_dead_rank import MARKER, marked_pids, run_marker  # noqa: F401 (a fixture)
 from test_parallel import run_overrides
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -59,17 +58,6 @@ def plugin(tmp_path_factory):
     path = tmp_path_factory.mktemp("resume-layouts") / "rewards.py"
     path.write_text(PLUGIN)
     return str(path)
-
-
-@pytest.fixture
-def run_marker():
-    marker = uuid.uuid4().hex
-    yield marker
-    for pid in marked_pids(marker):  # whatever a failed case left behind
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
 
 
 def start(micro, plugin, out_dir, log_dir, marker, env=None, **extra):

@@ -9,16 +9,14 @@ it in its own output_dir).
 """
 import os
 import re
-import signal
 import socket
 import subprocess
 import sys
 import time
-import uuid
 
 import pytest
 
-from test_dead_rank import MARKER, marked_pids
+from test_dead_rank import MARKER, marked_pids, run_marker  # noqa: F401 (a fixture)
 from test_parallel import PLUGIN, assert_parity, run_overrides
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -33,17 +31,6 @@ def plugin(tmp_path_factory):
     path = tmp_path_factory.mktemp("two-nodes") / "rewards.py"
     path.write_text(PLUGIN)
     return str(path)
-
-
-@pytest.fixture
-def run_marker():
-    marker = uuid.uuid4().hex
-    yield marker
-    for pid in marked_pids(marker):  # whatever a failed case left behind
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
 
 
 def free_port() -> int:
