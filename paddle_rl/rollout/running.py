@@ -26,6 +26,7 @@ class RunningBatch:
         self.layers: List[LayerCache] = [LayerCache() for _ in range(num_layers)]
         self.seqs: List[Sequence] = []
         self.start = np.zeros(0, dtype=np.int64)
+        self._start_t = None
         self.capacity = 0
         # per-row tensors, aligned with seqs
         self.logits = None        # [R, V] the next token's logits
@@ -91,6 +92,7 @@ class RunningBatch:
         starts = [self.start[keep] - origin + (width - old_width)] + \
                  [np.array([width - len(s.prompt) for s in new_seqs], dtype=np.int64)]
         self.start = np.concatenate(starts).astype(np.int64)
+        self._start_t = None
         for s in new_seqs:
             s.joined_at = decode_count
         for name in ("logits", "uniforms", "seen", "targets"):
@@ -108,4 +110,7 @@ class RunningBatch:
         self.peak_slots = max(self.peak_slots, len(seqs) * capacity)
 
     def start_tensor(self):
-        return paddle.to_tensor(self.start)
+        """`start` as a tensor (rebuilt only after a relayout changes it)."""
+        if self._start_t is None:
+            self._start_t = paddle.to_tensor(self.start)
+        return self._start_t
