@@ -136,10 +136,6 @@ def test_layer_cache_writes_in_place():
         growing.update(k, k)
     assert growing.length == 15 and growing.k.shape[2] >= 15
     np.testing.assert_array_equal(growing.keys.numpy()[:, :, 12:], k.numpy())
-    growing.repeat_interleave(2)
-    assert growing.k.shape[0] == 4 and growing.keys.shape == [4, 1, 15, 2]
-    growing.select(paddle.to_tensor([3, 0]))
-    np.testing.assert_array_equal(growing.keys.numpy()[1], np.tile(k.numpy()[0], (1, 5, 1)))   # row 0, 5 updates
 
 
 def test_rollout_logprobs_equal_old_logprob_pass():

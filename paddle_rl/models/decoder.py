@@ -96,15 +96,6 @@ class LayerCache:
     def values(self):
         return self.v if self.length == self.v.shape[2] else self.v[:, :, :self.length]
 
-    def repeat_interleave(self, n: int):
-        if n > 1:
-            self.k = paddle.repeat_interleave(self.k, n, axis=0)
-            self.v = paddle.repeat_interleave(self.v, n, axis=0)
-
-    def select(self, index):
-        self.k = paddle.gather(self.k, index, axis=0)
-        self.v = paddle.gather(self.v, index, axis=0)
-
 
 class RecordingCache:
     """Keeps the keys and values of one layer's pass (autograd intact) so a later pass can attend to them."""
