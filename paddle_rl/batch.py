@@ -15,7 +15,8 @@ from typing import Dict, Iterable, List, Optional, Sequence
 import numpy as np
 import paddle
 
-RESPONSE_COLUMNS = ("response_ids", "response_mask", "rollout_logp", "old_logp", "ref_logp", "advantages")
+RESPONSE_COLUMNS = ("response_ids", "response_mask", "rollout_logp", "old_logp", "ref_logp", "advantages",
+                    "is_weight")
 
 
 def object_column(values: Iterable) -> np.ndarray:

@@ -21,6 +21,7 @@ from ..config import ConfigError
 from ._tensor import as_tensor, metrics_to_floats, to_numpy
 from .advantages import ADVANTAGE_ESTIMATORS, reward_kl_per_token
 from .aggregation import LOSS_AGG_MODES, aggregate_loss, loss_normalizers
+from .correction import SUMMED, correction_metrics, rollout_correction
 from .dapo import overlong_filtered_mask, select_groups, soft_overlong_penalty, zero_variance_groups
 from .kl import KL_ESTIMATORS, AdaptiveKLController, FixedKLController, kl_penalty
 from .losses import POLICY_LOSSES, masked_mean, policy_loss_tensors
@@ -180,6 +181,18 @@ class Objective:
             return response_mask
         return overlong_filtered_mask(response_mask, truncated)
 
+    def rollout_correction(self, old_logp, rollout_logp, response_mask):
+        """(is_weight [B, T], update mask [B, T], metrics) of the rollout correction the config asks for
+        (rollout_is, rollout_rs, rollout_token_veto_threshold; algorithms/correction.py), statistics over the whole
+        batch (summed through `reduce`; the */max metrics are this rank's, reduce_metrics takes the largest)."""
+        cfg = self.config
+        weight, keep, sums = rollout_correction(
+            old_logp, rollout_logp, response_mask, is_level=cfg.rollout_is, is_threshold=cfg.rollout_is_threshold,
+            rs_level=cfg.rollout_rs, rs_upper=cfg.rollout_rs_threshold, rs_lower=cfg.rollout_rs_threshold_lower,
+            veto_threshold=cfg.rollout_token_veto_threshold)
+        totals = dict(zip(SUMMED, global_sum([sums[k] for k in SUMMED], self.reduce)))
+        return weight, keep, correction_metrics(dict(sums, **totals))
+
     def advantages(self, scores, response_mask, group_ids, old_logp=None, ref_logp=None,
                    per_function_scores=None):
         """Advantages, float32 Paddle tensor [B, T] (zero outside the mask). No side effects."""
@@ -273,9 +286,11 @@ class Objective:
         """(tokens, sequences) of a micro-batch's update mask; sum over the mini-batch and ranks for `loss`."""
         return loss_normalizers(response_mask)
 
-    def loss(self, logp, old_logp, ref_logp, advantages, response_mask, entropy, num_tokens, num_seqs) -> LossOutput:
+    def loss(self, logp, old_logp, ref_logp, advantages, response_mask, entropy, num_tokens, num_seqs,
+             is_weight=None) -> LossOutput:
         """This micro-batch's share of the mini-batch loss:
-        aggregate(pg_loss_coeff * pg + kl_loss_coeff * kl(logp, ref) - entropy_coeff * entropy).
+        aggregate(pg_loss_coeff * w * pg + kl_loss_coeff * kl(logp, ref) - entropy_coeff * entropy), with w the
+        rollout correction's per-token IS weight (`rollout_correction`; 1 without it).
 
         num_tokens / num_seqs: mini-batch totals over all micro-batches and data-parallel ranks. The sum of
         the returned losses over the micro-batches and ranks is the mini-batch loss; when the gradient sync
@@ -285,6 +300,8 @@ class Objective:
         logp = as_tensor(logp)
         mask = as_tensor(response_mask, like=logp)
         pg, metrics = policy_loss_tensors(cfg.policy_loss, logp, old_logp, advantages, mask, **self._loss_options)
+        if is_weight is not None:
+            pg = pg * as_tensor(is_weight, like=logp)
         total = cfg.pg_loss_coeff * pg
         with paddle.no_grad():
             metrics["pg_loss"] = masked_mean(pg, mask)

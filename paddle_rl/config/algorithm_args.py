@@ -68,6 +68,17 @@ class AlgorithmArgs:
     max_gen_batches: int = arg(2, "DAPO: generation rounds before giving up on filling a batch.")
     dynamic_sampling_fallback: str = arg("error", "After max_gen_batches rounds without enough groups: error | keep "
                                          "(fill up with zero-variance groups).")
+    # rollout correction (verl's names; docs/algorithms.md "Rollout correction")
+    rollout_is: Optional[str] = arg(None, "Truncated importance sampling of the gap between the rollout's and the "
+                                    "trainer's log-probs: token | sequence | null.")
+    rollout_is_threshold: float = arg(2.0, "Upper bound of the rollout IS weight (and rollout_rs_threshold's default).")
+    rollout_rs: Optional[str] = arg(None, "Rejection of tokens or responses whose ratio pi_old / pi_rollout leaves "
+                                    "[rollout_rs_threshold_lower, rollout_rs_threshold]: token | sequence | geometric "
+                                    "| null.")
+    rollout_rs_threshold: Optional[float] = arg(None, "Upper bound of rollout_rs (default rollout_is_threshold).")
+    rollout_rs_threshold_lower: Optional[float] = arg(None, "Lower bound of rollout_rs (default 1 / the upper).")
+    rollout_token_veto_threshold: Optional[float] = arg(None, "A response with any token ratio below this is "
+                                                        "rejected whole (null: off).")
 
     def _validate_algorithm(self, errors):
         for key, allowed in (("rl_algorithm", RL_ALGORITHMS), ("algorithm_preset", tuple(ALGORITHM_PRESETS)),
@@ -111,6 +122,39 @@ class AlgorithmArgs:
             elif max_dec_len is not None and self.overlong_reward_buffer > max_dec_len:
                 errors.append(f"overlong_reward_buffer: {self.overlong_reward_buffer} exceeds "
                               f"max_dec_len {max_dec_len}")
+
+    def _validate_rollout_correction(self, errors):
+        for key, levels in (("rollout_is", ("token", "sequence")), ("rollout_rs", ("token", "sequence", "geometric"))):
+            value = getattr(self, key)
+            if isinstance(value, str) and value.lower() in ("null", "none", ""):
+                value = None
+                setattr(self, key, None)
+            if value is not None and value not in levels:
+                errors.append(f"{key}: {value!r} is not one of {', '.join(levels)} or null")
+        for key in ("rollout_is_threshold", "rollout_rs_threshold", "rollout_rs_threshold_lower",
+                    "rollout_token_veto_threshold"):
+            value = getattr(self, key)
+            if value is not None and value <= 0:
+                errors.append(f"{key}: must be > 0, got {value}")
+        upper = self.rollout_rs_threshold if self.rollout_rs_threshold is not None else self.rollout_is_threshold
+        if self.rollout_rs_threshold_lower is not None and upper > 0 and self.rollout_rs_threshold_lower >= upper:
+            errors.append(f"rollout_rs_threshold_lower: {self.rollout_rs_threshold_lower} must be below the upper "
+                          f"bound {upper}")
+        if self.rollout_rs is None:
+            for key in ("rollout_rs_threshold", "rollout_rs_threshold_lower"):
+                if getattr(self, key) is not None:
+                    errors.append(f"{key}: set without rollout_rs (token | sequence | geometric), so nothing reads it")
+        reuse = str(getattr(self, "reuse_rollout_logprobs", "off")).lower()
+        if self.rollout_correction and reuse in ("on", "true", "yes"):
+            errors.append("reuse_rollout_logprobs: on makes the old log-probs the rollout's own, so rollout_is / "
+                          "rollout_rs / rollout_token_veto_threshold would compare them with themselves; set it to "
+                          "auto or off")
+
+    @property
+    def rollout_correction(self) -> bool:
+        """Whether the update corrects for the rollout's own log-probs (rollout_is, rollout_rs or the veto)."""
+        return (self.rollout_is is not None or self.rollout_rs is not None
+                or self.rollout_token_veto_threshold is not None)
 
     # --- resolved settings (what the run actually uses) --------------------------------------
     @property

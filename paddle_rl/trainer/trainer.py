@@ -202,7 +202,7 @@ class RLTrainer:
         cfg = self.config
         minis = [np.flatnonzero(batch["mini_batch"] == m) for m in np.unique(batch["mini_batch"])]
         micro = cfg.per_device_train_batch_size
-        keys = ["old_logp", "advantages"] + (["ref_logp"] if self.reference is not None else [])
+        keys = ["old_logp", "advantages"] + [k for k in ("ref_logp", "is_weight") if k in batch]
         collected, weights, grad_norms, lrs = {}, [], [], []
         step, rank = self.step + 1, self.layout.rank
         updates, skipped = cfg.update_iters * len(minis), 0
@@ -217,7 +217,8 @@ class RLTrainer:
 
                     def loss_fn(part, logp, entropy):
                         out = self.objective.loss(logp, part["old_logp"], part.get("ref_logp"), part["advantages"],
-                                                  part["response_mask"], entropy, num_tokens, num_seqs)
+                                                  part["response_mask"], entropy, num_tokens, num_seqs,
+                                                  part.get("is_weight"))
                         out = self._with_router_aux_loss(out, part, num_seqs)
                         out.loss = faults.poison_loss(step, rank, out.loss)
                         return out
@@ -291,7 +292,7 @@ class RLTrainer:
         metrics.update(placement)
         batch["group"] = np.arange(batch.size) // cfg.rollout_n
         batch.with_prompt_layout(self.pad_id)
-        if not reuses_rollout_logprobs(cfg, self.mini_batches_per_step):
+        if not (reuses_rollout_logprobs(cfg, self.mini_batches_per_step) or cfg.rollout_correction):
             batch.pop("rollout_logp")
         batch["response_mask"] = np.asarray(
             self.objective.response_mask_for_update(batch["response_mask"], batch["truncated"]), dtype=np.float32)
@@ -326,11 +327,19 @@ class RLTrainer:
                 batch["ref_logp"] = self.layout.logprobs(self.reference, batch, cfg.temperature,
                                                          cfg.per_device_logprob_batch_size)
         with timer.stage("old_logprob"):
-            if "rollout_logp" in batch:
+            if "rollout_logp" in batch and not cfg.rollout_correction:
                 batch["old_logp"] = batch.pop("rollout_logp") * mask
             else:
                 batch["old_logp"] = self.layout.logprobs(self.actor, batch, cfg.temperature,
                                                          cfg.per_device_logprob_batch_size)
+        if cfg.rollout_correction:  # rejected tokens leave the mask of everything below
+            batch["is_weight"], batch["response_mask"], corr_metrics = self.objective.rollout_correction(
+                batch["old_logp"], batch.pop("rollout_logp"), mask)
+            mask = batch["response_mask"]
+            metrics.update(self.layout.batch.reduce_metrics(corr_metrics))
+            if self.layout.batch.sum([mask.sum()])[0] == 0:  # every token rejected on every rank: no update
+                metrics["actor/skipped_update"] = 1.0
+                return metrics
         with timer.stage("advantage"):
             adv, adv_metrics = self.objective.step_advantages(
                 batch["scores"], mask, batch["group"], batch["old_logp"], batch.get("ref_logp"),

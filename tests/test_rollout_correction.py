@@ -1,0 +1,153 @@
+"""Rollout correction (rollout_is / rollout_rs / rollout_token_veto_threshold): the math by hand, the loss weight,
+the config checks, and training runs that use it."""
+import math
+
+import numpy as np
+import pytest
+
+from micro_model import micro_overrides
+from paddle_rl.algorithms.correction import correction_metrics, rollout_correction
+from paddle_rl.config import ConfigError, load_config
+from paddle_rl.monitor import read_metrics
+
+BASE = ["actor_model_name_or_path=x"]
+# two responses: log r = old - rollout per token; row 1's third token is padding (its values must not count)
+LOG_R = np.array([[0.1, -0.2, 0.5], [0.0, 1.0, 3.0]])
+MASK = np.array([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+ROLLOUT = np.array([[-1.0, -2.0, -0.5], [-0.3, -1.5, -2.0]])
+OLD = ROLLOUT + LOG_R
+
+
+def correct(**options):
+    weight, keep, sums = rollout_correction(OLD, ROLLOUT, MASK, **options)
+    return weight, keep, correction_metrics(sums)
+
+
+def test_token_is_truncates_each_ratio():
+    weight, keep, _ = correct(is_level="token", is_threshold=1.5)
+    e = math.exp
+    np.testing.assert_allclose(weight, [[e(0.1), e(-0.2), 1.5], [1.0, 1.5, 0.0]], rtol=1e-6)
+    np.testing.assert_array_equal(keep, MASK)  # IS alone rejects nothing
+
+
+def test_sequence_is_weights_every_token_by_the_product():
+    weight, _, _ = correct(is_level="sequence", is_threshold=2.0)
+    np.testing.assert_allclose(weight, [[math.exp(0.4)] * 3, [2.0, 2.0, 0.0]], rtol=1e-6)
+
+
+def test_token_rejection_uses_the_reciprocal_lower_bound_by_default():
+    weight, keep, m = correct(rs_level="token", rs_upper=1.5)
+    # ratios 1.105 0.819 1.649 | 1.0 2.718: outside [0.667, 1.5] are the third of row 0 and the second of row 1
+    np.testing.assert_array_equal(keep, [[1, 1, 0], [1, 0, 0]])
+    np.testing.assert_array_equal(weight, MASK)  # no IS: weight 1 under the mask
+    assert m["rollout_corr/rejected_token_share"] == pytest.approx(2 / 5)
+    assert m["rollout_corr/rejected_seq_share"] == 0.0
+    _, keep, _ = correct(rs_level="token", rs_upper=1.5, rs_lower=0.85)  # now 0.819 falls below too
+    np.testing.assert_array_equal(keep, [[1, 0, 0], [1, 0, 0]])
+
+
+def test_sequence_and_geometric_rejection_judge_whole_responses():
+    _, keep, m = correct(rs_level="sequence", rs_upper=1.6)     # e^0.4 = 1.49 kept, e^1.0 = 2.72 rejected
+    np.testing.assert_array_equal(keep, [[1, 1, 1], [0, 0, 0]])
+    assert m["rollout_corr/rejected_seq_share"] == 0.5
+    _, keep, _ = correct(rs_level="geometric", rs_upper=1.2)    # e^(0.4/3) = 1.14 kept, e^(1/2) = 1.65 rejected
+    np.testing.assert_array_equal(keep, [[1, 1, 1], [0, 0, 0]])
+    _, keep, _ = correct(rs_level="geometric", rs_upper=1.1)    # now both
+    np.testing.assert_array_equal(keep, np.zeros_like(MASK))
+
+
+def test_veto_rejects_a_response_with_one_tiny_ratio():
+    _, keep, _ = correct(veto_threshold=0.85)                   # row 0 has e^-0.2 = 0.819
+    np.testing.assert_array_equal(keep, [[0, 0, 0], [1, 1, 0]])
+
+
+def test_metrics_by_hand():
+    _, _, m = correct(is_level="token", is_threshold=1.5)
+    r = np.exp(LOG_R[MASK > 0])
+    log_r = LOG_R[MASK > 0]
+    assert m["rollout_corr/kl"] == pytest.approx(-log_r.mean())             # k1 of KL(rollout || old)
+    assert m["rollout_corr/k3_kl"] == pytest.approx((r - 1 - log_r).mean())
+    assert m["rollout_corr/is_weight_mean"] == pytest.approx(np.minimum(r, 1.5).mean())
+    assert m["rollout_corr/is_weight/max"] == pytest.approx(1.5)
+    assert m["rollout_corr/ratio/max"] == pytest.approx(math.e)             # the padded 3.0 is not counted
+
+
+def test_loss_multiplies_the_policy_term_by_the_weight():
+    from paddle_rl.algorithms.objective import Objective
+    cfg = load_config(None, BASE + ["rl_algorithm=grpo", "kl_loss_coeff=0", "policy_loss=ppo"])
+    obj = Objective(cfg, reduce=None)
+    rng = np.random.default_rng(0)
+    logp = rng.normal(-1, 0.1, (2, 3)).astype(np.float32)
+    old = logp + rng.normal(0, 0.05, (2, 3)).astype(np.float32)
+    adv = rng.normal(0, 1, (2, 3)).astype(np.float32)
+    weight = np.array([[0.5, 1.0, 2.0], [1.5, 0.25, 0.0]], np.float32)
+    plain = obj.loss(logp, old, None, adv, MASK, None, MASK.sum(), 2)
+    weighted = obj.loss(logp, old, None, adv, MASK, None, MASK.sum(), 2, is_weight=weight)
+    assert float(weighted.loss) != pytest.approx(float(plain.loss))
+    # token-mean: the loss is the sum of per-token terms over all tokens; check it term by term
+    terms = []
+    for i in range(2):
+        for j in range(3):
+            one = np.zeros_like(MASK)
+            one[i, j] = MASK[i, j]
+            terms.append(float(obj.loss(logp, old, None, adv, one, None, MASK.sum(), 2).loss) * weight[i, j])
+    assert float(weighted.loss) == pytest.approx(sum(terms), rel=1e-5)
+
+
+def test_config_refuses_what_cannot_act():
+    with pytest.raises(ConfigError, match="rollout_is: 'tok'"):
+        load_config(None, BASE + ["rollout_is=tok"])
+    with pytest.raises(ConfigError, match="reuse_rollout_logprobs"):
+        load_config(None, BASE + ["rollout_is=token", "reuse_rollout_logprobs=on"])
+    with pytest.raises(ConfigError, match="rollout_rs_threshold: set without rollout_rs"):
+        load_config(None, BASE + ["rollout_rs_threshold=2"])
+    with pytest.raises(ConfigError, match="rollout_rs_threshold_lower"):
+        load_config(None, BASE + ["rollout_rs=token", "rollout_rs_threshold=1.5", "rollout_rs_threshold_lower=2"])
+    assert load_config(None, BASE + ["rollout_rs=null"]).rollout_correction is False
+
+
+RULE = "distinct_chars_for_correction_test"
+
+
+@pytest.fixture
+def varied_reward(monkeypatch):
+    """A rule whose scores differ within a group (the share of distinct characters), so advantages are not 0."""
+    from paddle_rl.rewards import register_rule
+    from paddle_rl.rewards.rules import RULE_REWARDS
+    monkeypatch.setitem(RULE_REWARDS, RULE, None)  # the rule leaves the registry with the test
+
+    @register_rule(RULE)
+    def distinct_chars(samples, *args, **kwargs):
+        return np.array([len(set(s.response)) / max(len(s.response), 1) for s in samples], np.float32), None
+
+
+def _train(micro, path, **keys):
+    from paddle_rl.trainer import RLTrainer
+    overrides = micro_overrides(micro, str(path), max_steps=2, do_eval=False, reward_funcs=f"[{RULE}]",
+                                global_mini_batch_size=4, **keys)
+    RLTrainer(load_config(None, overrides)).train()
+    return read_metrics(str(path / "metrics.jsonl"))
+
+
+def test_training_reports_the_gap_and_rejects_by_the_bounds(micro, tmp_path, varied_reward):
+    plain = _train(micro, tmp_path / "plain")
+    assert not any(k.startswith("rollout_corr/") for k in plain[0])
+    assert plain[0]["actor/grad_norm"] > 0
+    corrected = _train(micro, tmp_path / "is", rollout_is="token", rollout_rs="token", rollout_rs_threshold=2.0)
+    for row in corrected:
+        # a synchronous run: the rollout's kernels and the training forward agree to float rounding
+        assert abs(row["rollout_corr/kl"]) < 1e-5 and 0 <= row["rollout_corr/k3_kl"] < 1e-9
+        assert row["rollout_corr/is_weight_mean"] == pytest.approx(1.0, abs=1e-5)
+        assert row["rollout_corr/rejected_token_share"] == 0.0
+    # the same first update: nothing rejected, weights 1 to rounding
+    assert corrected[0]["actor/pg_loss"] == pytest.approx(plain[0]["actor/pg_loss"], rel=1e-4, abs=1e-7)
+    assert corrected[0]["actor/grad_norm"] == pytest.approx(plain[0]["actor/grad_norm"], rel=1e-4)
+    # bounds tighter than the rounding gap reject the tokens where the two forwards differ at all
+    tight = _train(micro, tmp_path / "tight", rollout_rs="token", rollout_rs_threshold=1.0 + 1e-9,
+                   rollout_rs_threshold_lower=1.0 - 1e-9)
+    assert tight[0]["rollout_corr/rejected_token_share"] > 0
+    # a veto at a ratio above 1 rejects every response: the step skips its update (momentum alone would move
+    # the weights)
+    vetoed = _train(micro, tmp_path / "veto", rollout_token_veto_threshold=1.5)
+    assert vetoed[0]["rollout_corr/rejected_seq_share"] == 1.0
+    assert vetoed[0]["actor/skipped_update"] == 1.0 and "actor/grad_norm" not in vetoed[0]
