@@ -1,4 +1,4 @@
-"""`paddle-rl train | eval | data | convert | fetch | reward-server | bench`."""
+"""`paddle-rl train | sft | eval | data | convert | fetch | reward-server | bench`."""
 import argparse
 import importlib
 import os
@@ -62,22 +62,27 @@ def _add_config_arguments(p, example: str) -> None:
 
 
 def _train(args) -> int:
+    words = [args.config, *args.overrides] + (["--sft"] if args.command == "sft" else [])
     if args.nproc_per_node > 1:
         script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "run_rl.py")
         cmd = [sys.executable, "-m", "paddle.distributed.launch", "--nproc_per_node", str(args.nproc_per_node),
-               "--log_dir", args.log_dir, script, args.config, *args.overrides]
+               "--log_dir", args.log_dir, script, *words]
         return subprocess.call(cmd)
     configure_threads()
     from .run_rl import main
-    return main([args.config, *args.overrides])
+    return main(words)
 
 
 def _add_train(sub):
-    p = sub.add_parser("train", help="run GRPO / REINFORCE++ training from a YAML file")
-    _add_config_arguments(p, "rollout_n=4")
-    p.add_argument("--nproc_per_node", type=int, default=1, help="processes (>1 goes through paddle.distributed.launch)")
-    p.add_argument("--log_dir", default="log", help="per-rank logs of paddle.distributed.launch")
-    p.set_defaults(func=_train)
+    for name, help_text, example in (
+            ("train", "run GRPO / REINFORCE++ training from a YAML file", "rollout_n=4"),
+            ("sft", "supervised fine-tuning on prompt / response records (a warm start for RL)", "max_steps=200")):
+        p = sub.add_parser(name, help=help_text)
+        _add_config_arguments(p, example)
+        p.add_argument("--nproc_per_node", type=int, default=1,
+                       help="processes (>1 goes through paddle.distributed.launch)")
+        p.add_argument("--log_dir", default="log", help="per-rank logs of paddle.distributed.launch")
+        p.set_defaults(func=_train)
 
 
 def _eval(args) -> int:

@@ -10,16 +10,16 @@ from paddle_rl.env import configure_threads  # noqa: E402
 configure_threads()
 
 
-def build_trainer(config_path, overrides):
-    """Config -> RLTrainer: every check that can fail before the first step (config, dashboards, paths, data,
-    process grid, models)."""
+def build_trainer(config_path, overrides, sft: bool = False):
+    """Config -> RLTrainer (SFTTrainer with `sft`): every check that can fail before the first step (config,
+    dashboards, paths, data, process grid, models)."""
     from paddle_rl.config import load_config
     from paddle_rl.monitor import resolve_dashboards
 
     config = load_config(config_path, overrides)
     resolve_dashboards(config.report_to)  # on every rank, before any model loads
-    from paddle_rl.trainer import RLTrainer
-    return RLTrainer(config)
+    from paddle_rl.trainer import RLTrainer, SFTTrainer
+    return (SFTTrainer if sft else RLTrainer)(config)
 
 
 def main(argv=None) -> int:
@@ -31,10 +31,11 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="run_rl.py", description="GRPO / REINFORCE++ training from a YAML file.")
     parser.add_argument("config", help="YAML argument file (PaddleNLP key names)")
     parser.add_argument("overrides", nargs="*", help="key=value overrides")
+    parser.add_argument("--sft", action="store_true", help="supervised fine-tuning on prompt / response records")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
     try:
-        trainer = build_trainer(args.config, args.overrides)
+        trainer = build_trainer(args.config, args.overrides, sft=args.sft)
     except setup_error_types() as e:  # the message names the key / file / package: one line is enough
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -7,7 +7,7 @@ from typing import Iterator, List, Sequence, Tuple, Union
 
 import numpy as np
 
-from .records import RecordError, to_prompt_record
+from .records import RecordError, sft_response, to_prompt_record
 
 logger = logging.getLogger("paddle_rl")
 
@@ -186,6 +186,37 @@ def load_prompt_dataset(paths: Union[str, Sequence[str]], tokenizer, prompt_key:
     if stats["dropped"]:
         logger.warning("%s: %d prompts over max_prompt_len=%d dropped", where, stats["dropped"], max_prompt_len)
     return PromptDataset(kept, stats)
+
+
+def load_sft_dataset(paths, tokenizer, prompt_key: str = "src", response_key: str = "tgt",
+                     max_prompt_len: int = 512, overflow: str = "truncate", max_response_len: int = 512,
+                     stop_ids: Sequence[int] = ()) -> PromptDataset:
+    """Prompt / response pairs for supervised fine-tuning: the prompts as `load_prompt_dataset` reads them (no
+    ground truth needed), each item's `response_ids` its target (`records.sft_response`) tokenized, ending in a
+    stop token (the first of `stop_ids` appended unless the text already ends in one), cut at `max_response_len`
+    tokens (counted in `stats["responses_truncated"]`, with a warning)."""
+    data = load_prompt_dataset(paths, tokenizer, prompt_key, response_key, max_prompt_len, overflow,
+                               require_ground_truth=False)
+    texts = []
+    for item in data.items:
+        try:
+            texts.append(sft_response(item["record"], prompt_key, response_key))
+        except RecordError as e:
+            raise DatasetError(f"{item['uid']}: {e}") from None
+    stops = set(stop_ids)
+    truncated = 0
+    for item, ids in zip(data.items, tokenizer.encode_batch(texts)):
+        ids = list(ids)
+        if stop_ids and (not ids or ids[-1] not in stops):
+            ids.append(stop_ids[0])
+        if len(ids) > max_response_len:
+            ids, truncated = ids[:max_response_len], truncated + 1
+        item["response_ids"] = ids
+    data.stats["responses_truncated"] = truncated
+    if truncated:
+        logger.warning("%s: %d responses over max_dec_len=%d truncated (their ends removed; no stop token is "
+                       "learned for them)", ",".join(split_paths(paths)), truncated, max_response_len)
+    return data
 
 
 class PromptSampler:

@@ -125,3 +125,22 @@ def to_prompt_record(raw: dict, prompt_key: str, response_key: str,
     source = raw.get("data_source")
     return {"prompt": prompt, "ground_truth": truth,
             "data_source": "" if source is None else str(source), "record": raw}
+
+
+def sft_response(raw: dict, prompt_key: str, response_key: str) -> str:
+    """The supervised target of a record: the trailing assistant turn of its messages (ms-swift `messages`, or a
+    messages-form `prompt_key`), else its `response_key` (PaddleNLP `tgt`) or `response` string."""
+    for key in dict.fromkeys((prompt_key, "messages", "prompt")):
+        messages = raw.get(key)
+        if isinstance(messages, list) and messages and isinstance(messages[-1], dict) \
+                and messages[-1].get("role") == "assistant":
+            content = messages[-1].get("content")
+            if not isinstance(content, str):
+                raise RecordError(f"{key}[-1].content must be a string, got {_type(content)}")
+            return content
+    for key in dict.fromkeys((response_key, "response")):
+        if isinstance(raw.get(key), str) and raw[key]:
+            return raw[key]
+    raise RecordError(f"no response to learn: expected a trailing assistant turn in 'messages', or a string under "
+                      f"{response_key!r} or 'response' (record keys: {', '.join(sorted(map(str, raw))) or 'none'})")
+

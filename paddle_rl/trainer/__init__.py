@@ -1,3 +1,4 @@
+from .sft import SFTTrainer
 from .trainer import RLTrainer
 
-__all__ = ["RLTrainer"]
+__all__ = ["RLTrainer", "SFTTrainer"]

@@ -36,6 +36,8 @@ logger = logging.getLogger("paddle_rl")
 
 
 class RLTrainer:
+    uses_reference = True  # loads the reference model when the KL settings need one
+
     def __init__(self, config, topology=None):
         """`topology`: the process grid (parallel/topology.py); default: from the config's degrees when launched on
         several processes, else a single process."""
@@ -54,8 +56,7 @@ class RLTrainer:
         self.tokenizer_dir = config.tokenizer_name_or_path or model_dir
         self.tokenizer = Tokenizer.from_pretrained(self.tokenizer_dir)
         self.objective = Objective(config, reduce=self.layout.stats_reduce)
-        self.train_data = load_prompt_dataset(config.train_datasets, self.tokenizer, config.prompt_key,
-                                              config.response_key, config.max_prompt_len, config.prompt_overflow)
+        self.train_data = self._load_train_data()
         self.eval_data = None
         if config.do_eval and config.eval_datasets:
             self.eval_data = load_prompt_dataset(config.eval_datasets, self.tokenizer, config.prompt_key,
@@ -73,7 +74,7 @@ class RLTrainer:
                              f"router_aux_loss_coef {self.actor.router_aux_loss_coef}) needs the routers of every "
                              "layer in one forward: not supported with pipeline_parallel_degree > 1")
         self.reference = None
-        if self.objective.needs_reference:
+        if self.uses_reference and self.objective.needs_reference:
             with unique_name.guard("reference_"):
                 self.reference = self.layout.load_model(config.reference_model_name_or_path or model_dir)
             self.reference.eval()
@@ -96,6 +97,11 @@ class RLTrainer:
                               config.report_to, config.logging_steps, config.run_name,
                               enabled=self.layout.is_logging_rank)
         self._resume(resolve_resume(config.resume_from_checkpoint, config.output_dir))
+
+    def _load_train_data(self):
+        cfg = self.config
+        return load_prompt_dataset(cfg.train_datasets, self.tokenizer, cfg.prompt_key, cfg.response_key,
+                                   cfg.max_prompt_len, cfg.prompt_overflow)
 
     # ---------------------------------------------------------------- resume / save
     def _resume(self, path: Optional[str]) -> None:
@@ -202,7 +208,7 @@ class RLTrainer:
         cfg = self.config
         minis = [np.flatnonzero(batch["mini_batch"] == m) for m in np.unique(batch["mini_batch"])]
         micro = cfg.per_device_train_batch_size
-        keys = ["old_logp", "advantages"] + [k for k in ("ref_logp", "is_weight") if k in batch]
+        keys = self._loss_keys(batch)
         collected, weights, grad_norms, lrs = {}, [], [], []
         step, rank = self.step + 1, self.layout.rank
         updates, skipped = cfg.update_iters * len(minis), 0
@@ -216,9 +222,7 @@ class RLTrainer:
                         self.objective.loss_normalizers(mini["response_mask"])))
 
                     def loss_fn(part, logp, entropy):
-                        out = self.objective.loss(logp, part["old_logp"], part.get("ref_logp"), part["advantages"],
-                                                  part["response_mask"], entropy, num_tokens, num_seqs,
-                                                  part.get("is_weight"))
+                        out = self._micro_loss(part, logp, entropy, num_tokens, num_seqs)
                         out = self._with_router_aux_loss(out, part, num_seqs)
                         out.loss = faults.poison_loss(step, rank, out.loss)
                         return out
@@ -249,6 +253,16 @@ class RLTrainer:
         metrics["actor/nonfinite_skipped"] = float(skipped)
         metrics["actor/nonfinite_skipped_total"] = float(self.nonfinite.total)
         return metrics
+
+    @staticmethod
+    def _loss_keys(batch: StepBatch) -> list:
+        """The per-token columns `_micro_loss` reads besides the response mask."""
+        return ["old_logp", "advantages"] + [k for k in ("ref_logp", "is_weight") if k in batch]
+
+    def _micro_loss(self, part, logp, entropy, num_tokens: float, num_seqs: float):
+        """One micro-batch's share of the mini-batch loss (a LossOutput): the Objective's."""
+        return self.objective.loss(logp, part["old_logp"], part.get("ref_logp"), part["advantages"],
+                                   part["response_mask"], entropy, num_tokens, num_seqs, part.get("is_weight"))
 
     def _skip_update(self, step: int, update: int, updates: int, finite_loss: bool) -> None:
         """An update with a non-finite loss or gradient norm on some rank (every rank comes here together): no

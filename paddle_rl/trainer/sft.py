@@ -1,0 +1,100 @@
+"""Supervised fine-tuning (`paddle-rl sft`): the RL trainer's loop, layouts, checkpoints, metrics and eval, with a
+step that reads prompt / response records instead of generating, and a loss that is the cross-entropy of the
+response tokens (the prompt's tokens carry no loss).
+
+A step takes `global_batch_size` records from the sampler, one row each ([prompt | response], the layout every
+log-prob pass uses), split into mini-batches of `global_mini_batch_size` records, one optimizer step each, run in
+micro-batches of `per_device_train_batch_size` rows (or `max_tokens_per_micro_batch` tokens); the loss of a
+mini-batch is the mean negative log-likelihood over its response tokens on every rank together. The response of a
+record: its trailing assistant turn (ms-swift `messages`), else its `response_key` (PaddleNLP `tgt`) or
+`response` string, with a stop token appended (data/loader.py `load_sft_dataset`), at most `max_dec_len` tokens.
+"""
+import time
+
+import numpy as np
+
+from ..algorithms.objective import LossOutput
+from ..batch import StepBatch, object_column
+from ..config import ConfigError
+from ..data.loader import load_sft_dataset
+from ..monitor import StageTimer
+from ..parallel import watchdog
+from .trainer import RLTrainer
+
+
+class SFTTrainer(RLTrainer):
+    uses_reference = False  # no KL term: nothing to compare with
+
+    def __init__(self, config, topology=None):
+        ignored = [k for k, v in (("update_iters", config.update_iters != 1), ("kl_coeff", config.kl_coeff > 0),
+                                  ("kl_loss_coeff", config.kl_loss_coeff > 0), ("entropy_coeff", config.entropy_coeff))
+                   if v]
+        if ignored:
+            raise ConfigError(f"{', '.join(ignored)}: not used by supervised fine-tuning (one pass over each batch, "
+                              "cross-entropy of the responses only); remove them or set them to their defaults")
+        super().__init__(config, topology)
+
+    def _load_train_data(self):
+        cfg = self.config
+        return load_sft_dataset(cfg.train_datasets, self.tokenizer, cfg.prompt_key, cfg.response_key,
+                                cfg.max_prompt_len, cfg.prompt_overflow, cfg.max_dec_len, self._stop_ids())
+
+    def _stop_ids(self):
+        ids = list(self.tokenizer.eos_token_ids)
+        if not ids:
+            raise ValueError(f"{self.tokenizer_dir}: no EOS token (tokenizer_config.json eos_token): a supervised "
+                             "response needs one to end")
+        return ids
+
+    # ---------------------------------------------------------------- one step
+    def train_step(self) -> dict:
+        cfg = self.config
+        step = self.step + 1
+        timer = StageTimer(on_stage=lambda name: watchdog.note(f"step {step}, {name}"))
+        start = time.perf_counter()
+        indices = self.layout.batch.local_prompt_indices(self.sampler.next_batch(), cfg.mini_batch_prompts)
+        batch = sft_batch([self.train_data[i] for i in indices], self.pad_id)
+        batch, metrics = self.layout.batch.place(batch, 1, cfg.mini_batch_prompts, cfg.balance_batch)
+        batch["group"] = np.arange(batch.size)  # every row its own prompt: no shared prefix to reuse
+        batch.with_prompt_layout(self.pad_id)
+        metrics.update(self._update(batch, timer))
+        elapsed = time.perf_counter() - start
+        trained, prompt_tokens = (float(v) for v in self.layout.batch.sum(
+            [float(batch["response_mask"].sum()), float(batch["prompt_mask"].sum())]))
+        metrics.update(timer.metrics())
+        metrics["time/step"] = elapsed
+        metrics["perf/trained_tokens"] = trained
+        metrics["perf/trained_tokens_per_s"] = trained / max(timer.seconds.get("update", 0.0), 1e-9)
+        metrics["perf/tokens_per_s"] = (trained + prompt_tokens) / elapsed
+        metrics["epoch"] = float(self.sampler.epoch)
+        self.step = step
+        return metrics
+
+    @staticmethod
+    def _loss_keys(batch: StepBatch) -> list:
+        return []
+
+    def _micro_loss(self, part, logp, entropy, num_tokens: float, num_seqs: float):
+        """The micro-batch's share of the mini-batch's mean response-token NLL (shares sum to the mean over every
+        micro-batch and rank); metrics: its own token mean (`sft_loss`) and entropy."""
+        mask = part["response_mask"]
+        nll = -(logp * mask).sum()
+        tokens = float(mask.sum())
+        metrics = {"sft_loss": float(nll) / max(tokens, 1.0)}
+        if entropy is not None:
+            metrics["entropy"] = float((entropy * mask).sum()) / max(tokens, 1.0)
+        return LossOutput(nll / max(num_tokens, 1.0), metrics, tokens)
+
+
+def sft_batch(items, pad_id: int) -> StepBatch:
+    """Records with `prompt_ids` and `response_ids` as a StepBatch (one row each; responses right-padded)."""
+    lengths = np.array([len(it["response_ids"]) for it in items], dtype=np.int64)
+    width = max(int(lengths.max()) if len(items) else 1, 1)
+    ids = np.full((len(items), width), pad_id, dtype=np.int64)
+    mask = np.zeros((len(items), width), dtype=np.float32)
+    for i, it in enumerate(items):
+        ids[i, :lengths[i]] = it["response_ids"]
+        mask[i, :lengths[i]] = 1.0
+    return StepBatch({"prompt_ids": object_column(list(it["prompt_ids"]) for it in items), "response_ids": ids,
+                      "response_mask": mask, "lengths": lengths, "truncated": np.zeros(len(items), dtype=bool),
+                      "item": object_column(items)}, pads={"response_ids": pad_id})

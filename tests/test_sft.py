@@ -1,0 +1,132 @@
+"""`paddle-rl sft`: the loss is the cross-entropy of the response tokens only, it learns, it resumes exactly, and the
+command runs on ms-swift `messages` records."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import paddle
+import pytest
+
+from make_tiny_model import sft_response
+from micro_model import micro_overrides
+from paddle_rl.config import ConfigError, load_config
+from paddle_rl.monitor import read_metrics
+
+
+def _records(micro, path, count=16, messages=False):
+    """PaddleNLP src / tgt records whose tgt is the whole response (or ms-swift messages with an assistant turn)."""
+    rows = [json.loads(line) for line in open(micro["train"])][:count]
+    with open(path, "w") as f:
+        for r in rows:
+            response = sft_response(r["tgt"])
+            if messages:  # the micro tokenizer's template renders the user turn like src does
+                user = r["src"].split("<|im_start|>user\n", 1)[1].split("<|im_end|>", 1)[0]
+                f.write(json.dumps({"messages": [{"role": "user", "content": user},
+                                                 {"role": "assistant", "content": response}]}) + "\n")
+            else:
+                f.write(json.dumps({"src": r["src"], "tgt": response}) + "\n")
+    return str(path)
+
+
+def _overrides(micro, out, data, **extra):
+    values = dict(train_datasets=data, max_dec_len=64, global_batch_size=8, global_mini_batch_size=8,
+                  per_device_train_batch_size=4, learning_rate=3e-3, max_steps=4, save_steps=2, do_eval=False,
+                  warmup_steps=0)
+    values.update(extra)
+    return micro_overrides(micro, str(out), **values)
+
+
+def _sft(overrides):
+    from paddle_rl.trainer import SFTTrainer
+    trainer = SFTTrainer(load_config(None, overrides))
+    trainer.train()
+    return trainer
+
+
+def test_loss_is_the_response_cross_entropy(micro, tmp_path):
+    """Step 1's loss (before its update) equals -mean log p(response token) of a full forward over the 8 records:
+    prompt tokens carry no loss."""
+    from paddle_rl.models import load_model
+    from paddle_rl.models.logprobs import token_logprobs
+    data = _records(micro, tmp_path / "sft.jsonl", count=8)
+    trainer = _sft(_overrides(micro, tmp_path / "out", data, max_steps=1, save_steps=10))
+    logged = read_metrics(str(tmp_path / "out" / "metrics.jsonl"))[0]["actor/sft_loss"]
+    model = load_model(micro["model"])
+    model.eval()
+    tok = micro["tokenizer"]
+    total, tokens = 0.0, 0
+    for item in trainer.train_data.items:
+        prompt, response = item["prompt_ids"], item["response_ids"]
+        ids = paddle.to_tensor([prompt + response])
+        logp, _ = token_logprobs(model, ids, paddle.ones_like(ids), len(prompt), paddle.to_tensor([response]),
+                                 temperature=1.0)
+        total -= float(logp.sum())
+        tokens += len(response)
+        assert response[-1] in tok.eos_token_ids  # the response ends in a stop token
+    assert logged == pytest.approx(total / tokens, rel=1e-5)
+    # with the prompt's tokens in the loss the number would differ
+    whole = 0.0
+    for item in trainer.train_data.items:
+        seq = item["prompt_ids"] + item["response_ids"]
+        ids = paddle.to_tensor([seq])
+        logp, _ = token_logprobs(model, ids, paddle.ones_like(ids), 1, paddle.to_tensor([seq[1:]]), temperature=1.0)
+        whole -= float(logp.sum())
+    assert abs(whole / sum(len(i["prompt_ids"]) + len(i["response_ids"]) - 1 for i in trainer.train_data.items)
+               - logged) > 1e-3
+
+
+def _command(micro, tmp_path, out, data, **extra):
+    """`paddle-rl sft` in a process of its own (parameter and optimizer-state names as a real run has them)."""
+    args = [f for f in _overrides(micro, out, data, **extra) if not f.startswith("report_to")]
+    config = tmp_path / "sft.yaml"
+    config.write_text("report_to: none\n")
+    proc = subprocess.run([sys.executable, "-m", "paddle_rl", "sft", str(config), *args], capture_output=True,
+                          text=True, timeout=300, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return read_metrics(str(out / "metrics.jsonl"))
+
+
+def test_sft_learns_and_resumes_exactly(micro, tmp_path):
+    data = _records(micro, tmp_path / "sft.jsonl", count=16)
+    full = tmp_path / "full"
+    rows = _command(micro, tmp_path, full, data, max_steps=24, save_steps=12)
+    first, last = rows[0]["actor/sft_loss"], rows[-1]["actor/sft_loss"]
+    assert last < 0.7 * first, (first, last)
+    # resume: the run cut after checkpoint-12 and started again reproduces steps 13-24 and the final weights
+    cut = tmp_path / "cut"
+    shutil.copytree(full, cut)
+    shutil.rmtree(cut / "checkpoint-24")
+    again = _command(micro, tmp_path, cut, data, max_steps=24, save_steps=12, resume_from_checkpoint="auto")
+    assert [r["step"] for r in again] == list(range(1, 25))
+    for a, b in zip(rows, again):
+        assert a["actor/sft_loss"] == b["actor/sft_loss"] and a["actor/grad_norm"] == b["actor/grad_norm"]
+    from paddle_rl.models.safetensors_io import load_state
+    w1, w2 = (load_state(str(d / "checkpoint-24")) for d in (full, cut))
+    assert w1.keys() == w2.keys() and all(np.array_equal(w1[k], w2[k]) for k in w1)
+
+
+def test_keys_sft_does_not_use_are_refused(micro, tmp_path):
+    from paddle_rl.trainer import SFTTrainer
+    data = _records(micro, tmp_path / "sft.jsonl", count=8)
+    with pytest.raises(ConfigError, match="kl_loss_coeff"):
+        SFTTrainer(load_config(None, _overrides(micro, tmp_path / "o", data, kl_loss_coeff=0.1)))
+
+
+def test_a_record_without_a_response_names_its_line(micro, tmp_path):
+    from paddle_rl.data.loader import DatasetError
+    from paddle_rl.trainer import SFTTrainer
+    path = tmp_path / "bad.jsonl"
+    path.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
+    with pytest.raises(DatasetError, match="bad.jsonl:1: no response to learn"):
+        SFTTrainer(load_config(None, _overrides(micro, tmp_path / "o", str(path))))
+
+
+def test_command_on_messages_records(micro, tmp_path):
+    data = _records(micro, tmp_path / "msgs.jsonl", count=8, messages=True)
+    out = tmp_path / "cli"
+    rows = _command(micro, tmp_path, out, data, max_steps=2, save_steps=2)
+    assert [r["step"] for r in rows] == [1, 2] and all(np.isfinite(r["actor/sft_loss"]) for r in rows)
+    assert (out / "checkpoint-2" / "model.safetensors").exists()
