@@ -53,20 +53,24 @@ def test_loss_is_the_response_cross_entropy(micro, tmp_path):
     from paddle_rl.models.logprobs import token_logprobs
     data = _records(micro, tmp_path / "sft.jsonl", count=8)
     trainer = _sft(_overrides(micro, tmp_path / "out", data, max_steps=1, save_steps=10))
-    logged = read_metrics(str(tmp_path / "out" / "metrics.jsonl"))[0]["actor/sft_loss"]
+    row = read_metrics(str(tmp_path / "out" / "metrics.jsonl"))[0]
+    logged = row["actor/sft_loss"]
     model = load_model(micro["model"])
     model.eval()
     tok = micro["tokenizer"]
-    total, tokens = 0.0, 0
+    total, tokens = 0.0, sum(len(item["response_ids"]) for item in trainer.train_data.items)
     for item in trainer.train_data.items:
         prompt, response = item["prompt_ids"], item["response_ids"]
         ids = paddle.to_tensor([prompt + response])
         logp, _ = token_logprobs(model, ids, paddle.ones_like(ids), len(prompt), paddle.to_tensor([response]),
                                  temperature=1.0)
+        (-logp.sum() / tokens).backward()  # the gradient of the batch's mean NLL, record by record
         total -= float(logp.sum())
-        tokens += len(response)
         assert response[-1] in tok.eos_token_ids  # the response ends in a stop token
     assert logged == pytest.approx(total / tokens, rel=1e-5)
+    # the update's gradient is that of the mean over all 8 records (two micro-batches of 4 sum to it)
+    norm = float(np.sqrt(sum(float((p.grad ** 2).sum()) for p in model.parameters() if p.grad is not None)))
+    assert row["actor/grad_norm"] == pytest.approx(norm, rel=1e-4)
     # with the prompt's tokens in the loss the number would differ
     whole = 0.0
     for item in trainer.train_data.items:
@@ -130,3 +134,22 @@ def test_command_on_messages_records(micro, tmp_path):
     rows = _command(micro, tmp_path, out, data, max_steps=2, save_steps=2)
     assert [r["step"] for r in rows] == [1, 2] and all(np.isfinite(r["actor/sft_loss"]) for r in rows)
     assert (out / "checkpoint-2" / "model.safetensors").exists()
+
+
+def test_data_parallel_equals_one_process(micro, tmp_path):
+    """DP=2 through run_rl.py --sft: the same losses and weights as one process (each rank half of every batch)."""
+    from test_parallel import ROOT, launch, rel_err
+    data = _records(micro, tmp_path / "sft.jsonl", count=16)
+    one = _command(micro, tmp_path, tmp_path / "one", data, max_steps=3, save_steps=3)
+    args = [f for f in _overrides(micro, tmp_path / "dp", data, max_steps=3, save_steps=3)
+            if not f.startswith("report_to")] + ["report_to=none"]
+    launch([os.path.join(ROOT, "paddle_rl", "run_rl.py"), str(tmp_path / "sft.yaml"), *args, "--sft"],
+           str(tmp_path / "log"))
+    two = read_metrics(str(tmp_path / "dp" / "metrics.jsonl"))
+    assert [r["step"] for r in two] == [1, 2, 3]
+    for a, b in zip(one, two):
+        assert b["actor/sft_loss"] == pytest.approx(a["actor/sft_loss"], rel=1e-5)
+        assert b["actor/grad_norm"] == pytest.approx(a["actor/grad_norm"], rel=1e-4)
+    from paddle_rl.models.safetensors_io import load_state
+    w1, w2 = (load_state(str(tmp_path / d / "checkpoint-3")) for d in ("one", "dp"))
+    assert max(rel_err(w1[k], w2[k]) for k in w1) < 1e-5
