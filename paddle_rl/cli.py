@@ -1,4 +1,4 @@
-"""`paddle-rl train | sft | eval | data | convert | fetch | reward-server | bench`."""
+"""`paddle-rl train | sft | eval | score | data | convert | fetch | reward-server | bench`."""
 import argparse
 import importlib
 import os
@@ -16,6 +16,8 @@ OVERRIDE = re.compile(r"^[A-Za-z_][A-Za-z0-9_.\-]*=")
 REWARD_SERVER = ("reward-server", "reward_server.cli", "add_reward_server_subparser",
                  "serve rule / plugin rewards over HTTP")
 BENCH = ("bench", "paddle_rl.bench", "add_bench_subparser", "time RL steps on a synthetic workload")
+SCORE = ("score", "paddle_rl.score", "add_score_subparser",
+         "score records that carry a response with the configured rewards")
 CONVERT = ("convert", "paddle_rl.models.gguf_import", "add_convert_subparser",
            "convert a model file (GGUF) to a Hugging Face folder")
 FETCH = ("fetch", "paddle_rl.models.hub", "add_fetch_subparser", "download and convert a known model once")
@@ -128,6 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_module_subcommand(sub, FETCH)
     _add_module_subcommand(sub, REWARD_SERVER)
     _add_module_subcommand(sub, BENCH)
+    _add_module_subcommand(sub, SCORE)
     return parser
 
 
