@@ -52,7 +52,8 @@ def test_loss_is_the_response_cross_entropy(micro, tmp_path):
     from paddle_rl.models import load_model
     from paddle_rl.models.logprobs import token_logprobs
     data = _records(micro, tmp_path / "sft.jsonl", count=8)
-    trainer = _sft(_overrides(micro, tmp_path / "out", data, max_steps=1, save_steps=10))
+    # the sampling temperature (0.7) must not reach the loss: log-probs of the model's own distribution
+    trainer = _sft(_overrides(micro, tmp_path / "out", data, max_steps=1, save_steps=10, temperature=0.7))
     row = read_metrics(str(tmp_path / "out" / "metrics.jsonl"))[0]
     logged = row["actor/sft_loss"]
     model = load_model(micro["model"])

@@ -70,6 +70,10 @@ class SFTTrainer(RLTrainer):
         self.step = step
         return metrics
 
+    @property
+    def loss_temperature(self) -> float:
+        return 1.0  # the model's own distribution; `temperature` is the eval's sampling setting only
+
     @staticmethod
     def _loss_keys(batch: StepBatch) -> list:
         return []

@@ -228,7 +228,8 @@ class RLTrainer:
                         return out
 
                     finite_loss = True
-                    for out in self.layout.forward_backward(self.actor, mini, keys, micro, cfg.temperature, loss_fn):
+                    for out in self.layout.forward_backward(self.actor, mini, keys, micro, self.loss_temperature,
+                                                            loss_fn):
                         for k, v in out.metrics.items():
                             collected.setdefault(k, []).append(v)
                         weights.append(out.num_tokens)
@@ -253,6 +254,12 @@ class RLTrainer:
         metrics["actor/nonfinite_skipped"] = float(skipped)
         metrics["actor/nonfinite_skipped_total"] = float(self.nonfinite.total)
         return metrics
+
+    @property
+    def loss_temperature(self) -> float:
+        """The update's log-probs are of logits / this: the sampling temperature, as the rollout's and the old
+        policy's log-probs are."""
+        return self.config.temperature
 
     @staticmethod
     def _loss_keys(batch: StepBatch) -> list:
