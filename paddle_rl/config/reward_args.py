@@ -36,8 +36,19 @@ class RewardArgs:
     reward_server_on_failure: str = arg("error", "error: stop with an error naming the URL | skip: mark the "
                                                  "samples skipped (dropped, counted as reward/skipped).")
     reward_server_api_key: str = arg("", "API key for the reward server (default: $PADDLE_RL_REWARD_API_KEY).")
+    # the code rule's sandbox (docs/rewards.md "Code execution")
+    code_score: str = arg("fraction", "code rule: fraction (tests passed / tests) | all (1 only if every test passes).")
+    sandbox_timeout: float = arg(10.0, "code rule: wall-clock seconds (and CPU seconds) per test run.")
+    sandbox_memory_mb: int = arg(1024, "code rule: address-space limit of a test run, MB.")
+    sandbox_allow_network: bool = arg(False, "code rule: run programs even where no network namespace can be made "
+                                             "(they then have the host's network; logged).")
 
     def _validate_reward(self, errors):
+        if self.code_score not in ("fraction", "all"):
+            errors.append(f"code_score: must be fraction or all, got {self.code_score!r}")
+        if self.sandbox_timeout <= 0 or self.sandbox_memory_mb < 64:
+            errors.append(f"sandbox_timeout / sandbox_memory_mb: must be > 0 s and >= 64 MB, got "
+                          f"{self.sandbox_timeout}, {self.sandbox_memory_mb}")
         if self.reward_weights and len(self.reward_weights) != len(self.reward_funcs):
             errors.append(f"reward_weights: {len(self.reward_weights)} weights for {len(self.reward_funcs)} reward_funcs")
         for w in self.reward_weights:

@@ -1,0 +1,123 @@
+"""The `code` rule: run the program a response contains against the record's tests in the sandbox (sandbox.py).
+
+Tests come from the record's ground truth (`reward_model.ground_truth`, `ground_truth`, `solution`, or the
+`response_key`), a dict or its JSON string, in one of these layouts:
+- stdin / stdout (verl's PRIME / Eurus code data, `data_source` codecontests, apps, taco, ...):
+  {"inputs": ["1 2\\n", ...], "outputs": ["3\\n", ...]}: the program reads each input on stdin; its stdout must
+  equal the output (trailing whitespace of each line and blank lines at the end ignored);
+- call-based (the same data with `fn_name`): {"fn_name": "add", "inputs": [[1, 2], ...], "outputs": [[3], ...]}:
+  each input is the argument list; the function's return value must equal the output (or its only element);
+- assert-based (AceCoder-style `test_cases`, or `asserts`): {"test_cases": ["assert add(1, 2) == 3", ...]}: each
+  assert runs after the program;
+- HumanEval / MBPP style: {"test": "def check(candidate): ...", "entry_point": "add"}: one test, check(add).
+The program: the last ```python (or ```) fenced block of the response, else the text after </think>, else all of
+it. Score: the fraction of tests passed (`code_score: fraction`) or 1 only if all pass (`all`). A response with no
+tests to run is an error naming the sample.
+"""
+import json
+import re
+from collections import Counter
+from typing import List, Tuple
+
+import numpy as np
+
+from .rules import SampleError, register_rule
+from .sandbox import SandboxLimits, run_program
+
+FENCE = re.compile(r"```(?:python|py|Python3|python3)?[ \t]*\n(.*?)```", re.DOTALL)
+
+
+def extract_program(response: str) -> str:
+    blocks = FENCE.findall(response)
+    if blocks:
+        return blocks[-1]
+    return response.split("</think>")[-1].replace("<|im_end|>", "").replace("<|endoftext|>", "")
+
+
+def parse_tests(truth) -> List[Tuple[str, object, object]]:
+    """[(kind, input, expected)], kind: stdio | call | assert | check."""
+    if isinstance(truth, str):
+        truth = json.loads(truth)
+    if not isinstance(truth, dict):
+        raise ValueError(f"code tests must be a JSON object, got {type(truth).__name__}")
+    if "inputs" in truth and "outputs" in truth:
+        inputs, outputs = truth["inputs"], truth["outputs"]
+        if len(inputs) != len(outputs):
+            raise ValueError(f"{len(inputs)} inputs but {len(outputs)} outputs")
+        fn = truth.get("fn_name")
+        if fn:
+            return [("call", (fn, args), out) for args, out in zip(inputs, outputs)]
+        return [("stdio", str(i), str(o)) for i, o in zip(inputs, outputs)]
+    for key in ("test_cases", "asserts"):
+        if isinstance(truth.get(key), list):
+            return [("assert", str(case), None) for case in truth[key]]
+    if isinstance(truth.get("test"), str):
+        return [("check", truth["test"], truth.get("entry_point"))]
+    raise ValueError(f"no tests: expected inputs/outputs, test_cases, asserts or test (keys: {', '.join(truth)})")
+
+
+def _same_stdout(got: str, expected: str) -> bool:
+    def lines(text):
+        out = [line.rstrip() for line in text.strip("\n").split("\n")]
+        while out and not out[-1]:
+            out.pop()
+        return out
+    return lines(got) == lines(expected)
+
+
+def run_test(program: str, test, limits: SandboxLimits) -> str:
+    """'pass', 'wrong_answer', or the run's failing status (sandbox.STATUSES)."""
+    kind, given, expected = test
+    if kind == "stdio":
+        result = run_program(program, given, limits)
+        if result.status != "ok":
+            return result.status
+        return "pass" if _same_stdout(result.stdout, expected) else "wrong_answer"
+    if kind == "call":
+        fn, args = given
+        harness = (f"{program}\n\nimport json as _json, sys as _sys\n_args = _json.loads(_sys.stdin.read())\n"
+                   f"print(_json.dumps({fn}(*_args)))\n")
+        result = run_program(harness, json.dumps(args), limits)
+        if result.status != "ok":
+            return result.status
+        try:
+            got = json.loads(result.stdout.strip().splitlines()[-1])
+        except (ValueError, IndexError):
+            return "wrong_answer"
+        return "pass" if got == expected or [got] == expected else "wrong_answer"
+    code = f"{program}\n\n{given}\n" + (f"check({expected})\n" if kind == "check" and expected else "")
+    result = run_program(code, "", limits)
+    if result.status == "runtime_error" and "AssertionError" in result.stderr[-2000:]:
+        return "wrong_answer"
+    return "pass" if result.status == "ok" else result.status
+
+
+def score_program(response: str, truth, limits: SandboxLimits, all_or_nothing: bool) -> Tuple[float, Counter]:
+    """(score, Counter of test outcomes) of one response."""
+    tests = parse_tests(truth)
+    if not tests:
+        raise ValueError("no tests to run")
+    outcomes = Counter(run_test(extract_program(response), t, limits) for t in tests)
+    passed = outcomes["pass"] / len(tests)
+    return (float(passed == 1.0) if all_or_nothing else passed), outcomes
+
+
+@register_rule("code", needs_config=True)
+def make_code_rule(config):
+    """Run the response's program against the record's tests in the sandbox: fraction passed (or all-or-nothing)."""
+    limits = SandboxLimits(wall_seconds=config.sandbox_timeout, cpu_seconds=max(1, int(config.sandbox_timeout)),
+                           memory_mb=config.sandbox_memory_mb, allow_network=config.sandbox_allow_network)
+    all_or_nothing = config.code_score == "all"
+
+    def code_rule(samples):
+        scores = np.empty(len(samples), dtype=np.float32)
+        for i, sample in enumerate(samples):
+            truth = sample.ground_truth
+            if truth is None:
+                raise SampleError(i, "the record has no tests (reward_model.ground_truth, ground_truth or solution)")
+            try:
+                scores[i], _ = score_program(sample.response, truth, limits, all_or_nothing)
+            except (ValueError, TypeError) as e:
+                raise SampleError(i, f"bad tests: {e}") from e
+        return scores, scores >= 1.0
+    return code_rule

@@ -1,0 +1,140 @@
+"""The sandbox and the `code` rule: hostile programs are contained and scored 0 with their reason, nothing of them
+is left running, and the test layouts of public code-RL data score right."""
+import json
+import os
+import socket
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from paddle_rl.rewards import RewardSample, RuleReward
+from paddle_rl.rewards.code import extract_program, parse_tests, score_program
+from paddle_rl.rewards.sandbox import SandboxLimits, isolation, run_program
+
+LIMITS = SandboxLimits(wall_seconds=4, cpu_seconds=3, memory_mb=512, output_mb=1, processes=16)
+pytestmark = pytest.mark.skipif(isolation() is None, reason="no network namespace can be made here (unshare)")
+
+
+def _sandbox_processes():
+    """pids of processes still running a sandboxed program (its interpreter on main.py in a sandbox folder)."""
+    out = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read().split(b"\0")
+            with open(f"/proc/{pid}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if b"main.py" in cmd and state != "Z":
+            out.append(int(pid))
+    return out
+
+
+def _nothing_left():
+    deadline = time.time() + 5
+    while _sandbox_processes() and time.time() < deadline:
+        time.sleep(0.1)
+    return not _sandbox_processes()
+
+
+HOSTILE = {
+    "infinite loop": ("while True:\n    pass\n", "timeout"),
+    "sleep past the wall clock": ("import time\ntime.sleep(60)\n", "timeout"),
+    "fork bomb": ("import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n", "timeout"),
+    "10 GB allocation": ("x = bytearray(10 * 1024 ** 3)\nprint(len(x))\n", "memory"),
+    "1 GB of output": ("import sys\nfor _ in range(16384):\n    sys.stdout.write('x' * 65536)\n", "output_too_large"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(HOSTILE))
+def test_hostile_program_is_contained(name):
+    code, status = HOSTILE[name]
+    start = time.time()
+    result = run_program(code, "", LIMITS)
+    assert result.status == status, (result.status, result.stderr[-300:])
+    assert time.time() - start < LIMITS.wall_seconds + 5
+    assert _nothing_left()
+
+
+def test_write_outside_the_folder_fails(tmp_path):
+    target = tmp_path / "owned.txt"
+    result = run_program(f"open({str(target)!r}, 'w').write('x')\n", "", LIMITS)
+    assert result.status == "runtime_error" and "PermissionError" in result.stderr and not target.exists()
+    # its own folder is writable
+    assert run_program("open('mine.txt', 'w').write('x')\nprint(open('mine.txt').read())\n", "", LIMITS).stdout == "x\n"
+
+
+def test_parent_environment_is_not_visible(monkeypatch):
+    monkeypatch.setenv("PADDLE_RL_TEST_SECRET", "hunter2")
+    code = ("import os, glob\nseen = [k for k in os.environ]\nfor p in glob.glob('/proc/*/environ'):\n"
+            "    try:\n        seen.append(open(p, 'rb').read().decode(errors='replace'))\n"
+            "    except OSError:\n        pass\nprint('\\n'.join(seen))\n")
+    result = run_program(code, "", LIMITS)
+    assert result.status == "ok" and "hunter2" not in result.stdout and "PADDLE_RL_TEST_SECRET" not in result.stdout
+
+
+def test_no_connection_reaches_localhost():
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)
+    listener.settimeout(3)
+    port = listener.getsockname()[1]
+    got = []
+    thread = threading.Thread(target=lambda: got.append(_accept(listener)))
+    thread.start()
+    result = run_program(f"import socket\ns = socket.create_connection(('127.0.0.1', {port}), timeout=2)\n"
+                         "s.sendall(b'leak')\n", "", LIMITS)
+    thread.join()
+    listener.close()
+    assert result.status == "runtime_error" and got == [None]
+
+
+def _accept(listener):
+    try:
+        conn, _ = listener.accept()
+        return conn.recv(16)
+    except OSError:
+        return None
+
+
+# ---------------------------------------------------------------------------------------------- the rule
+
+ADD = "```python\na, b = map(int, input().split())\nprint(a + b)\n```"
+PRIME_STDIO = json.dumps({"inputs": ["1 2\n", "5 5\n", "0 0\n"], "outputs": ["3\n", "10\n", "0\n"]})
+PRIME_CALL = json.dumps({"fn_name": "add", "inputs": [[1, 2], [2, 2]], "outputs": [[3], [4]]})
+
+
+def test_layouts_score_the_fraction_passed():
+    assert extract_program("<think>x</think>\n" + ADD) == "a, b = map(int, input().split())\nprint(a + b)\n"
+    assert score_program(ADD, PRIME_STDIO, LIMITS, False)[0] == 1.0
+    wrong = ADD.replace("a + b", "a * b")  # right on 0 0 only... and 2 2 style inputs: here 1 of 3
+    score, outcomes = score_program(wrong, PRIME_STDIO, LIMITS, False)
+    assert score == pytest.approx(1 / 3) and outcomes == {"pass": 1, "wrong_answer": 2}
+    assert score_program(wrong, PRIME_STDIO, LIMITS, True)[0] == 0.0
+    add_fn = "```python\ndef add(a, b):\n    return a + b\n```"
+    assert score_program(add_fn, PRIME_CALL, LIMITS, False)[0] == 1.0
+    asserts = {"test_cases": ["assert add(1, 2) == 3", "assert add(2, 2) == 5"]}
+    assert score_program(add_fn, asserts, LIMITS, False)[0] == 0.5
+    humaneval = {"test": "def check(candidate):\n    assert candidate(1, 2) == 3\n", "entry_point": "add"}
+    assert score_program(add_fn, humaneval, LIMITS, False)[0] == 1.0
+    assert score_program("```python\ndef add(a, b:\n```", humaneval, LIMITS, False)[1] == {"syntax_error": 1}
+    with pytest.raises(ValueError, match="no tests"):
+        parse_tests({"question": "x"})
+
+
+def test_code_rule_through_the_reward_with_hostile_responses():
+    """A batch with hostile programs: each scores 0, the others are scored, and the process goes on."""
+    from paddle_rl.config import RLConfig
+    config = RLConfig(reward_funcs=["code"], sandbox_timeout=3, sandbox_memory_mb=512)
+    reward = RuleReward(["code"], None, config)
+    record = {"data_source": "codecontests", "reward_model": {"ground_truth": PRIME_STDIO}}
+    responses = [ADD, "```python\nwhile True:\n    pass\n```", "```python\nx = bytearray(10 * 1024 ** 3)\n```", ADD]
+    result = reward([RewardSample("p", r, record) for r in responses])
+    np.testing.assert_array_equal(result.scores, [1.0, 0.0, 0.0, 1.0])
+    assert result.correct.tolist() == [True, False, False, True]
+    assert _nothing_left()
