@@ -2,9 +2,10 @@
 environment, no network, and a wall-clock timeout; nothing of it outlives the call.
 
 How (Linux):
-- `unshare --net --pid --kill-child` puts the program in a new network namespace (only a loopback that is down:
-  no connection leaves it, 127.0.0.1 included) and a new PID namespace (when its first process exits, the kernel
-  kills every process left in it; a fork bomb dies with it). As root the program then runs as `nobody`
+- `unshare --net --pid --kill-child --mount-proc` puts the program in a new network namespace (only a loopback
+  that is down: no connection leaves it, 127.0.0.1 included) and a new PID namespace with its own /proc (it sees
+  no other process, so no other process's environment; when its first process exits, the kernel kills every
+  process left in it: a fork bomb dies with it). As root the program then runs as `nobody`
   (`--setuid 65534`), so it cannot write outside its folder (owned by nobody) except into world-writable places,
   cannot read other users' files or processes' environments, and RLIMIT_NPROC applies; otherwise a user
   namespace (`--map-root-user`) gives the same network and PID isolation.
@@ -66,12 +67,12 @@ def isolation() -> Optional[tuple]:
     runs as nobody, with an interpreter nobody can execute (this one, else /usr/bin/python3)."""
     if shutil.which("unshare") is None:
         return None
-    base = ("unshare", "--net", "--pid", "--kill-child")
+    base = ("unshare", "--net", "--pid", "--kill-child", "--mount-proc")
     candidates = []
     if os.geteuid() == 0:
         as_nobody = base + ("--setuid", str(NOBODY), "--setgid", str(NOBODY))
         candidates += [(as_nobody, python) for python in dict.fromkeys((sys.executable, "/usr/bin/python3"))]
-    candidates.append((("unshare", "--user", "--map-root-user", "--net", "--pid", "--kill-child"), sys.executable))
+    candidates.append((("unshare", "--user", "--map-root-user") + base[1:], sys.executable))
     for prefix, python in candidates:
         try:
             done = subprocess.run([*prefix, python, "-I", "-c", "pass"], capture_output=True, timeout=30, cwd="/")
