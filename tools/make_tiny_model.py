@@ -20,6 +20,7 @@ import argparse
 import json
 import os
 import sys
+import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -40,7 +41,6 @@ from paddle_rl.models.pretrained import save_model, write_generation_config  # n
 from paddle_rl.rewards.kk import CORRECT_SCORE, kk_score  # noqa: E402
 from paddle_rl.rewards.rules import format_score, math_score  # noqa: E402
 from paddle_rl.rollout import RolloutEngine, SamplingParams  # noqa: E402
-from paddle_rl.models.logprobs import token_logprobs  # noqa: E402
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>", "<answer>", "</answer>"]
 CHAT_TEMPLATE = (
@@ -150,54 +150,34 @@ def build_model(tokenizer, hidden_size, layers, seed):
     return model
 
 
-def sft_batch(tokenizer, records, pad_id):
-    prompts = [tokenizer.encode(r["src"]) for r in records]
-    responses = [tokenizer.encode(record_response(r)) for r in records]
-    p_width, r_width = max(map(len, prompts)), max(map(len, responses))
-    ids = np.full((len(records), p_width + r_width), pad_id, np.int64)
-    mask = np.zeros_like(ids)
-    resp = np.full((len(records), r_width), pad_id, np.int64)
-    resp_mask = np.zeros((len(records), r_width), np.float32)
-    for i, (p, r) in enumerate(zip(prompts, responses)):
-        ids[i, p_width - len(p):p_width] = p
-        mask[i, p_width - len(p):p_width] = 1
-        ids[i, p_width:p_width + len(r)] = r
-        mask[i, p_width:p_width + len(r)] = 1
-        resp[i, :len(r)] = r
-        resp_mask[i, :len(r)] = 1
-    return [paddle.to_tensor(x) for x in (ids, mask, resp, resp_mask)], p_width
-
-
-def supervised(model, tokenizer, records, steps, batch_size, lr, seed, warmup=20, log_every=50, on_log=None,
-               schedule="constant"):
-    """AdamW on the response tokens of `records`, linear warm-up then a constant rate or cosine decay to zero.
-    `on_log(step)` runs every `log_every` steps; when it returns True the pass stops there. Returns the
-    number of steps taken."""
-    decay = [p.name for n, p in model.named_parameters() if "norm" not in n and not n.endswith("bias")]
-    inner = paddle.optimizer.lr.CosineAnnealingDecay(lr, T_max=max(1, steps - warmup)) if schedule == "cosine" else lr
-    sched = paddle.optimizer.lr.LinearWarmup(inner, warmup_steps=warmup, start_lr=0.0, end_lr=lr)
-    opt = paddle.optimizer.AdamW(learning_rate=sched, parameters=model.parameters(), weight_decay=0.01,
-                                 apply_decay_param_fun=lambda n: n in decay)
-    rng = np.random.default_rng(seed)
+def supervised(model_dir, records, work_dir, steps, batch_size, lr, seed, warmup=20, log_every=50, on_log=None,
+               schedule="constant", max_dec_len=64):
+    """`paddle-rl sft` (paddle_rl.trainer.SFTTrainer) on `records` from the model in `model_dir`: AdamW on the
+    response tokens, linear warm-up then a constant rate or cosine decay. `on_log(model, step)` runs every
+    `log_every` steps; when it returns True the pass stops there. Returns (the trained model, steps taken)."""
+    from paddle_rl.config import load_config
+    from paddle_rl.trainer import SFTTrainer
+    data = os.path.join(work_dir, "sft.jsonl")
+    write_jsonl(data, [{"src": r["src"], "tgt": record_response(r)} for r in records])
+    overrides = {"actor_model_name_or_path": model_dir, "train_datasets": data, "output_dir": os.path.join(work_dir, "run"),
+                 "max_steps": steps, "global_batch_size": batch_size, "global_mini_batch_size": batch_size,
+                 "per_device_train_batch_size": batch_size, "learning_rate": lr, "warmup_steps": warmup,
+                 "lr_scheduler_type": "cosine" if schedule == "cosine" else "constant_with_warmup",
+                 "weight_decay": 0.01, "max_grad_norm": 0, "seed": seed, "max_dec_len": max_dec_len,
+                 "max_prompt_len": 512, "do_eval": False, "save_strategy": "no", "report_to": "none",
+                 "disable_tqdm": True}
+    trainer = SFTTrainer(load_config(None, [f"{k}={v}" for k, v in overrides.items()]))
     start = time.time()
-    model.train()
-    for step in range(1, steps + 1):
-        pick = rng.choice(len(records), size=batch_size, replace=False)
-        (ids, mask, resp, resp_mask), width = sft_batch(tokenizer, [records[i] for i in pick], tokenizer.pad_token_id)
-        logp, _ = token_logprobs(model, ids, mask, width, resp, temperature=1.0)
-        loss = -(logp * resp_mask).sum() / resp_mask.sum()
-        loss.backward()
-        opt.step()
-        opt.clear_grad()
-        sched.step()
+    while trainer.step < trainer.total_steps:
+        metrics = trainer.train_step()
+        step = trainer.step
         if step % log_every == 0 or step == steps:
-            print(f"sft step {step}/{steps} loss {float(loss):.4f} ({time.time() - start:.0f}s)", flush=True)
-            if on_log is not None and on_log(step):
-                model.eval()
-                return step
-            model.train()
-    model.eval()
-    return steps
+            print(f"sft step {step}/{steps} loss {metrics['actor/sft_loss']:.4f} ({time.time() - start:.0f}s)",
+                  flush=True)
+            if on_log is not None and on_log(trainer.actor, step):
+                break
+    trainer.actor.eval()
+    return trainer.actor, trainer.step
 
 
 def score_arith(text, truth):
@@ -298,23 +278,23 @@ def main(argv=None):
                                   args.dev_examples, write_sft=args.keep_sft)
     corpus = [r["src"] + record_response(r) for recs in splits.values() for r in recs]
     tokenizer = build_tokenizer(corpus, args.vocab_size, model_dir, single_digits=args.task == "arith")
-    model = build_model(tokenizer, args.hidden_size, args.layers, args.seed)
+    save_model(build_model(tokenizer, args.hidden_size, args.layers, args.seed), model_dir)  # the random init
+    write_generation_config(model_dir, tokenizer.eos_token_ids, tokenizer.pad_token_id)
     test, dev = splits["test"], splits.get("dev", splits["test"])
 
-    def evaluate(records):
-        return greedy_eval(model, tokenizer, records, args.max_dec_len, args.task)
-
-    def on_log(step):
+    def on_log(model, step):
         if args.eval_every and step % args.eval_every == 0:
-            result = evaluate(dev)[0]
+            result = greedy_eval(model, tokenizer, dev, args.max_dec_len, args.task)[0]
             print(f"  {'dev' if 'dev' in splits else 'held-out'} greedy at step {step}: {fmt(result)}", flush=True)
             return args.stop_accuracy is not None and result["accuracy"] >= args.stop_accuracy
         return False
 
     start = time.time()
-    steps = supervised(model, tokenizer, splits["sft"], args.sft_steps, args.batch_size, args.lr, args.seed,
-                       log_every=args.eval_every or 50, on_log=on_log, schedule=args.schedule)
-    result, texts = evaluate(test)
+    with tempfile.TemporaryDirectory() as work:
+        model, steps = supervised(model_dir, splits["sft"], work, args.sft_steps, args.batch_size, args.lr,
+                                  args.seed, log_every=args.eval_every or 50, on_log=on_log, schedule=args.schedule,
+                                  max_dec_len=args.max_dec_len * 2)
+    result, texts = greedy_eval(model, tokenizer, test, args.max_dec_len, args.task)
     print(f"held-out greedy after {steps} SFT steps ({time.time() - start:.0f}s): {fmt(result)}")
     print("sample:", repr(texts[0]))
     save_model(model, model_dir)
