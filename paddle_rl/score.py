@@ -9,7 +9,8 @@ the reward server with `use_rm_server`). Printed per sample:
     {"line": "FILE:N", "score": 1.0, "correct": true, "functions": {"math": 1.0, "format": 0.0},
      "weights": {"math": 1.0, "format": 0.5}, "data_source": "", "reason": null}
 
-`functions` holds each function's unweighted score (null where it does not apply to the sample: routed elsewhere by
+`outcomes` counts what a function reports per sample (the code rule: its test runs by outcome, e.g.
+{"code/pass": 2, "code/timeout": 1}). `functions` holds each function's unweighted score (null where it does not apply to the sample: routed elsewhere by
 data_source, or it returned None); `reason` says why a sample has no score or a function no value (the error a
 function raised on this sample, or which functions did not apply). A summary goes to stderr.
 """
@@ -85,6 +86,7 @@ def report_lines(reward_fn, located):
             line["correct"] = None if one.correct is None else bool(one.correct[j])
             line["functions"] = {name: None for name in names}
             line["functions"].update({name: _number(values[j]) for name, values in one.per_function.items()})
+            line["outcomes"] = {k: float(v[j]) for k, v in one.outcomes.items() if v[j]}  # e.g. code/timeout
             idle = [name for name, value in line["functions"].items() if value is None]
             if skipped:
                 line["reason"] = "the reward server skipped it (reward_server_on_failure: skip)"

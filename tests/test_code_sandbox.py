@@ -139,4 +139,7 @@ def test_code_rule_through_the_reward_with_hostile_responses():
     result = reward([RewardSample("p", r, record) for r in responses])
     np.testing.assert_array_equal(result.scores, [1.0, 0.0, 0.0, 1.0])
     assert result.correct.tolist() == [True, False, False, True]
+    metrics = result.metrics("reward")  # every test run's outcome, counted over the batch (3 tests per sample)
+    assert (metrics["reward/code/pass"], metrics["reward/code/timeout"], metrics["reward/code/memory"]) == (6, 3, 3)
+    assert metrics["reward/code/wrong_answer"] == 0 and metrics["reward/code/syntax_error"] == 0
     assert _nothing_left()

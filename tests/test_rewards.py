@@ -255,7 +255,7 @@ def test_reward_names_are_checked_by_the_rewards_package(plugin_file):
     assert "reward_funcs: unknown reward function 'acuracy' (did you mean 'accuracy'?)" in message
     assert "reward_routes['openai/gsm8k']: unknown reward function 'gsm8kk' (did you mean 'gsm8k'?)" in message
     assert "reward_routes['x']: unknown reward function 'zzzz'\n" in message      # nothing close: no suggestion
-    assert "available: accuracy, cosine," in message
+    assert "available: accuracy, code, cosine," in message
     with pytest.raises(ConfigError, match="did you mean 'accuracy'"):
         build_reward(config)
     # plugin functions count as known, and a near miss of one is suggested

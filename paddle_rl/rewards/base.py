@@ -41,11 +41,14 @@ class RewardResult:
     skipped:      [B] bool, or None when nothing was skipped. True marks a sample the reward server could not
                   score under `reward_server_on_failure: skip`; such samples carry no training signal and must be
                   dropped by the caller (metrics() counts them as reward/skipped).
+    outcomes:     "<function>/<outcome>" -> [B] float32 counts per sample (e.g. code/timeout: the sample's test
+                  runs that timed out), from functions that report them; metrics() sums them over the batch.
     """
     scores: np.ndarray
     per_function: Dict[str, np.ndarray] = field(default_factory=dict)
     correct: Optional[np.ndarray] = None
     skipped: Optional[np.ndarray] = None
+    outcomes: Dict[str, np.ndarray] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return len(self.scores)
@@ -68,6 +71,8 @@ class RewardResult:
             values = np.asarray(values, dtype=np.float64)[kept]
             values = values[~np.isnan(values)]
             out[f"{prefix}/{name}_mean"] = float(values.mean()) if values.size else float("nan")
+        for name, counts in self.outcomes.items():
+            out[f"{prefix}/{name}"] = float(np.asarray(counts, dtype=np.float64)[kept].sum())
         if self.skipped is not None:
             out[f"{prefix}/skipped"] = float(np.asarray(self.skipped, dtype=bool).sum())
         if self.correct is not None:
@@ -94,4 +99,7 @@ def concat_results(parts: List[RewardResult]) -> RewardResult:
     if any(p.skipped is not None for p in parts):
         skipped = np.concatenate([np.asarray(p.skipped, dtype=bool) if p.skipped is not None
                                   else np.zeros(len(p.scores), dtype=bool) for p in parts])
-    return RewardResult(scores, per, correct, skipped)
+    keys = list(dict.fromkeys(k for p in parts for k in p.outcomes))
+    outcomes = {k: np.concatenate([np.asarray(p.outcomes[k], dtype=np.float32) if k in p.outcomes
+                                   else np.zeros(len(p.scores), dtype=np.float32) for p in parts]) for k in keys}
+    return RewardResult(scores, per, correct, skipped, outcomes)

@@ -12,7 +12,8 @@ Tests come from the record's ground truth (`reward_model.ground_truth`, `ground_
 - HumanEval / MBPP style: {"test": "def check(candidate): ...", "entry_point": "add"}: one test, check(add).
 The program: the last ```python (or ```) fenced block of the response, else the text after </think>, else all of
 it. Score: the fraction of tests passed (`code_score: fraction`) or 1 only if all pass (`all`). A response with no
-tests to run is an error naming the sample.
+tests to run is an error naming the sample. Every test run's outcome is counted (`OUTCOMES`; metrics
+reward/code/<outcome>, summed over the batch).
 """
 import json
 import re
@@ -22,8 +23,10 @@ from typing import List, Tuple
 import numpy as np
 
 from .rules import SampleError, register_rule
-from .sandbox import SandboxLimits, run_program
+from .sandbox import STATUSES, SandboxLimits, run_program
 
+# a test run's outcome; each is counted per batch in metrics as reward/code/<outcome>
+OUTCOMES = ("pass", "wrong_answer") + tuple(status for status in STATUSES if status != "ok")
 FENCE = re.compile(r"```(?:python|py|Python3|python3)?[ \t]*\n(.*?)```", re.DOTALL)
 
 
@@ -111,13 +114,16 @@ def make_code_rule(config):
 
     def code_rule(samples):
         scores = np.empty(len(samples), dtype=np.float32)
+        counts = {outcome: np.zeros(len(samples), dtype=np.float32) for outcome in OUTCOMES}
         for i, sample in enumerate(samples):
             truth = sample.ground_truth
             if truth is None:
                 raise SampleError(i, "the record has no tests (reward_model.ground_truth, ground_truth or solution)")
             try:
-                scores[i], _ = score_program(sample.response, truth, limits, all_or_nothing)
+                scores[i], outcomes = score_program(sample.response, truth, limits, all_or_nothing)
             except (ValueError, TypeError) as e:
                 raise SampleError(i, f"bad tests: {e}") from e
-        return scores, scores >= 1.0
+            for outcome, count in outcomes.items():
+                counts[outcome][i] = count
+        return scores, scores >= 1.0, counts
     return code_rule

@@ -132,13 +132,14 @@ class RuleReward:
         n = len(samples)
         plans = [self.plan(s) for s in samples]
         order = list(dict.fromkeys(name for plan in plans for name, _ in plan))
-        per, corrects = {}, {}
+        per, corrects, outcomes = {}, {}, {}
         for name in order:
             idx = [i for i in range(n) if any(name == p for p, _ in plans[i])]
             subset = [samples[i] for i in idx]
             global_idx = [index_base + i for i in idx]
             try:
-                scores, correct = self.functions[name](subset)
+                returned = self.functions[name](subset)
+                scores, correct = returned[0], returned[1]
             except SampleError as e:
                 where = _abbrev(global_idx) if e.index is None else f"sample {global_idx[e.index]}"
                 raise RewardError(f"{self.label(name)} failed on {where}: {e.message}", name,
@@ -149,6 +150,9 @@ class RuleReward:
                 raise RewardError(f"{self.label(name)} failed on {_abbrev(global_idx)}: {type(e).__name__}: {e}",
                                   name) from e
             scores = self._scores(name, scores, global_idx)
+            for outcome, counts in (returned[2] if len(returned) > 2 else {}).items():  # a rule's own counts
+                column = outcomes.setdefault(f"{name}/{outcome}", np.zeros(n, dtype=np.float32))
+                column[idx] = np.asarray(counts, dtype=np.float32)
             column = np.full(n, np.nan, dtype=np.float32)
             column[idx] = scores
             per[name] = column
@@ -172,7 +176,7 @@ class RuleReward:
                     if name in corrects and corrects[name][0][i]:
                         correct_out[i] = corrects[name][1][i]
                         break
-        return RewardResult(total, per, correct_out)
+        return RewardResult(total, per, correct_out, None, outcomes)
 
 
 def build_local_reward(config) -> RuleReward:

@@ -31,6 +31,8 @@ def add_reward_columns(batch: StepBatch, result: RewardResult) -> None:
         batch["correct"] = np.asarray(result.correct, dtype=bool)
     if result.skipped is not None:
         batch["skipped"] = np.asarray(result.skipped, dtype=bool)
+    for name, counts in result.outcomes.items():
+        batch[f"outcome/{name}"] = np.asarray(counts, dtype=np.float32)
 
 
 def per_function_scores(batch: StepBatch) -> dict:
@@ -38,7 +40,9 @@ def per_function_scores(batch: StepBatch) -> dict:
 
 
 def reward_result(batch: StepBatch) -> RewardResult:
-    return RewardResult(batch["reward"], per_function_scores(batch), batch.get("correct"), batch.get("skipped"))
+    outcomes = {k.split("/", 1)[1]: v for k, v in batch.columns.items() if k.startswith("outcome/")}
+    return RewardResult(batch["reward"], per_function_scores(batch), batch.get("correct"), batch.get("skipped"),
+                        outcomes)
 
 
 # columns the step-wide metrics read (reward, accuracy, lengths)
@@ -46,4 +50,4 @@ METRIC_COLUMNS = ("reward", "correct", "skipped", "lengths", "truncated")
 
 
 def metric_columns(batch: StepBatch) -> list:
-    return [k for k in batch.columns if k in METRIC_COLUMNS or k.startswith("reward/")]
+    return [k for k in batch.columns if k in METRIC_COLUMNS or k.startswith(("reward/", "outcome/"))]
