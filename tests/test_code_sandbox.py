@@ -143,3 +143,56 @@ def test_code_rule_through_the_reward_with_hostile_responses():
     assert (metrics["reward/code/pass"], metrics["reward/code/timeout"], metrics["reward/code/memory"]) == (6, 3, 3)
     assert metrics["reward/code/wrong_answer"] == 0 and metrics["reward/code/syntax_error"] == 0
     assert _nothing_left()
+
+
+# ---------------------------------------------------------------------------------------------- the reward server
+
+def _program_sample(code: str, k: int = 0):
+    """A v1 sample whose program must echo its own number k (so a mixed-up answer is caught)."""
+    truth = json.dumps({"inputs": [f"{k}\n"], "outputs": [f"{k}\n"]})
+    return {"response": f"```python\n{code}\n```", "record": {"reward_model": {"ground_truth": truth}}}
+
+
+@pytest.fixture(scope="module")
+def code_server():
+    from test_reward_server import Server
+    server = Server("--reward", "code", "--workers", "2", "--sample-timeout", "60", "--set", "sandbox_timeout=3",
+                    "--set", "sandbox_memory_mb=512")
+    try:
+        yield server.wait()
+    finally:
+        server.stop()
+
+
+def test_reward_server_survives_hostile_programs(code_server):
+    from test_reward_server import post
+    hostile = [HOSTILE[name][0] for name in ("infinite loop", "fork bomb", "10 GB allocation", "1 GB of output")]
+    samples = [_program_sample(code) for code in hostile] + [_program_sample("print(input())")]
+    r = post(code_server.url + "/v1/score", {"samples": samples})
+    assert r.status_code == 200, r.text
+    assert r.json()["score"] == [0.0, 0.0, 0.0, 0.0, 1.0]
+    # still serving, and nothing of the programs is left
+    r = post(code_server.url + "/v1/score", {"samples": [_program_sample("print(input())", 7)]})
+    assert r.status_code == 200 and r.json()["score"] == [1.0]
+    assert code_server.proc.poll() is None and _nothing_left()
+
+
+def test_reward_server_500_programs_from_16_clients(code_server):
+    """500 programs, each echoing its own number, from 16 concurrent clients: none lost or mixed up."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import httpx
+    url = code_server.url + "/v1/score"
+    with httpx.Client(timeout=120.0, limits=httpx.Limits(max_connections=16)) as client:
+        def call(k):
+            code = "print(input())" if k % 5 else "print(int(input()) + 1)"  # every fifth is wrong on purpose
+            r = client.post(url, json={"samples": [_program_sample(code, k)]})
+            return k, r.status_code, r.json()["score"][0]
+        start = time.monotonic()
+        with ThreadPoolExecutor(max_workers=16) as pool:
+            results = list(pool.map(call, range(500)))
+        elapsed = time.monotonic() - start
+    assert sorted(k for k, _, _ in results) == list(range(500))
+    for k, status, score in results:
+        assert status == 200 and score == (0.0 if k % 5 == 0 else 1.0), (k, status, score)
+    print(f"500 programs in {elapsed:.1f} s: {500 / elapsed:.1f} programs/s")
