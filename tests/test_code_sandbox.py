@@ -196,3 +196,29 @@ def test_reward_server_500_programs_from_16_clients(code_server):
     for k, status, score in results:
         assert status == 200 and score == (0.0 if k % 5 == 0 else 1.0), (k, status, score)
     print(f"500 programs in {elapsed:.1f} s: {500 / elapsed:.1f} programs/s")
+
+
+def test_converted_records_score_with_the_code_rule():
+    """APPS (stdin/stdout and call-based) and AceCoder records through `paddle-rl data convert`'s converter: the
+    verl layout's ground truth is what the code rule runs."""
+    from paddle_rl.config import RLConfig
+    from paddle_rl.data.convert import ConvertError, convert_records
+    raw = [("apps.jsonl:1", {"question": "Add two numbers.", "difficulty": "introductory",
+                             "input_output": json.dumps({"inputs": ["1 2\n", "3 4\n"], "outputs": ["3\n", "7\n"]})}),
+           ("apps.jsonl:2", {"question": "Write add(a, b).",
+                             "input_output": json.dumps({"fn_name": "add", "inputs": [[1, 2]], "outputs": [[3]]})}),
+           ("apps.jsonl:3", {"question": "No tests here.", "input_output": ""})]
+    out, skipped, source = convert_records(raw, layout="verl")
+    assert source == "apps" and skipped == ["apps.jsonl:3"] and [r["ability"] for r in out] == ["code", "code"]
+    assert "```python" in out[0]["prompt"][0]["content"]  # the system prompt asks for a code block
+    ace, _, ace_source = convert_records([("ace.jsonl:1", {"question": "Write add.", "test_cases": [
+        "assert add(1, 2) == 3", "assert add(0, 0) == 0"]})], layout="verl")
+    assert ace_source == "acecoder"
+    reward = RuleReward(["code"], None, RLConfig(reward_funcs=["code"], sandbox_timeout=3))
+    add_fn = "<think>easy</think> <answer>```python\ndef add(a, b):\n    return a + b\n```</answer>"
+    responses = [ADD, add_fn, add_fn]
+    records = out + ace
+    result = reward([RewardSample("p", r, rec) for r, rec in zip(responses, records)])
+    np.testing.assert_array_equal(result.scores, [1.0, 1.0, 1.0])
+    with pytest.raises(ConvertError, match="2 inputs but 1 outputs"):
+        convert_records([("x:1", {"question": "q", "input_output": json.dumps({"inputs": [1, 2], "outputs": [1]})})])

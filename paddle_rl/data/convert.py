@@ -1,9 +1,12 @@
-"""`paddle-rl data convert`: local GSM8K / MATH / NuminaMath files -> the layouts the trainer reads.
+"""`paddle-rl data convert`: local GSM8K / MATH / NuminaMath / APPS / AceCoder files -> the layouts the trainer reads.
 
 Sources (jsonl, json or parquet, detected from the first record with --format auto):
   gsm8k   question, answer ("... #### 72"): the final answer is the number after the last ####.
   math    problem, solution (final answer in the last \\boxed{}), or an explicit answer field.
   numina  problem, solution, messages (NuminaMath): the last \\boxed{} of the solution.
+  apps    question, input_output (APPS / CodeContests / TACO: a JSON string of inputs, outputs, fn_name): the tests
+          become the ground truth of the `code` rule (verl's PRIME layout; data_source apps, ability code).
+  acecoder question, test_cases (a list of asserts): ground truth {"test_cases": [...]} for the `code` rule.
 Layouts:
   paddlenlp  {"src": chat-templated prompt, "tgt": final answer, "data_source": ...}
   chat       ms-swift: {"messages": [system, user], "solution": final answer, "data_source": ...}
@@ -33,12 +36,14 @@ from .templates import THINK_PREFIX, chat_messages, render_qwen25, system_prompt
 
 logger = logging.getLogger("paddle_rl")
 
-SOURCES = ("gsm8k", "math", "numina")
+SOURCES = ("gsm8k", "math", "numina", "apps", "acecoder")
 LAYOUTS = ("paddlenlp", "chat", "verl")
 TEMPLATES = ("qwen2.5", "plain")
-DATA_SOURCES = {"gsm8k": "gsm8k", "math": "math", "numina": "numina_math"}
-REWARD_TASK = {"gsm8k": "gsm8k", "math": "math", "numina": "math"}   # which answer instruction
-EXTRA_FIELDS = {"gsm8k": (), "math": ("level", "type", "subject", "unique_id"), "numina": ("source",)}
+DATA_SOURCES = {"gsm8k": "gsm8k", "math": "math", "numina": "numina_math", "apps": "apps", "acecoder": "acecoder"}
+REWARD_TASK = {"gsm8k": "gsm8k", "math": "math", "numina": "math", "apps": "code", "acecoder": "code"}
+EXTRA_FIELDS = {"gsm8k": (), "math": ("level", "type", "subject", "unique_id"), "numina": ("source",),
+                "apps": ("difficulty", "url", "problem_id"), "acecoder": ("id", "source")}
+ABILITY = {"apps": "code", "acecoder": "code"}   # verl's `ability` (math otherwise)
 
 
 class ConvertError(ValueError):
@@ -140,12 +145,40 @@ def _numina(record: dict) -> Example:
     return Example(question.strip(), last_boxed_content(solution or ""), _extra(record, "numina"))
 
 
-EXTRACTORS: Dict[str, Callable[[dict], Example]] = {"gsm8k": _gsm8k, "math": _math, "numina": _numina}
+def _apps(record: dict) -> Example:
+    """APPS / CodeContests / TACO as published: question, input_output (a JSON string: inputs, outputs, and fn_name
+    for call-based problems). The answer is that JSON, the ground truth the `code` rule reads (verl's PRIME layout);
+    a problem without tests has none."""
+    raw = record.get("input_output")
+    tests = json.loads(raw) if isinstance(raw, str) and raw.strip() else raw
+    if not isinstance(tests, dict) or not tests.get("inputs") or "outputs" not in tests:
+        return Example(_text(record, "question", "apps").strip(), None, _extra(record, "apps"))
+    if len(tests["inputs"]) != len(tests["outputs"]):
+        raise ConvertError(f"apps: input_output has {len(tests['inputs'])} inputs but {len(tests['outputs'])} outputs")
+    keep = {k: tests[k] for k in ("inputs", "outputs", "fn_name") if tests.get(k) is not None}
+    return Example(_text(record, "question", "apps").strip(), json.dumps(keep), _extra(record, "apps"))
+
+
+def _acecoder(record: dict) -> Example:
+    """AceCoder-style: question, test_cases (a list of assert statements)."""
+    cases = record.get("test_cases")
+    if not isinstance(cases, list) or not all(isinstance(c, str) for c in cases):
+        raise ConvertError("acecoder: expected a list of assert strings under 'test_cases'")
+    answer = json.dumps({"test_cases": cases}) if cases else None
+    return Example(_text(record, "question", "acecoder").strip(), answer, _extra(record, "acecoder"))
+
+
+EXTRACTORS: Dict[str, Callable[[dict], Example]] = {"gsm8k": _gsm8k, "math": _math, "numina": _numina,
+                                                    "apps": _apps, "acecoder": _acecoder}
 
 
 def detect_source(record: dict) -> str:
     if not isinstance(record, dict):
         raise ConvertError(f"expected a JSON object, got {type(record).__name__}")
+    if "question" in record and "input_output" in record:
+        return "apps"
+    if "question" in record and "test_cases" in record:
+        return "acecoder"
     if "question" in record and "answer" in record:
         return "gsm8k"
     if "problem" in record and ("messages" in record or "source" in record):
@@ -194,14 +227,14 @@ def load_tokenizer(folder: str):
 
 
 def to_layout(example: Example, layout: str, data_source: str, system: Optional[str],
-              render: Optional[PromptRenderer], index: int) -> dict:
+              render: Optional[PromptRenderer], index: int, ability: str = "math") -> dict:
     messages = chat_messages(example.question, system)
     if layout == "paddlenlp":
         return {"src": render(messages), "tgt": example.answer, "data_source": data_source, **example.extra}
     if layout == "chat":
         return {"messages": messages, "solution": example.answer, "data_source": data_source, **example.extra}
     if layout == "verl":
-        return {"data_source": data_source, "prompt": messages, "ability": "math",
+        return {"data_source": data_source, "prompt": messages, "ability": ability,
                 "reward_model": {"style": "rule", "ground_truth": example.answer},
                 "extra_info": {"index": index, "question": example.question, **example.extra}}
     raise ConvertError(f"unknown layout {layout!r}; choose one of {', '.join(LAYOUTS)}")
@@ -240,13 +273,14 @@ def convert_records(records: Iterable[Tuple[str, dict]], source: str = "auto", l
             raise ConvertError(f"{location}: {e}") from None
         if example.answer is None:
             if strict:
-                marker = "####" if resolved == "gsm8k" else "\\boxed{}"
-                raise ConvertError(f"{location}: no final answer found (no {marker})")
+                marker = {"gsm8k": "no ####", "apps": "no tests", "acecoder": "no tests"}.get(resolved, "no \\boxed{}")
+                raise ConvertError(f"{location}: no final answer found ({marker})")
             skipped.append(location)
             continue
         text = system_prompt(REWARD_TASK[resolved]) if system is None else system
         try:
-            out.append(to_layout(example, layout, data_source or DATA_SOURCES[resolved], text, render, len(out)))
+            out.append(to_layout(example, layout, data_source or DATA_SOURCES[resolved], text, render, len(out),
+                                 ABILITY.get(resolved, "math")))
         except Exception as e:  # noqa: BLE001 - e.g. a chat template that rejects the messages
             raise ConvertError(f"{location}: cannot render the prompt: {type(e).__name__}: {e}") from None
         if 0 < limit <= len(out):

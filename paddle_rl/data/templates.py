@@ -17,6 +17,9 @@ THINK_ANSWER_SYSTEM = (
 
 # What each source asks for inside <answer>, so that its rule reward can read the result.
 ANSWER_INSTRUCTIONS = {
+    # the code reward runs the last ```python block of the response
+    "code": " Inside <answer> </answer>, write the complete Python program in one ```python code block; it "
+            "reads its input from stdin and prints its output, unless the question names a function to write.",
     # the gsm8k reward reads the last "#### <number>" of the response
     "gsm8k": " Inside <answer> </answer>, write the final number after \"####\", for example "
              "<answer> #### 42 </answer>.",
