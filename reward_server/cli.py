@@ -20,6 +20,9 @@ def add_reward_server_arguments(parser: argparse.ArgumentParser) -> argparse.Arg
                         help="Reward functions to sum (repeatable or comma-separated; default: the config's "
                              "reward_funcs, else kk).")
     parser.add_argument("--weights", metavar="W[,W...]", help="Weights of the reward functions (default all 1).")
+    parser.add_argument("--reward-model", metavar="FOLDER",
+                        help="A *ForSequenceClassification checkpoint scored as the function reward_model (alone "
+                             "when --reward is not given; each worker loads it).")
     parser.add_argument("--plugin", action="append", default=[], metavar="FILE.py",
                         help="Python file whose functions become reward functions (repeatable).")
     parser.add_argument("--route", action="append", default=[], metavar="DATA_SOURCE=NAME[,NAME...]",
@@ -89,8 +92,12 @@ def settings_from_args(args):
     from .app import ServerSettings
 
     overrides = parse_overrides(args.overrides)
+    if args.reward_model:
+        overrides["reward_model_name_or_path"] = os.path.abspath(args.reward_model)
     if args.reward:
         overrides["reward_funcs"] = _split(args.reward)
+    elif args.reward_model:
+        overrides["reward_funcs"] = ["reward_model"]
     if args.weights:
         overrides["reward_weights"] = [float(w) for w in _split([args.weights])]
     if args.plugin:

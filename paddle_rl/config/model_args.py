@@ -9,7 +9,8 @@ class ModelArgs:
     actor_model_name_or_path: str = arg("", "Folder of the actor checkpoint (Hugging Face layout).")
     reference_model_name_or_path: Optional[str] = arg(None, "Reference checkpoint; defaults to the actor's.")
     tokenizer_name_or_path: Optional[str] = arg(None, "Tokenizer folder; defaults to the actor's.")
-    reward_model_name_or_path: str = arg("", "Neural reward model (not used: rule rewards and the reward server).", acted=False)
+    reward_model_name_or_path: str = arg("", "Neural reward model: a *ForSequenceClassification folder, scored as the "
+                                             "function `reward_model` of reward_funcs (docs/rewards.md).")
     use_fp32_compute: bool = arg(False, "Compute log-probs, rewards and losses in fp32.", acted=False)
     bf16: bool = arg(False, "bf16 mixed precision (this CPU build computes in fp32).", acted=False)
     fp16_opt_level: str = arg("O1", acted=False)

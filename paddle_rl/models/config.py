@@ -90,6 +90,16 @@ class ModelConfig:
         return rope_settings(self.rope_scaling, "rope_scaling", self.max_position_embeddings)
 
     @property
+    def sequence_classifier(self) -> bool:
+        """A `<Family>ForSequenceClassification` checkpoint (a reward model): a `score` head instead of the LM head."""
+        return any(str(a).endswith("ForSequenceClassification") for a in self.extra.get("architectures") or ())
+
+    @property
+    def num_labels(self) -> int:
+        labels = self.extra.get("id2label")
+        return len(labels) if isinstance(labels, dict) and labels else int(self.extra.get("num_labels", 2))
+
+    @property
     def uses_qk_norm(self) -> bool:
         return self.family.qk_norm
 
@@ -138,7 +148,8 @@ class ModelConfig:
     def to_hf_dict(self) -> dict:
         data = {k: v for k, v in asdict(self).items() if k != "extra" and v is not None}
         data.update(self.extra)
-        data["architectures"] = [self.family.architecture]
+        data["architectures"] = (list(self.extra["architectures"]) if self.sequence_classifier
+                                 else [self.family.architecture])
         for key, value in self.family.extra_config:
             data.setdefault(key, value)
         data["dtype"] = data["torch_dtype"] = "float32"  # what save_model writes (transformers 5 reads "dtype")

@@ -19,7 +19,7 @@ import paddle.nn as nn
 from .. import ops
 from ..parallel.collectives import copy_to_group, gather_from_group, group_size
 from .config import ModelConfig
-from .layers import ColumnLinear, RMSNorm, RowLinear, VocabEmbedding, vocab_parallel_logprobs
+from .layers import ColumnLinear, RMSNorm, RowLinear, ScoreHead, VocabEmbedding, vocab_parallel_logprobs
 from .moe import MoESettings, RouterStats, SparseMoE
 
 NEG_INF = -1e9
@@ -295,7 +295,12 @@ class CausalLM(nn.Layer):
         self.layers = nn.LayerList([DecoderLayer(config, tp_group, i, self.moe) for i in self.layer_ids])
         if self.is_last:
             self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, "model.norm.weight")
-            if not tied:
+            if config.sequence_classifier:  # a reward model: one score per sequence, no LM head
+                if tp_group is not None or self.num_stages > 1:
+                    raise ValueError("a sequence classifier (reward model) runs replicated: no tensor or pipeline "
+                                     "parallelism")
+                self.score = ScoreHead(config.hidden_size, config.num_labels)
+            elif not tied:
                 self.lm_head = ColumnLinear(config.hidden_size, [config.vocab_size], False, tp_group, "",
                                             ("lm_head",), pad=True)
         self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope)
@@ -339,6 +344,18 @@ class CausalLM(nn.Layer):
         segment block)."""
         return self.run(packing.input_ids, Pass(self.rotary, packing.position_ids, token_weight=packing.token_weight,
                                                 packing=packing))
+
+    def sequence_scores(self, input_ids, attention_mask):
+        """A sequence classifier's scores [B, num_labels], read at each row's last token that is not the pad token
+        (as transformers' `*ForSequenceClassification` reads them; rows right-padded)."""
+        hidden = self.hidden_states(input_ids, position_ids_from_mask(attention_mask),
+                                    attention_bias_from_mask(attention_mask, input_ids.shape[1], causal=True))
+        pad = self.config.pad_token_id
+        real = (input_ids != pad) if pad is not None else attention_mask.astype("bool")
+        positions = paddle.arange(input_ids.shape[1], dtype="int64").unsqueeze(0)
+        last = (positions * real.astype("int64")).argmax(axis=-1)
+        picked = paddle.take_along_axis(hidden, last.reshape([-1, 1, 1]).expand([-1, 1, hidden.shape[-1]]), axis=1)
+        return self.score(picked.squeeze(1))
 
     # ---------------------------------------------------------------- Mixture-of-Experts load balancing
     def aux_loss(self):

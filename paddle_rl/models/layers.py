@@ -162,6 +162,17 @@ class RowLinear(nn.Layer):
         return y + self.bias if self.bias is not None else y
 
 
+class ScoreHead(nn.Layer):
+    """A sequence classifier's head (`score.weight` [num_labels, hidden] in the checkpoint, no bias), replicated."""
+
+    def __init__(self, hidden_size: int, num_labels: int):
+        super().__init__()
+        self.weight = _param(self, [hidden_size, num_labels], ParamSpec(("score.weight",), True), None)
+
+    def forward(self, x):
+        return paddle.matmul(x, self.weight)
+
+
 class VocabEmbedding(nn.Layer):
     def __init__(self, vocab_size: int, hidden_size: int, group, hf_name: str):
         super().__init__()

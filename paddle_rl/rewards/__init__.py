@@ -11,7 +11,7 @@ from .client import RewardServerClient, RewardServerError
 from .composite import RewardError, RuleReward, build_local_reward
 from .plugins import PluginError, load_plugins
 from .rules import RULE_REWARDS, SampleError, register_rule
-from . import code  # noqa: F401,E402  (registers the `code` rule)
+from . import code  # noqa: F401  (registers the `code` rule)
 
 
 def build_reward(config, broadcast_group=None):

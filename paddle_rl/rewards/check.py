@@ -64,7 +64,24 @@ def reward_config_errors(config) -> List[str]:
     A plugin that fails to load raises PluginError."""
     plugins = load_plugins_cached(list(config.reward_plugins)) if config.reward_plugins else {}
     named = named_functions(config.reward_funcs, config.reward_routes)
-    return unknown_function_errors(named, plugins) + overlong_errors(config, named, plugins)
+    return reward_model_errors(config, named) + unknown_function_errors(
+        [(k, n) for k, n in named if n != MODEL_REWARD or not config.reward_model_name_or_path], plugins) + \
+        overlong_errors(config, named, plugins)
+
+
+MODEL_REWARD = "reward_model"  # the name of the neural reward model among reward_funcs (rewards/reward_model.py)
+
+
+def reward_model_errors(config, named: List[Tuple[str, str]]) -> List[str]:
+    """reward_model_name_or_path and the `reward_model` function name go together."""
+    used = any(n == MODEL_REWARD for _, n in named)
+    path = getattr(config, "reward_model_name_or_path", "")
+    if path and not used:
+        return [f"reward_model_name_or_path: set, but {MODEL_REWARD!r} is in neither reward_funcs nor reward_routes; "
+                f"add it (and its weight to reward_weights) or remove the key"]
+    if used and not path:
+        return [f"reward_funcs: {MODEL_REWARD!r} needs reward_model_name_or_path (a *ForSequenceClassification folder)"]
+    return []
 
 
 def check_reward_config(config) -> None:

@@ -182,6 +182,12 @@ class RuleReward:
 def build_local_reward(config) -> RuleReward:
     """The in-process reward of a config (rules and plugins; ignores use_rm_server). Makes the checks of
     `check_reward_config` (RuleReward does), with the plugins that check loaded."""
+    from .check import MODEL_REWARD, named_functions, raise_errors, reward_model_errors
     from .plugins import load_plugins_cached
-    plugins = load_plugins_cached(list(config.reward_plugins)) if config.reward_plugins else {}
+    plugins = dict(load_plugins_cached(list(config.reward_plugins)) if config.reward_plugins else {})
+    raise_errors(reward_model_errors(config, named_functions(config.reward_funcs, config.reward_routes)))
+    if config.reward_model_name_or_path:
+        from .reward_model import NeuralReward
+        plugins[MODEL_REWARD] = NeuralReward(config.reward_model_name_or_path, config.per_device_reward_batch_size)
     return RuleReward(config.reward_funcs, config.reward_weights, config, plugins, config.reward_routes)
+
