@@ -222,3 +222,17 @@ def test_converted_records_score_with_the_code_rule():
     np.testing.assert_array_equal(result.scores, [1.0, 1.0, 1.0])
     with pytest.raises(ConvertError, match="2 inputs but 1 outputs"):
         convert_records([("x:1", {"question": "q", "input_output": json.dumps({"inputs": [1, 2], "outputs": [1]})})])
+
+
+def test_without_a_network_namespace_it_refuses_unless_allowed(monkeypatch, caplog):
+    """Where unshare cannot make a network namespace, code does not run; sandbox_allow_network runs it, loudly."""
+    import logging
+
+    from paddle_rl.rewards import sandbox
+    monkeypatch.setattr(sandbox, "isolation", lambda: None)
+    with pytest.raises(sandbox.SandboxError, match="sandbox_allow_network: true"):
+        run_program("print(1)", "", LIMITS)
+    allowed = SandboxLimits(wall_seconds=4, cpu_seconds=3, memory_mb=512, allow_network=True)
+    with caplog.at_level(logging.WARNING, logger="paddle_rl"):
+        result = run_program("print(1)", "", allowed)
+    assert result.status == "ok" and result.stdout == "1\n" and "NO network isolation" in caplog.text
