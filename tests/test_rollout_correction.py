@@ -151,3 +151,25 @@ def test_training_reports_the_gap_and_rejects_by_the_bounds(micro, tmp_path, var
     vetoed = _train(micro, tmp_path / "veto", rollout_token_veto_threshold=1.5)
     assert vetoed[0]["rollout_corr/rejected_seq_share"] == 1.0
     assert vetoed[0]["actor/skipped_update"] == 1.0 and "actor/grad_norm" not in vetoed[0]
+
+
+def test_data_parallel_equals_one_process(micro, tmp_path):
+    """DP=2 through run_rl.py with token IS and geometric rejection on: the same losses, statistics (the
+    rollout_corr/* metrics summed over both ranks) and weights as one process."""
+    import os
+
+    from paddle_rl.trainer import RLTrainer
+    from test_parallel import PLUGIN, ROOT, assert_parity, launch, run_overrides
+    plugin = tmp_path / "parity_reward.py"
+    plugin.write_text(PLUGIN)
+    keys = dict(rollout_is="token", rollout_rs="geometric", rollout_rs_threshold=1.5)
+    single, dp = tmp_path / "single", tmp_path / "dp"
+    single.mkdir()
+    dp.mkdir()
+    RLTrainer(load_config(None, run_overrides(micro, str(single), str(plugin), **keys))).train()
+    launch([os.path.join(ROOT, "paddle_rl", "run_rl.py"), os.path.join(ROOT, "configs", "tiny_kk_grpo.yaml"),
+            *run_overrides(micro, str(dp), str(plugin), data_parallel_degree=2, eval_datasets="", logging_dir="",
+                           **keys)], str(tmp_path / "log"))
+    rows = read_metrics(str(dp / "metrics.jsonl"))
+    assert all("rollout_corr/k3_kl" in r for r in rows)
+    assert_parity(str(single), str(dp))
