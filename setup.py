@@ -46,8 +46,9 @@ setup(
     extras_require={
         # parity checks against Hugging Face transformers (PyTorch CPU); torch is pinned: an unpinned torch
         # pulls a multi-GB CUDA build
-        # (accelerate: transformers needs it to read a GGUF file, the independent side of the GGUF parity tests)
-        "test": ["pytest", "torch==2.13.0", "transformers", "accelerate"],
+        # (accelerate: transformers needs it to read a GGUF file, the independent side of the GGUF parity tests;
+        # peft: the independent side of the LoRA adapter tests)
+        "test": ["pytest", "torch==2.13.0", "transformers", "accelerate", "peft"],
     },
     entry_points={"console_scripts": ["paddle-rl=paddle_rl.cli:main"]},
 )

@@ -262,6 +262,8 @@ def run(args) -> dict:
         cpu_start = time.process_time()
         trainer.train()
         cpu_s = time.process_time() - cpu_start
+        optimizer_bytes = trainer.layout.optimizer_state_bytes(trainer.optimizer)["total"]
+        trainable = sum(int(np.prod(p.shape)) for p in trainer.actor.parameters() if not p.stop_gradient)
         records = _read_metrics(os.path.join(config.output_dir, "metrics.jsonl"))
     timed = records[args.warmup:] or records[-1:]
 
@@ -293,6 +295,7 @@ def run(args) -> dict:
         "update_gflops": flops["update"] / max(mean("time/update"), 1e-9) / 1e9,
         "peak_gflops": peak, "matmul_peak_gflops": peak,
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "optimizer_state_mb": optimizer_bytes / 2**20, "trainable_params": trainable,
         "threads": os.environ.get("OMP_NUM_THREADS"), "setup_s": build_s,
         "cpu_s_per_step": cpu_s / max(len(records), 1), "load_avg": [load_before, os.getloadavg()[0]],
         "stride_kernel": os.environ.get("FLAGS_use_stride_kernel"),
@@ -325,7 +328,8 @@ def report(result: dict) -> str:
               f"  trained       {result['trained_tokens_per_s']:8.0f} tokens/s",
               f"  effective     {result['effective_gflops']:8.1f} GFLOP/s (rollout {result['rollout_gflops']:.1f}, "
               f"update {result['update_gflops']:.1f}; matmul peak {result['matmul_peak_gflops']:.1f})",
-              f"  peak RSS      {result['peak_rss_mb']:8.0f} MB",
+              f"  peak RSS      {result['peak_rss_mb']:8.0f} MB (optimizer state {result['optimizer_state_mb']:.1f} MB, "
+              f"{result['trainable_params']:,} trained parameters)",
               f"  process CPU   {result['cpu_s_per_step']:8.3f} s per step (all threads)"]
     return "\n".join(lines)
 

@@ -24,12 +24,13 @@ def lr_factor(schedule: str, total_steps: int, warmup_steps: int, min_lr_ratio: 
 
 
 def build_optimizer(model, config, total_optimizer_steps: int, parameters=None):
-    """(AdamW, scheduler) over `parameters` (default: all of the model's; a sharded optimizer passes its shard)."""
+    """(AdamW, scheduler) over the trained ones of `parameters` (default: the model's; a sharded optimizer passes
+    its shard); frozen parameters (a LoRA model's base) get no optimizer state."""
     warmup = config.warmup_steps or int(config.warmup_ratio * total_optimizer_steps)
     scheduler = paddle.optimizer.lr.LambdaDecay(
         config.learning_rate, lr_factor(config.lr_scheduler_type, total_optimizer_steps, warmup, config.min_lr_ratio))
     no_decay = {p.name for n, p in model.named_parameters() if "norm" in n or n.endswith("bias")}
-    parameters = model.parameters() if parameters is None else parameters
+    parameters = [p for p in (model.parameters() if parameters is None else parameters) if not p.stop_gradient]
     optimizer = paddle.optimizer.AdamW(
         learning_rate=scheduler, parameters=parameters, weight_decay=config.weight_decay,
         beta1=config.adam_beta1, beta2=config.adam_beta2, epsilon=config.adam_epsilon,

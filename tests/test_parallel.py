@@ -98,8 +98,10 @@ def rel_err(a, b):
 
 
 def weights(out_dir, step=3):
+    """The checkpoint's weights (a LoRA run's merged ones: merge_lora)."""
     from paddle_rl.models.safetensors_io import load_state
-    return load_state(os.path.join(out_dir, f"checkpoint-{step}"))
+    path = os.path.join(out_dir, f"checkpoint-{step}")
+    return load_state(os.path.join(path, "merged") if os.path.isdir(os.path.join(path, "merged")) else path)
 
 
 def compare_runs(ref_dir, par_dir):

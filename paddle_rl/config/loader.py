@@ -199,6 +199,12 @@ def check_paths(config) -> None:
         value = getattr(config, key)
         if value and not os.path.isdir(value):
             problems.append(f"{key}: folder not found: {value}")
+    if config.lora_path:
+        from ..models.lora import AdapterError, lora_settings
+        try:
+            lora_settings(config)
+        except (AdapterError, OSError, KeyError) as e:
+            problems.append(f"lora_path: {e}")
     if not config.train_datasets:
         problems.append("train_datasets: required")
     for key in ("train_datasets", "eval_datasets"):

@@ -30,6 +30,20 @@ class ModelArgs:
     share_prompt_prefix: bool = arg(True, "Run each distinct prompt once per micro-batch in the log-prob and update "
                                           "passes; its rollout_n responses attend to its keys/values (same values "
                                           "up to float rounding; saves the repeated prompt compute).")
+    lora: bool = arg(False, "Train LoRA adapters on the frozen actor instead of its weights (docs/lora.md); the "
+                            "reference policy is the base with the adapters off. Also on when lora_rank > 0.")
+    lora_rank: int = arg(0, "LoRA rank r (0 with lora: true means 8).")
+    lora_alpha: float = arg(16.0, "LoRA alpha: the adapters' output is scaled by lora_alpha / lora_rank.")
+    lora_dropout: float = arg(0.0, "Dropout on the adapters' input in the update pass.")
+    lora_target_modules: list = arg(["all-linear"], "Modules that get adapters: all-linear (every projection of the "
+                                                    "decoder, not the head), names such as [q_proj, v_proj], or one "
+                                                    "regular expression over the full module names (PEFT's rules).",
+                                    aliases=("target_modules",))
+    rslora: bool = arg(False, "Rank-stabilized LoRA: scale by lora_alpha / sqrt(lora_rank).", aliases=("use_rslora",))
+    lora_path: str = arg("", "A PEFT adapter folder (adapter_config.json, adapter_model.safetensors) to continue "
+                             "training: its rank, alpha and modules are used.", aliases=("lora_adapter_path",))
+    merge_lora: bool = arg(False, "LoRA checkpoints also hold the merged weights as an ordinary Hugging Face model "
+                                  "(config.json, model.safetensors) beside the adapter.")
     recompute_use_reentrant: bool = arg(True, acted=False)
     recompute_granularity: str = arg("full", acted=False)
     offload_level: str = arg("", acted=False)
@@ -45,3 +59,19 @@ class ModelArgs:
             errors.append(f"use_custom_ops: must be auto, on or off, got {self.use_custom_ops!r}")
         if not self.actor_model_name_or_path:
             errors.append("actor_model_name_or_path: required (a folder with config.json and model.safetensors)")
+        if isinstance(self.lora_target_modules, str):
+            self.lora_target_modules = [t.strip() for t in self.lora_target_modules.split(",") if t.strip()]
+        if self.lora_rank < 0:
+            errors.append(f"lora_rank: must be >= 0, got {self.lora_rank}")
+        if self.lora_alpha <= 0:
+            errors.append(f"lora_alpha: must be > 0, got {self.lora_alpha}")
+        if not 0.0 <= self.lora_dropout < 1.0:
+            errors.append(f"lora_dropout: must be in [0, 1), got {self.lora_dropout}")
+        if self.uses_lora and not self.lora_target_modules:
+            errors.append("lora_target_modules: empty (all-linear, or module names such as [q_proj, v_proj])")
+        if self.merge_lora and not self.uses_lora:
+            errors.append("merge_lora: needs LoRA (lora: true, lora_rank > 0 or lora_path)")
+
+    @property
+    def uses_lora(self) -> bool:
+        return bool(self.lora or self.lora_rank > 0 or self.lora_path)

@@ -23,6 +23,7 @@ import paddle
 
 from ..batch import StepBatch
 from ..models import load_weights
+from ..models.pretrained import saves_frozen
 from ..parallel import collectives as C
 from ..parallel.sharding import GradientSync, build_sharded_optimizer, optimizer_state_bytes
 from ..parallel.topology import TopologyError
@@ -223,16 +224,18 @@ class Layout(abc.ABC):
 
     # ---------------------------------------------------------------- models (per layout)
     @abc.abstractmethod
-    def load_model(self, folder: str):
-        """This rank's part of the model in a Hugging Face folder."""
+    def load_model(self, folder: str, lora=None, adapter=None):
+        """This rank's part of the model in a Hugging Face folder (`lora`, `adapter`: LoRA adapters on it, as
+        models.load_model)."""
 
     def load_weights(self, model, folder: str) -> None:
         """Overwrite a model's parameters from a checkpoint folder (each rank its own shard / stage)."""
         load_weights(model, folder)
 
     @abc.abstractmethod
-    def full_state(self, model) -> Dict[str, np.ndarray]:
-        """The whole model under Hugging Face names (gathered over tensor / pipeline groups; every rank calls it)."""
+    def full_state(self, model, frozen: bool = True) -> Dict[str, np.ndarray]:
+        """The whole model under Hugging Face names (gathered over tensor / pipeline groups; every rank calls it);
+        `frozen=False`: the trained parameters only (a LoRA model's adapters)."""
 
     @paddle.no_grad()
     def logprobs(self, model, batch: StepBatch, temperature: float, micro_batch_size: int,
@@ -267,6 +270,7 @@ class Layout(abc.ABC):
 
     # ---------------------------------------------------------------- optimizer
     def build_optimizer(self, model, config, total_steps: int):
+        """AdamW over the trained parameters (a LoRA model's adapters; frozen ones get no state)."""
         self.grad_sync = GradientSync(self._topo, model.parameters())
         return build_sharded_optimizer(model, config, total_steps, self.grad_sync)
 
@@ -312,7 +316,7 @@ class Layout(abc.ABC):
         """Extra arguments of checkpoint.save_checkpoint: the gathered model state and this rank's place."""
         if not self.is_parallel:
             return {}
-        return {"model_state": self.full_state(model), "rank": self._topo.rank,
+        return {"model_state": self.full_state(model, saves_frozen(model)), "rank": self._topo.rank,
                 "world_size": self._topo.world_size, "barrier": self.barrier, "first_error": self.first_of_ranks}
 
     def resume_args(self) -> dict:

@@ -22,17 +22,18 @@ def _inputs(tensors):
 
 
 class Pipelined(Layout):
-    def load_model(self, folder: str):
+    def load_model(self, folder: str, lora=None, adapter=None):
         topo = self._topo
-        return load_model(folder, tp_group=topo.group("tp"), stage=(topo.pp_rank, topo.pp_degree))
+        return load_model(folder, tp_group=topo.group("tp"), stage=(topo.pp_rank, topo.pp_degree), lora=lora,
+                          adapter=adapter)
 
-    def full_state(self, model) -> dict:
+    def full_state(self, model, frozen: bool = True) -> dict:
         merged = {}
         if self._topo.group("tp") is None:
-            own = hf_state(model)
+            own = hf_state(model, frozen)
         else:
             with watched("all_gather of the tensor-parallel weights", self._topo.group("tp")):  # one wait for all
-                own = hf_state(model)
+                own = hf_state(model, frozen)
         for part in C.gather_objects(own, self._topo.group("pp")):
             for k, v in part.items():
                 merged.setdefault(k, v)

@@ -8,14 +8,14 @@ from .base import Layout
 
 
 class Replicated(Layout):
-    def load_model(self, folder: str):
-        return load_model(folder, tp_group=self._topo.group("tp"))
+    def load_model(self, folder: str, lora=None, adapter=None):
+        return load_model(folder, tp_group=self._topo.group("tp"), lora=lora, adapter=adapter)
 
-    def full_state(self, model) -> dict:
+    def full_state(self, model, frozen: bool = True) -> dict:
         if self._topo.group("tp") is None:
-            return hf_state(model)
+            return hf_state(model, frozen)
         with watched("all_gather of the tensor-parallel weights", self._topo.group("tp")):  # one wait for them all
-            return hf_state(model)
+            return hf_state(model, frozen)
 
     def _logprob_chunks(self, model, batch, plan, temperature: float, with_entropy: bool) -> list:
         chunks = []

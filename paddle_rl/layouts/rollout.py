@@ -6,6 +6,7 @@ import paddle
 
 from ..batch import StepBatch
 from ..models import CausalLM, load_weights
+from ..models.lora import merge_state
 from ..parallel import collectives as C
 
 
@@ -22,7 +23,7 @@ class Rollout:
         if self.direct:
             return engine
         model = engine.model
-        state = self._layout.full_state(model)
+        state = merge_state(self._layout.full_state(model), model.lora)  # LoRA: the merged weights
         if self._copy is None:
             with paddle.utils.unique_name.guard("rollout_"):
                 self._copy = CausalLM(model.config, self._topo.group("rollout"))

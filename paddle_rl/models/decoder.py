@@ -306,6 +306,7 @@ class CausalLM(nn.Layer):
         self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope)
         self.recompute = False
         self._router = None
+        self.lora = None  # LoraSettings once adapters are on the model (models/lora.py)
 
     def init_weights(self, std: Optional[float] = None):
         std = self.config.initializer_range if std is None else std

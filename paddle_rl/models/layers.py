@@ -130,6 +130,8 @@ class ColumnLinear(nn.Layer):
         super().__init__()
         self.group = group
         names = tuple(f"{prefix}.{s}" if prefix else s for s in sources)
+        self.module_names = names
+        self.lora = None  # a LoRA adapter (models/lora.py) when one is put on this layer
         tp = group_size(group)
         weight = ParamSpec(tuple(f"{n}.weight" for n in names), True, 1, tuple(parts), pad)
         self.weight = _param(self, [in_features, weight.local_size(tp)], weight, group)
@@ -139,10 +141,13 @@ class ColumnLinear(nn.Layer):
             self.bias = _param(self, [spec.local_size(tp)], spec, group, is_bias=True)
 
     def forward(self, x):
+        weight = self.weight if self.lora is None else self.lora.weight(self.weight)
         if self.group is None:
-            return F.linear(x, self.weight, self.bias)
-        y = paddle.matmul(copy_to_group(x, self.group), self.weight)
-        return y + self.bias if self.bias is not None else y
+            y = F.linear(x, weight, self.bias)
+        else:
+            y = paddle.matmul(copy_to_group(x, self.group), weight)
+            y = y + self.bias if self.bias is not None else y
+        return y if self.lora is None else self.lora.add(x, y)
 
 
 class RowLinear(nn.Layer):
@@ -151,15 +156,20 @@ class RowLinear(nn.Layer):
     def __init__(self, in_features: int, out_features: int, bias: bool, group, hf_name: str):
         super().__init__()
         self.group = group
+        self.module_names = (hf_name,)
+        self.lora = None  # a LoRA adapter (models/lora.py) when one is put on this layer
         spec = ParamSpec((f"{hf_name}.weight",), True, 0, (in_features,))
         self.weight = _param(self, [spec.local_size(group_size(group)), out_features], spec, group)
         self.bias = _param(self, [out_features], ParamSpec((f"{hf_name}.bias",)), None, True) if bias else None
 
     def forward(self, x):
+        weight = self.weight if self.lora is None else self.lora.weight(self.weight)
         if self.group is None:
-            return F.linear(x, self.weight, self.bias)
-        y = reduce_from_group(paddle.matmul(x, self.weight), self.group)
-        return y + self.bias if self.bias is not None else y
+            y = F.linear(x, weight, self.bias)
+        else:
+            y = reduce_from_group(paddle.matmul(x, weight), self.group)
+            y = y + self.bias if self.bias is not None else y
+        return y if self.lora is None else self.lora.add(x, y)
 
 
 class ScoreHead(nn.Layer):
@@ -220,11 +230,13 @@ def vocab_parallel_logprobs(local_logits, targets, group, vocab_start: int, with
     return logp, log_z - expected
 
 
-def specs_of(model) -> List[Tuple[str, object]]:
-    """(name, parameter) pairs of a model, every one with its ParamSpec (an error names one without)."""
+def specs_of(model, frozen: bool = True) -> List[Tuple[str, object]]:
+    """(name, parameter) pairs of a model, every one with its ParamSpec (an error names one without);
+    `frozen=False` keeps the trained ones only (a LoRA model's adapters)."""
     out = []
     for name, param in model.named_parameters():
         if getattr(param, "spec", None) is None:
             raise TypeError(f"parameter {name} has no ParamSpec: build it with models/layers.py")
-        out.append((name, param))
+        if frozen or not param.stop_gradient:
+            out.append((name, param))
     return out

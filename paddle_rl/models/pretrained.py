@@ -10,28 +10,52 @@ import paddle
 from .config import ModelConfig
 from .decoder import CausalLM
 from .layers import specs_of
+from .lora import WEIGHTS_FILE as ADAPTER_WEIGHTS
+from .lora import (AdapterError, LoraSettings, add_adapters, has_adapter, merge_state, read_adapter,
+                   save_adapter)
 from .safetensors_io import load_state, save_state
 
+MERGED_FOLDER = "merged"  # a LoRA checkpoint's merged weights (merge_lora)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "chat_template.jinja",
                    "special_tokens_map.json")
 
 
-def load_model(folder: str, config: Optional[ModelConfig] = None, tp_group=None, stage=(0, 1)) -> CausalLM:
+def load_model(folder: str, config: Optional[ModelConfig] = None, tp_group=None, stage=(0, 1),
+               lora: Optional[LoraSettings] = None, adapter: Optional[str] = None) -> CausalLM:
     """The model of a Hugging Face folder; with `tp_group` each rank builds tensor-parallel layers and keeps
-    its own shard of every split tensor; `stage=(index, count)` keeps one pipeline stage."""
+    its own shard of every split tensor; `stage=(index, count)` keeps one pipeline stage.
+
+    LoRA (models/lora.py): `lora` puts fresh adapters on the frozen base; `adapter` (a PEFT folder:
+    adapter_config.json, adapter_model.safetensors) puts that adapter's weights on it, with its own settings
+    unless `lora` gives them (lora_settings of a config reconciles the two)."""
+    if config is None and not os.path.isfile(os.path.join(folder, "config.json")) and has_adapter(folder):
+        raise AdapterError(f"{folder} holds a LoRA adapter, not a model: load the base model with "
+                           f"adapter={folder!r} (lora_path in a config)")
     config = config or ModelConfig.from_pretrained(folder)
     model = CausalLM(config, tp_group, stage)
     load_weights(model, folder)
+    if adapter is not None:
+        add_adapters(model, lora or LoraSettings.from_peft(adapter))
+        load_weights(model, adapter)
+    elif lora is not None:
+        add_adapters(model, lora)
+    model.base_folder = folder
     return model
 
 
 def load_weights(model: CausalLM, source) -> None:
     """Overwrite a model's parameters from a Hugging Face folder or a {HF name: array} state (each rank takes
-    its own shard through the parameters' specs)."""
-    tensors, where = (load_state(source), source) if isinstance(source, str) else (source, "state")
+    its own shard through the parameters' specs). A model with LoRA adapters reads only its adapters from a
+    folder holding one (a PEFT adapter, or a LoRA run's checkpoint): the base stays the one it was built on."""
+    params = specs_of(model)
+    if isinstance(source, str) and model.lora is not None and has_adapter(source):
+        tensors, where = read_adapter(source), os.path.join(source, ADAPTER_WEIGHTS)
+        params = specs_of(model, frozen=False)
+    else:
+        tensors, where = (load_state(source), source) if isinstance(source, str) else (source, "state")
     group = model.tp_group
     rank, size = (0, 1) if group is None else (group.rank, group.nranks)
-    for name, param in specs_of(model):
+    for name, param in params:
         try:
             value = param.spec.shard(param.spec.from_hf(tensors), rank, size)
         except KeyError as e:
@@ -42,13 +66,14 @@ def load_weights(model: CausalLM, source) -> None:
         param.set_value(paddle.to_tensor(np.ascontiguousarray(value), dtype=param.dtype))
 
 
-def hf_state(model: CausalLM) -> dict:
-    """This model's full tensors under their Hugging Face names; a tensor-parallel model gathers its shards
-    (a collective over its group: every rank calls it)."""
+def hf_state(model: CausalLM, frozen: bool = True) -> dict:
+    """This model's full tensors under their Hugging Face names (a LoRA model's adapters under PEFT's module
+    names; `frozen=False`: the adapters only); a tensor-parallel model gathers its shards (a collective over its
+    group: every rank calls it)."""
     import paddle.distributed as dist
     group = model.tp_group
     out = {}
-    for _, param in specs_of(model):
+    for _, param in specs_of(model, frozen):
         if group is None or not param.is_distributed:
             full = param.numpy()
         else:
@@ -59,14 +84,41 @@ def hf_state(model: CausalLM) -> dict:
     return out
 
 
+def saves_frozen(model: CausalLM) -> bool:
+    """Whether a checkpoint holds the frozen parameters: always, except a LoRA model's base (its adapters are
+    saved, and the base too only to write the merged weights)."""
+    return model.lora is None or model.lora.save_merged
+
+
+def checkpoint_state(model: CausalLM) -> dict:
+    """What a checkpoint of this model holds (gathered; a collective under tensor parallelism)."""
+    return hf_state(model, frozen=saves_frozen(model))
+
+
 def save_model(model: CausalLM, folder: str, tokenizer_folder: Optional[str] = None,
                max_shard_bytes: int = 5 * 1024**3, state: Optional[dict] = None) -> None:
     """One ordinary checkpoint. A tensor-parallel model is gathered (every rank of its group calls this) and
-    written by the group's first rank; `state` passes an already gathered {HF name: array} state instead."""
+    written by the group's first rank; `state` passes an already gathered state (checkpoint_state) instead.
+    A LoRA model writes its adapter in PEFT's layout, and with `save_merged` the merged weights as an ordinary
+    Hugging Face model in the subfolder `merged/` (not beside the adapter: transformers would read
+    adapter_config.json there and add the adapter a second time)."""
     if state is None:
-        state = hf_state(model)
+        state = checkpoint_state(model)
         if model.tp_group is not None and model.tp_group.rank != 0:
             return
+    os.makedirs(folder, exist_ok=True)
+    if model.lora is not None:
+        save_adapter(folder, state, model.lora, base=getattr(model, "base_folder", ""))
+        if model.lora.save_merged:
+            _save_plain(model, os.path.join(folder, MERGED_FOLDER), merge_state(state, model.lora), tokenizer_folder,
+                        max_shard_bytes)
+        if tokenizer_folder:
+            copy_tokenizer_files(tokenizer_folder, folder)
+        return
+    _save_plain(model, folder, state, tokenizer_folder, max_shard_bytes)
+
+
+def _save_plain(model: CausalLM, folder: str, state: dict, tokenizer_folder: Optional[str], max_shard_bytes: int):
     os.makedirs(folder, exist_ok=True)
     model.config.save(folder)
     save_state(folder, state, max_shard_bytes=max_shard_bytes)

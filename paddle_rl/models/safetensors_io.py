@@ -31,7 +31,7 @@ def _read_bf16_tensors(path: str, names) -> Dict[str, np.ndarray]:
         return out
 
 
-def _read_file(path: str) -> Dict[str, np.ndarray]:
+def read_file(path: str) -> Dict[str, np.ndarray]:
     if not os.path.isfile(path):
         raise FileNotFoundError(f"checkpoint file not found: {path}")
     tensors, bf16 = {}, []
@@ -57,7 +57,7 @@ def load_state(folder: str) -> Dict[str, np.ndarray]:
             weight_map = json.load(f)["weight_map"]
         state = {}
         for shard in sorted(set(weight_map.values())):
-            state.update(_read_file(os.path.join(folder, shard)))
+            state.update(read_file(os.path.join(folder, shard)))
         missing = sorted(set(weight_map) - set(state))
         if missing:
             raise KeyError(f"{index_path}: tensors listed but not found in shards: {missing[:5]}")
@@ -65,7 +65,7 @@ def load_state(folder: str) -> Dict[str, np.ndarray]:
     single = os.path.join(folder, SINGLE)
     if not os.path.isfile(single):
         raise FileNotFoundError(f"checkpoint file not found: {single} (nor {INDEX})")
-    return _read_file(single)
+    return read_file(single)
 
 
 def save_state(folder: str, state: Dict[str, np.ndarray], max_shard_bytes: int = 5 * 1024**3) -> None:

@@ -19,6 +19,7 @@ import paddle
 from .. import ops
 from ..batch import StepBatch, rollout_batch
 from ..models.decoder import CausalLM, LayerCache, attention_bias_from_mask
+from ..models.lora import merged_weights
 from ..ops.kv_cache import kv_place
 from .keys import uniforms_for
 from .running import RunningBatch
@@ -61,7 +62,12 @@ class RolloutEngine:
     @paddle.no_grad()
     def generate(self, prompts: Seq[Seq[int]], n: int, params: SamplingParams,
                  keys: Optional[Seq] = None) -> StepBatch:
-        """`keys[i * n + j]` seeds sample j of prompt i (required unless greedy)."""
+        """`keys[i * n + j]` seeds sample j of prompt i (required unless greedy). A model with LoRA adapters
+        decodes with its merged weights (one matmul per layer; dropped when the call returns)."""
+        with merged_weights(self.model):
+            return self._generate(prompts, n, params, keys)
+
+    def _generate(self, prompts, n: int, params: SamplingParams, keys) -> StepBatch:
         model = self.model
         was_training = model.training
         model.eval()

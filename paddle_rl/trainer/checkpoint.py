@@ -24,7 +24,7 @@ import numpy as np
 import paddle
 
 from ..config import ConfigError
-from ..models.pretrained import hf_state, save_model
+from ..models.pretrained import checkpoint_state, save_model
 from . import faults
 from .nonfinite import NonFiniteError, first_nonfinite_array
 
@@ -188,7 +188,7 @@ def save_checkpoint(output_dir: str, step: int, model, tokenizer_folder: str, op
     sync = barrier or (lambda: None)
     agree = first_error or (lambda value: value)
     if model_state is None:
-        model_state = hf_state(model)
+        model_state = checkpoint_state(model)
     bad = agree(first_nonfinite_array(model_state))
     if bad is not None:
         raise NonFiniteError(f"{final} not written: weight {bad} holds NaN or inf (earlier checkpoints are "

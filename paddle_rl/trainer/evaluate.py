@@ -43,7 +43,7 @@ def run_eval(config) -> dict:
         raise ValueError("eval_datasets: required for evaluation")
     check_reward_config(config)  # reward names before the model loads
     tokenizer = Tokenizer.from_pretrained(config.tokenizer_name_or_path or model_dir)
-    model = load_model(model_dir)
+    model = load_model(model_dir, adapter=config.lora_path or None)
     dataset = load_prompt_dataset(config.eval_datasets, tokenizer, config.prompt_key, config.response_key,
                                   config.max_prompt_len, config.prompt_overflow, limit=config.max_eval_samples)
     stop_ids = sorted(set(tokenizer.eos_token_ids) | set(model.config.eos_token_ids))

@@ -3,6 +3,7 @@
 Each stage is a call into its own module and reads / extends one StepBatch (paddle_rl/batch.py); the
 parallel layout (paddle_rl/layouts) runs the model parts. This file orders the stages and collects metrics.
 """
+import contextlib
 import logging
 import math
 import os
@@ -19,7 +20,8 @@ from ..batch import StepBatch, object_column
 from ..config import check_paths
 from ..data.loader import PromptSampler, load_prompt_dataset
 from ..layouts import build_layout
-from ..models import Tokenizer
+from ..models import Tokenizer, adapters_off
+from ..models.lora import lora_settings
 from ..monitor import MetricsLog, StageTimer
 from ..parallel import watchdog
 from ..rewards import build_reward, check_reward_config
@@ -67,19 +69,25 @@ class RLTrainer:
         self.total_steps = config.max_steps if config.max_steps > 0 else max(
             1, math.ceil(config.num_train_epochs * self.sampler.batches_per_epoch))
         with unique_name.guard("actor_"):
-            self.actor = self.layout.load_model(model_dir)
+            self.actor = self.layout.load_model(model_dir, lora=lora_settings(config), adapter=config.lora_path or None)
         self.actor.recompute = config.recompute
         if self.actor.router_aux_loss_coef and config.pipeline_parallel_degree > 1:
             raise ValueError("the MoE load-balancing loss (config.json output_router_logits: true, "
                              f"router_aux_loss_coef {self.actor.router_aux_loss_coef}) needs the routers of every "
                              "layer in one forward: not supported with pipeline_parallel_degree > 1")
         self.reference = None
+        self._reference_view = contextlib.nullcontext
+        reference_dir = config.reference_model_name_or_path or model_dir
         if self.uses_reference and self.objective.needs_reference:
-            with unique_name.guard("reference_"):
-                self.reference = self.layout.load_model(config.reference_model_name_or_path or model_dir)
-            self.reference.eval()
-            for p in self.reference.parameters():
-                p.stop_gradient = True
+            if self.actor.lora is not None and reference_dir == model_dir:
+                # LoRA: the reference is the frozen base itself, the actor with its adapters off (no second copy)
+                self.reference, self._reference_view = self.actor, adapters_off
+            else:
+                with unique_name.guard("reference_"):
+                    self.reference = self.layout.load_model(reference_dir)
+                self.reference.eval()
+                for p in self.reference.parameters():
+                    p.stop_gradient = True
         self.pad_id = self.tokenizer.pad_token_id
         self.stop_ids = sorted(set(self.tokenizer.eos_token_ids) | set(self.actor.config.eos_token_ids))
         if not self.stop_ids:
@@ -344,8 +352,8 @@ class RLTrainer:
         mask = batch["response_mask"]
         metrics = {}
         if self.reference is not None:
-            with timer.stage("ref_logprob"):
-                batch["ref_logp"] = self.layout.logprobs(self.reference, batch, cfg.temperature,
+            with timer.stage("ref_logprob"), self._reference_view(self.reference) as reference:
+                batch["ref_logp"] = self.layout.logprobs(reference, batch, cfg.temperature,
                                                          cfg.per_device_logprob_batch_size)
         with timer.stage("old_logprob"):
             if "rollout_logp" in batch and not cfg.rollout_correction:
