@@ -261,11 +261,13 @@ def single(micro, tmp_path_factory):
 
 
 @pytest.mark.parametrize("degrees", [dict(tensor_parallel_degree=2), dict(data_parallel_degree=2),
-                                     dict(sharding_parallel_degree=2, sharding="stage2")],
-                         ids=["tp2", "dp2", "sharding2"])
+                                     dict(sharding_parallel_degree=2, sharding="stage2"),
+                                     dict(pipeline_parallel_degree=2)],
+                         ids=["tp2", "dp2", "sharding2", "pp2"])
 def test_parallel_layouts_equal_one_process(micro, single, degrees):
-    """LoRA under TP (A replicated and B split in column layers, A split and B replicated in row layers), DP and
-    sharding stage 2 through run_rl.py: the losses, statistics and merged weights of one process."""
+    """LoRA under TP (A replicated and B split in column layers, A split and B replicated in row layers), DP,
+    sharding stage 2 and a pipeline (the rollout on a gathered, merged copy) through run_rl.py: the losses,
+    statistics, adapters and merged weights of one process."""
     from test_parallel import assert_parity, launch, run_overrides
     name = "-".join(f"{k.split('_')[0]}{v}" for k, v in degrees.items())
     out = single / name
@@ -282,3 +284,23 @@ def test_parallel_layouts_equal_one_process(micro, single, degrees):
     worst = max(errors, key=errors.get)
     print(f"{name}: max adapter rel err {errors[worst]:.2e} ({worst})")
     assert errors[worst] <= 1e-5, (worst, errors[worst])
+
+
+def test_sft_with_lora_learns_and_saves_the_adapter(micro, tmp_path):
+    """`paddle-rl sft` with LoRA: the response loss falls with only the adapters trained, and the checkpoint is
+    the adapter (which the next RL run takes as lora_path)."""
+    from test_sft import _overrides, _records, _sft
+    data = _records(micro, tmp_path / "sft.jsonl", count=8)
+    trainer = _sft(_overrides(micro, tmp_path / "out", data, max_steps=6, save_steps=6, learning_rate=2e-2, **LORA))
+    rows = read_metrics(str(tmp_path / "out" / "metrics.jsonl"))
+    losses = [r["actor/sft_loss"] for r in rows]
+    assert losses[-1] < 0.8 * losses[0], losses
+    assert all("lora" in n for n, p in trainer.actor.named_parameters() if not p.stop_gradient)
+    ckpt = tmp_path / "out" / "checkpoint-6"
+    assert (ckpt / "adapter_model.safetensors").is_file() and not (ckpt / "model.safetensors").exists()
+    from paddle_rl.trainer import RLTrainer
+    follow = RLTrainer(load_config(None, micro_overrides(micro, str(tmp_path / "rl"), do_eval=False,
+                                                         lora_path=str(ckpt))))
+    got = {n: p.numpy() for n, p in follow.actor.named_parameters() if "lora" in n}
+    want = {n: p.numpy() for n, p in trainer.actor.named_parameters() if "lora" in n}
+    assert set(got) == set(want) and all(np.array_equal(got[n], want[n]) for n in want)

@@ -26,6 +26,11 @@ class RolloutArgs:
     reuse_rollout_logprobs: str = arg("auto", "Use the log-probs recorded while sampling as the old-policy log-probs "
                                               "instead of a second forward pass: auto (when the update is on-policy: "
                                               "one mini-batch per step and update_iters 1) | on | off.")
+    async_rollout: bool = arg(False, "Generate in a worker process of its own, ahead of the trainer by up to "
+                                     "max_staleness policy versions (docs/algorithms.md, Asynchronous rollout).")
+    max_staleness: int = arg(1, "With async_rollout: the most policy versions a trained batch may lag the trainer "
+                                "(0: the worker generates each batch with the current weights, as a synchronous run).")
+    async_rollout_threads: int = arg(0, "CPU threads of the rollout worker (0: as many as the trainer).")
 
     def _validate_rollout(self, errors):
         # YAML reads a bare on / off as true / false
@@ -41,6 +46,17 @@ class RolloutArgs:
             errors.append(f"rollout_kv_cache_tokens: must be -1 (unlimited) or >= 1, got {self.rollout_kv_cache_tokens}")
         if self.rollout_n < 1:
             errors.append(f"rollout_n: must be >= 1, got {self.rollout_n}")
+        if self.max_staleness < 0:
+            errors.append(f"max_staleness: must be >= 0, got {self.max_staleness}")
+        if self.async_rollout_threads < 0:
+            errors.append(f"async_rollout_threads: must be >= 0, got {self.async_rollout_threads}")
+        if self.async_rollout:
+            if getattr(self, "dynamic_sampling", False):
+                errors.append("async_rollout: not with dynamic_sampling (its extra generation rounds wait on the "
+                              "rewards of the round before)")
+            if self.max_staleness > 0 and self.reuse_rollout_logprobs == "on":
+                errors.append("reuse_rollout_logprobs: on would take a stale policy's log-probs as the old policy's "
+                              "(async_rollout with max_staleness > 0): use auto or off")
         if self.max_dec_len < 1:
             errors.append(f"max_dec_len: must be >= 1, got {self.max_dec_len}")
         if self.min_dec_len < 0:

@@ -175,7 +175,7 @@ class CheckpointError(RuntimeError):
 def save_checkpoint(output_dir: str, step: int, model, tokenizer_folder: str, optimizer, scheduler,
                     trainer_state: dict, save_optimizer: bool = True, total_limit: int = -1,
                     model_state: Optional[dict] = None, rank: int = 0, world_size: int = 1, barrier=None,
-                    first_error=None) -> str:
+                    first_error=None, extra_files: Optional[dict] = None) -> str:
     """model_state: the full (gathered) model state when `model` holds only a shard; rank / world_size /
     barrier / first_error: the calling process among several (all of them call this; first_error(value) is the
     first non-None value over the ranks, so every rank takes the same branch).
@@ -214,6 +214,9 @@ def save_checkpoint(output_dir: str, step: int, model, tokenizer_folder: str, op
         faults.die("save", step, rank)
         faults.fail_save(step, rank, tmp)
         if rank == 0:
+            for name, data in (extra_files or {}).items():  # {file name: bytes} (the asynchronous rollout's batches)
+                with open(os.path.join(tmp, name), "wb") as f:
+                    f.write(data)
             with open(os.path.join(tmp, STATE_FILE), "w", encoding="utf-8") as f:
                 json.dump(state, f, indent=2, sort_keys=True, default=_json_default)
 

@@ -8,10 +8,12 @@ def reuses_rollout_logprobs(config, mini_batches_per_step: int) -> bool:
     would recompute, so the two agree to float rounding (tests/test_rollout_logprobs.py bounds the gap).
     `auto` reuses them when the update is on-policy (one mini-batch per step, update_iters 1), where the
     PPO ratio is 1 up to that rounding; `on` always; `off` never. With rollout correction on (rollout_is,
-    rollout_rs, the veto) never: the correction needs both."""
+    rollout_rs, the veto) never: the correction needs both; nor with an asynchronous rollout that may lag."""
     mode = str(getattr(config, "reuse_rollout_logprobs", "off")).lower()
     if getattr(config, "rollout_correction", False):
         return False  # the correction compares the rollout's log-probs with recomputed ones (config refuses "on")
+    if getattr(config, "async_rollout", False) and config.max_staleness > 0:
+        return False  # the rollout's weights may be older than the trainer's (config refuses "on")
     if mode == "on":
         return True
     if mode == "auto":

@@ -31,6 +31,7 @@ from .checkpoint import (CheckpointError, check_shared_folder, load_optimizer, l
                          save_checkpoint, seed_rngs, set_rng_state)
 from .evaluate import evaluate
 from .logprobs import reuses_rollout_logprobs
+from .rollouts import build_rollout
 from .nonfinite import NonFiniteGuard, first_nonfinite_grad
 from .scoring import metric_columns, per_function_scores, reward_result, score
 
@@ -104,6 +105,7 @@ class RLTrainer:
         self.log = MetricsLog(config.output_dir, config.logging_dir or os.path.join(config.output_dir, "logs"),
                               config.report_to, config.logging_steps, config.run_name,
                               enabled=self.layout.is_logging_rank)
+        self.rollout = build_rollout(self)
         self._resume(resolve_resume(config.resume_from_checkpoint, config.output_dir))
 
     def _load_train_data(self):
@@ -120,6 +122,7 @@ class RLTrainer:
         load_optimizer(path, self.optimizer, self.scheduler, state, **self.layout.resume_args())
         self.sampler.set_state_dict(state["sampler"])
         self.objective.set_state_dict(state.get("objective", {}))
+        self.rollout.set_state_dict(state.get("rollout", {}), path)
         self.nonfinite.set_state_dict(state.get("nonfinite", {}))
         set_rng_state(state["rng"], path, **self.layout.resume_args())
         self.step = int(state["step"])
@@ -130,12 +133,13 @@ class RLTrainer:
         """checkpoint-<step>; None when it could not be written and save_error is continue."""
         watchdog.note(f"step {self.step}, checkpoint save")
         state = {"sampler": self.sampler.state_dict(), "objective": self.objective.state_dict(),
-                 "total_steps": self.total_steps, "nonfinite": self.nonfinite.state_dict()}
+                 "total_steps": self.total_steps, "nonfinite": self.nonfinite.state_dict(),
+                 "rollout": self.rollout.state_dict()}
         try:
             return save_checkpoint(self.config.output_dir, self.step, self.actor, self.tokenizer_dir, self.optimizer,
                                    self.scheduler, state, save_optimizer=not self.config.ignore_save_lr_and_optim,
                                    total_limit=self.config.save_total_limit,
-                                   **self.layout.checkpoint_args(self.actor))
+                                   extra_files=self.rollout.extra_files(), **self.layout.checkpoint_args(self.actor))
         except CheckpointError as e:
             if self.config.save_error != "continue":
                 raise
@@ -143,17 +147,21 @@ class RLTrainer:
             return None
 
     # ---------------------------------------------------------------- stages
-    def _generate_round(self, step: int, timer: StageTimer, gen_round: int) -> StepBatch:
-        """One generation round of this rank's share of a sampler batch: rollout, rewards, shaped scores."""
+    def _draw(self, step: int, gen_round: int = 0):
+        """The next sampler batch's prompts for `step` (this rank's share): (records, prompt ids, keys, params)."""
         cfg = self.config
-        n = cfg.rollout_n
         indices = self.layout.batch.local_prompt_indices(self.sampler.next_batch(), cfg.mini_batch_prompts)
         items = [self.train_data[i] for i in indices]
-        keys = [sample_key(cfg.seed, step, it["uid"], j, gen_round) for it in items for j in range(n)]
-        params = SamplingParams.from_config(cfg, self.stop_ids)
+        keys = [sample_key(cfg.seed, step, it["uid"], j, gen_round) for it in items for j in range(cfg.rollout_n)]
+        return items, [it["prompt_ids"] for it in items], keys, SamplingParams.from_config(cfg, self.stop_ids)
+
+    def _generate_round(self, step: int, timer: StageTimer, gen_round: int) -> StepBatch:
+        """One generation round of this rank's share of a sampler batch: rollout (here, or taken from the
+        asynchronous worker), rewards, shaped scores."""
+        n = self.config.rollout_n
         with timer.stage("rollout"):
             faults.die("rollout", step, self.layout.rank)
-            batch = self.layout.generate(self.engine, [it["prompt_ids"] for it in items], n, params, keys)
+            items, batch = self.rollout.take(step, lambda s: self._draw(s, gen_round))
         batch["item"] = object_column(items[i // n] for i in range(batch.size))
         with timer.stage("reward"):
             score(batch, self.tokenizer, self.reward_fn)
@@ -332,6 +340,7 @@ class RLTrainer:
             metrics["actor/skipped_update"] = 1.0
         elapsed = time.perf_counter() - start
         metrics.update(timer.metrics())
+        metrics.update(self.rollout.metrics)
         metrics["time/step"] = elapsed
         generated, prompt_tokens, trained, decode_rows, rows = (float(v) for v in self.layout.batch.sum(
             [generated, float(batch["prompt_mask"].sum()), float(mask.sum()) * cfg.update_iters,
@@ -417,6 +426,8 @@ class RLTrainer:
         except BaseException:
             watchdog.leaving()  # peers raising the same error may exit first: not a dead rank
             raise
+        finally:
+            self.rollout.close()
 
     def _train(self) -> dict:
         cfg = self.config
