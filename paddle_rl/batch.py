@@ -138,12 +138,21 @@ class StepBatch:
     def prompt_width(self) -> int:
         return self.meta["prompt_width"]
 
+    def token_mask(self, rows=slice(None)) -> np.ndarray:
+        """[b, T] 1 on each row's real response tokens (its first `lengths` columns), the tokens every pass
+        attends to. `response_mask` is the loss mask inside them: tokens it leaves out (a rejected token of
+        rollout_rs, an environment's observation) are still part of the sequence."""
+        if "lengths" not in self:
+            return (np.asarray(self["response_mask"][rows]) > 0).astype(np.int64)
+        width = self["response_ids"].shape[1]
+        return (np.arange(width)[None, :] < np.asarray(self["lengths"][rows])[:, None]).astype(np.int64)
+
     def micro(self, rows) -> "StepBatch":
         """`rows` as a batch of their own in the [prompt | response] layout, padded only to their own longest
-        prompt and to their last response column under the mask (a micro-batch of the log-prob and update
-        passes; the cut columns are padding, so log-probs and gradients are those of the wider layout)."""
+        prompt and to their last real response token (a micro-batch of the log-prob and update passes; the cut
+        columns are padding, so log-probs and gradients are those of the wider layout)."""
         part = self.select(rows)
-        used = np.flatnonzero((np.asarray(part["response_mask"]) > 0).any(0))
+        used = np.flatnonzero(part.token_mask().any(0))
         width = int(used[-1]) + 1 if used.size else 1
         prompt_width = max(int(part["prompt_mask"].sum(1).max()) if part.size else 1, 1)
         cut = self.prompt_width - prompt_width
@@ -162,7 +171,7 @@ class StepBatch:
         response_ids, response_mask = self["response_ids"][rows], self["response_mask"][rows]
         out = {
             "input_ids": paddle.to_tensor(np.concatenate([prompt_ids, response_ids], axis=1)),
-            "attention_mask": paddle.to_tensor(np.concatenate([prompt_mask, response_mask.astype(np.int64)], axis=1)),
+            "attention_mask": paddle.to_tensor(np.concatenate([prompt_mask, self.token_mask(rows)], axis=1)),
             "response_ids": paddle.to_tensor(response_ids),
             "response_mask": paddle.to_tensor(np.asarray(response_mask, dtype=np.float32)),
         }

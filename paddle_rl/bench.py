@@ -258,6 +258,9 @@ def run(args) -> dict:
         load_before = os.getloadavg()[0]
         trainer = RLTrainer(config)
         if lengths is not None:
+            if config.async_rollout:
+                raise SystemExit("bench: W2's EOS schedule is applied to the trainer's own engine; it cannot reach "
+                                 "the asynchronous rollout's worker (use w1, w3 or w4 with async_rollout)")
             trainer.engine.forced_lengths = keyed_schedule(lengths)
         cpu_start = time.process_time()
         trainer.train()

@@ -190,12 +190,8 @@ def test_packed_with_token_budget_recompute_and_reference_ops():
     assert all(rows == 1 and width <= 160 for rows, width in got["shapes"]) and len(got["shapes"]) > 4
 
 
-def test_packed_refuses_a_gap_in_the_mask_and_the_pipeline():
-    batch = long_tail_batch()
-    batch["response_mask"][0, 0] = 0.0
-    batch["response_mask"][0, 1] = 1.0
-    with pytest.raises(ValueError, match="use_remove_padding: every row's response_mask"):
-        build_layout(remove_padding=True).logprobs(make_model(), batch, 1.0, 4)
+def test_packed_refuses_the_pipeline():
+    """(A gap in the loss mask is packed: test_tokens_out_of_the_loss_mask_stay_in_the_sequence.)"""
     from paddle_rl.config import ConfigError
     with pytest.raises(ConfigError, match="use_remove_padding: .*pipeline_parallel_degree 2"):
         load_config(None, ["actor_model_name_or_path=x", "use_remove_padding=true", "pipeline_parallel_degree=2"])
@@ -317,3 +313,24 @@ if __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1] == "--worker":
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)  # the ranks passed RLTrainer.train's final barrier (see run_rl.py)
+
+
+@pytest.mark.parametrize("layout", [dict(), dict(remove_padding=True), dict(max_tokens=200)],
+                         ids=["padded", "packed", "token-budget"])
+def test_tokens_out_of_the_loss_mask_stay_in_the_sequence(layout):
+    """A token the loss mask leaves out inside a response (a token rejected by rollout_rs, an environment's
+    observation) is still attended to: the log-probs of every other token are unchanged (before, the pass dropped
+    it from attention and the tokens after it were scored on another sequence)."""
+    model = make_model()
+    batch = long_tail_batch()
+    full = build_layout(**layout).logprobs(model, batch, 1.0, 4)
+    holes = batch.select(np.arange(batch.size))
+    mask = holes["response_mask"].copy()
+    lengths = holes["lengths"]
+    for r in range(holes.size):
+        if lengths[r] > 2:
+            mask[r, 1:lengths[r] - 1:3] = 0.0   # gaps inside the response
+    holes["response_mask"] = mask
+    got = build_layout(**layout).logprobs(model, holes, 1.0, 4)
+    assert (mask < batch["response_mask"]).sum() > 20
+    assert np.abs(got - full * mask).max() <= 1e-5

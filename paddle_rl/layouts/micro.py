@@ -37,7 +37,7 @@ class MicroBatching:
         if not self.max_tokens:
             return [np.arange(s, min(s + rows, batch.size)) for s in range(0, batch.size, rows)]
         prompt = np.array([len(p) for p in batch["prompt_ids"]], dtype=np.int64)
-        response = _used_width(batch["response_mask"])
+        response = _used_width(batch.token_mask())
         groups = self._groups(batch)
         if self.remove_padding:
             order = np.lexsort((-response, groups))     # by group, its longest rows first
@@ -71,7 +71,7 @@ class MicroBatching:
     def tokens(self, part: StepBatch) -> int:
         """The tokens a micro-batch's forward holds (`_tokens` of its rows)."""
         prompt = np.array([len(p) for p in part["prompt_ids"]], dtype=np.int64)
-        return self._tokens(prompt, _used_width(part["response_mask"]), self._groups(part), np.arange(part.size))
+        return self._tokens(prompt, _used_width(part.token_mask()), self._groups(part), np.arange(part.size))
 
     def _tell(self, tokens: int) -> None:
         if not self._told:
@@ -93,19 +93,15 @@ class MicroBatching:
     def packing(self, part: StepBatch) -> Packing:
         """The micro-batch packed into one row: each distinct prompt once (with prompt sharing), then its rows'
         responses up to their masks."""
-        mask = np.asarray(part["response_mask"]) > 0
-        lengths = mask.sum(1)
-        if not (mask == (np.arange(mask.shape[1]) < lengths[:, None])).all():
-            raise ValueError("use_remove_padding: every row's response_mask must be ones, then zeros (a gap inside a "
-                             "response cannot be packed)")
+        lengths = part.token_mask().sum(1)  # real tokens; the loss mask inside them may have gaps
         groups = self._groups(part)
         _, first, prompt_of_row = np.unique(groups, return_index=True, return_inverse=True)
         prompts = [list(part["prompt_ids"][i]) for i in first]
         return Packing(prompts, prompt_of_row.reshape(-1), part["response_ids"], lengths)
 
 
-def _used_width(response_mask) -> np.ndarray:
-    """Per row: the last response column under the mask, plus one (at least 1: a micro-batch keeps one column)."""
-    mask = np.asarray(response_mask) > 0
+def _used_width(token_mask) -> np.ndarray:
+    """Per row: the last real response column, plus one (at least 1: a micro-batch keeps one column)."""
+    mask = np.asarray(token_mask) > 0
     width = mask.shape[1] - np.argmax(mask[:, ::-1], axis=1)
     return np.where(mask.any(1), width, 1).astype(np.int64)
