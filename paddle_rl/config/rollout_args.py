@@ -26,6 +26,11 @@ class RolloutArgs:
     reuse_rollout_logprobs: str = arg("auto", "Use the log-probs recorded while sampling as the old-policy log-probs "
                                               "instead of a second forward pass: auto (when the update is on-policy: "
                                               "one mini-batch per step and update_iters 1) | on | off.")
+    env_plugin: str = arg("", "Multi-turn episodes: `tools` (the built-in tool environment: Hermes <tool_call> turns "
+                              "answered with tool results) or path/to/file.py:ClassName (docs/multi_turn.md).",
+                          aliases=("multi_turn_scheduler",))
+    max_turns: int = arg(4, "With env_plugin: the most policy turns of an episode.")
+    env_tools: list = arg(["calculator", "python"], "The built-in tool environment's tools: calculator, python.")
     async_rollout: bool = arg(False, "Generate in a worker process of its own, ahead of the trainer by up to "
                                      "max_staleness policy versions (docs/algorithms.md, Asynchronous rollout).")
     max_staleness: int = arg(1, "With async_rollout: the most policy versions a trained batch may lag the trainer "
@@ -50,7 +55,13 @@ class RolloutArgs:
             errors.append(f"max_staleness: must be >= 0, got {self.max_staleness}")
         if self.async_rollout_threads < 0:
             errors.append(f"async_rollout_threads: must be >= 0, got {self.async_rollout_threads}")
+        if self.max_turns < 1:
+            errors.append(f"max_turns: must be >= 1, got {self.max_turns}")
+        if self.env_plugin and self.repetition_penalty != 1.0:
+            errors.append("repetition_penalty: not with env_plugin (observation tokens would not count as seen)")
         if self.async_rollout:
+            if self.env_plugin:
+                errors.append("async_rollout: not with env_plugin yet (the environments run in the trainer)")
             if getattr(self, "dynamic_sampling", False):
                 errors.append("async_rollout: not with dynamic_sampling (its extra generation rounds wait on the "
                               "rewards of the round before)")

@@ -122,7 +122,9 @@ def load_prompt_dataset(paths: Union[str, Sequence[str]], tokenizer, prompt_key:
         raise DatasetError("no dataset files given")
     render = None
     if getattr(tokenizer, "chat_template", None):
-        def render(messages):
+        def render(messages, tools=None):
+            if tools:  # a record's tool schemas, rendered by the template (Qwen2.5: a system block of them)
+                return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=tools)
             return tokenizer.apply_chat_template(messages, add_generation_prompt=True)
     uid_name = _uid_names(files)
     stats = {"files": len(files), "records": 0, "kept": 0, "truncated": 0, "dropped": 0, "longest_prompt": 0,

@@ -10,6 +10,7 @@ Accepted per record:
 The ground truth is looked up under `response_key`, `solution`, `ground_truth`, then
 `reward_model.ground_truth`.
 """
+import json
 from typing import Callable, Optional
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -113,7 +114,8 @@ def to_prompt_record(raw: dict, prompt_key: str, response_key: str,
     if messages is not None:
         if render_chat is None:
             raise RecordError("chat-form prompt but the tokenizer has no chat_template")
-        prompt = render_chat(messages)
+        tools = record_tools(raw)
+        prompt = render_chat(messages, tools) if tools else render_chat(messages)
     key, truth = _ground_truth(raw, response_key)
     if truth is MISSING:
         if require_ground_truth:
@@ -125,6 +127,25 @@ def to_prompt_record(raw: dict, prompt_key: str, response_key: str,
     source = raw.get("data_source")
     return {"prompt": prompt, "ground_truth": truth,
             "data_source": "" if source is None else str(source), "record": raw}
+
+
+def record_tools(raw: dict) -> Optional[list]:
+    """The tool schemas a record offers the model (rendered by the chat template's `tools`): ms-swift's `tools`
+    (a list of function schemas, or that list as a JSON string), or verl's `extra_info.tools`."""
+    for key, value in (("tools", raw.get("tools")),
+                       ("extra_info.tools", (raw.get("extra_info") or {}).get("tools")
+                        if isinstance(raw.get("extra_info"), dict) else None)):
+        if value is None:
+            continue
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise RecordError(f"{key!r} is not valid JSON: {e}") from None
+        if not isinstance(value, list) or not all(isinstance(t, dict) for t in value):
+            raise RecordError(f"{key!r} must be a list of tool schemas (objects), got {_type(value)}")
+        return value
+    return None
 
 
 def sft_response(raw: dict, prompt_key: str, response_key: str) -> str:

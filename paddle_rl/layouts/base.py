@@ -297,10 +297,10 @@ class Layout(abc.ABC):
         return sums, float(sum(weights))
 
     # ---------------------------------------------------------------- rollout
-    def generate(self, engine, prompts, n: int, params, keys) -> StepBatch:
+    def generate(self, engine, prompts, n: int, params, keys, episodes=None) -> StepBatch:
         """Responses of this rank's prompts (row i*n+j: sample j of prompt i), keyed by `keys`; `engine` holds
-        the sampling settings and the training model."""
-        return self.rollout.generate(engine, prompts, n, params, keys)
+        the sampling settings and the training model; `episodes`: multi-turn (rollout/episodes.py)."""
+        return self.rollout.generate(engine, prompts, n, params, keys, episodes)
 
     @contextlib.contextmanager
     def rollout_engine(self, engine):

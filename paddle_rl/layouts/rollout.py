@@ -33,11 +33,13 @@ class Rollout:
         load_weights(self._copy, state)
         return engine.bind(self._copy)
 
-    def generate(self, engine, prompts, n: int, params, keys) -> StepBatch:
+    def generate(self, engine, prompts, n: int, params, keys, episodes=None) -> StepBatch:
         engine = self.engine_for(engine)
         topo = self._topo
         if topo.rollout_tp <= topo.tp_degree or topo.group("rollout") is None:
-            return engine.generate(prompts, n, params, keys)
+            return engine.generate(prompts, n, params, keys, episodes)
+        if episodes is not None:
+            raise ValueError("env_plugin: not with a rollout_tensor_parallel_degree wider than the training one")
         # a rollout group spanning several batch ranks decodes all of their prompts together
         shares = C.gather_objects((topo.batch_rank, prompts, keys), topo.group("rollout"))
         seen, all_prompts, all_keys, start = [], [], [], None

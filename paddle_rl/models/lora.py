@@ -156,7 +156,7 @@ class Adapter(nn.Layer):
             return y
         if self.p > 0 and self.training:
             x = F.dropout(x, self.p, training=True)
-        return y + self.delta(paddle.matmul(x, self.lora_A)) * self.scaling
+        return y + self.delta(paddle.matmul(x, self.lora_A) * self.scaling)  # scaled while [tokens, r]: small
 
     def merge(self, base) -> None:
         with paddle.no_grad():

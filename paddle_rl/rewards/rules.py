@@ -118,6 +118,14 @@ def format_rule(samples: List[RewardSample]):
     return _each(samples, lambda i, s: format_score(s.response)), None
 
 
+# ----------------------------------------------------------------------------------------------- env
+
+@register_rule("env")
+def env_rule(samples: List[RewardSample]):
+    """A multi-turn episode's reward from its environment (env_plugin; summed over its steps), 0 without one."""
+    return np.array([float(s.record.get("env_reward") or 0.0) for s in samples], dtype=np.float32), None
+
+
 # ----------------------------------------------------------------------------------------------- gsm8k
 
 GSM8K_STRICT = re.compile(r"####\s*(-?[$0-9.,]*[0-9][$0-9.,]*)")

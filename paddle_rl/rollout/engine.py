@@ -36,6 +36,7 @@ class RolloutEngine:
         self.max_num_seqs = max_num_seqs
         self.max_cache_tokens = max_cache_tokens
         self.forced_lengths = None   # benchmark only: keys -> response lengths (an EOS schedule)
+        self._episodes = None
         self.stats = {}   # the last generate's counters: peak_rows, decode_steps, prefills, relayouts, copied_slots, peak_slots
 
     def bind(self, model: CausalLM) -> "RolloutEngine":
@@ -61,13 +62,25 @@ class RolloutEngine:
     # ---------------------------------------------------------------- the loop
     @paddle.no_grad()
     def generate(self, prompts: Seq[Seq[int]], n: int, params: SamplingParams,
-                 keys: Optional[Seq] = None) -> StepBatch:
+                 keys: Optional[Seq] = None, episodes=None) -> StepBatch:
         """`keys[i * n + j]` seeds sample j of prompt i (required unless greedy). A model with LoRA adapters
-        decodes with its merged weights (one matmul per layer; dropped when the call returns)."""
-        with merged_weights(self.model):
-            return self._generate(prompts, n, params, keys)
+        decodes with its merged weights (one matmul per layer; dropped when the call returns).
 
-    def _generate(self, prompts, n: int, params: SamplingParams, keys) -> StepBatch:
+        `episodes` (rollout/episodes.py EpisodeRunner) makes each sample a multi-turn episode: when a row stops,
+        `episodes.turn_ended(seq)` returns the tokens of the environment's observation (fed in one per decode
+        step, with no log-prob and out of the loss mask, the row's KV cache kept) or None to end the episode; rows
+        at different turns decode together."""
+        if episodes is not None and params.repetition_penalty != 1.0:
+            raise ValueError("repetition_penalty: not with a multi-turn environment (observation tokens would not "
+                             "count as seen)")
+        with merged_weights(self.model):
+            out = self._generate(prompts, n, params, keys, episodes)
+        if episodes is not None:
+            episodes.finish(out)
+        return out
+
+    def _generate(self, prompts, n: int, params: SamplingParams, keys, episodes=None) -> StepBatch:
+        self._episodes = episodes
         model = self.model
         was_training = model.training
         model.eval()
@@ -169,9 +182,19 @@ class RolloutEngine:
         stopped = state.finished.numpy().astype(bool)
         finished = np.zeros(len(batch), dtype=bool)
         for i, seq in enumerate(batch.seqs):
-            seq.tokens.append(int(tokens_np[i]))
-            seq.logprobs.append(float(logp_np[i]))
+            if seq.forced:  # an observation being fed in: its next token instead of the sample
+                seq.append(seq.forced.popleft(), 0.0, policy=False)
+                if not seq.forced:
+                    seq.turn_start = len(seq.tokens)
+                finished[i] = len(seq.tokens) >= params.max_dec_len
+                continue
+            seq.append(int(tokens_np[i]), float(logp_np[i]), policy=True)
             seq.stopped = bool(stopped[i])
+            if seq.stopped and self._episodes is not None and len(seq.tokens) < params.max_dec_len:
+                observation = self._episodes.turn_ended(seq)
+                if observation:
+                    seq.forced.extend(observation)
+                    seq.stopped = False
             finished[i] = seq.stopped or len(seq.tokens) >= params.max_dec_len
         return finished
 
@@ -182,10 +205,11 @@ class RolloutEngine:
         response = np.full((rows, width), self.pad_id, dtype=np.int64)
         logprobs = np.zeros((rows, width), dtype=np.float32)
         lengths = np.array([len(s.tokens) for s in done], dtype=np.int64)
+        mask = np.zeros((rows, width), dtype=np.float32)
         for r, s in enumerate(done):
             response[r, :len(s.tokens)] = s.tokens
             logprobs[r, :len(s.tokens)] = s.logprobs
-        mask = (np.arange(width)[None, :] < lengths[:, None]).astype(np.float32)
+            mask[r, :len(s.tokens)] = s.policy  # observation tokens are out of the loss mask
         out = rollout_batch([s.prompt for s in done], response, mask, logprobs, lengths,
                             np.array([s.truncated for s in done]), self.pad_id)
         out["decode_steps"] = np.array([s.decode_steps for s in done], dtype=np.int64)

@@ -15,7 +15,7 @@ import numpy as np
 
 class Sequence:
     __slots__ = ("row", "group", "sample", "prompt", "uniforms", "target", "tokens", "logprobs", "stopped",
-                 "joined_at", "decode_steps")
+                 "joined_at", "decode_steps", "policy", "forced", "turn_start")
 
     def __init__(self, row: int, group: int, sample: int, prompt: List[int], uniforms: Optional[np.ndarray],
                  target: Optional[int]):
@@ -30,6 +30,14 @@ class Sequence:
         self.stopped = False           # ended with a stop token (else truncated at max_dec_len)
         self.joined_at = 0             # the engine's decode-step counter when it joined the running batch
         self.decode_steps = 0          # decode steps that processed this row
+        self.policy: List[float] = []  # per token: 1 sampled by the policy, 0 fed in (an environment's observation)
+        self.forced = deque()          # tokens still to feed in, one per decode step (the KV cache keeps them)
+        self.turn_start = 0            # index in `tokens` where the current turn began
+
+    def append(self, token: int, logprob: float, policy: bool) -> None:
+        self.tokens.append(token)
+        self.logprobs.append(logprob if policy else 0.0)
+        self.policy.append(1.0 if policy else 0.0)
 
     @property
     def truncated(self) -> bool:

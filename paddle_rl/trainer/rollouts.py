@@ -37,7 +37,8 @@ class InlineRollout:
     def take(self, step: int, draw: Callable):
         items, prompts, keys, params = draw(step)
         trainer = self.trainer
-        return items, trainer.layout.generate(trainer.engine, prompts, trainer.config.rollout_n, params, keys)
+        return items, trainer.layout.generate(trainer.engine, prompts, trainer.config.rollout_n, params, keys,
+                                              trainer.episodes_for(items))
 
     def state_dict(self) -> dict:
         return {}

@@ -16,10 +16,16 @@ def reward_record(item) -> dict:
 
 
 def score(batch: StepBatch, tokenizer, reward_fn) -> None:
-    """Adds the reward columns; rows need the column `item` (their dataset item)."""
+    """Adds the reward columns; rows need the column `item` (their dataset item). A multi-turn rollout's
+    episode reward (column env_reward) reaches the reward functions as the record's `env_reward`."""
     texts = tokenizer.decode_batch(batch.responses())
-    samples = [RewardSample(it["prompt"], text, reward_record(it), int(length), bool(truncated))
-               for it, text, length, truncated in zip(batch["item"], texts, batch["lengths"], batch["truncated"])]
+    records = [reward_record(it) for it in batch["item"]]
+    if "env_reward" in batch:
+        for record, value in zip(records, batch["env_reward"]):
+            record["env_reward"] = None if np.isnan(value) else float(value)
+    samples = [RewardSample(it["prompt"], text, record, int(length), bool(truncated))
+               for it, text, record, length, truncated in zip(batch["item"], texts, records, batch["lengths"],
+                                                                batch["truncated"])]
     add_reward_columns(batch, reward_fn(samples))
 
 
@@ -46,7 +52,8 @@ def reward_result(batch: StepBatch) -> RewardResult:
 
 
 # columns the step-wide metrics read (reward, accuracy, lengths)
-METRIC_COLUMNS = ("reward", "correct", "skipped", "lengths", "truncated")
+METRIC_COLUMNS = ("reward", "correct", "skipped", "lengths", "truncated", "turns", "tool_calls", "tool_errors",
+                  "policy_tokens")
 
 
 def metric_columns(batch: StepBatch) -> list:

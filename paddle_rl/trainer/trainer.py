@@ -26,6 +26,7 @@ from ..monitor import MetricsLog, StageTimer
 from ..parallel import watchdog
 from ..rewards import build_reward, check_reward_config
 from ..rollout import RolloutEngine, SamplingParams, sample_key
+from ..rollout.episodes import EpisodeRunner, load_environment
 from . import faults
 from .checkpoint import (CheckpointError, check_shared_folder, load_optimizer, load_trainer_state, resolve_resume,
                          save_checkpoint, seed_rngs, set_rng_state)
@@ -33,7 +34,7 @@ from .evaluate import evaluate
 from .logprobs import reuses_rollout_logprobs
 from .rollouts import build_rollout
 from .nonfinite import NonFiniteGuard, first_nonfinite_grad
-from .scoring import metric_columns, per_function_scores, reward_result, score
+from .scoring import metric_columns, per_function_scores, reward_record, reward_result, score
 
 logger = logging.getLogger("paddle_rl")
 
@@ -105,6 +106,7 @@ class RLTrainer:
         self.log = MetricsLog(config.output_dir, config.logging_dir or os.path.join(config.output_dir, "logs"),
                               config.report_to, config.logging_steps, config.run_name,
                               enabled=self.layout.is_logging_rank)
+        self.make_env = load_environment(config.env_plugin, tuple(config.env_tools)) if config.env_plugin else None
         self.rollout = build_rollout(self)
         self._resume(resolve_resume(config.resume_from_checkpoint, config.output_dir))
 
@@ -391,9 +393,23 @@ class RLTrainer:
     @staticmethod
     def _length_metrics(batch: StepBatch) -> dict:
         lengths = batch["lengths"].astype(np.float64)
-        return {"response_length/mean": float(lengths.mean()), "response_length/max": float(lengths.max()),
-                "response_length/min": float(lengths.min()),
-                "response_length/clipped_share": float(batch["truncated"].mean())}
+        out = {"response_length/mean": float(lengths.mean()), "response_length/max": float(lengths.max()),
+               "response_length/min": float(lengths.min()),
+               "response_length/clipped_share": float(batch["truncated"].mean())}
+        if "turns" in batch:  # multi-turn episodes
+            calls = float(batch["tool_calls"].sum())
+            out.update({"episode/turns/mean": float(batch["turns"].mean()), "episode/turns/max":
+                        float(batch["turns"].max()), "episode/tool_calls/mean": float(batch["tool_calls"].mean()),
+                        "episode/tool_error_share": float(batch["tool_errors"].sum()) / calls if calls else 0.0,
+                        "episode/policy_token_share": float(batch["policy_tokens"].sum() / max(lengths.sum(), 1.0))})
+        return out
+
+    def episodes_for(self, items):
+        """The multi-turn episodes of a rollout of `items` (None without env_plugin)."""
+        if self.make_env is None:
+            return None
+        return EpisodeRunner(self.make_env, [reward_record(it) for it in items], self.config.rollout_n, self.tokenizer,
+                             self.stop_ids, self.config.max_turns, f"env_plugin {self.config.env_plugin}")
 
     # ---------------------------------------------------------------- loop
     def evaluate(self) -> dict:

@@ -1,0 +1,224 @@
+"""Multi-turn episodes: an environment answers each finished turn with an observation that the rollout feeds back
+to the policy, until the episode ends, `max_turns` is reached or the token budget (`max_dec_len`, observations
+included) runs out.
+
+An environment (`env_plugin`: `tools`, the built-in tool environment, or `path/to/file.py:ClassName`) is a class
+with
+    reset(record)            a new episode on the sample's dataset record (its `tools` schema, its ground truth)
+    step(turn) -> Step       the policy's turn (text, the stop token excluded); Step(observation, reward, done):
+                             the observation's text (None or done=True: the episode ends), a reward (optional,
+                             summed over the episode into the reward function `env`)
+One instance per sample. The observation becomes a message of role `tool` rendered by the tokenizer's own chat
+template (Qwen2.5's renders it as a user turn holding `<tool_response>`), followed by the generation prompt of the
+next assistant turn: its tokens are fed to the model one per decode step (the KV cache is kept across turns), carry
+no log-prob, and are out of the loss, KL and entropy masks (`response_mask`); the sequence keeps them, so the
+log-probs of the policy's tokens are those of a forward over the whole conversation.
+
+`EpisodeRunner` is what the engine calls (`turn_ended`); it records per sample the turns, tool calls, tool
+errors and the environment's reward, written as columns after the rollout (`finish`).
+"""
+import ast
+import importlib.util
+import json
+import math
+import operator
+import os
+import re
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional
+
+import numpy as np
+
+SENTINEL = "\u2063TURN\u2063"  # stands for the policy's turn when the template renders an observation
+
+
+class EpisodeError(RuntimeError):
+    """An environment plugin that raised (names the plugin and the sample)."""
+
+
+@dataclass
+class Step:
+    observation: Optional[str] = None
+    reward: Optional[float] = None
+    done: bool = False
+    tool_calls: int = 0
+    tool_errors: int = 0
+
+
+# ---------------------------------------------------------------- built-in tools
+_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
+        ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow, ast.USub: operator.neg,
+        ast.UAdd: operator.pos}
+
+
+def calculator(expression: str) -> str:
+    """Evaluate an arithmetic expression (numbers, + - * / // % ** and parentheses)."""
+    def value(node):
+        if isinstance(node, ast.Expression):
+            return value(node.body)
+        if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)) and not isinstance(node.value, bool):
+            return node.value
+        if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
+            left, right = value(node.left), value(node.right)
+            if isinstance(node.op, ast.Pow) and (abs(right) > 64 or abs(left) > 1e6):
+                raise ValueError("exponent too large")
+            return _OPS[type(node.op)](left, right)
+        if isinstance(node, ast.UnaryOp) and type(node.op) in _OPS:
+            return _OPS[type(node.op)](value(node.operand))
+        raise ValueError(f"unsupported expression: {ast.dump(node)[:60]}")
+    if len(expression) > 500:
+        raise ValueError("expression too long")
+    result = value(ast.parse(str(expression), mode="eval"))
+    if isinstance(result, float) and result.is_integer() and abs(result) < 1e15:
+        result = int(result)
+    return str(result)
+
+
+def python(code: str) -> str:
+    """Run a Python program in the sandbox (no network, its own PID namespace, 5 s, 256 MB); its stdout."""
+    from ..rewards.sandbox import SandboxLimits, run_program
+    result = run_program(str(code), "", SandboxLimits(wall_seconds=5.0, cpu_seconds=5, memory_mb=256, output_mb=1))
+    if result.status != "ok":
+        detail = result.stderr.strip().splitlines()[-1] if result.stderr.strip() else result.status
+        raise RuntimeError(f"{result.status}: {detail[:300]}")
+    return result.stdout
+
+
+TOOLS: Dict[str, Callable] = {"calculator": calculator, "python": python}
+TOOL_ARGUMENT = {"calculator": "expression", "python": "code"}
+MAX_OBSERVATION_CHARS = 2000
+TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
+
+
+class ToolEnvironment:
+    """The built-in environment: a turn holding Hermes-style tool calls (`<tool_call>{"name": ..., "arguments":
+    {...}}</tool_call>`, as Qwen2.5's template asks for them) gets their results as the observation (one line per
+    call); a turn without one ends the episode. A tool that raises, hangs or prints megabytes gives an error
+    observation (`error: ...`), never an exception."""
+
+    def __init__(self, tools=("calculator", "python")):
+        unknown = [t for t in tools if t not in TOOLS]
+        if unknown:
+            raise ValueError(f"env_tools: unknown tool(s) {', '.join(unknown)} (built-in: {', '.join(TOOLS)})")
+        self.tools = {t: TOOLS[t] for t in tools}
+
+    def reset(self, record: dict) -> None:
+        self.record = record
+
+    def step(self, turn: str) -> Step:
+        calls = TOOL_CALL.findall(turn)
+        if not calls:
+            return Step(done=True)
+        results, errors = [], 0
+        for raw in calls:
+            try:
+                call = json.loads(raw)
+                name, arguments = call["name"], call.get("arguments", {})
+                if isinstance(arguments, str):
+                    arguments = json.loads(arguments)
+                if name not in self.tools:
+                    raise ValueError(f"unknown tool {name!r} (tools: {', '.join(self.tools)})")
+                if isinstance(arguments, dict):
+                    arguments = arguments.get(TOOL_ARGUMENT[name], next(iter(arguments.values()), ""))
+                out = str(self.tools[name](arguments))
+            except Exception as e:  # noqa: BLE001 - the model sees the error, the run goes on
+                errors += 1
+                out = f"error: {type(e).__name__}: {e}"
+            if len(out) > MAX_OBSERVATION_CHARS:
+                out = out[:MAX_OBSERVATION_CHARS] + f"... ({len(out) - MAX_OBSERVATION_CHARS} more characters cut)"
+            results.append(out.strip())
+        return Step("\n".join(results), tool_calls=len(calls), tool_errors=errors)
+
+
+def load_environment(spec: str, tools=("calculator", "python")) -> Callable[[], object]:
+    """A factory of environments: `tools` (the built-in ToolEnvironment) or `file.py:ClassName`."""
+    if spec == "tools":
+        ToolEnvironment(tools)  # unknown tool names fail here, at start-up
+        return lambda: ToolEnvironment(tools)
+    path, _, name = spec.rpartition(":")
+    if not path or not name:
+        raise ValueError(f"env_plugin: {spec!r} is neither 'tools' nor 'path/to/file.py:ClassName'")
+    if not os.path.isfile(path):
+        raise ValueError(f"env_plugin: file not found: {os.path.abspath(path)}")
+    module_spec = importlib.util.spec_from_file_location("paddle_rl_env_plugin_" + os.path.basename(path)[:-3], path)
+    module = importlib.util.module_from_spec(module_spec)
+    try:
+        module_spec.loader.exec_module(module)
+    except Exception as e:  # noqa: BLE001
+        raise ValueError(f"env_plugin {spec}: import failed: {type(e).__name__}: {e}") from e
+    cls = getattr(module, name, None)
+    if cls is None or not all(callable(getattr(cls, m, None)) for m in ("reset", "step")):
+        raise ValueError(f"env_plugin {spec}: {name} is not a class with reset(record) and step(turn)")
+    return cls
+
+
+def observation_renderer(tokenizer, stop_ids) -> Callable[[str, int], List[int]]:
+    """(observation text, the token that ended the policy's turn) -> the tokens fed in: the chat template's own
+    rendering of a `tool` message and the next assistant turn's generation prompt, after the turn's end."""
+    convo = [{"role": "user", "content": "q"}, {"role": "assistant", "content": SENTINEL}]
+    stop_texts = {t: tokenizer.decode([t]) for t in stop_ids}
+
+    def render(observation: str, stop_token: int) -> List[int]:
+        text = tokenizer.apply_chat_template(convo + [{"role": "tool", "content": observation}],
+                                             add_generation_prompt=True)
+        at = text.find(SENTINEL)
+        if at < 0:
+            raise ValueError("the chat template does not render the assistant's content as given: cannot place "
+                             "observations after a turn")
+        rest = text[at + len(SENTINEL):]
+        ended = stop_texts.get(stop_token, "")
+        if ended and rest.startswith(ended):  # the policy already wrote the end of its turn
+            rest = rest[len(ended):]
+        return tokenizer.encode(rest)
+    return render
+
+
+class EpisodeRunner:
+    """The episodes of one rollout: row r is sample r % n of record r // n."""
+
+    def __init__(self, make_env: Callable[[], object], records: List[dict], n: int, tokenizer, stop_ids,
+                 max_turns: int, name: str = "env_plugin"):
+        self.n, self.tokenizer, self.max_turns, self.name = n, tokenizer, max_turns, name
+        self.render = observation_renderer(tokenizer, stop_ids)
+        self.envs, self.records = [], records
+        self.turns = np.ones(len(records) * n, dtype=np.int64)
+        self.tool_calls = np.zeros(len(records) * n, dtype=np.int64)
+        self.tool_errors = np.zeros(len(records) * n, dtype=np.int64)
+        self.reward = np.full(len(records) * n, np.nan, dtype=np.float32)
+        for row in range(len(records) * n):
+            env = make_env()
+            self._call(row, env, "reset", records[row // n])
+            self.envs.append(env)
+
+    def _call(self, row: int, env, method: str, arg):
+        try:
+            return getattr(env, method)(arg)
+        except Exception as e:  # noqa: BLE001 - named: the plugin and the sample
+            record = self.records[row // self.n]
+            uid = record.get("uid", row // self.n) if isinstance(record, dict) else row // self.n
+            raise EpisodeError(f"{self.name} {type(env).__name__}.{method} raised on sample {row % self.n} of prompt "
+                               f"{uid} (row {row}): {type(e).__name__}: {e}") from e
+
+    def turn_ended(self, seq) -> Optional[List[int]]:
+        """The observation's tokens after `seq`'s finished turn, or None when the episode ends."""
+        row = seq.row
+        turn = self.tokenizer.decode(seq.tokens[seq.turn_start:-1])
+        step = self._call(row, self.envs[row], "step", turn)
+        if not isinstance(step, Step):
+            step = Step(observation=step) if isinstance(step, str) or step is None else Step(*step)
+        if step.reward is not None:
+            self.reward[row] = (0.0 if math.isnan(self.reward[row]) else self.reward[row]) + float(step.reward)
+        self.tool_calls[row] += step.tool_calls
+        self.tool_errors[row] += step.tool_errors
+        if step.done or step.observation is None or self.turns[row] >= self.max_turns:
+            return None
+        self.turns[row] += 1
+        return self.render(step.observation, seq.tokens[-1])
+
+    def finish(self, batch) -> None:
+        """The episodes' columns on the rollout's batch (its rows in this runner's order)."""
+        batch["turns"] = self.turns
+        batch["tool_calls"] = self.tool_calls
+        batch["tool_errors"] = self.tool_errors
+        batch["env_reward"] = self.reward
+        batch["policy_tokens"] = np.asarray(batch["response_mask"]).sum(1).astype(np.int64)

@@ -1,0 +1,199 @@
+"""Multi-turn episodes: an environment's observations are fed back between turns (the chat template's own
+rendering, the KV cache kept), rows at different turns decode together, observation tokens stay out of the loss
+while the policy's log-probs equal a forward over the whole conversation, the built-in tools never take the run
+down, environment rewards reach the reward functions, a raising plugin is named, and kill -9 + resume reproduces
+a multi-turn run."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from micro_model import micro_overrides
+from paddle_rl.config import ConfigError, load_config
+from paddle_rl.monitor import TIMING_PREFIXES, read_metrics
+from paddle_rl.rollout.episodes import EpisodeError, EpisodeRunner, Step, ToolEnvironment, calculator, load_environment
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PLUGIN = '''
+from paddle_rl.rollout.episodes import Step
+
+
+class Countdown:
+    """Answers a turn with an observation while the sample has turns left (len(src) % 3 of them), then ends the
+    episode with a reward of the last turn's length parity."""
+
+    def reset(self, record):
+        self.left = len(record["src"]) % 3
+        self.steps = 0
+
+    def step(self, turn):
+        self.steps += 1
+        if self.left <= 0:
+            return Step(done=True, reward=float(len(turn) % 2))
+        self.left -= 1
+        return Step(observation=f"result {self.steps}", reward=0.5)
+
+
+class Broken:
+    def reset(self, record):
+        pass
+
+    def step(self, turn):
+        raise KeyError("boom")
+'''
+
+
+@pytest.fixture(scope="module")
+def plugin(tmp_path_factory):
+    path = tmp_path_factory.mktemp("env") / "env_plugin.py"
+    path.write_text(PLUGIN)
+    return str(path)
+
+
+def _records(micro, count):
+    return [json.loads(line) for line in open(micro["train"])][:count]
+
+
+def _stops(tok):
+    """Frequent stop tokens for the random micro model, so that turns end within a few tokens."""
+    return sorted({tok.encode(c)[0] for c in "aeiou "} | set(tok.eos_token_ids))
+
+
+def test_observations_are_fed_back_and_policy_logprobs_equal_a_full_forward(micro, plugin):
+    from paddle_rl.layouts import build_layout
+    from paddle_rl.models import load_model
+    from paddle_rl.rollout import RolloutEngine, SamplingParams, sample_key
+    tok, model = micro["tokenizer"], load_model(micro["model"])
+    records = _records(micro, 6)
+    runner = EpisodeRunner(load_environment(f"{plugin}:Countdown"), records, 4, tok, _stops(tok), max_turns=3)
+    keys = [sample_key(1, 1, i, j) for i in range(6) for j in range(4)]
+    params = SamplingParams(max_dec_len=120, temperature=1.0, stop_token_ids=_stops(tok))
+    out = RolloutEngine(model, tok.pad_token_id, tok.eos_token_ids).generate([tok.encode(r["src"]) for r in records],
+                                                                          4, params, keys, runner)
+    turns = out["turns"]
+    assert set(turns.tolist()) == {1, 2, 3}  # episodes of different lengths, decoded in one running batch
+    planned = np.minimum(np.repeat([len(r["src"]) % 3 for r in records], 4) + 1, 3)
+    finished = ~out["truncated"]  # a truncated row ran out of tokens before its last turn
+    assert (turns[finished] == planned[finished]).all() and (turns <= planned).all() and finished.mean() > 0.5
+    # each observation is the template's `tool` turn plus the next generation prompt, out of the loss mask
+    mask, tokens = out["response_mask"], out["response_ids"]
+    rendered = tok.apply_chat_template([{"role": "user", "content": "q"}, {"role": "assistant", "content": "A"},
+                                        {"role": "tool", "content": "result 1"}], add_generation_prompt=True)
+    after_turn = rendered.split("A", 1)[1]   # "<|im_end|>\n<|im_start|>tool\nresult 1<|im_end|>\n..."
+    seen = 0
+    for row in np.flatnonzero(turns == 2):
+        gap = np.flatnonzero(mask[row, :out["lengths"][row]] == 0)
+        ended_by_eos = tokens[row, gap[0] - 1] in tok.eos_token_ids  # then the turn's own end is not repeated
+        want = tok.encode(after_turn[len("<|im_end|>"):] if ended_by_eos else after_turn)
+        assert tokens[row, gap].tolist() == want and (np.diff(gap) == 1).all()
+        seen += 1
+    assert seen
+    assert (out["rollout_logp"][mask == 0] == 0).all()
+    # one decode step per token after the first, whatever the turn: no re-prefill between turns
+    assert int(out["decode_steps"].sum()) == int((out["lengths"] - 1).sum())
+    # the policy's log-probs against a forward over the whole conversation, observations included
+    out["group"] = np.arange(out.size) // 4
+    batch = out.with_prompt_layout(tok.pad_token_id)
+    logp = build_layout().logprobs(model, batch, 1.0, 24)
+    assert np.abs(logp - batch["rollout_logp"] * mask).max() <= 1e-5
+    reward = out["env_reward"]
+    # the episode's rewards summed (0.5 per observation, the last turn's parity); none for a row cut off first
+    assert np.isfinite(reward[finished]).all() and set(np.unique(reward[finished])) <= {0.0, 0.5, 1.0, 1.5, 2.0}
+
+
+def test_the_tool_environment_never_takes_the_run_down():
+    env = ToolEnvironment()
+    env.reset({})
+    call = '<tool_call>{{"name": "{}", "arguments": {{"{}": {}}}}}</tool_call>'
+    assert env.step("the sum is " + call.format("calculator", "expression", json.dumps("17 + 25 * 2"))) \
+        == Step("67", tool_calls=1)
+    assert env.step("no call: the answer is 4").done
+    bad = env.step(call.format("calculator", "expression", json.dumps("__import__('os')")) + call.format(
+        "search", "q", '"x"') + "<tool_call>{not json</tool_call>")
+    assert bad.tool_calls == 3 and bad.tool_errors == 3 and bad.observation.count("error:") == 3
+    assert calculator("2 ** 10") == "1024" and calculator("7 / 2") == "3.5"
+    start = time.time()
+    hang = env.step(call.format("python", "code", json.dumps("while True: pass")))
+    flood = env.step(call.format("python", "code", json.dumps("print('x' * 10**8)")))
+    raises = env.step(call.format("python", "code", json.dumps("raise ValueError('nope')")))
+    ok = env.step(call.format("python", "code", json.dumps("print(sum(range(10)))")))
+    assert time.time() - start < 30
+    assert hang.tool_errors == 1 and "timeout" in hang.observation
+    assert flood.tool_errors == 1 and len(flood.observation) < 3000
+    assert raises.tool_errors == 1 and "ValueError: nope" in raises.observation
+    assert ok == Step("45", tool_calls=1)
+
+
+def _overrides(micro, plugin, out, **extra):
+    tok = micro["tokenizer"]
+    values = dict(do_eval=False, max_steps=3, env_plugin=f"{plugin}:Countdown", max_turns=3, max_dec_len=40,
+                  stop_token_ids=json.dumps(_stops(tok)), reward_funcs="env", kl_loss_coeff=0.05, save_steps=2)
+    values.update(extra)
+    return micro_overrides(micro, str(out), **values)
+
+
+def test_training_masks_observations_and_rewards_from_the_environment(micro, plugin, tmp_path):
+    from paddle_rl.trainer import RLTrainer
+    trainer = RLTrainer(load_config(None, _overrides(micro, plugin, tmp_path / "run")))
+    trainer.train()
+    rows = read_metrics(str(tmp_path / "run" / "metrics.jsonl"))
+    for row in rows:
+        assert 1.0 <= row["episode/turns/mean"] <= 3.0 and row["episode/policy_token_share"] < 1.0
+        assert np.isfinite(row["actor/pg_loss"]) and row["reward/env_mean"] == row["reward/mean"]
+    assert max(r["reward/std"] for r in rows) > 0
+    with pytest.raises(EpisodeError, match=r"env_plugin .*:Broken Broken.step raised on sample \d+ of prompt \S+ "
+                                           r"\(row \d+\): KeyError"):
+        RLTrainer(load_config(None, _overrides(micro, plugin, tmp_path / "broken",
+                                               env_plugin=f"{plugin}:Broken"))).train()
+    with pytest.raises(ConfigError, match="async_rollout: not with env_plugin"):
+        load_config(None, _overrides(micro, plugin, tmp_path / "x", async_rollout=True))
+
+
+def test_kill_9_mid_run_and_resume_reproduces_a_multi_turn_run(micro, plugin, tmp_path):
+    base = _overrides(micro, plugin, tmp_path / "a", max_steps=4)
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text("\n".join(f"{o.split('=', 1)[0]}: {o.split('=', 1)[1]}" for o in base) + "\n")
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    ref = subprocess.run([sys.executable, "-m", "paddle_rl", "train", str(cfg)], cwd=ROOT, env=env,
+                         capture_output=True, text=True)
+    assert ref.returncode == 0, ref.stderr[-2000:]
+    out_b = tmp_path / "b"
+    proc = subprocess.Popen([sys.executable, "-m", "paddle_rl", "train", str(cfg), f"output_dir={out_b}"], cwd=ROOT,
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 300
+    while not (out_b / "checkpoint-2").is_dir() and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.01)
+    time.sleep(0.3)  # into step 3's episodes
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL, "the run ended before it could be killed"
+    resumed = subprocess.run([sys.executable, "-m", "paddle_rl", "train", str(cfg), f"output_dir={out_b}",
+                              "resume_from_checkpoint=auto"], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    strip = lambda rows: [{k: v for k, v in r.items() if not k.startswith(TIMING_PREFIXES)} for r in rows]  # noqa
+    assert strip(read_metrics(str(out_b / "metrics.jsonl"))) == strip(read_metrics(str(tmp_path / "a" /
+                                                                                         "metrics.jsonl")))
+
+
+def test_a_records_tool_schemas_reach_the_chat_template():
+    """ms-swift `tools` (a list or its JSON string) and verl `extra_info.tools` are rendered by the template."""
+    from paddle_rl.data.records import RecordError, to_prompt_record
+    schema = [{"type": "function", "function": {"name": "calculator", "parameters": {"type": "object"}}}]
+    seen = []
+
+    def render(messages, tools=None):
+        seen.append(tools)
+        return "rendered"
+    messages = [{"role": "user", "content": "What is 2 + 2?"}]
+    for raw in ({"messages": messages, "tools": schema, "solution": "4"},
+                {"messages": messages, "tools": json.dumps(schema), "solution": "4"},
+                {"prompt": messages, "extra_info": {"tools": schema}, "solution": "4"}):
+        assert to_prompt_record(raw, "src", "tgt", render)["prompt"] == "rendered"
+    assert seen == [schema] * 3
+    with pytest.raises(RecordError, match="'tools' must be a list of tool schemas"):
+        to_prompt_record({"messages": messages, "tools": {"x": 1}, "solution": "4"}, "src", "tgt", render)
