@@ -291,12 +291,14 @@ def test_sft_with_lora_learns_and_saves_the_adapter(micro, tmp_path):
     the adapter (which the next RL run takes as lora_path)."""
     from test_sft import _overrides, _records, _sft
     data = _records(micro, tmp_path / "sft.jsonl", count=8)
-    trainer = _sft(_overrides(micro, tmp_path / "out", data, max_steps=6, save_steps=6, learning_rate=2e-2, **LORA))
+    # the micro model is random and its embeddings stay frozen, so adapters bring the loss down slowly (6.0 -> 5.6
+    # in 30 steps of 0.03 s); with the adapters frozen it would not move at all
+    trainer = _sft(_overrides(micro, tmp_path / "out", data, max_steps=30, save_steps=30, learning_rate=2e-2, **LORA))
     rows = read_metrics(str(tmp_path / "out" / "metrics.jsonl"))
     losses = [r["actor/sft_loss"] for r in rows]
-    assert losses[-1] < 0.8 * losses[0], losses
+    assert losses[-1] < losses[0] - 0.25, losses
     assert all("lora" in n for n, p in trainer.actor.named_parameters() if not p.stop_gradient)
-    ckpt = tmp_path / "out" / "checkpoint-6"
+    ckpt = tmp_path / "out" / "checkpoint-30"
     assert (ckpt / "adapter_model.safetensors").is_file() and not (ckpt / "model.safetensors").exists()
     from paddle_rl.trainer import RLTrainer
     follow = RLTrainer(load_config(None, micro_overrides(micro, str(tmp_path / "rl"), do_eval=False,
