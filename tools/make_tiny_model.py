@@ -3,6 +3,7 @@ warm-started by a short supervised pass so it writes the <think>...</think><answ
 
     python tools/make_tiny_model.py --task arith --out data/tiny_arith    # the learning default
     python tools/make_tiny_model.py --task kk --out data/tiny              # 2-3 people Knights-and-Knaves
+    python tools/make_tiny_model.py --task tool --out data/tiny_tool       # five-operand sums with a calculator
 
 Writes OUT/model (Hugging Face layout), OUT/TASK/{train,test}.jsonl (OUT/TASK/sft.jsonl too with
 --keep-sft) and OUT/README.md with the held-out numbers of the result.
@@ -55,8 +56,41 @@ def sft_response(truth: str, think: str = THINK) -> str:
 
 
 def record_response(record: dict) -> str:
-    """The supervised response of a record: its worked steps ("think", arith) or the fixed KK preamble."""
+    """The supervised response of a record: its own (`response`: a tool episode), its worked steps ("think",
+    arith) or the fixed KK preamble."""
+    if "response" in record:
+        return record["response"]
     return sft_response(record["tgt"], record.get("think", THINK))
+
+
+def tool_episode(question_operands, total) -> str:
+    """A whole calculator episode as the tiny chat template renders it: the call, the observation (the tool turn
+    the environment feeds in), the answer."""
+    call = json.dumps({"name": "calculator", "arguments": {"expression": " + ".join(map(str, question_operands))}})
+    return (f" I use the calculator.</think>\n<tool_call>{call}</tool_call><|im_end|>\n<|im_start|>tool\n{total}"
+            f"<|im_end|>\n<|im_start|>assistant\n<think> The calculator says {total}.</think>\n<answer>{total}</answer>"
+            "<|im_end|>")
+
+
+def build_tool_data(out_dir, seed, n_sft, n_train, n_test, n_dev, operands=5, tool_share=0.25, write_sft=True):
+    """Five-operand addition (a tiny model cannot add five numbers in its head). Supervised records: a share
+    `tool_share` are whole calculator episodes, the rest answer directly (the right sum, which the model cannot
+    learn to compute): the warm start has seen tool calls but mostly guesses."""
+    os.makedirs(out_dir, exist_ok=True)
+    problems = generate_problems(n_test + n_train + n_dev + n_sft, operands, 10, 99, seed)
+    rng = np.random.default_rng(seed)
+    records = []
+    for i, p in enumerate(problems):
+        rec = {"src": render_prompt(p.question(), "tiny"), "tgt": p.answer()}
+        if i >= n_test + n_train + n_dev:  # a supervised example
+            rec["response"] = (tool_episode(p.operands, p.answer()) if rng.random() < tool_share
+                               else sft_response(p.answer(), " I add them."))
+        records.append(rec)
+    bounds = np.cumsum([0, n_test, n_train, n_dev, n_sft])
+    splits = {name: records[bounds[i]:bounds[i + 1]] for i, name in enumerate(("test", "train", "dev", "sft"))}
+    for name in ("test", "train") + (("sft",) if write_sft else ()):
+        write_jsonl(os.path.join(out_dir, f"{name}.jsonl"), splits[name])
+    return splits
 
 
 def puzzle_text(puzzle) -> str:
@@ -187,16 +221,25 @@ def score_arith(text, truth):
 
 def greedy_eval(model, tokenizer, records, max_dec_len=40, task="kk"):
     """Greedy decoding on `records`: accuracy, mean reward, share with a parseable answer, (KK) accuracy per
-    inhabitant count, and the texts."""
+    inhabitant count, (tool) the share of episodes that called the calculator, and the texts."""
     stop = tokenizer.eos_token_ids
     engine = RolloutEngine(model, tokenizer.pad_token_id, stop)
     was_training = model.training
     model.eval()
+    episodes = None
+    if task == "tool":
+        from paddle_rl.rollout.episodes import EpisodeRunner, load_environment
+        episodes = EpisodeRunner(load_environment("tools", ("calculator",)), records, 1, tokenizer, stop, 3)
     out = engine.generate([tokenizer.encode(r["src"]) for r in records], 1,
-                          SamplingParams(max_dec_len=max_dec_len, temperature=0.0, stop_token_ids=stop))
+                          SamplingParams(max_dec_len=max_dec_len, temperature=0.0, stop_token_ids=stop), None, episodes)
     if was_training:
         model.train()
     texts = tokenizer.decode_batch(out.responses())
+    if task == "tool":
+        scored = [score_arith(t, r["tgt"]) for t, r in zip(texts, records)]
+        return {"accuracy": float(np.mean([s for s, _ in scored])),
+                "tool_use": float((out["tool_calls"] > 0).mean()),
+                "tool_errors": float(out["tool_errors"].sum())}, texts
     if task == "arith":
         scored = [score_arith(t, r["tgt"]) for t, r in zip(texts, records)]
         return {"accuracy": float(np.mean([s for s, _ in scored])),
@@ -218,6 +261,8 @@ TASK_DEFAULTS = {
     "kk": dict(out="data/tiny", test_examples=200, vocab_size=1024, sft_steps=400, lr=2e-3, max_dec_len=40),
     "arith": dict(out="data/tiny_arith", test_examples=400, vocab_size=512, sft_steps=4000, lr=2e-3,
                   max_dec_len=48, stop_accuracy=0.3, eval_every=25),
+    "tool": dict(out="data/tiny_tool", test_examples=200, vocab_size=512, sft_steps=3000, lr=2e-3,
+                 max_dec_len=120, eval_every=500),
 }
 
 
@@ -227,6 +272,11 @@ def write_readme(args, argv, tokenizer, model, splits, steps, result):
     if args.task == "kk":
         content = (f"- {args.task}/: {args.people.replace(',', '-')} people puzzles: train ({len(splits['train'])}, "
                    f"for RL), test ({len(splits['test'])}, held out)")
+    elif args.task == "tool":
+        content = (f"- {args.task}/: five-operand addition of 10..99, answered with the calculator tool "
+                   f"(env_plugin: tools): train ({len(splits['train'])}, for RL), test ({len(splits['test'])}, held "
+                   f"out); {args.tool_share:.0%} of the supervised examples are calculator episodes, the rest answer "
+                   "directly")
     else:
         content = (f"- {args.task}/: three-operand addition of 10..99: train ({len(splits['train'])}, for RL), "
                    f"test ({len(splits['test'])}, held out); a separate dev split ({len(splits['dev'])}) decides "
@@ -262,6 +312,8 @@ def main(argv=None):
     ap.add_argument("--lr", type=float, help="supervised learning rate (2e-3)")
     ap.add_argument("--eval-every", type=int, help="greedy eval every N SFT steps (kk: 0, only at the end; arith: 25)")
     ap.add_argument("--keep-sft", action="store_true", help="also write OUT/TASK/sft.jsonl")
+    ap.add_argument("--tool-share", type=float, default=0.25, help="tool: the share of supervised examples that are "
+                                                                   "calculator episodes")
     args = ap.parse_args(argv)
     for key, value in TASK_DEFAULTS[args.task].items():
         if getattr(args, key, None) is None:
@@ -273,11 +325,14 @@ def main(argv=None):
     if args.task == "kk":
         splits = build_data(data_dir, [int(p) for p in args.people.split(",")], args.seed, args.sft_examples,
                             args.train_examples, args.test_examples, write_sft=args.keep_sft)
+    elif args.task == "tool":
+        splits = build_tool_data(data_dir, args.seed, args.sft_examples, args.train_examples, args.test_examples,
+                                 args.dev_examples, tool_share=args.tool_share, write_sft=args.keep_sft)
     else:
         splits = build_arith_data(data_dir, args.seed, args.sft_examples, args.train_examples, args.test_examples,
                                   args.dev_examples, write_sft=args.keep_sft)
     corpus = [r["src"] + record_response(r) for recs in splits.values() for r in recs]
-    tokenizer = build_tokenizer(corpus, args.vocab_size, model_dir, single_digits=args.task == "arith")
+    tokenizer = build_tokenizer(corpus, args.vocab_size, model_dir, single_digits=args.task in ("arith", "tool"))
     save_model(build_model(tokenizer, args.hidden_size, args.layers, args.seed), model_dir)  # the random init
     write_generation_config(model_dir, tokenizer.eos_token_ids, tokenizer.pad_token_id)
     test, dev = splits["test"], splits.get("dev", splits["test"])

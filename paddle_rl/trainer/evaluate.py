@@ -5,14 +5,16 @@ from ..rollout import SamplingParams
 from .scoring import reward_result, score
 
 
-def evaluate(engine, tokenizer, dataset, reward_fn, config, stop_ids) -> dict:
+def evaluate(engine, tokenizer, dataset, reward_fn, config, stop_ids, episodes_for=None) -> dict:
+    """`episodes_for(items, n)`: the multi-turn episodes of a chunk (None: single-turn)."""
     params = SamplingParams.from_config(config, stop_ids, greedy=True,
                                         max_dec_len=config.eval_max_dec_len or config.max_dec_len)
     items = dataset.items
     parts = []
     for start in range(0, len(items), config.per_device_eval_batch_size):
         chunk = items[start:start + config.per_device_eval_batch_size]
-        batch = engine.generate([it["prompt_ids"] for it in chunk], 1, params)
+        episodes = None if episodes_for is None else episodes_for(chunk, 1)
+        batch = engine.generate([it["prompt_ids"] for it in chunk], 1, params, None, episodes)
         batch["item"] = object_column(chunk)
         score(batch, tokenizer, reward_fn)
         parts.append(batch)
@@ -23,6 +25,10 @@ def evaluate(engine, tokenizer, dataset, reward_fn, config, stop_ids) -> dict:
                "eval/num_samples": float(len(items))}
     if result.correct is not None:
         metrics["eval/accuracy"] = float(result.correct.mean())
+    if "tool_calls" in batch:
+        metrics["eval/tool_calls_mean"] = float(batch["tool_calls"].mean())
+        metrics["eval/tool_use_share"] = float((batch["tool_calls"] > 0).mean())
+        metrics["eval/turns_mean"] = float(batch["turns"].mean())
     return metrics
 
 
@@ -49,4 +55,13 @@ def run_eval(config) -> dict:
     stop_ids = sorted(set(tokenizer.eos_token_ids) | set(model.config.eos_token_ids))
     engine = RolloutEngine(model, tokenizer.pad_token_id, stop_ids, config.rollout_max_num_seqs,
                            config.rollout_kv_cache_tokens)
-    return evaluate(engine, tokenizer, dataset, build_reward(config), config, stop_ids)
+    episodes_for = _episodes(config, tokenizer, stop_ids) if config.env_plugin else None  # multi-turn, as in training
+    return evaluate(engine, tokenizer, dataset, build_reward(config), config, stop_ids, episodes_for)
+
+
+def _episodes(config, tokenizer, stop_ids):
+    from ..rollout.episodes import EpisodeRunner, load_environment
+    from .scoring import reward_record
+    make_env = load_environment(config.env_plugin, tuple(config.env_tools))
+    return lambda items, n: EpisodeRunner(make_env, [reward_record(it) for it in items], n, tokenizer, stop_ids,
+                                          config.max_turns, f"env_plugin {config.env_plugin}")

@@ -404,12 +404,12 @@ class RLTrainer:
                         "episode/policy_token_share": float(batch["policy_tokens"].sum() / max(lengths.sum(), 1.0))})
         return out
 
-    def episodes_for(self, items):
-        """The multi-turn episodes of a rollout of `items` (None without env_plugin)."""
+    def episodes_for(self, items, n: Optional[int] = None):
+        """The multi-turn episodes of a rollout of `items`, `n` samples each (None without env_plugin)."""
         if self.make_env is None:
             return None
-        return EpisodeRunner(self.make_env, [reward_record(it) for it in items], self.config.rollout_n, self.tokenizer,
-                             self.stop_ids, self.config.max_turns, f"env_plugin {self.config.env_plugin}")
+        return EpisodeRunner(self.make_env, [reward_record(it) for it in items], n or self.config.rollout_n,
+                             self.tokenizer, self.stop_ids, self.config.max_turns, f"env_plugin {self.config.env_plugin}")
 
     # ---------------------------------------------------------------- loop
     def evaluate(self) -> dict:
@@ -419,7 +419,7 @@ class RLTrainer:
         with timer.stage("eval"):
             with self.layout.rollout_engine(self.engine) as engine:
                 metrics = evaluate(engine, self.tokenizer, self.eval_data, self.reward_fn, self.config,
-                                   self.stop_ids)
+                                   self.stop_ids, self.episodes_for if self.make_env is not None else None)
         metrics.update(timer.metrics())
         return metrics
 
