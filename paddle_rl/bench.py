@@ -275,6 +275,8 @@ def run(args) -> dict:
         return float(np.mean(values)) if values else 0.0
 
     step_s = mean("time/step")
+    # the generation's own seconds: with async_rollout the worker's (time/rollout is then the trainer's wait)
+    generate_s = mean("async/worker_generate_s") if config.async_rollout else mean("time/rollout")
     response_tokens = mean("response_length/mean") * rows
     prompt_tokens = mean("prompt_length/mean") * rows
     flops = step_flops(shape, prompt_tokens, response_tokens, rows, config.kl_loss_coeff > 0 or config.kl_coeff > 0,
@@ -291,13 +293,14 @@ def run(args) -> dict:
         "response_length_mean": mean("response_length/mean"), "clipped_share": mean("response_length/clipped_share"),
         "generated_tokens_per_s": mean("perf/generated_tokens_per_s"),
         "trained_tokens_per_s": mean("perf/trained_tokens_per_s"),
-        "s_per_generated_token": mean("time/rollout") / max(mean("perf/generated_tokens"), 1e-9),
+        "s_per_generated_token": generate_s / max(mean("perf/generated_tokens"), 1e-9),
         "s_per_trained_token": mean("time/update") / max(mean("perf/trained_tokens"), 1e-9),
         "effective_gflops": flops["step"] / max(step_s, 1e-9) / 1e9,
-        "rollout_gflops": flops["rollout"] / max(mean("time/rollout"), 1e-9) / 1e9,
+        "rollout_gflops": flops["rollout"] / max(generate_s, 1e-9) / 1e9, "generate_s": generate_s,
         "update_gflops": flops["update"] / max(mean("time/update"), 1e-9) / 1e9,
         "peak_gflops": peak, "matmul_peak_gflops": peak,
-        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,  # the trainer's process
+        "worker_peak_rss_mb": max([r.get("async/worker_peak_rss_mb", 0.0) for r in records] + [0.0]),
         "optimizer_state_mb": optimizer_bytes / 2**20, "trainable_params": trainable,
         "threads": os.environ.get("OMP_NUM_THREADS"), "setup_s": build_s,
         "cpu_s_per_step": cpu_s / max(len(records), 1), "load_avg": [load_before, os.getloadavg()[0]],
@@ -326,13 +329,15 @@ def report(result: dict) -> str:
              f"  step          {result['step_s']:8.3f} s"]
     for stage in STAGES:
         lines.append(f"  {stage:<13} {result[f'{stage}_s']:8.3f} s")
+    worker = (f" + the rollout worker's {result['worker_peak_rss_mb']:.0f} MB (generating {result['generate_s']:.1f} s "
+              "per batch)" if result["worker_peak_rss_mb"] else "")
     lines += [f"  generated     {result['generated_tokens_per_s']:8.0f} tokens/s ({result['generated_tokens']:.0f} tokens, "
               f"{result['decode_row_steps']:.0f} rows in decode steps)",
               f"  trained       {result['trained_tokens_per_s']:8.0f} tokens/s",
               f"  effective     {result['effective_gflops']:8.1f} GFLOP/s (rollout {result['rollout_gflops']:.1f}, "
               f"update {result['update_gflops']:.1f}; matmul peak {result['matmul_peak_gflops']:.1f})",
-              f"  peak RSS      {result['peak_rss_mb']:8.0f} MB (optimizer state {result['optimizer_state_mb']:.1f} MB, "
-              f"{result['trainable_params']:,} trained parameters)",
+              f"  peak RSS      {result['peak_rss_mb']:8.0f} MB{worker} (optimizer state "
+              f"{result['optimizer_state_mb']:.1f} MB, {result['trainable_params']:,} trained parameters)",
               f"  process CPU   {result['cpu_s_per_step']:8.3f} s per step (all threads)"]
     return "\n".join(lines)
 

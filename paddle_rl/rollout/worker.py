@@ -14,6 +14,7 @@ The worker holds a plain model (a LoRA trainer sends its merged weights) and exi
 and the end of its log.
 """
 import os
+import resource
 import subprocess
 import sys
 import tempfile
@@ -157,6 +158,7 @@ def _answer(conn):
     from ..models.safetensors_io import read_file
     from .engine import RolloutEngine
     engine, version, weights_dir = None, None, None
+    load_s = 0.0  # loading the weights pushed since the last batch
     while True:
         try:
             message = conn.recv()
@@ -177,13 +179,19 @@ def _answer(conn):
                                        spec["max_cache_tokens"])
             elif kind == "weights":
                 _, path, version = message
+                start = time.perf_counter()
                 load_weights(engine.model, read_file(path))
                 os.remove(path)
+                load_s += time.perf_counter() - start
             elif kind == "generate":
                 _, request, prompts, n, params, keys = message
+                start = time.perf_counter()
                 batch = engine.generate(prompts, n, params, keys)
                 batch["policy_version"] = np.full(batch.size, -1 if version is None else version, dtype=np.int64)
-                conn.send(("batch", request, batch, version, dict(engine.stats)))
+                stats = dict(engine.stats, generate_s=time.perf_counter() - start, weights_load_s=load_s,
+                             peak_rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+                load_s = 0.0
+                conn.send(("batch", request, batch, version, stats))
         except Exception:  # noqa: BLE001 - reported to the trainer, which raises it
             conn.send(("error", traceback.format_exc()))
 

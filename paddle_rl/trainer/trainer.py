@@ -351,7 +351,9 @@ class RLTrainer:
         metrics["perf/trained_tokens"] = trained
         metrics["perf/decode_row_steps"] = decode_rows
         metrics["prompt_length/mean"] = prompt_tokens / max(rows, 1.0)
-        metrics["perf/generated_tokens_per_s"] = generated / max(timer.seconds["rollout"], 1e-9)
+        # the generation's own seconds: the worker's when it runs ahead (the trainer's wait is time/rollout)
+        generating = metrics.get("async/worker_generate_s", timer.seconds["rollout"])
+        metrics["perf/generated_tokens_per_s"] = generated / max(generating, 1e-9)
         metrics["perf/tokens_per_s"] = (generated + prompt_tokens) / elapsed
         metrics["perf/trained_tokens_per_s"] = trained / max(timer.seconds.get("update", 0.0), 1e-9)
         metrics["epoch"] = float(self.sampler.epoch)
