@@ -166,3 +166,71 @@ def test_packed_micro_batches_equal_padded(micro, tmp_path):
     for a, b in zip(padded, packed):
         assert b["actor/sft_loss"] == pytest.approx(a["actor/sft_loss"], rel=1e-5)
         assert b["actor/grad_norm"] == pytest.approx(a["actor/grad_norm"], rel=1e-5)
+
+
+def _conversations(micro, path, count=8):
+    """ms-swift multi-turn records: a calculator call, the tool's answer, the final answer (the micro template's
+    generation prompt opens `<think>`, so each assistant turn starts with it)."""
+    rows = [json.loads(line) for line in open(micro["train"])][:count]
+    with open(path, "w") as f:
+        for r in rows:
+            user = r["src"].split("<|im_start|>user\n", 1)[1].split("<|im_end|>", 1)[0]
+            call = '<think> I check.</think>\n<tool_call>{"name": "calculator", "arguments": {"expression": "1 + 2"}}' \
+                   '</tool_call>'
+            f.write(json.dumps({"messages": [
+                {"role": "user", "content": user}, {"role": "assistant", "content": call},
+                {"role": "tool", "content": "3 knights"},
+                {"role": "assistant", "content": "<think>" + sft_response(r["tgt"]).removesuffix("<|im_end|>")}]})
+                    + "\n")
+    return str(path)
+
+
+def test_multi_turn_records_learn_their_assistant_turns_only(micro, tmp_path):
+    """A conversation with several assistant turns: the prompt is the conversation up to the first, every assistant
+    turn (through its stop token) is in the loss, the tool's turn and the turn headers are context; step 1's loss
+    equals the mean NLL of exactly those tokens in a full forward."""
+    from paddle_rl.models import load_model
+    from paddle_rl.models.logprobs import token_logprobs
+    tok = micro["tokenizer"]
+    data = _conversations(micro, tmp_path / "conv.jsonl")
+    trainer = _sft(_overrides(micro, tmp_path / "out", data, max_steps=1, save_steps=10, max_dec_len=200))
+    row = read_metrics(str(tmp_path / "out" / "metrics.jsonl"))[0]
+    logged = row["actor/sft_loss"]
+    items = trainer.train_data.items
+    item = items[0]
+    text = tok.decode(item["response_ids"])
+    learned = tok.decode([t for t, m in zip(item["response_ids"], item["loss_mask"]) if m])
+    context = tok.decode([t for t, m in zip(item["response_ids"], item["loss_mask"]) if not m])
+    assert tok.decode(item["prompt_ids"]).endswith("<|im_start|>assistant\n<think>") and "tool_call" not in \
+        tok.decode(item["prompt_ids"])
+    assert "3 knights" in context and "3 knights" not in learned and "<|im_start|>tool" in context
+    assert "calculator" in learned and "<answer>" in learned and learned.count("<|im_end|>") == 2
+    assert text.endswith("<|im_end|>") and item["response_ids"][-1] in tok.eos_token_ids
+    model = load_model(micro["model"])
+    model.eval()
+    total, tokens = 0.0, 0.0
+    for item in items:
+        prompt, response = item["prompt_ids"], item["response_ids"]
+        ids = paddle.to_tensor([prompt + response])
+        logp, _ = token_logprobs(model, ids, paddle.ones_like(ids), len(prompt), paddle.to_tensor([response]),
+                                 temperature=1.0)
+        mask = np.array(item["loss_mask"], dtype=np.float32)
+        total -= float((logp.numpy()[0] * mask).sum())
+        tokens += mask.sum()
+    assert logged == pytest.approx(total / tokens, rel=1e-5)
+    # the tool's turn and the headers are attended to but not trained (the random model's NLL is about the same on
+    # every token, so the count is what tells them apart)
+    assert row["perf/trained_tokens"] == tokens < sum(len(i["response_ids"]) for i in items)
+
+
+def test_a_conversation_the_template_cannot_split_names_the_turn(micro, tmp_path):
+    """The micro template's generation prompt opens `<think>`; an assistant turn that does not start with it
+    cannot be located in the rendering: the error names the record and the turn."""
+    from paddle_rl.data.loader import DatasetError
+    path = tmp_path / "bad.jsonl"
+    path.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "a"},
+                                             {"role": "user", "content": "again"},
+                                             {"role": "assistant", "content": "b"}]}) + "\n")
+    with pytest.raises(DatasetError, match=r"bad.jsonl:1: messages\[1\] \(assistant\) cannot be located"):
+        _sft(_overrides(micro, tmp_path / "out", str(path), global_batch_size=1, global_mini_batch_size=1,
+                        per_device_train_batch_size=1))

@@ -7,7 +7,7 @@ from typing import Iterator, List, Sequence, Tuple, Union
 
 import numpy as np
 
-from .records import RecordError, sft_response, to_prompt_record
+from .records import RecordError, record_tools, sft_conversation, sft_response, to_prompt_record
 
 logger = logging.getLogger("paddle_rl")
 
@@ -209,16 +209,50 @@ def load_sft_dataset(paths, tokenizer, prompt_key: str = "src", response_key: st
     truncated = 0
     for item, ids in zip(data.items, tokenizer.encode_batch(texts)):
         ids = list(ids)
-        if stop_ids and (not ids or ids[-1] not in stops):
+        conversation = sft_conversation(item["record"], prompt_key)
+        if conversation is not None:  # several assistant turns: learn each, the turns between are context
+            item["prompt_ids"], ids, item["loss_mask"] = _conversation_ids(
+                conversation, record_tools(item["record"]), tokenizer, stops, item["uid"], max_prompt_len)
+        elif stop_ids and (not ids or ids[-1] not in stops):
             ids.append(stop_ids[0])
         if len(ids) > max_response_len:
             ids, truncated = ids[:max_response_len], truncated + 1
+            if "loss_mask" in item:
+                item["loss_mask"] = item["loss_mask"][:max_response_len]
         item["response_ids"] = ids
     data.stats["responses_truncated"] = truncated
     if truncated:
         logger.warning("%s: %d responses over max_dec_len=%d truncated (their ends removed; no stop token is "
                        "learned for them)", ",".join(split_paths(paths)), truncated, max_response_len)
     return data
+
+
+def _conversation_ids(messages, tools, tokenizer, stops, uid, max_prompt_len):
+    """A multi-turn record as (prompt ids, response ids, loss mask): the prompt is the conversation up to the first
+    assistant turn (with the generation prompt), the response everything after it up to the last assistant turn's
+    stop token, learned (mask 1) inside the assistant turns only (each through its stop token). A prompt over
+    `max_prompt_len` keeps its end. Each turn's span is where the chat template's
+    rendering up to that turn ends; a template whose renderings are not prefixes of one another is an error."""
+    def ids(upto, generation):
+        extra = {"tools": tools} if tools else {}
+        return list(tokenizer.encode(tokenizer.apply_chat_template(messages[:upto], add_generation_prompt=generation,
+                                                                   **extra)))
+    full = ids(len(messages), False)
+    turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    prompt = ids(turns[0], True)
+    mask = np.zeros(len(full), dtype=np.int64)
+    for i in turns:
+        before, through = ids(i, True), ids(i + 1, False)
+        start, end = len(before), len(through)
+        if full[:start] != before or full[:end] != through or end <= start:
+            raise DatasetError(f"{uid}: messages[{i}] (assistant) cannot be located: the chat template's rendering "
+                               "up to it (with the generation prompt) or through it is not a prefix of the whole "
+                               "conversation's (a template that adds to the generation prompt what the turn itself "
+                               "does not start with, or that rewrites earlier turns)")
+        stop = [j for j in range(start, end) if full[j] in stops]
+        mask[start:stop[-1] + 1 if stop else end] = 1  # the turn through its stop token (not the newline after)
+    last = max((j for j in range(len(full)) if full[j] in stops and mask[j]), default=len(full) - 1)
+    return prompt[-max_prompt_len:], full[len(prompt):last + 1], mask[len(prompt):last + 1].tolist()
 
 
 class PromptSampler:

@@ -148,6 +148,19 @@ def record_tools(raw: dict) -> Optional[list]:
     return None
 
 
+def sft_conversation(raw: dict, prompt_key: str) -> Optional[list]:
+    """The messages of a multi-turn supervised record (ms-swift `messages`, or a messages-form `prompt_key`, with
+    more than one assistant turn and ending in one), whose every assistant turn is learned and every other turn
+    (user, tool) is context; None for a record with one answer."""
+    for key in dict.fromkeys((prompt_key, "messages", "prompt")):
+        messages = raw.get(key)
+        if isinstance(messages, list) and messages and isinstance(messages[-1], dict) \
+                and messages[-1].get("role") == "assistant":
+            messages = _check_messages(messages, key)
+            return messages if sum(m["role"] == "assistant" for m in messages) > 1 else None
+    return None
+
+
 def sft_response(raw: dict, prompt_key: str, response_key: str) -> str:
     """The supervised target of a record: the trailing assistant turn of its messages (ms-swift `messages`, or a
     messages-form `prompt_key`), else its `response_key` (PaddleNLP `tgt`) or `response` string."""

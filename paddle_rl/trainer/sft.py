@@ -91,14 +91,16 @@ class SFTTrainer(RLTrainer):
 
 
 def sft_batch(items, pad_id: int) -> StepBatch:
-    """Records with `prompt_ids` and `response_ids` as a StepBatch (one row each; responses right-padded)."""
+    """Records with `prompt_ids` and `response_ids` as a StepBatch (one row each; responses right-padded). The loss
+    mask is the record's `loss_mask` where it has one (the assistant turns of a conversation), else its response;
+    attention covers the whole response either way (`StepBatch.token_mask`)."""
     lengths = np.array([len(it["response_ids"]) for it in items], dtype=np.int64)
     width = max(int(lengths.max()) if len(items) else 1, 1)
     ids = np.full((len(items), width), pad_id, dtype=np.int64)
     mask = np.zeros((len(items), width), dtype=np.float32)
     for i, it in enumerate(items):
         ids[i, :lengths[i]] = it["response_ids"]
-        mask[i, :lengths[i]] = 1.0
+        mask[i, :lengths[i]] = it.get("loss_mask", 1.0)  # a multi-turn record learns its assistant turns only
     return StepBatch({"prompt_ids": object_column(list(it["prompt_ids"]) for it in items), "response_ids": ids,
                       "response_mask": mask, "lengths": lengths, "truncated": np.zeros(len(items), dtype=bool),
                       "item": object_column(items)}, pads={"response_ids": pad_id})
