@@ -1,5 +1,9 @@
 """A micro model + tokenizer + KK data for tests (random weights: fast, not meant to learn)."""
 import os
+import signal
+import subprocess
+import sys
+import time
 
 import paddle
 
@@ -35,3 +39,35 @@ def micro_overrides(micro: dict, output_dir: str, **extra) -> list:
                   disable_tqdm=True, report_to="visualdl")
     values.update(extra)
     return [f"{k}={v}" for k, v in values.items()]
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def config_file(overrides: list, path) -> str:
+    """`key=value` overrides as a YAML config file (what a user's run reads)."""
+    with open(path, "w") as f:
+        f.write("\n".join(f"{o.split('=', 1)[0]}: {o.split('=', 1)[1]}" for o in overrides) + "\n")
+    return str(path)
+
+
+def train_process(config: str, *overrides) -> subprocess.CompletedProcess:
+    """`paddle-rl train CONFIG [overrides]` in a process of its own, to the end."""
+    return subprocess.run([sys.executable, "-m", "paddle_rl", "train", config, *overrides], cwd=ROOT,
+                          env=dict(os.environ, PYTHONPATH=ROOT), capture_output=True, text=True)
+
+
+def kill_after_checkpoint(config: str, output_dir, step: int = 2, delay: float = 0.0) -> None:
+    """Start `paddle-rl train CONFIG output_dir=...` and kill it with SIGKILL once checkpoint-`step` is written (and
+    `delay` seconds more): the run is cut in the middle of the next step."""
+    proc = subprocess.Popen([sys.executable, "-m", "paddle_rl", "train", config, f"output_dir={output_dir}"],
+                            cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    deadline = time.time() + 300
+    while not os.path.isdir(os.path.join(str(output_dir), f"checkpoint-{step}")) and time.time() < deadline \
+            and proc.poll() is None:
+        time.sleep(0.01)
+    time.sleep(delay)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL, "the run ended before it could be killed"

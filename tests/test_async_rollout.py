@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from micro_model import micro_overrides
+from micro_model import config_file, kill_after_checkpoint, micro_overrides, train_process
 from paddle_rl.config import ConfigError, load_config
 from paddle_rl.monitor import TIMING_PREFIXES, read_metrics
 
@@ -86,24 +86,13 @@ def test_staleness_1_trains_on_the_weights_one_version_back(micro, plugin, tmp_p
 def test_kill_9_and_resume_reproduces_an_asynchronous_run(micro, plugin, tmp_path):
     """The batch requested ahead is part of the checkpoint, so a resumed run trains on the same batches."""
     base = _overrides(micro, plugin, tmp_path / "a", async_rollout=True, max_staleness=1, max_steps=5, save_steps=2)
-    cfg = tmp_path / "cfg.yaml"
-    cfg.write_text("\n".join(f"{o.split('=', 1)[0]}: {o.split('=', 1)[1]}" for o in base) + "\n")
-    env = dict(os.environ, PYTHONPATH=ROOT)
-    ref = subprocess.run([sys.executable, "-m", "paddle_rl", "train", str(cfg)], cwd=ROOT, env=env,
-                         capture_output=True, text=True)
+    cfg = config_file(base, tmp_path / "cfg.yaml")
+    ref = train_process(cfg)
     assert ref.returncode == 0, ref.stderr[-2000:]
     assert (tmp_path / "a" / "checkpoint-2" / "pending_rollouts.pkl").is_file()
     out_b = tmp_path / "b"
-    proc = subprocess.Popen([sys.executable, "-m", "paddle_rl", "train", str(cfg), f"output_dir={out_b}"], cwd=ROOT,
-                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 300
-    while not (out_b / "checkpoint-2").is_dir() and time.time() < deadline and proc.poll() is None:
-        time.sleep(0.01)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    assert proc.returncode == -signal.SIGKILL, "the run ended before it could be killed"
-    resumed = subprocess.run([sys.executable, "-m", "paddle_rl", "train", str(cfg), f"output_dir={out_b}",
-                              "resume_from_checkpoint=auto"], cwd=ROOT, env=env, capture_output=True, text=True)
+    kill_after_checkpoint(cfg, out_b)
+    resumed = train_process(cfg, f"output_dir={out_b}", "resume_from_checkpoint=auto")
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert _rows(out_b, drop=("async/worker_",)) == _rows(tmp_path / "a", drop=("async/worker_",))
 

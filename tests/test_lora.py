@@ -4,16 +4,14 @@ only adapters train, checkpoints hold PEFT adapters (and merged weights on reque
 and tensor / data parallelism and sharding equal one process."""
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 
 import numpy as np
 import paddle
 import pytest
 
-from micro_model import micro_overrides
+from micro_model import kill_after_checkpoint, micro_overrides
 from paddle_rl.config import ConfigError, load_config
 from paddle_rl.models import LoraSettings, adapters_off, load_model, merged_weights, save_model
 from paddle_rl.models.lora import AdapterError, adapters
@@ -214,15 +212,7 @@ def test_kill_9_and_resume_is_exact_and_checkpoints_are_peft_adapters(micro, tmp
     assert moments and all("adapter" in k for k in moments), moments[:3]
 
     out_b = tmp_path / "b"
-    proc = subprocess.Popen([sys.executable, "-m", "paddle_rl", "train", str(cfg), f"output_dir={out_b}"], cwd=ROOT,
-                            env=dict(os.environ, PYTHONPATH=ROOT), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
-    deadline = time.time() + 300
-    while not (out_b / "checkpoint-2").is_dir() and time.time() < deadline and proc.poll() is None:
-        time.sleep(0.01)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    assert proc.returncode == -signal.SIGKILL, "the run ended before it could be killed"
+    kill_after_checkpoint(str(cfg), out_b)
     resumed = _run_cli(["train", str(cfg), f"output_dir={out_b}", "resume_from_checkpoint=auto"])
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert strip(read_metrics(str(out_b / "metrics.jsonl"))) == expected

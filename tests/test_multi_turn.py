@@ -5,15 +5,12 @@ down, environment rewards reach the reward functions, a raising plugin is named,
 a multi-turn run."""
 import json
 import os
-import signal
-import subprocess
-import sys
 import time
 
 import numpy as np
 import pytest
 
-from micro_model import micro_overrides
+from micro_model import config_file, kill_after_checkpoint, micro_overrides, train_process
 from paddle_rl.config import ConfigError, load_config
 from paddle_rl.monitor import TIMING_PREFIXES, read_metrics
 from paddle_rl.rollout.episodes import EpisodeError, EpisodeRunner, Step, ToolEnvironment, calculator, load_environment
@@ -156,24 +153,12 @@ def test_training_masks_observations_and_rewards_from_the_environment(micro, plu
 
 def test_kill_9_mid_run_and_resume_reproduces_a_multi_turn_run(micro, plugin, tmp_path):
     base = _overrides(micro, plugin, tmp_path / "a", max_steps=4)
-    cfg = tmp_path / "cfg.yaml"
-    cfg.write_text("\n".join(f"{o.split('=', 1)[0]}: {o.split('=', 1)[1]}" for o in base) + "\n")
-    env = dict(os.environ, PYTHONPATH=ROOT)
-    ref = subprocess.run([sys.executable, "-m", "paddle_rl", "train", str(cfg)], cwd=ROOT, env=env,
-                         capture_output=True, text=True)
+    cfg = config_file(base, tmp_path / "cfg.yaml")
+    ref = train_process(cfg)
     assert ref.returncode == 0, ref.stderr[-2000:]
     out_b = tmp_path / "b"
-    proc = subprocess.Popen([sys.executable, "-m", "paddle_rl", "train", str(cfg), f"output_dir={out_b}"], cwd=ROOT,
-                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 300
-    while not (out_b / "checkpoint-2").is_dir() and time.time() < deadline and proc.poll() is None:
-        time.sleep(0.01)
-    time.sleep(0.3)  # into step 3's episodes
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    assert proc.returncode == -signal.SIGKILL, "the run ended before it could be killed"
-    resumed = subprocess.run([sys.executable, "-m", "paddle_rl", "train", str(cfg), f"output_dir={out_b}",
-                              "resume_from_checkpoint=auto"], cwd=ROOT, env=env, capture_output=True, text=True)
+    kill_after_checkpoint(cfg, out_b, delay=0.3)  # into step 3's episodes
+    resumed = train_process(cfg, f"output_dir={out_b}", "resume_from_checkpoint=auto")
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     strip = lambda rows: [{k: v for k, v in r.items() if not k.startswith(TIMING_PREFIXES)} for r in rows]  # noqa
     assert strip(read_metrics(str(out_b / "metrics.jsonl"))) == strip(read_metrics(str(tmp_path / "a" /

@@ -2,15 +2,13 @@
 import json
 import math
 import os
-import signal
 import subprocess
 import sys
-import time
 
 import numpy as np
 import pytest
 
-from micro_model import micro_overrides
+from micro_model import kill_after_checkpoint, micro_overrides
 from paddle_rl.config import load_config
 from paddle_rl.monitor import TIMING_PREFIXES, read_metrics
 
@@ -123,15 +121,7 @@ def test_kill_9_and_resume_reproduces_metrics(micro, tmp_path):
     assert [r["step"] for r in expected] == list(range(7))
 
     out_b = tmp_path / "b"
-    env = dict(os.environ, PYTHONPATH=ROOT)
-    proc = subprocess.Popen([sys.executable, "-m", "paddle_rl", "train", str(cfg), f"output_dir={out_b}"],
-                            cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 300
-    while not (out_b / "checkpoint-2").is_dir() and time.time() < deadline and proc.poll() is None:
-        time.sleep(0.01)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    assert proc.returncode == -signal.SIGKILL, "the run ended before it could be killed"
+    kill_after_checkpoint(str(cfg), out_b)
     assert not (out_b / "checkpoint-6").exists()
     resumed = run_cli(["train", str(cfg), f"output_dir={out_b}", "resume_from_checkpoint=auto"])
     assert resumed.returncode == 0, resumed.stderr[-2000:]
