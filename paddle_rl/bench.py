@@ -301,6 +301,7 @@ def run(args) -> dict:
         "peak_gflops": peak, "matmul_peak_gflops": peak,
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,  # the trainer's process
         "worker_peak_rss_mb": max([r.get("async/worker_peak_rss_mb", 0.0) for r in records] + [0.0]),
+        "weights_push_s": mean("time/weights_push"), "worker_weights_load_s": mean("async/worker_weights_load_s"),
         "optimizer_state_mb": optimizer_bytes / 2**20, "trainable_params": trainable,
         "threads": os.environ.get("OMP_NUM_THREADS"), "setup_s": build_s,
         "cpu_s_per_step": cpu_s / max(len(records), 1), "load_avg": [load_before, os.getloadavg()[0]],
@@ -330,7 +331,8 @@ def report(result: dict) -> str:
     for stage in STAGES:
         lines.append(f"  {stage:<13} {result[f'{stage}_s']:8.3f} s")
     worker = (f" + the rollout worker's {result['worker_peak_rss_mb']:.0f} MB (generating {result['generate_s']:.1f} s "
-              "per batch)" if result["worker_peak_rss_mb"] else "")
+              f"per batch; weights written in {result['weights_push_s']:.2f} s, loaded in "
+              f"{result['worker_weights_load_s']:.2f} s)" if result["worker_peak_rss_mb"] else "")
     lines += [f"  generated     {result['generated_tokens_per_s']:8.0f} tokens/s ({result['generated_tokens']:.0f} tokens, "
               f"{result['decode_row_steps']:.0f} rows in decode steps)",
               f"  trained       {result['trained_tokens_per_s']:8.0f} tokens/s",
