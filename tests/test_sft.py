@@ -118,6 +118,8 @@ def test_keys_sft_does_not_use_are_refused(micro, tmp_path):
     data = _records(micro, tmp_path / "sft.jsonl", count=8)
     with pytest.raises(ConfigError, match="kl_loss_coeff"):
         SFTTrainer(load_config(None, _overrides(micro, tmp_path / "o", data, kl_loss_coeff=0.1)))
+    with pytest.raises(ConfigError, match="async_rollout: not used by supervised"):
+        SFTTrainer(load_config(None, _overrides(micro, tmp_path / "o", data, async_rollout=True)))
 
 
 def test_a_record_without_a_response_names_its_line(micro, tmp_path):

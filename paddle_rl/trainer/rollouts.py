@@ -35,6 +35,11 @@ class InlineRollout:
         self.trainer = trainer
         self.metrics: Dict[str, float] = {}
 
+    @property
+    def sampler_point(self):
+        """(epoch, epoch_done) of the sampler as the batch last taken left it: what the step trains on."""
+        return self.trainer.sampler.epoch, self.trainer.sampler.epoch_done
+
     def take(self, step: int, draw: Callable):
         items, prompts, keys, params = draw(step)
         trainer = self.trainer
@@ -68,7 +73,8 @@ class AsyncRollout(InlineRollout):
                                     log_path=os.path.join(cfg.output_dir, "rollout_worker.log"))
         logger.info("rollout worker started (pid %d, max_staleness %d, log %s)", self.worker.pid, self.k,
                     self.worker.log_path)
-        self.pending: Dict[int, dict] = {}   # step -> {"items", "batch" (None while in flight)}
+        self.pending: Dict[int, dict] = {}   # step -> {"items", "batch" (None while in flight), "sampler", "stats"}
+        self._taken_point = None
 
     # ---------------------------------------------------------------- requests
     def _version(self) -> int:
@@ -87,7 +93,8 @@ class AsyncRollout(InlineRollout):
         items, prompts, keys, params = draw(step)
         self._push()
         self.worker.submit(step, prompts, self.trainer.config.rollout_n, params, keys)
-        self.pending[step] = {"items": items, "batch": None}
+        sampler = self.trainer.sampler  # it runs k steps ahead: each step keeps the point its own draw left
+        self.pending[step] = {"items": items, "batch": None, "sampler": (sampler.epoch, sampler.epoch_done)}
 
     def _receive(self, step: int) -> None:
         while self.pending[step]["batch"] is None:
@@ -100,6 +107,7 @@ class AsyncRollout(InlineRollout):
             self._request(step, draw)
         self._receive(step)
         entry = self.pending.pop(step)
+        self._taken_point = entry.get("sampler")
         last = self.trainer.total_steps
         for ahead in range(step + 1, min(step + self.k, last) + 1):
             if ahead not in self.pending:
@@ -112,6 +120,10 @@ class AsyncRollout(InlineRollout):
         self.metrics.update({f"async/worker_{key}": float(stats[key])
                              for key in ("generate_s", "weights_load_s", "peak_rss_mb") if key in stats})
         return entry["items"], batch
+
+    @property
+    def sampler_point(self):
+        return self._taken_point or super().sampler_point
 
     # ---------------------------------------------------------------- checkpoints
     def _settle(self) -> None:

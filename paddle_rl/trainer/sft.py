@@ -27,11 +27,13 @@ class SFTTrainer(RLTrainer):
 
     def __init__(self, config, topology=None):
         ignored = [k for k, v in (("update_iters", config.update_iters != 1), ("kl_coeff", config.kl_coeff > 0),
-                                  ("kl_loss_coeff", config.kl_loss_coeff > 0), ("entropy_coeff", config.entropy_coeff))
+                                  ("kl_loss_coeff", config.kl_loss_coeff > 0), ("entropy_coeff", config.entropy_coeff),
+                                  ("async_rollout", config.async_rollout), ("env_plugin", config.env_plugin))
                    if v]
         if ignored:
             raise ConfigError(f"{', '.join(ignored)}: not used by supervised fine-tuning (one pass over each batch, "
-                              "cross-entropy of the responses only); remove them or set them to their defaults")
+                              "cross-entropy of the responses only, no rollout); remove them or set them to their "
+                              "defaults")
         super().__init__(config, topology)
 
     def _load_train_data(self):

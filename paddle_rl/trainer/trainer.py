@@ -356,7 +356,7 @@ class RLTrainer:
         metrics["perf/generated_tokens_per_s"] = generated / max(generating, 1e-9)
         metrics["perf/tokens_per_s"] = (generated + prompt_tokens) / elapsed
         metrics["perf/trained_tokens_per_s"] = trained / max(timer.seconds.get("update", 0.0), 1e-9)
-        metrics["epoch"] = float(self.sampler.epoch)
+        metrics["epoch"] = float(self.rollout.sampler_point[0])
         self.step = step
         return metrics
 
@@ -435,7 +435,7 @@ class RLTrainer:
         if cfg.save_strategy == "steps":
             return self.step % cfg.save_steps == 0 or self.step == self.total_steps
         if cfg.save_strategy == "epoch":
-            return self.sampler.epoch_done or self.step == self.total_steps
+            return self.rollout.sampler_point[1] or self.step == self.total_steps
         return False
 
     def train(self) -> dict:
