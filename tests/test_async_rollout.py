@@ -2,6 +2,7 @@
 k = 0 gives the synchronous run's values, k = 1 trains each batch on weights one version newer than the ones that
 generated it (the rows' version tags say so), kill -9 and resume reproduces an asynchronous run, a dead worker is a
 clear error, and a LoRA actor sends its merged weights."""
+import json
 import os
 import re
 import signal
@@ -9,6 +10,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 
 from micro_model import config_file, kill_after_checkpoint, micro_overrides, train_process
@@ -134,3 +136,60 @@ def test_async_config_errors(micro, plugin, tmp_path):
         load_config(None, _overrides(micro, plugin, tmp_path, async_rollout=True, reuse_rollout_logprobs="on"))
     with pytest.raises(ConfigError, match="max_staleness: must be >= 0"):
         load_config(None, _overrides(micro, plugin, tmp_path, async_rollout=True, max_staleness=-1))
+    with pytest.raises(ConfigError, match="partial_rollout: needs async_rollout: true and max_staleness >= 1"):
+        load_config(None, _overrides(micro, plugin, tmp_path, async_rollout=True, max_staleness=0,
+                                     partial_rollout=True))
+
+
+def test_partial_rollout_switches_weights_between_decode_steps(micro):
+    """The engine's between-steps hook loads new weights mid-generation: the tokens before the switch are those of
+    the old weights' run, every token carries the version that produced it, and the rest of the batch is decoded
+    by the new weights (over the KV caches the old ones wrote)."""
+    from paddle_rl.models import load_model, load_weights
+    from paddle_rl.models.pretrained import hf_state
+    from paddle_rl.rollout import RolloutEngine, SamplingParams
+    from paddle_rl.rollout.keys import sample_key
+    tok = micro["tokenizer"]
+    prompts = [tok.encode(json.loads(line)["src"]) for line in list(open(micro["train"]))[:3]]
+    keys = [sample_key(5, 1, i, j) for i in range(3) for j in range(2)]
+    params = SamplingParams(max_dec_len=10, min_dec_len=10, temperature=1.0, stop_token_ids=tok.eos_token_ids)
+    model = load_model(micro["model"])
+    rng = np.random.default_rng(0)
+    newer = {k: v * (1.0 + 0.5 * rng.standard_normal(v.shape)).astype(np.float32)
+             for k, v in hf_state(model, False).items()}
+
+    def run(switch_after):
+        engine = RolloutEngine(load_model(micro["model"]), tok.pad_token_id, tok.eos_token_ids)
+        calls = []
+
+        def between_steps():
+            calls.append(1)
+            if len(calls) == switch_after:
+                load_weights(engine.model, newer)
+                engine.version = 1
+        engine.between_steps = between_steps
+        return engine.generate(prompts, 2, params, keys)
+
+    old, mixed = run(switch_after=10 ** 6), run(switch_after=3)
+    assert (old["token_version"] == 0).all()
+    # tokens 1-3 were sampled before the switch (the prefill's logits, then two decode steps), the rest after it
+    assert (mixed["token_version"][:, :3] == 0).all() and (mixed["token_version"][:, 3:10] == 1).all()
+    np.testing.assert_array_equal(mixed["response_ids"][:, :3], old["response_ids"][:, :3])
+    np.testing.assert_array_equal(mixed["rollout_logp"][:, :3], old["rollout_logp"][:, :3])
+    assert not np.allclose(mixed["rollout_logp"][:, 3:10], old["rollout_logp"][:, 3:10])
+
+
+def test_partial_rollout_trains_with_token_versions(micro, plugin, tmp_path):
+    """partial_rollout: every token of a trained batch was produced by a version between the batch's starting
+    version and the trainer's, and the per-token lag never exceeds the batch's. Responses of 320 tokens take the
+    worker many times longer than the trainer's update, so the weights of step t reach batch t + 1 mid-generation."""
+    record = {}
+    _train(_overrides(micro, plugin, tmp_path / "p", async_rollout=True, max_staleness=1, partial_rollout=True,
+                      max_steps=4, max_dec_len=320, min_dec_len=320), record)
+    rows = read_metrics(str(tmp_path / "p" / "metrics.jsonl"))
+    for step, batch in record.items():
+        versions = batch["token_version"][batch["response_mask"] > 0]
+        assert versions.min() >= batch["policy_version"].min() and versions.max() <= step - 1
+    assert all(r["async/token_staleness"] <= r["async/staleness"] for r in rows)
+    mixed = [s for s, b in record.items() if len(set(b["token_version"][b["response_mask"] > 0].tolist())) > 1]
+    assert mixed, [(r["async/worker_generate_s"], r["time/update"]) for r in rows]  # a switch mid-generation

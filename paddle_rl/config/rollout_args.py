@@ -36,6 +36,10 @@ class RolloutArgs:
     max_staleness: int = arg(1, "With async_rollout: the most policy versions a trained batch may lag the trainer "
                                 "(0: the worker generates each batch with the current weights, as a synchronous run).")
     async_rollout_threads: int = arg(0, "CPU threads of the rollout worker (0: as many as the trainer).")
+    partial_rollout: bool = arg(False, "With async_rollout and max_staleness >= 1: weights go to the worker right "
+                                       "after each update, and a batch being generated goes on under them from the "
+                                       "next decode step (each token tagged with its version); not reproducible "
+                                       "run to run (where the switch falls depends on timing).")
 
     def _validate_rollout(self, errors):
         # YAML reads a bare on / off as true / false
@@ -59,6 +63,9 @@ class RolloutArgs:
             errors.append(f"max_turns: must be >= 1, got {self.max_turns}")
         if self.env_plugin and self.repetition_penalty != 1.0:
             errors.append("repetition_penalty: not with env_plugin (observation tokens would not count as seen)")
+        if self.partial_rollout and not (self.async_rollout and self.max_staleness >= 1):
+            errors.append("partial_rollout: needs async_rollout: true and max_staleness >= 1 (otherwise no batch is "
+                          "being generated while the trainer updates)")
         if self.async_rollout:
             if self.env_plugin:
                 errors.append("async_rollout: not with env_plugin yet (the environments run in the trainer)")

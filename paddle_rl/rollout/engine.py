@@ -37,6 +37,10 @@ class RolloutEngine:
         self.max_cache_tokens = max_cache_tokens
         self.forced_lengths = None   # benchmark only: keys -> response lengths (an EOS schedule)
         self._episodes = None
+        # partial rollouts: `between_steps()` runs between decode steps and may load new weights into the model
+        # (and set `version`); each token is tagged with the version that produced it (`token_version`)
+        self.between_steps = None
+        self.version = 0
         self.stats = {}   # the last generate's counters: peak_rows, decode_steps, prefills, relayouts, copied_slots, peak_slots
 
     def bind(self, model: CausalLM) -> "RolloutEngine":
@@ -109,6 +113,8 @@ class RolloutEngine:
                 continue
             if batch.slot >= batch.capacity:
                 batch.relayout(np.arange(len(batch)), decode_count=stats["decode_steps"])
+            if self.between_steps is not None:
+                self.between_steps()  # rows keep their KV caches, written by the weights they were decoded with
             last = paddle.to_tensor(np.array([s.tokens[-1] for s in batch.seqs], dtype=np.int64))
             positions = paddle.to_tensor(batch.positions().reshape(-1, 1))
             batch.logits = model.decode_step(last, positions, batch.layers, batch.start_tensor())
@@ -182,6 +188,7 @@ class RolloutEngine:
         stopped = state.finished.numpy().astype(bool)
         finished = np.zeros(len(batch), dtype=bool)
         for i, seq in enumerate(batch.seqs):
+            seq.versions.append(self.version)
             if seq.forced:  # an observation being fed in: its next token instead of the sample
                 seq.append(seq.forced.popleft(), 0.0, policy=False)
                 if not seq.forced:
@@ -213,4 +220,10 @@ class RolloutEngine:
         out = rollout_batch([s.prompt for s in done], response, mask, logprobs, lengths,
                             np.array([s.truncated for s in done]), self.pad_id)
         out["decode_steps"] = np.array([s.decode_steps for s in done], dtype=np.int64)
+        if self.between_steps is not None:
+            versions = np.full((rows, width), -1, dtype=np.int64)
+            for r, s in enumerate(done):
+                versions[r, :len(s.versions)] = s.versions
+            out["token_version"] = versions
+            out.pads["token_version"] = -1
         return out

@@ -15,7 +15,7 @@ import numpy as np
 
 class Sequence:
     __slots__ = ("row", "group", "sample", "prompt", "uniforms", "target", "tokens", "logprobs", "stopped",
-                 "joined_at", "decode_steps", "policy", "forced", "turn_start")
+                 "joined_at", "decode_steps", "policy", "forced", "turn_start", "versions")
 
     def __init__(self, row: int, group: int, sample: int, prompt: List[int], uniforms: Optional[np.ndarray],
                  target: Optional[int]):
@@ -33,6 +33,7 @@ class Sequence:
         self.policy: List[float] = []  # per token: 1 sampled by the policy, 0 fed in (an environment's observation)
         self.forced = deque()          # tokens still to feed in, one per decode step (the KV cache keeps them)
         self.turn_start = 0            # index in `tokens` where the current turn began
+        self.versions: List[int] = []  # per token: the policy version that produced it (partial rollouts)
 
     def append(self, token: int, logprob: float, policy: bool) -> None:
         self.tokens.append(token)

@@ -9,6 +9,9 @@ talks to it over a local authenticated connection:
                                  the weights version that generated them
     ("stop",)
 Messages are handled in order, so a generate request sent after a weights message decodes with those weights.
+With partial rollouts (`partial=True`) a weights message that arrives during a generation is applied between two
+decode steps: the batch goes on under the new weights, each token tagged with its version (`token_version`), the
+rows keeping the KV caches the older weights wrote; the batch's `policy_version` is the version it started with.
 The worker holds a plain model (a LoRA trainer sends its merged weights) and exits when the connection closes
 (the trainer ended or died). A worker that dies is reported by `result` within `poll` seconds, with its exit code
 and the end of its log.
@@ -19,6 +22,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import deque
 from multiprocessing.connection import Client, Listener
 from typing import Dict, Optional
 
@@ -31,7 +35,8 @@ class RolloutWorkerError(RuntimeError):
 
 class RolloutWorker:
     def __init__(self, model_dir: str, pad_id: int, stop_ids, max_num_seqs: int, max_cache_tokens: int,
-                 threads: int = 0, log_path: Optional[str] = None, start_timeout: float = 300.0):
+                 threads: int = 0, log_path: Optional[str] = None, start_timeout: float = 300.0,
+                 partial: bool = False):
         self.log_path = log_path or os.path.join(tempfile.gettempdir(), f"paddle_rl_rollout_worker_{os.getpid()}.log")
         self.weights_dir = tempfile.mkdtemp(prefix="paddle_rl_weights_",
                                             dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
@@ -48,7 +53,8 @@ class RolloutWorker:
         self._conn = self._accept(start_timeout)
         self._conn.send(("init", {"model_dir": model_dir, "weights_dir": self.weights_dir,
                                   "pad_id": pad_id, "stop_ids": list(stop_ids),
-                                  "max_num_seqs": max_num_seqs, "max_cache_tokens": max_cache_tokens}))
+                                  "max_num_seqs": max_num_seqs, "max_cache_tokens": max_cache_tokens,
+                                  "partial": partial}))
         self.version = None
 
     @property
@@ -145,55 +151,91 @@ def _serve(conn) -> None:
     import shutil
     weights_dir = None
     try:
-        weights_dir = _answer(conn)
+        weights_dir = _Server(conn).serve()
     finally:
         if weights_dir:
             shutil.rmtree(weights_dir, ignore_errors=True)
 
 
-def _answer(conn):
-    import traceback
+class _Server:
+    """The worker's side: answers the trainer's messages in order. With `partial` (partial rollouts) a weights
+    message that arrives while a batch is being generated is applied between two decode steps, and the batch goes on
+    under the new weights (each token tagged with its version); other messages wait their turn."""
 
-    from ..models import load_model, load_weights
-    from ..models.safetensors_io import read_file
-    from .engine import RolloutEngine
-    engine, version, weights_dir = None, None, None
-    load_s = 0.0  # loading the weights pushed since the last batch
-    while True:
-        try:
-            message = conn.recv()
-        except (EOFError, OSError):
-            return weights_dir  # the trainer is gone
-        kind = message[0]
-        try:
-            if kind == "stop":
-                return weights_dir
-            if kind == "init":
-                spec = message[1]
-                weights_dir = spec["weights_dir"]
-                model = load_model(spec["model_dir"])
-                model.eval()
-                for p in model.parameters():
-                    p.stop_gradient = True
-                engine = RolloutEngine(model, spec["pad_id"], spec["stop_ids"], spec["max_num_seqs"],
-                                       spec["max_cache_tokens"])
-            elif kind == "weights":
-                _, path, version = message
-                start = time.perf_counter()
-                load_weights(engine.model, read_file(path))
-                os.remove(path)
-                load_s += time.perf_counter() - start
-            elif kind == "generate":
-                _, request, prompts, n, params, keys = message
-                start = time.perf_counter()
-                batch = engine.generate(prompts, n, params, keys)
-                batch["policy_version"] = np.full(batch.size, -1 if version is None else version, dtype=np.int64)
-                stats = dict(engine.stats, generate_s=time.perf_counter() - start, weights_load_s=load_s,
-                             peak_rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
-                load_s = 0.0
-                conn.send(("batch", request, batch, version, stats))
-        except Exception:  # noqa: BLE001 - reported to the trainer, which raises it
-            conn.send(("error", traceback.format_exc()))
+    def __init__(self, conn):
+        self.conn = conn
+        self.inbox = deque()
+        self.engine = None
+        self.version = None
+        self.weights_dir = None
+        self.load_s = 0.0  # loading the weights received since the last batch
+
+    def _next(self):
+        return self.inbox.popleft() if self.inbox else self.conn.recv()
+
+    def _load(self, path: str, version: int) -> None:
+        from ..models import load_weights
+        from ..models.safetensors_io import read_file
+        start = time.perf_counter()
+        load_weights(self.engine.model, read_file(path))
+        os.remove(path)
+        self.version = version
+        self.engine.version = version
+        self.load_s += time.perf_counter() - start
+
+    def _between_steps(self) -> None:
+        while self.conn.poll(0):
+            message = self.conn.recv()
+            if message[0] == "weights":
+                self._load(message[1], message[2])
+            else:
+                self.inbox.append(message)
+
+    def _init(self, spec: dict) -> None:
+        from ..models import load_model
+        from .engine import RolloutEngine
+        self.weights_dir = spec["weights_dir"]
+        model = load_model(spec["model_dir"])
+        model.eval()
+        for p in model.parameters():
+            p.stop_gradient = True
+        self.engine = RolloutEngine(model, spec["pad_id"], spec["stop_ids"], spec["max_num_seqs"],
+                                    spec["max_cache_tokens"])
+        if spec.get("partial"):
+            self.engine.between_steps = self._between_steps
+
+    def _generate(self, request, prompts, n, params, keys) -> None:
+        start = time.perf_counter()
+        started = self.version
+        batch = self.engine.generate(prompts, n, params, keys)
+        batch["policy_version"] = np.full(batch.size, -1 if started is None else started, dtype=np.int64)
+        stats = dict(self.engine.stats, generate_s=time.perf_counter() - start, weights_load_s=self.load_s,
+                     peak_rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+        self.load_s = 0.0
+        self.conn.send(("batch", request, batch, started, stats))
+
+    def serve(self):
+        """Until the trainer stops or goes away; returns the weights folder to remove."""
+        import traceback
+        while True:
+            try:
+                message = self._next()
+            except (EOFError, OSError):
+                return self.weights_dir  # the trainer is gone
+            kind = message[0]
+            try:
+                if kind == "stop":
+                    return self.weights_dir
+                if kind == "init":
+                    self._init(message[1])
+                elif kind == "weights":
+                    self._load(message[1], message[2])
+                elif kind == "generate":
+                    self._generate(*message[1:])
+            except (EOFError, OSError):
+                return self.weights_dir
+            except Exception:  # noqa: BLE001 - reported to the trainer, which raises it
+                self.conn.send(("error", traceback.format_exc()))
 
 
 def main(argv=None) -> int:

@@ -46,6 +46,9 @@ class InlineRollout:
         return items, trainer.layout.generate(trainer.engine, prompts, trainer.config.rollout_n, params, keys,
                                               trainer.episodes_for(items))
 
+    def stepped(self) -> None:
+        """Called after each RL step's update."""
+
     def state_dict(self) -> dict:
         return {}
 
@@ -70,11 +73,14 @@ class AsyncRollout(InlineRollout):
         os.makedirs(cfg.output_dir, exist_ok=True)
         self.worker = RolloutWorker(trainer.actor.base_folder, trainer.pad_id, trainer.stop_ids,
                                     cfg.rollout_max_num_seqs, cfg.rollout_kv_cache_tokens, cfg.async_rollout_threads,
-                                    log_path=os.path.join(cfg.output_dir, "rollout_worker.log"))
+                                    log_path=os.path.join(cfg.output_dir, "rollout_worker.log"),
+                                    partial=cfg.partial_rollout)
+        self.partial = cfg.partial_rollout
         logger.info("rollout worker started (pid %d, max_staleness %d, log %s)", self.worker.pid, self.k,
                     self.worker.log_path)
         self.pending: Dict[int, dict] = {}   # step -> {"items", "batch" (None while in flight), "sampler", "stats"}
         self._taken_point = None
+        self._push_s = 0.0  # seconds of the weight pushes since the last step's metrics
 
     # ---------------------------------------------------------------- requests
     def _version(self) -> int:
@@ -87,7 +93,12 @@ class AsyncRollout(InlineRollout):
         trainer = self.trainer
         state = merge_state(trainer.layout.full_state(trainer.actor), trainer.actor.lora)
         self.worker.push_weights(state, self._version())
-        self.metrics["time/weights_push"] = self.metrics.get("time/weights_push", 0.0) + time.perf_counter() - start
+        self._push_s += time.perf_counter() - start
+
+    def stepped(self) -> None:
+        """Partial rollouts: the new weights go out now, to the batch being generated, not with the next request."""
+        if self.partial:
+            self._push()
 
     def _request(self, step: int, draw: Callable) -> None:
         items, prompts, keys, params = draw(step)
@@ -102,7 +113,7 @@ class AsyncRollout(InlineRollout):
             self.pending[request].update(batch=batch, stats=stats)
 
     def take(self, step: int, draw: Callable):
-        self.metrics = {"time/weights_push": 0.0}
+        self.metrics = {}
         if step not in self.pending:
             self._request(step, draw)
         self._receive(step)
@@ -113,10 +124,15 @@ class AsyncRollout(InlineRollout):
             if ahead not in self.pending:
                 self._request(ahead, draw)
         batch = entry["batch"]
+        self.metrics["time/weights_push"], self._push_s = self._push_s, 0.0
         lag = self._version() - batch["policy_version"]
         stats = entry.get("stats", {})  # absent from batches of a checkpoint written before they were kept
         self.metrics.update({"async/staleness": float(lag.mean()), "async/policy_version":
                              float(batch["policy_version"].min())})
+        if "token_version" in batch:  # partial rollouts: the lag of each policy token
+            policy = batch["response_mask"] > 0
+            self.metrics["async/token_staleness"] = float((self._version() - batch["token_version"][policy]).mean()) \
+                if policy.any() else 0.0
         self.metrics.update({f"async/worker_{key}": float(stats[key])
                              for key in ("generate_s", "weights_load_s", "peak_rss_mb") if key in stats})
         return entry["items"], batch

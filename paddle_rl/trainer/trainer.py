@@ -459,6 +459,7 @@ class RLTrainer:
                        cfg.disable_tqdm or not self.layout.is_logging_rank) as progress:
             while self.step < self.total_steps:
                 metrics = self.train_step()
+                self.rollout.stepped()
                 if self._should_eval(self.step):
                     metrics.update(self.evaluate())
                 self.log.log(self.step, metrics)
