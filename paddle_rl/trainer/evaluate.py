@@ -55,11 +55,15 @@ def run_eval(config) -> dict:
     stop_ids = sorted(set(tokenizer.eos_token_ids) | set(model.config.eos_token_ids))
     engine = RolloutEngine(model, tokenizer.pad_token_id, stop_ids, config.rollout_max_num_seqs,
                            config.rollout_kv_cache_tokens)
-    episodes_for = _episodes(config, tokenizer, stop_ids) if config.env_plugin else None  # multi-turn, as in training
-    return evaluate(engine, tokenizer, dataset, build_reward(config), config, stop_ids, episodes_for)
+    return evaluate(engine, tokenizer, dataset, build_reward(config), config, stop_ids,
+                    episode_maker(config, tokenizer, stop_ids))  # multi-turn, as in training
 
 
-def _episodes(config, tokenizer, stop_ids):
+def episode_maker(config, tokenizer, stop_ids):
+    """`make(items, n)`: the multi-turn episodes of a rollout of `items`, n samples each, in the environment that
+    `env_plugin` names (None without one); training and evaluation both build theirs here."""
+    if not config.env_plugin:
+        return None
     from ..rollout.episodes import EpisodeRunner, load_environment
     from .scoring import reward_record
     make_env = load_environment(config.env_plugin, tuple(config.env_tools))

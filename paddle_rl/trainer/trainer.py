@@ -26,15 +26,14 @@ from ..monitor import MetricsLog, StageTimer
 from ..parallel import watchdog
 from ..rewards import build_reward, check_reward_config
 from ..rollout import RolloutEngine, SamplingParams, sample_key
-from ..rollout.episodes import EpisodeRunner, load_environment
 from . import faults
 from .checkpoint import (CheckpointError, check_shared_folder, load_optimizer, load_trainer_state, resolve_resume,
                          save_checkpoint, seed_rngs, set_rng_state)
-from .evaluate import evaluate
+from .evaluate import episode_maker, evaluate
 from .logprobs import reuses_rollout_logprobs
 from .rollouts import build_rollout
 from .nonfinite import NonFiniteGuard, first_nonfinite_grad
-from .scoring import metric_columns, per_function_scores, reward_record, reward_result, score
+from .scoring import metric_columns, per_function_scores, reward_result, score
 
 logger = logging.getLogger("paddle_rl")
 
@@ -92,6 +91,7 @@ class RLTrainer:
                     p.stop_gradient = True
         self.pad_id = self.tokenizer.pad_token_id
         self.stop_ids = sorted(set(self.tokenizer.eos_token_ids) | set(self.actor.config.eos_token_ids))
+        self.make_episodes = episode_maker(config, self.tokenizer, self.stop_ids)
         if not self.stop_ids:
             raise ValueError(f"{self.tokenizer_dir}: no EOS token (tokenizer_config.json eos_token or "
                              "generation_config.json eos_token_id)")
@@ -106,7 +106,6 @@ class RLTrainer:
         self.log = MetricsLog(config.output_dir, config.logging_dir or os.path.join(config.output_dir, "logs"),
                               config.report_to, config.logging_steps, config.run_name,
                               enabled=self.layout.is_logging_rank)
-        self.make_env = load_environment(config.env_plugin, tuple(config.env_tools)) if config.env_plugin else None
         self.rollout = build_rollout(self)
         self._resume(resolve_resume(config.resume_from_checkpoint, config.output_dir))
 
@@ -408,10 +407,7 @@ class RLTrainer:
 
     def episodes_for(self, items, n: Optional[int] = None):
         """The multi-turn episodes of a rollout of `items`, `n` samples each (None without env_plugin)."""
-        if self.make_env is None:
-            return None
-        return EpisodeRunner(self.make_env, [reward_record(it) for it in items], n or self.config.rollout_n,
-                             self.tokenizer, self.stop_ids, self.config.max_turns, f"env_plugin {self.config.env_plugin}")
+        return None if self.make_episodes is None else self.make_episodes(items, n or self.config.rollout_n)
 
     # ---------------------------------------------------------------- loop
     def evaluate(self) -> dict:
@@ -421,7 +417,7 @@ class RLTrainer:
         with timer.stage("eval"):
             with self.layout.rollout_engine(self.engine) as engine:
                 metrics = evaluate(engine, self.tokenizer, self.eval_data, self.reward_fn, self.config,
-                                   self.stop_ids, self.episodes_for if self.make_env is not None else None)
+                                   self.stop_ids, self.make_episodes)
         metrics.update(timer.metrics())
         return metrics
 
