@@ -169,3 +169,24 @@ def test_eval_command_reports_accuracy(micro, tmp_path):
     metrics = json.loads(result.stdout.strip().splitlines()[-1])
     assert metrics["eval/num_samples"] == 16.0 and 0.0 <= metrics["eval/accuracy"] <= 1.0
     assert -3.0 <= metrics["eval/reward_mean"] <= 3.0
+
+
+def test_eval_reports_each_eval_file(micro, tmp_path):
+    """Several eval files: the overall figures plus one set per file, each equal to that file evaluated alone."""
+    few = tmp_path / "test_few.jsonl"
+    few.write_text("".join(open(micro["test"]).readlines()[:5]))
+    common = ["max_dec_len=8", "min_dec_len=1", "max_prompt_len=128", f"actor_model_name_or_path={micro['model']}"]
+
+    def run(files):
+        result = run_cli(["eval", "/dev/null", f"eval_datasets={files}", *common])
+        assert result.returncode == 0, result.stderr[-2000:]
+        return json.loads(result.stdout.strip().splitlines()[-1])
+
+    both, alone, few_alone = run(f"{micro['test']},{few}"), run(micro["test"]), run(str(few))
+    assert both["eval/num_samples"] == 21.0
+    assert both["eval/test/num_samples"] == 16.0 and both["eval/test_few/num_samples"] == 5.0
+    assert both["eval/test/reward_mean"] == pytest.approx(alone["eval/reward_mean"], abs=1e-9)
+    assert both["eval/test_few/reward_mean"] == pytest.approx(few_alone["eval/reward_mean"], abs=1e-9)
+    assert both["eval/reward_mean"] == pytest.approx(
+        (16 * alone["eval/reward_mean"] + 5 * few_alone["eval/reward_mean"]) / 21, abs=1e-9)
+    assert "eval/test/num_samples" not in alone

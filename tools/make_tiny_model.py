@@ -10,7 +10,9 @@ Writes OUT/model (Hugging Face layout), OUT/TASK/{train,test}.jsonl (OUT/TASK/sf
 
 kk: the prompts number the speakers in order ("(1) Zoey: ... (2) Oliver: ..."), so the "(k) Name" lines of the
 answer can be copied from the prompt; the puzzle statements use the compact wording of paddle_rl.data.kk.
-The supervised responses carry no reasoning, only the answer.
+The supervised responses carry no reasoning, only the answer. The supervised pass stops at the first check (every
+50 steps) where greedy accuracy on a dev split reaches 0.28; test_4p.jsonl holds 4-people puzzles, a count neither
+pass trains on.
 
 arith: three-operand addition of 10..99 ("What is 51 + 29 + 60?"); the supervised responses carry the running
 sums (" 51 + 29 = 80. 80 + 60 = 140."), digits are single tokens. With --stop-accuracy the supervised pass
@@ -113,12 +115,14 @@ def write_jsonl(path, records):
             f.write(json.dumps(r, ensure_ascii=False, sort_keys=True) + "\n")
 
 
-def build_data(out_dir, people, seed, n_sft, n_train, n_test, write_sft=True):
-    """Disjoint SFT / RL-train / held-out test puzzles, rendered with the tiny chat template.
+def build_data(out_dir, people, seed, n_sft, n_train, n_test, n_dev=0, unseen=(), write_sft=True):
+    """Disjoint SFT / RL-train / held-out test / dev puzzles, rendered with the tiny chat template.
 
-    Each split holds an equal share of every inhabitant count in `people`."""
+    Each split holds an equal share of every inhabitant count in `people`. The dev split (not written) decides
+    when the supervised pass stops. Each count in `unseen` gets a held-out file of its own, test_<p>p.jsonl
+    (n_test puzzles), for accuracy on a people count that neither SFT nor RL sees."""
     os.makedirs(out_dir, exist_ok=True)
-    splits = {"sft": [], "train": [], "test": []}
+    splits = {"sft": [], "train": [], "test": [], "dev": []}
     seen = set()
     for k, p in enumerate(people):
         pool = generate_puzzles(p, (n_sft + n_train + n_test) // len(people) * 2, seed + k)
@@ -132,9 +136,16 @@ def build_data(out_dir, people, seed, n_sft, n_train, n_test, write_sft=True):
         splits["test"] += recs[:c]
         splits["train"] += recs[c:c + b]
         splits["sft"] += recs[c + b:c + b + a]
+        splits["dev"] += recs[c + b + a:c + b + a + n_dev // len(people)]
+        if len(recs) < c + b + a + n_dev // len(people):
+            raise SystemExit(f"kk: only {len(recs)} distinct {p}-people puzzles for the splits")
     for name, recs in splits.items():
-        if name != "sft" or write_sft:
+        if name == "test" or name == "train" or (name == "sft" and write_sft):
             write_jsonl(os.path.join(out_dir, f"{name}.jsonl"), recs)
+    for k, p in enumerate(unseen):
+        recs = [render(puzzle) for puzzle in generate_puzzles(p, n_test, seed + 100 + k)]
+        splits[f"test_{p}p"] = recs
+        write_jsonl(os.path.join(out_dir, f"test_{p}p.jsonl"), recs)
     return splits
 
 
@@ -258,7 +269,8 @@ def fmt(result) -> str:
 
 
 TASK_DEFAULTS = {
-    "kk": dict(out="data/tiny", test_examples=200, vocab_size=1024, sft_steps=400, lr=2e-3, max_dec_len=40),
+    "kk": dict(out="data/tiny", test_examples=200, vocab_size=1024, sft_steps=2000, lr=2e-3, max_dec_len=48,
+               stop_accuracy=0.28, eval_every=50),
     "arith": dict(out="data/tiny_arith", test_examples=400, vocab_size=512, sft_steps=4000, lr=2e-3,
                   max_dec_len=48, stop_accuracy=0.3, eval_every=25),
     "tool": dict(out="data/tiny_tool", test_examples=200, vocab_size=512, sft_steps=3000, lr=2e-3,
@@ -270,8 +282,11 @@ def write_readme(args, argv, tokenizer, model, splits, steps, result):
     n_params = sum(int(np.prod(p.shape)) for p in model.parameters())
     command = " ".join(["python tools/make_tiny_model.py"] + list(argv))
     if args.task == "kk":
+        unseen = ", ".join(f"{k} ({len(v)}, {k[5:-1]} people, a count neither pass trains on)"
+                           for k, v in splits.items() if k.startswith("test_"))
         content = (f"- {args.task}/: {args.people.replace(',', '-')} people puzzles: train ({len(splits['train'])}, "
-                   f"for RL), test ({len(splits['test'])}, held out)")
+                   f"for RL), test ({len(splits['test'])}, held out){', ' + unseen if unseen else ''}; a separate "
+                   f"dev split ({len(splits['dev'])}, not written) decides when the supervised pass stops")
     elif args.task == "tool":
         content = (f"- {args.task}/: five-operand addition of 10..99, answered with the calculator tool "
                    f"(env_plugin: tools): train ({len(splits['train'])}, for RL), test ({len(splits['test'])}, held "
@@ -296,21 +311,23 @@ def main(argv=None):
     ap.add_argument("--task", choices=sorted(TASK_DEFAULTS), default="arith")
     ap.add_argument("--out", help="output folder (kk: data/tiny, arith: data/tiny_arith)")
     ap.add_argument("--people", default="2,3", help="kk: inhabitant counts")
+    ap.add_argument("--unseen-people", default="4", help="kk: counts that get a held-out file of their own "
+                                                         "(test_<p>p.jsonl), trained on by neither pass")
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--sft-examples", type=int, default=4000)
     ap.add_argument("--train-examples", type=int, default=2000)
     ap.add_argument("--test-examples", type=int, help="kk: 200, arith: 400")
-    ap.add_argument("--dev-examples", type=int, default=200, help="arith: the split --stop-accuracy is checked on")
+    ap.add_argument("--dev-examples", type=int, default=200, help="the split --stop-accuracy is checked on")
     ap.add_argument("--vocab-size", type=int, help="kk: 1024, arith: 512")
     ap.add_argument("--hidden-size", type=int, default=128)
     ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--sft-steps", type=int, help="supervised steps at most (kk: 400, arith: 4000)")
-    ap.add_argument("--stop-accuracy", type=float, help="stop the supervised pass once dev (kk: held-out) greedy "
-                                                        "accuracy reaches this (arith: 0.3)")
+    ap.add_argument("--sft-steps", type=int, help="supervised steps at most (kk: 2000, arith: 4000)")
+    ap.add_argument("--stop-accuracy", type=float, help="stop the supervised pass once dev greedy accuracy reaches "
+                                                        "this (kk: 0.28, arith: 0.3)")
     ap.add_argument("--schedule", choices=("constant", "cosine"), default="constant", help="SFT learning-rate schedule")
     ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--lr", type=float, help="supervised learning rate (2e-3)")
-    ap.add_argument("--eval-every", type=int, help="greedy eval every N SFT steps (kk: 0, only at the end; arith: 25)")
+    ap.add_argument("--eval-every", type=int, help="greedy dev eval every N SFT steps (kk: 50, arith: 25)")
     ap.add_argument("--keep-sft", action="store_true", help="also write OUT/TASK/sft.jsonl")
     ap.add_argument("--tool-share", type=float, default=0.25, help="tool: the share of supervised examples that are "
                                                                    "calculator episodes")
@@ -324,23 +341,25 @@ def main(argv=None):
     data_dir, model_dir = os.path.join(args.out, args.task), os.path.join(args.out, "model")
     if args.task == "kk":
         splits = build_data(data_dir, [int(p) for p in args.people.split(",")], args.seed, args.sft_examples,
-                            args.train_examples, args.test_examples, write_sft=args.keep_sft)
+                            args.train_examples, args.test_examples, args.dev_examples,
+                            [int(p) for p in args.unseen_people.split(",") if p], write_sft=args.keep_sft)
     elif args.task == "tool":
         splits = build_tool_data(data_dir, args.seed, args.sft_examples, args.train_examples, args.test_examples,
                                  args.dev_examples, tool_share=args.tool_share, write_sft=args.keep_sft)
     else:
         splits = build_arith_data(data_dir, args.seed, args.sft_examples, args.train_examples, args.test_examples,
                                   args.dev_examples, write_sft=args.keep_sft)
-    corpus = [r["src"] + record_response(r) for recs in splits.values() for r in recs]
+    # the tokenizer learns from the splits of the trained people counts only (not from dev or an unseen count)
+    corpus = [r["src"] + record_response(r) for name in ("sft", "train", "test") for r in splits[name]]
     tokenizer = build_tokenizer(corpus, args.vocab_size, model_dir, single_digits=args.task in ("arith", "tool"))
     save_model(build_model(tokenizer, args.hidden_size, args.layers, args.seed), model_dir)  # the random init
     write_generation_config(model_dir, tokenizer.eos_token_ids, tokenizer.pad_token_id)
-    test, dev = splits["test"], splits.get("dev", splits["test"])
+    test, dev = splits["test"], splits["dev"]
 
     def on_log(model, step):
         if args.eval_every and step % args.eval_every == 0:
             result = greedy_eval(model, tokenizer, dev, args.max_dec_len, args.task)[0]
-            print(f"  {'dev' if 'dev' in splits else 'held-out'} greedy at step {step}: {fmt(result)}", flush=True)
+            print(f"  dev greedy at step {step}: {fmt(result)}", flush=True)
             return args.stop_accuracy is not None and result["accuracy"] >= args.stop_accuracy
         return False
 
@@ -350,6 +369,9 @@ def main(argv=None):
                                   args.seed, log_every=args.eval_every or 50, on_log=on_log, schedule=args.schedule,
                                   max_dec_len=args.max_dec_len * 2)
     result, texts = greedy_eval(model, tokenizer, test, args.max_dec_len, args.task)
+    for name in sorted(k for k in splits if k.startswith("test_")):  # kk: the people counts not trained on
+        result.update({f"{name}_{k}": v for k, v in greedy_eval(model, tokenizer, splits[name], args.max_dec_len,
+                                                                args.task)[0].items() if k == "accuracy"})
     print(f"held-out greedy after {steps} SFT steps ({time.time() - start:.0f}s): {fmt(result)}")
     print("sample:", repr(texts[0]))
     save_model(model, model_dir)

@@ -6,7 +6,8 @@ from .fields import arg
 @dataclass
 class DataArgs:
     train_datasets: str = arg("", "Training prompts: jsonl/parquet file(s), comma separated.")
-    eval_datasets: str = arg("", "Held-out prompts for evaluation, comma separated.")
+    eval_datasets: str = arg("", "Held-out prompts for evaluation, comma separated (with several files, eval/<file>/* "
+                                 "metrics per file besides the overall eval/*).")
     prompt_key: str = arg("src", "Record key of the prompt.")
     response_key: str = arg("tgt", "Record key of the label / ground truth.")
     max_prompt_len: int = arg(512, "Prompts longer than this (in tokens) are truncated or dropped.")

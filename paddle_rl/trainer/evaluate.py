@@ -19,17 +19,36 @@ def evaluate(engine, tokenizer, dataset, reward_fn, config, stop_ids, episodes_f
         score(batch, tokenizer, reward_fn)
         parts.append(batch)
     batch = StepBatch.concat(parts)
-    result = reward_result(batch)
-    metrics = {"eval/reward_mean": float(result.scores.mean()),
-               "eval/response_length_mean": float(batch["lengths"].mean()),
-               "eval/num_samples": float(len(items))}
-    if result.correct is not None:
-        metrics["eval/accuracy"] = float(result.correct.mean())
-    if "tool_calls" in batch:
-        metrics["eval/tool_calls_mean"] = float(batch["tool_calls"].mean())
-        metrics["eval/tool_use_share"] = float((batch["tool_calls"] > 0).mean())
-        metrics["eval/turns_mean"] = float(batch["turns"].mean())
+    metrics = eval_metrics(batch, "eval")
+    files = [it["uid"].rsplit(":", 1)[0] for it in items]
+    names = sorted(set(files))
+    if len(names) > 1:  # one set per eval file as well (e.g. the people counts trained on and one that was not)
+        for name in names:
+            rows = [i for i, f in enumerate(files) if f == name]
+            metrics.update(eval_metrics(batch.select(rows), f"eval/{file_label(name)}"))
     return metrics
+
+
+def eval_metrics(batch: StepBatch, prefix: str) -> dict:
+    result = reward_result(batch)
+    metrics = {f"{prefix}/reward_mean": float(result.scores.mean()),
+               f"{prefix}/response_length_mean": float(batch["lengths"].mean()),
+               f"{prefix}/num_samples": float(len(batch))}
+    if result.correct is not None:
+        metrics[f"{prefix}/accuracy"] = float(result.correct.mean())
+    if "tool_calls" in batch:
+        metrics[f"{prefix}/tool_calls_mean"] = float(batch["tool_calls"].mean())
+        metrics[f"{prefix}/tool_use_share"] = float((batch["tool_calls"] > 0).mean())
+        metrics[f"{prefix}/turns_mean"] = float(batch["turns"].mean())
+    return metrics
+
+
+def file_label(name: str) -> str:
+    """The metric name of an eval file: its base name without the data extension ("test_4p.jsonl" -> "test_4p")."""
+    for ext in (".jsonl", ".json", ".parquet"):
+        if name.endswith(ext):
+            name = name[:-len(ext)]
+    return name.replace("/", "_")
 
 
 def run_eval(config) -> dict:
