@@ -3,9 +3,10 @@ compact.
 
 The KV cache is contiguous: per layer k, v [rows, kv_heads, capacity, head_dim]; slots [0, slot) are written
 and row r attends to slots [start[r], slot). Every row writes its next token at the same slot, so a decode step
-is one batched call of the model's fused decode path. When rows finish they leave at once and the slots before
-the oldest live row's prompt are dropped; joining rows are placed so that their prompt ends at `slot`. Both are
-one relayout: a fresh buffer filled by `ops.kv_place` (one copy of the live window). docs/performance.md and
+is one batched call of the model's fused decode path. When rows finish they leave at once: the last rows move into their places and the buffers become views of the
+rows left (`drop`: only the moved rows' windows are copied). Joining rows, and a buffer that is full, take one
+relayout: a fresh buffer filled by `ops.kv_place` (one copy of the live window) from which the slots before the
+oldest live row's prompt are dropped; joining rows are placed so that their prompt ends at `slot`. docs/performance.md and
 ARCHITECTURE.md say why this and not a paged cache.
 """
 from typing import List, Optional
@@ -60,8 +61,11 @@ class RunningBatch:
                  decode_count: int = 0) -> None:
         """Keep rows `keep` (indices, in order), then append `new_seqs` whose keys and values are rows `fan` of
         the prefill caches (prompts left-padded to `prompt_width`); `new_rows` holds their logits / uniforms /
-        seen / targets tensors. Builds buffers just wide enough for the live window plus GROWTH slots."""
+        seen / targets tensors. Builds buffers just wide enough for the live window plus GROWTH slots; rows that only
+        leave are dropped in place instead (`drop`)."""
         keep = np.asarray(keep, dtype=np.int64)
+        if prefill is None and not new_seqs and 0 < len(keep) < len(self.seqs) and (np.diff(keep) > 0).all():
+            return self.drop(keep)
         kept = [self.seqs[i] for i in keep]
         origin = int(self.start[keep].min()) if len(keep) else self.slot
         old_width = self.slot - origin
@@ -108,6 +112,42 @@ class RunningBatch:
         self.relayouts += 1
         self.copied_slots += len(keep) * old_width + (len(new_seqs) * prompt_width if new_seqs else 0)
         self.peak_slots = max(self.peak_slots, len(seqs) * capacity)
+
+    def drop(self, keep: np.ndarray) -> None:
+        """Keep rows `keep` (increasing) in the buffers they are in: the last kept rows move into the places of the
+        rows that left before them (only the moved rows' windows are copied, through a scratch buffer), and the
+        buffers become views of their first len(keep) rows. Row order changes; nothing a row computes depends on
+        its place. Slots and capacity stay (the next full relayout drops the dead slots)."""
+        n = len(keep)
+        live = np.zeros(len(self.seqs), dtype=bool)
+        live[keep] = True
+        holes = np.flatnonzero(~live[:n])
+        tails = np.flatnonzero(live[n:]) + n
+        order = np.arange(n)
+        order[holes] = tails          # new row i is old row order[i]
+        if len(holes):
+            first = int(self.start[tails].min())
+            width = self.slot - first
+            tails_t = paddle.to_tensor(tails)
+            moved = [paddle.to_tensor(np.array([j], dtype=np.int64)) for j in range(len(holes))]
+            for layer in self.layers:
+                for buf in (layer.k, layer.v):
+                    scratch = paddle.empty([len(tails), buf.shape[1], width, buf.shape[3]], buf.dtype)
+                    kv_place(scratch, buf, tails_t, 0, first, 0, width)
+                    for j, hole in enumerate(holes):
+                        kv_place(buf, scratch, moved[j], int(hole), 0, first, width)
+            self.copied_slots += len(tails) * width
+        for layer in self.layers:
+            layer.k, layer.v = layer.k._slice(0, n), layer.v._slice(0, n)   # views: no copy
+        self.start = self.start[order]
+        self._start_t = None
+        self.seqs = [self.seqs[i] for i in order]
+        order_t = paddle.to_tensor(order)
+        for name in ("logits", "uniforms", "seen", "targets"):
+            old = getattr(self, name)
+            if old is not None:
+                setattr(self, name, paddle.gather(old, order_t))
+        self.relayouts += 1
 
     def start_tensor(self):
         """`start` as a tensor (rebuilt only after a relayout changes it)."""
