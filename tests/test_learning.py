@@ -51,7 +51,7 @@ def test_tiny_tool_default_learns_to_use_the_calculator(tmp_path):
 @pytest.mark.parametrize("config", ["configs/tiny_kk_grpo.yaml", "configs/tiny_kk_reinforce_pp.yaml"])
 def test_tiny_kk_gains_10_points(config, tmp_path):
     """The bundled KK model (2-3 people, warm-started by paddle-rl sft) with 32 prompts x 16 samples a step: +10
-    points of held-out accuracy on 2-3 people (test.jsonl; measured +12 GRPO, +11.5 REINFORCE++, README.md); the
+    points of held-out accuracy on 2-3 people (test.jsonl; measured +13 GRPO, +11.5 REINFORCE++, README.md); the
     4-people file (test_4p.jsonl, a count never trained on) is reported beside it."""
     curve = held_out_curve(config, tmp_path, key="eval/test/accuracy")
     assert curve[0][0] == 0 and curve[-1][0] == 200
