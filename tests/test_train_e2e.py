@@ -190,3 +190,11 @@ def test_eval_reports_each_eval_file(micro, tmp_path):
     assert both["eval/reward_mean"] == pytest.approx(
         (16 * alone["eval/reward_mean"] + 5 * few_alone["eval/reward_mean"]) / 21, abs=1e-9)
     assert "eval/test/num_samples" not in alone
+
+
+def test_step_summary_shows_each_eval_files_accuracy():
+    from paddle_rl.trainer.trainer import _summary
+    line = _summary({"reward/mean": 1.0, "accuracy": 0.5, "eval/accuracy": 0.2, "eval/test/accuracy": 0.4,
+                     "eval/test_4p/accuracy": 0.0, "eval/test/reward_mean": 1.0, "time/step": 2.0})
+    assert line == ("reward/mean=1 accuracy=0.5 eval/accuracy=0.2 eval/test/accuracy=0.4 eval/test_4p/accuracy=0 "
+                    "time/step=2")

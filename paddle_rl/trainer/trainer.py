@@ -487,7 +487,10 @@ SUMMARY_KEYS = ("reward/mean", "accuracy", "eval/accuracy", "eval/reward_mean", 
 
 
 def _summary(metrics: dict, short: bool = False) -> str:
-    keys = SUMMARY_KEYS[:3] if short else SUMMARY_KEYS
+    keys = list(SUMMARY_KEYS[:3] if short else SUMMARY_KEYS)
+    if "eval/accuracy" in keys:  # several eval files: each one's accuracy beside the overall one
+        at = keys.index("eval/accuracy") + 1
+        keys[at:at] = sorted(k for k in metrics if k.startswith("eval/") and k.endswith("/accuracy") and k.count("/") == 2)
     return " ".join(f"{k}={metrics[k]:.4g}" for k in keys if k in metrics)
 
 
