@@ -132,13 +132,13 @@ def build_data(out_dir, people, seed, n_sft, n_train, n_test, n_dev=0, unseen=()
             if rec["src"] not in seen:
                 seen.add(rec["src"])
                 recs.append(rec)
-        a, b, c = n_sft // len(people), n_train // len(people), n_test // len(people)
+        a, b, c, d = (n // len(people) for n in (n_sft, n_train, n_test, n_dev))
+        if len(recs) < a + b + c + d:
+            raise SystemExit(f"kk: only {len(recs)} distinct {p}-people puzzles for the splits")
         splits["test"] += recs[:c]
         splits["train"] += recs[c:c + b]
         splits["sft"] += recs[c + b:c + b + a]
-        splits["dev"] += recs[c + b + a:c + b + a + n_dev // len(people)]
-        if len(recs) < c + b + a + n_dev // len(people):
-            raise SystemExit(f"kk: only {len(recs)} distinct {p}-people puzzles for the splits")
+        splits["dev"] += recs[c + b + a:c + b + a + d]
     for name, recs in splits.items():
         if name == "test" or name == "train" or (name == "sft" and write_sft):
             write_jsonl(os.path.join(out_dir, f"{name}.jsonl"), recs)

@@ -89,7 +89,7 @@ def split_paths(paths: Union[str, Sequence[str]]) -> List[str]:
 
 @dataclass
 class PromptDataset:
-    items: List[dict]                           # prompt, ground_truth, data_source, record, prompt_ids, uid
+    items: List[dict]                           # prompt, ground_truth, data_source, record, prompt_ids, file, uid
     stats: dict = field(default_factory=dict)   # records, kept, truncated, dropped, longest_prompt, max_prompt_len
 
     def __len__(self):
@@ -140,7 +140,8 @@ def load_prompt_dataset(paths: Union[str, Sequence[str]], tokenizer, prompt_key:
                     raise DatasetError(f"{location}: {e}") from None
                 except Exception as e:  # noqa: BLE001 - e.g. a chat template that rejects the messages
                     raise DatasetError(f"{location}: cannot build the prompt: {type(e).__name__}: {e}") from None
-                item["uid"] = f"{uid_name[path]}:{number}"
+                item["file"] = uid_name[path]
+                item["uid"] = f"{item['file']}:{number}"
                 yield location, item
 
     def take(chunk) -> bool:

@@ -3,11 +3,12 @@ compact.
 
 The KV cache is contiguous: per layer k, v [rows, kv_heads, capacity, head_dim]; slots [0, slot) are written
 and row r attends to slots [start[r], slot). Every row writes its next token at the same slot, so a decode step
-is one batched call of the model's fused decode path. When rows finish they leave at once: the last rows move into their places and the buffers become views of the
-rows left (`drop`: only the moved rows' windows are copied). Joining rows, and a buffer that is full, take one
-relayout: a fresh buffer filled by `ops.kv_place` (one copy of the live window) from which the slots before the
-oldest live row's prompt are dropped; joining rows are placed so that their prompt ends at `slot`. docs/performance.md and
-ARCHITECTURE.md say why this and not a paged cache.
+is one batched call of the model's fused decode path. When rows finish they leave at once: the last rows move
+into their places and the buffers become views of the rows left (`drop`: only the moved rows' windows are
+copied). Joining rows, and a buffer that is full, take one relayout: a fresh buffer filled by `ops.kv_place` (one
+copy of the live window) from which the slots before the oldest live row's prompt are dropped; joining rows are
+placed so that their prompt ends at `slot`. docs/performance.md and ARCHITECTURE.md say why this and not a paged
+cache.
 """
 from typing import List, Optional
 
@@ -19,6 +20,7 @@ from ..ops.kv_cache import kv_place
 from .sequence import Sequence
 
 GROWTH = 128   # slots added past the widest window when a buffer is (re)built (bounded by prompt + max_dec_len)
+ROW_STATE = ("logits", "uniforms", "seen", "targets")   # the per-row tensors, aligned with seqs
 
 
 class RunningBatch:
@@ -99,7 +101,7 @@ class RunningBatch:
         self._start_t = None
         for s in new_seqs:
             s.joined_at = decode_count
-        for name in ("logits", "uniforms", "seen", "targets"):
+        for name in ROW_STATE:
             old = getattr(self, name)
             parts = []
             if old is not None and len(keep):
@@ -143,7 +145,7 @@ class RunningBatch:
         self._start_t = None
         self.seqs = [self.seqs[i] for i in order]
         order_t = paddle.to_tensor(order)
-        for name in ("logits", "uniforms", "seen", "targets"):
+        for name in ROW_STATE:
             old = getattr(self, name)
             if old is not None:
                 setattr(self, name, paddle.gather(old, order_t))

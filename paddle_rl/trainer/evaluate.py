@@ -1,5 +1,7 @@
 """Greedy evaluation on held-out prompts: accuracy and mean reward."""
 
+import numpy as np
+
 from ..batch import StepBatch, object_column
 from ..rollout import SamplingParams
 from .scoring import reward_result, score
@@ -20,12 +22,11 @@ def evaluate(engine, tokenizer, dataset, reward_fn, config, stop_ids, episodes_f
         parts.append(batch)
     batch = StepBatch.concat(parts)
     metrics = eval_metrics(batch, "eval")
-    files = [it["uid"].rsplit(":", 1)[0] for it in items]
-    names = sorted(set(files))
+    files = np.array([it["file"] for it in items])
+    names = sorted(set(files.tolist()))
     if len(names) > 1:  # one set per eval file as well (e.g. the people counts trained on and one that was not)
         for name in names:
-            rows = [i for i, f in enumerate(files) if f == name]
-            metrics.update(eval_metrics(batch.select(rows), f"eval/{file_label(name)}"))
+            metrics.update(eval_metrics(batch.select(files == name), f"eval/{file_label(name)}"))
     return metrics
 
 

@@ -104,8 +104,8 @@ class AsyncRollout(InlineRollout):
         items, prompts, keys, params = draw(step)
         self._push()
         self.worker.submit(step, prompts, self.trainer.config.rollout_n, params, keys)
-        sampler = self.trainer.sampler  # it runs k steps ahead: each step keeps the point its own draw left
-        self.pending[step] = {"items": items, "batch": None, "sampler": (sampler.epoch, sampler.epoch_done)}
+        # the sampler runs k steps ahead: each step keeps the point its own draw left
+        self.pending[step] = {"items": items, "batch": None, "sampler": super().sampler_point}
 
     def _receive(self, step: int) -> None:
         while self.pending[step]["batch"] is None:
