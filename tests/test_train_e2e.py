@@ -198,3 +198,21 @@ def test_step_summary_shows_each_eval_files_accuracy():
                      "eval/test_4p/accuracy": 0.0, "eval/test/reward_mean": 1.0, "time/step": 2.0})
     assert line == ("reward/mean=1 accuracy=0.5 eval/accuracy=0.2 eval/test/accuracy=0.4 eval/test_4p/accuracy=0 "
                     "time/step=2")
+
+
+def test_do_train_false_evaluates_the_starting_model_only(micro, tmp_path):
+    """do_train: false (PaddleNLP's key): the step-0 evaluation and nothing else: no update, no checkpoint; without
+    an evaluation to run it is a configuration error."""
+    out = tmp_path / "eval_only"
+    result = run_cli(["train", "/dev/null", *micro_overrides(micro, str(out), do_train=False)])
+    assert result.returncode == 0, result.stderr[-2000:]
+    rows = read_metrics(str(out / "metrics.jsonl"))
+    assert [r["step"] for r in rows] == [0] and "eval/accuracy" in rows[0]
+    assert not list(out.glob("checkpoint-*"))
+    trained = tmp_path / "trained"
+    assert run_cli(["train", "/dev/null", *micro_overrides(micro, str(trained))]).returncode == 0
+    first = read_metrics(str(trained / "metrics.jsonl"))[0]
+    assert comparable([rows[0]]) == comparable([first])  # the same evaluation as a training run's step 0
+    bad = run_cli(["train", "/dev/null", *micro_overrides(micro, str(tmp_path / "bad"), do_train=False,
+                                                          do_eval=False)])
+    assert bad.returncode == 2 and "do_train: false leaves nothing to run" in bad.stderr

@@ -213,5 +213,8 @@ def check_paths(config) -> None:
                 problems.append(f"{key}: file not found: {p}")
     if config.do_eval and not config.eval_datasets:
         problems.append("eval_datasets: required when do_eval is true")
+    if not config.do_train and not (config.do_eval and config.evaluation_strategy != "no"):
+        problems.append("do_train: false leaves nothing to run without do_eval: true (and evaluation_strategy "
+                        "other than no)")
     if problems:
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(problems))

@@ -57,7 +57,8 @@ class TrainingArgs:
                                   "continue (logged as an error; training goes on and saves again when due).")
     ignore_save_lr_and_optim: bool = arg(False, "Save only model weights (such a checkpoint cannot resume exactly).")
     resume_from_checkpoint: Optional[str] = arg(None, "auto (latest in output_dir) | PATH.")
-    do_train: bool = arg(True, acted=False)
+    do_train: bool = arg(True, "false: no update; the run evaluates the starting model once (step 0, as with "
+                                     "do_eval) and ends, as PaddleNLP's run without do_train.")
     do_eval: bool = arg(False, "Evaluate on eval_datasets at step 0 and every eval_steps.")
     evaluation_strategy: str = arg("steps", "steps | no.")
     eval_steps: int = arg(20, "Evaluate every this many steps.")

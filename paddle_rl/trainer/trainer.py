@@ -453,7 +453,7 @@ class RLTrainer:
         # log records go through the bar while it is shown (monitor/progress.py), so they do not garble its line
         with _progress(self.total_steps, self.step,
                        cfg.disable_tqdm or not self.layout.is_logging_rank) as progress:
-            while self.step < self.total_steps:
+            while cfg.do_train and self.step < self.total_steps:
                 metrics = self.train_step()
                 self.rollout.stepped()
                 if self._should_eval(self.step):
