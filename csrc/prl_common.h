@@ -13,6 +13,9 @@
 #include <cstring>
 #include <thread>
 #include <vector>
+#ifdef __F16C__
+#include <immintrin.h>
+#endif
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -164,5 +167,66 @@ inline float Dot8(const float* a, const float* b, int64_t n) {
   acc0 += acc1;
   return ((acc0[0] + acc0[4]) + (acc0[1] + acc0[5])) + ((acc0[2] + acc0[6]) + (acc0[3] + acc0[7]));
 }
+
+// KV-cache elements: float32, or a 16-bit float (bfloat16, float16) that attention reads back as float32.
+enum class KvType { kFloat32, kBFloat16, kFloat16 };
+struct BF16 { uint16_t bits; };  // bfloat16 storage
+struct F16 { uint16_t bits; };   // float16 storage
+
+inline KvType CheckCpuCache(const paddle::Tensor& x, const char* op, const char* name) {
+  PD_CHECK(x.is_cpu(), op, ": ", name, " must be a CPU tensor");
+  switch (x.dtype()) {
+    case paddle::DataType::FLOAT32: return KvType::kFloat32;
+    case paddle::DataType::BFLOAT16: return KvType::kBFloat16;
+    case paddle::DataType::FLOAT16: return KvType::kFloat16;
+    default: PD_THROW(op, ": ", name, " must be float32, bfloat16 or float16");
+  }
+}
+
+// float16 bits -> float32, exact (normal, subnormal, inf, nan)
+inline float HalfToFloat(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  const uint32_t exp = (h >> 10) & 0x1fu, man = h & 0x3ffu;
+  if (exp == 0x1fu) return BitCast<float>(sign | 0x7f800000u | (man << 13));
+  if (exp != 0) return BitCast<float>(sign | ((exp + 112u) << 23) | (man << 13));
+  const float mag = static_cast<float>(man) * 5.9604644775390625e-8f;  // man * 2^-24
+  return sign ? -mag : mag;
+}
+
+inline float ToFloat(float x) { return x; }
+inline float ToFloat(BF16 x) { return BitCast<float>(static_cast<uint32_t>(x.bits) << 16); }
+inline float ToFloat(F16 x) { return HalfToFloat(x.bits); }
+
+// Paddle's casts (round to nearest even), so a cache written here equals one written by astype
+inline void FromFloat(float v, float* out) { *out = v; }
+inline void FromFloat(float v, BF16* out) { out->bits = phi::dtype::bfloat16(v).x; }
+inline void FromFloat(float v, F16* out) { out->bits = phi::dtype::float16(v).x; }
+
+typedef float V8 __attribute__((vector_size(32)));
+typedef uint32_t U8 __attribute__((vector_size(32)));
+typedef uint16_t H8 __attribute__((vector_size(16)));
+
+// 8 consecutive elements as float32
+inline V8 Load8(const float* p) {
+  V8 x;
+  std::memcpy(&x, p, sizeof(x));
+  return x;
+}
+inline V8 Load8(const BF16* p) {
+  H8 h;
+  std::memcpy(&h, p, sizeof(h));
+  return BitCast<V8>(__builtin_convertvector(h, U8) << 16);
+}
+inline V8 Load8(const F16* p) {
+#ifdef __F16C__
+  return BitCast<V8>(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+#else
+  V8 x;
+  for (int i = 0; i < 8; ++i) x[i] = HalfToFloat(p[i].bits);
+  return x;
+#endif
+}
+
+inline float HSum8(V8 a) { return ((a[0] + a[4]) + (a[1] + a[5])) + ((a[2] + a[6]) + (a[3] + a[7])); }
 
 }  // namespace prl

@@ -47,6 +47,7 @@ def test_unknown_key_suggests_the_closest_name(tmp_path):
     ("rl_algorithm=ppo", "rl_algorithm: 'ppo' is not one of"),
     ("rollout_n=four", "rollout_n: expected an integer"),
     ("do_eval=maybe", "do_eval: expected true or false"),
+    ("kv_cache_dtype=int8", "kv_cache_dtype: must be auto, float32, bfloat16 or float16, got 'int8'"),
 ])
 def test_invalid_values_name_the_key(override, message):
     with pytest.raises(ConfigError) as err:
@@ -154,3 +155,9 @@ def test_report_to_names_are_checked(value, message):
 def test_report_to_accepts_lists():
     cfg = load_config(None, [MODEL, "report_to=[tensorboard, VisualDL]"])
     assert cfg.report_targets == ("tensorboard", "visualdl")
+
+
+def test_kv_cache_dtype_spellings():
+    assert load_config(None, [MODEL, "kv_cache_dtype=bf16"]).kv_cache_dtype == "bfloat16"
+    assert load_config(None, [MODEL, "kv_cache_dtype=FP16"]).kv_cache_paddle_dtype == "float16"
+    assert load_config(None, [MODEL]).kv_cache_paddle_dtype is None   # auto: the model's compute dtype

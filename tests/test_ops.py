@@ -173,6 +173,43 @@ def test_decode_attention(rng, batch, heads, kv, length):
     close(ops.decode_attention_fused(*args).numpy(), ops.decode_attention_reference(*args).numpy(), what="attention")
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("heads,kv,d", [(9, 3, 64), (7, 1, 16), (12, 2, 12), (4, 4, 32)])
+def test_decode_attention_on_a_16_bit_cache(rng, dtype, heads, kv, d):
+    """A 16-bit cache (kv_cache_dtype) read as float32: the kernel equals the reference on the same rounded
+    cache, for head blocks of 1-4 query heads (groups 3, 7, 6, 1) and a head_dim that is not a multiple of 8; and
+    differs from attention over the unrounded keys (the cache really is 16-bit)."""
+    batch, length, capacity = 6, 37, 45
+    q = t(rng.standard_normal((batch, 1, heads, d)))
+    k32, v32 = (t(rng.standard_normal((batch, kv, capacity, d)) * 2) for _ in range(2))
+    k, v = k32.astype(dtype), v32.astype(dtype)
+    start = paddle.to_tensor(rng.integers(0, length, batch))
+    args = (q, k, v, start, length, 1.0 / np.sqrt(d))
+    fused = ops.decode_attention_fused(*args).numpy()
+    close(fused, ops.decode_attention_reference(*args).numpy(), what=f"attention ({dtype} cache)")
+    full = ops.decode_attention_fused(q, k32, v32, start, length, 1.0 / np.sqrt(d)).numpy()
+    assert 1e-5 < np.abs(fused - full).max() < 5e-2
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_rotary_qkv_cache_writes_a_16_bit_cache(rng, dtype):
+    """The decode step's cache write rounds to the cache's dtype exactly as Paddle's cast does."""
+    batch, heads, kv, d, capacity, slot = 3, 6, 2, 64, 10, 4
+    qkv = t(rng.standard_normal((batch, 1, (heads + 2 * kv) * d)) * 3)
+    positions = paddle.to_tensor(rng.integers(0, 3000, (batch, 1)))
+    cache = [t(rng.standard_normal((batch, kv, capacity, d))).astype(dtype) for _ in range(2)]
+    fused_cache = [c.clone() for c in cache]
+    q_fused = ops.rotary_qkv_cache_fused(qkv, positions, _inv_freq(d), *fused_cache, heads, kv, slot)
+    q_ref = ops.rotary_qkv_cache_reference(qkv, positions, _inv_freq(d), *cache, heads, kv, slot)
+    close(q_fused.numpy(), q_ref.numpy(), what="q")
+    assert fused_cache[0].dtype == getattr(paddle, dtype)
+    as_float = [c.astype("float32").numpy() for c in (*fused_cache, *cache)]
+    np.testing.assert_array_equal(as_float[1], as_float[3])    # values: the same rounding as astype
+    # keys: rotated in float32 by both (to 1 ulp), then rounded: at most one 16-bit step apart
+    step = 2.0 ** -7 if dtype == "bfloat16" else 2.0 ** -10
+    assert np.all(np.abs(as_float[0] - as_float[2]) <= step * np.maximum(np.abs(as_float[2]), 1e-3))
+
+
 @pytest.mark.parametrize("batch,kv,groups,length,keys,bias_batch", [(3, 2, 2, 5, 9, 3), (2, 1, 4, 1, 7, 2),
                                                                      (1, 2, 1, 6, 6, 1), (16, 2, 2, 63, 99, 16)])
 def test_masked_softmax_and_gradient(rng, batch, kv, groups, length, keys, bias_batch):

@@ -165,6 +165,13 @@ def test_reuse_decision():
     cfg.reuse_rollout_logprobs = "off"
     cfg.update_iters = 1
     assert not reuses_rollout_logprobs(cfg, 1)
+    # a 16-bit KV cache makes the rollout's log-probs differ from the trainer's: auto recomputes them, on still reuses
+    cfg.reuse_rollout_logprobs, cfg.kv_cache_dtype = "auto", "bfloat16"
+    assert not reuses_rollout_logprobs(cfg, 1)
+    cfg.kv_cache_dtype = "float32"
+    assert reuses_rollout_logprobs(cfg, 1)
+    cfg.reuse_rollout_logprobs, cfg.kv_cache_dtype = "on", "float16"
+    assert reuses_rollout_logprobs(cfg, 1)
 
 
 def grouped_batch(vocab, groups=3, n=4, response_len=10, seed=0):

@@ -1,7 +1,9 @@
 // One decode step of grouped-query attention against the preallocated KV cache.
-//   q [B, 1, H, D]; cache_k, cache_v [B, KV, C, D]; start [B] int64: row b attends to slots start[b] .. length - 1
+//   q [B, 1, H, D] float32; cache_k, cache_v [B, KV, C, D] float32, bfloat16 or float16 (read as float32);
+//   start [B] int64: row b attends to slots start[b] .. length - 1
 //   (its left padding is skipped); out [B, 1, H * D]. Query head h reads kv head h / (H / KV).
 #include <algorithm>
+#include <type_traits>
 
 #include "../prl_common.h"
 
@@ -11,6 +13,120 @@ std::vector<paddle::Tensor> DecodeAttentionCUDA(const paddle::Tensor& q, const p
                                                 int64_t length, float scale);
 #endif
 
+namespace {
+
+constexpr int64_t kHeadBlock = 4;  // query heads of a group that share each load (and conversion) of a key or value
+
+// out[j * stride] = scale * (q_j . k) for the M query heads of a block (q: M rows of d floats; d % 8 == 0)
+template <int M, typename T>
+inline void Score(const float* q, const T* k, int64_t d, float scale, float* out, int64_t stride) {
+  prl::V8 a[M] = {};
+  for (int64_t c = 0; c < d; c += 8) {
+    const prl::V8 x = prl::Load8(k + c);
+    for (int j = 0; j < M; ++j) a[j] += prl::Load8(q + j * d + c) * x;
+  }
+  for (int j = 0; j < M; ++j) out[j * stride] = prl::HSum8(a[j]) * scale;
+}
+
+// acc_j += p[j * stride] * v for the M heads of a block (acc: M rows of d floats; d % 8 == 0)
+template <int M, typename T>
+inline void Accumulate(const T* v, const float* p, int64_t stride, int64_t d, float* acc) {
+  for (int64_t c = 0; c < d; c += 8) {
+    const prl::V8 x = prl::Load8(v + c);
+    for (int j = 0; j < M; ++j) {
+      const prl::V8 r = prl::Load8(acc + j * d + c) + p[j * stride] * x;
+      std::memcpy(acc + j * d + c, &r, sizeof(r));
+    }
+  }
+}
+
+// Any head_dim: one element at a time.
+template <int M, typename T>
+inline void ScoreScalar(const float* q, const T* k, int64_t d, float scale, float* out, int64_t stride) {
+  for (int j = 0; j < M; ++j) {
+    float dot = 0.0f;
+    for (int64_t i = 0; i < d; ++i) dot += q[j * d + i] * prl::ToFloat(k[i]);
+    out[j * stride] = dot * scale;
+  }
+}
+
+template <int M, typename T>
+inline void AccumulateScalar(const T* v, const float* p, int64_t stride, int64_t d, float* acc) {
+  for (int64_t i = 0; i < d; ++i) {
+    const float x = prl::ToFloat(v[i]);
+    for (int j = 0; j < M; ++j) acc[j * d + i] += p[j * stride] * x;
+  }
+}
+
+// fn.template operator()<M>() for the size M of the head block starting at j0
+template <typename Fn>
+inline void ForBlock(int64_t groups, int64_t j0, Fn&& fn) {
+  switch (std::min(kHeadBlock, groups - j0)) {
+    case 4: return fn(std::integral_constant<int, 4>());
+    case 3: return fn(std::integral_constant<int, 3>());
+    case 2: return fn(std::integral_constant<int, 2>());
+    default: return fn(std::integral_constant<int, 1>());
+  }
+}
+
+// The (row, kv head) items [begin, end); T: the cache's element type.
+template <typename T>
+void Attend(const float* qp, const T* kp, const T* vp, const int64_t* st, float* out, int64_t begin, int64_t end,
+            int64_t heads, int64_t kv, int64_t cap, int64_t d, int64_t length, float scale) {
+  const int64_t groups = heads / kv;
+  const bool wide = d % 8 == 0;
+  std::vector<float> scores(static_cast<size_t>(groups) * cap), acc(static_cast<size_t>(groups) * d), inv(groups);
+  for (int64_t item = begin; item < end; ++item) {
+    const int64_t bi = item / kv, g = item % kv;
+    const int64_t first = std::min<int64_t>(std::max<int64_t>(st[bi], 0), length - 1);
+    const T* keys = kp + ((bi * kv + g) * cap + first) * d;
+    const T* values = vp + ((bi * kv + g) * cap + first) * d;
+    const float* q0 = qp + (bi * heads + g * groups) * d;  // the group's query heads are adjacent
+    // slots are counted from the row's first one, so a row's result does not depend on where its window sits in
+    // the cache or on the rows beside it
+    const int64_t n = length - first;
+    for (int64_t s = 0; s < n; ++s) {
+      for (int64_t j0 = 0; j0 < groups; j0 += kHeadBlock) {
+        ForBlock(groups, j0, [&](auto m) {
+          constexpr int M = decltype(m)::value;
+          float* o = scores.data() + j0 * cap + s;
+          if (wide) Score<M>(q0 + j0 * d, keys + s * d, d, scale, o, cap);
+          else ScoreScalar<M>(q0 + j0 * d, keys + s * d, d, scale, o, cap);
+        });
+      }
+    }
+    for (int64_t j = 0; j < groups; ++j) {
+      float* sc = scores.data() + j * cap;
+      float mx = -3.0e38f;
+      for (int64_t s = 0; s < n; ++s) mx = std::max(mx, sc[s]);
+      float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+      for (int64_t s = 0; s < n; ++s) {
+        sc[s] = prl::ExpF(sc[s] - mx);
+        sum += sc[s];
+      }
+      inv[j] = 1.0f / sum;
+    }
+    std::fill(acc.begin(), acc.end(), 0.0f);
+    for (int64_t s = 0; s < n; ++s) {
+      for (int64_t j0 = 0; j0 < groups; j0 += kHeadBlock) {
+        ForBlock(groups, j0, [&](auto m) {
+          constexpr int M = decltype(m)::value;
+          const float* p = scores.data() + j0 * cap + s;
+          if (wide) Accumulate<M>(values + s * d, p, cap, d, acc.data() + j0 * d);
+          else AccumulateScalar<M>(values + s * d, p, cap, d, acc.data() + j0 * d);
+        });
+      }
+    }
+    for (int64_t j = 0; j < groups; ++j) {
+      float* o = out + (bi * heads + g * groups + j) * d;
+      for (int64_t i = 0; i < d; ++i) o[i] = acc[j * d + i] * inv[j];
+    }
+  }
+}
+
+}  // namespace
+
 std::vector<paddle::Tensor> DecodeAttention(const paddle::Tensor& q, const paddle::Tensor& cache_k,
                                             const paddle::Tensor& cache_v, const paddle::Tensor& start, int64_t length,
                                             float scale) {
@@ -19,8 +135,8 @@ std::vector<paddle::Tensor> DecodeAttention(const paddle::Tensor& q, const paddl
 #endif
   const char* op = "prl_decode_attention";
   prl::CheckCpuFloat(q, op, "q");
-  prl::CheckCpuFloat(cache_k, op, "cache_k");
-  prl::CheckCpuFloat(cache_v, op, "cache_v");
+  const prl::KvType type = prl::CheckCpuCache(cache_k, op, "cache_k");
+  PD_CHECK(cache_v.dtype() == cache_k.dtype() && cache_v.is_cpu(), op, ": cache_v must match cache_k's dtype");
   PD_CHECK(start.dtype() == paddle::DataType::INT64, op, ": start must be int64");
   const auto& qs = q.shape();
   const auto& cs = cache_k.shape();
@@ -29,53 +145,24 @@ std::vector<paddle::Tensor> DecodeAttention(const paddle::Tensor& q, const paddl
   PD_CHECK(cs[0] == b && cs[3] == d && cache_v.shape() == cs && heads % kv == 0, op, ": shape mismatch");
   PD_CHECK(length >= 1 && length <= cap, op, ": length ", length, " outside the cache (", cap, ")");
   PD_CHECK(start.numel() == b, op, ": start must be [B]");
-  const int64_t groups = heads / kv;
   auto out = paddle::empty({b, 1, heads * d}, q.dtype(), q.place());
   const float* qp = q.data<float>();
-  const float* kp = cache_k.data<float>();
-  const float* vp = cache_v.data<float>();
   const int64_t* st = start.data<int64_t>();
-  float* op_ = out.data<float>();
-  const bool wide = d % 8 == 0;
+  float* o = out.data<float>();
+  const void* kp = cache_k.data();
+  const void* vp = cache_v.data();
   // (row, kv head) items in parallel, each part with its own scratch
-  prl::ParallelFor(b * kv, 2 * groups * length * d, [&](int, int64_t begin, int64_t end) {
-    std::vector<float> scores(static_cast<size_t>(groups) * cap);
-    std::vector<float> acc(d);
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t bi = item / kv, g = item % kv;
-      const int64_t first = std::min<int64_t>(std::max<int64_t>(st[bi], 0), length - 1);
-      const float* keys = kp + (bi * kv + g) * cap * d;
-      const float* values = vp + (bi * kv + g) * cap * d;
-      const float* q0 = qp + (bi * heads + g * groups) * d;  // the group's query heads are adjacent
-      // scores of every query head of the group, reading each key once; the scratch is indexed from the row's
-      // first slot, so the sums below see the same lanes wherever the row's window sits in the cache (a row's
-      // result does not depend on its start slot or on the rows beside it)
-      const int64_t n = length - first;
-      for (int64_t s = 0; s < n; ++s) {
-        const float* k = keys + (first + s) * d;
-        for (int64_t j = 0; j < groups; ++j)
-          scores[j * cap + s] = (wide ? prl::Dot8(q0 + j * d, k, d) : prl::Dot(q0 + j * d, k, d)) * scale;
-      }
-      for (int64_t j = 0; j < groups; ++j) {
-        float* sc = scores.data() + j * cap;
-        float mx = -3.0e38f;
-        for (int64_t s = 0; s < n; ++s) mx = std::max(mx, sc[s]);
-        float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t s = 0; s < n; ++s) {
-          sc[s] = prl::ExpF(sc[s] - mx);
-          sum += sc[s];
-        }
-        std::fill(acc.begin(), acc.end(), 0.0f);
-        for (int64_t s = 0; s < n; ++s) {
-          const float p = sc[s];
-          const float* v = values + (first + s) * d;
-          for (int64_t i = 0; i < d; ++i) acc[i] += p * v[i];
-        }
-        float* o = op_ + (bi * heads + g * groups + j) * d;
-        const float inv = 1.0f / sum;
-        for (int64_t i = 0; i < d; ++i) o[i] = acc[i] * inv;
-      }
+  prl::ParallelFor(b * kv, 2 * heads / kv * length * d, [&](int, int64_t begin, int64_t end) {
+    switch (type) {
+      case prl::KvType::kFloat32:
+        return Attend(qp, static_cast<const float*>(kp), static_cast<const float*>(vp), st, o, begin, end, heads, kv,
+                      cap, d, length, scale);
+      case prl::KvType::kBFloat16:
+        return Attend(qp, static_cast<const prl::BF16*>(kp), static_cast<const prl::BF16*>(vp), st, o, begin, end,
+                      heads, kv, cap, d, length, scale);
+      case prl::KvType::kFloat16:
+        return Attend(qp, static_cast<const prl::F16*>(kp), static_cast<const prl::F16*>(vp), st, o, begin, end,
+                      heads, kv, cap, d, length, scale);
     }
   });
   return {out};

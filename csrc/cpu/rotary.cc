@@ -4,7 +4,8 @@
 //   prl_rotary_qkv_cache: the decode step's attention input in one pass: split the fused qkv projection
 //                         [B, L, (H + 2 KV) * D], optionally RMS-normalize q and k per head (Qwen3), rotate q and
 //                         k by position * inv_freq, return q [B, L, H, D] and write k, v into the preallocated
-//                         caches [B, KV, C, D] at slots slot .. slot + L - 1 (in place).
+//                         caches [B, KV, C, D] at slots slot .. slot + L - 1 (in place). The caches are float32,
+//                         bfloat16 or float16 (written rounded to nearest even, as Paddle's cast).
 #include "../prl_common.h"
 
 #ifdef PRL_WITH_CUDA
@@ -127,8 +128,8 @@ std::vector<paddle::Tensor> RotaryQkvCache(const paddle::Tensor& qkv, const padd
 #endif
   const char* op = "prl_rotary_qkv_cache";
   prl::CheckCpuFloat(qkv, op, "qkv");
-  prl::CheckCpuFloat(cache_k, op, "cache_k");
-  prl::CheckCpuFloat(cache_v, op, "cache_v");
+  const prl::KvType type = prl::CheckCpuCache(cache_k, op, "cache_k");
+  PD_CHECK(cache_v.dtype() == cache_k.dtype() && cache_v.is_cpu(), op, ": cache_v must match cache_k's dtype");
   prl::CheckCpuFloat(inv_freq, op, "inv_freq");
   PD_CHECK(positions.dtype() == paddle::DataType::INT64, op, ": positions must be int64");
   const auto& s = qkv.shape();
@@ -148,11 +149,9 @@ std::vector<paddle::Tensor> RotaryQkvCache(const paddle::Tensor& qkv, const padd
   const int64_t* pos = positions.data<int64_t>();
   const float* freq = inv_freq.data<float>();
   float* qp = q.data<float>();
-  float* kp = cache_k.data<float>();
-  float* vp = cache_v.data<float>();
   const int64_t width = s[2];
-  {
-    std::vector<float> c(d), sn(d), tmp(d);
+  auto write = [&](auto* kp, auto* vp) {
+    std::vector<float> c(d), sn(d), tmp(d), rotated(d);
     for (int64_t row = 0; row < b * l; ++row) {
       const int64_t bi = row / l, li = row % l;
       const float p = static_cast<float>(pos[row]);
@@ -168,10 +167,22 @@ std::vector<paddle::Tensor> RotaryQkvCache(const paddle::Tensor& qkv, const padd
       const float* vin = kin + num_kv_heads * d;
       for (int64_t g = 0; g < num_kv_heads; ++g) {
         const int64_t at = ((bi * num_kv_heads + g) * cap + slot + li) * d;
-        NormRotate(kin + g * d, kp + at, kn, eps, c.data(), sn.data(), d, tmp.data());
-        std::memcpy(vp + at, vin + g * d, sizeof(float) * d);
+        NormRotate(kin + g * d, rotated.data(), kn, eps, c.data(), sn.data(), d, tmp.data());
+        for (int64_t i = 0; i < d; ++i) {  // rounded to the cache's dtype as Paddle's cast would
+          prl::FromFloat(rotated[i], kp + at + i);
+          prl::FromFloat(vin[g * d + i], vp + at + i);
+        }
       }
     }
+  };
+  switch (type) {
+    case prl::KvType::kFloat32: write(cache_k.data<float>(), cache_v.data<float>()); break;
+    case prl::KvType::kBFloat16:
+      write(static_cast<prl::BF16*>(cache_k.data()), static_cast<prl::BF16*>(cache_v.data()));
+      break;
+    case prl::KvType::kFloat16:
+      write(static_cast<prl::F16*>(cache_k.data()), static_cast<prl::F16*>(cache_v.data()));
+      break;
   }
   return {q};
 }

@@ -1,6 +1,8 @@
 // Helpers of paddle_rl's CUDA kernels: block-wide reductions (blockDim.x a multiple of 32, at most 1024).
 #pragma once
 
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -64,6 +66,25 @@ inline int Blocks(int64_t n, int threads = kThreads) { return static_cast<int>((
 inline void CheckLaunch(const char* op) {
   cudaError_t err = cudaGetLastError();
   PD_CHECK(err == cudaSuccess, op, ": CUDA launch failed: ", cudaGetErrorString(err));
+}
+
+// KV-cache elements (float32, bfloat16, float16): read as float32, written rounded to nearest even
+__device__ __forceinline__ float ToFloat(float x) { return x; }
+__device__ __forceinline__ float ToFloat(__nv_bfloat16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ float ToFloat(__half x) { return __half2float(x); }
+__device__ __forceinline__ void FromFloat(float v, float* out) { *out = v; }
+__device__ __forceinline__ void FromFloat(float v, __nv_bfloat16* out) { *out = __float2bfloat16_rn(v); }
+__device__ __forceinline__ void FromFloat(float v, __half* out) { *out = __float2half_rn(v); }
+
+// fn(T{}) with T the element type of a KV cache of `dtype`
+template <typename Fn>
+void ForCacheType(paddle::DataType dtype, const char* op, Fn&& fn) {
+  switch (dtype) {
+    case paddle::DataType::FLOAT32: return fn(float{});
+    case paddle::DataType::BFLOAT16: return fn(__nv_bfloat16{});
+    case paddle::DataType::FLOAT16: return fn(__half{});
+    default: PD_THROW(op, ": the KV cache must be float32, bfloat16 or float16");
+  }
 }
 
 }  // namespace prl_cuda

@@ -19,8 +19,9 @@ __global__ void RotaryKernel(const float* x, const float* cos, const float* sin,
 }
 
 // grid (B * L, H + KV), block >= head_dim threads (a multiple of 32).
+template <typename T>
 __global__ void RotaryQkvCacheKernel(const float* qkv, const int64_t* positions, const float* inv_freq, float* q,
-                                     float* cache_k, float* cache_v, const float* q_norm, const float* k_norm,
+                                     T* cache_k, T* cache_v, const float* q_norm, const float* k_norm,
                                      int num_heads, int num_kv_heads, int64_t l, int64_t d, int64_t cap,
                                      int64_t slot, float eps) {
   const int64_t row = blockIdx.x, bi = row / l, li = row % l, half = d / 2;
@@ -46,8 +47,8 @@ __global__ void RotaryQkvCacheKernel(const float* qkv, const int64_t* positions,
     q[(row * num_heads + head) * d + i] = rotated;
   } else {
     const int64_t at = ((bi * num_kv_heads + g) * cap + slot + li) * d + i;
-    cache_k[at] = rotated;
-    cache_v[at] = qkv[row * width + (num_heads + num_kv_heads + g) * d + i];
+    prl_cuda::FromFloat(rotated, cache_k + at);
+    prl_cuda::FromFloat(qkv[row * width + (num_heads + num_kv_heads + g) * d + i], cache_v + at);
   }
 }
 
@@ -81,11 +82,16 @@ std::vector<paddle::Tensor> RotaryQkvCacheCUDA(const paddle::Tensor& qkv, const 
   const int threads = static_cast<int>((d + 31) / 32 * 32);
   PD_CHECK(threads <= 1024, "prl_rotary_qkv_cache: head_dim too large");
   dim3 grid(static_cast<unsigned>(b * l), static_cast<unsigned>(num_heads + num_kv_heads));
-  if (b * l > 0)
-    RotaryQkvCacheKernel<<<grid, threads, 0, qkv.stream()>>>(
-        qkv.data<float>(), positions.data<int64_t>(), inv_freq.data<float>(), q.data<float>(), cache_k.data<float>(),
-        cache_v.data<float>(), q_norm ? q_norm->data<float>() : nullptr, k_norm ? k_norm->data<float>() : nullptr,
-        num_heads, num_kv_heads, l, d, cap, slot, eps);
+  PD_CHECK(cache_v.dtype() == cache_k.dtype(), "prl_rotary_qkv_cache: cache_v must match cache_k's dtype");
+  prl_cuda::ForCacheType(cache_k.dtype(), "prl_rotary_qkv_cache", [&](auto zero) {
+    using T = decltype(zero);
+    if (b * l > 0)
+      RotaryQkvCacheKernel<T><<<grid, threads, 0, qkv.stream()>>>(
+          qkv.data<float>(), positions.data<int64_t>(), inv_freq.data<float>(), q.data<float>(),
+          reinterpret_cast<T*>(cache_k.data()), reinterpret_cast<T*>(cache_v.data()),
+          q_norm ? q_norm->data<float>() : nullptr, k_norm ? k_norm->data<float>() : nullptr, num_heads,
+          num_kv_heads, l, d, cap, slot, eps);
+  });
   prl_cuda::CheckLaunch("prl_rotary_qkv_cache");
   return {q};
 }

@@ -4,6 +4,11 @@ from typing import Optional
 from .fields import arg
 
 
+# accepted spellings of kv_cache_dtype -> the name used
+KV_CACHE_DTYPES = {"auto": "auto", "float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
+                   "float16": "float16", "fp16": "float16", "half": "float16"}
+
+
 @dataclass
 class RolloutArgs:
     rollout_n: int = arg(8, "Responses sampled per prompt (the group size G).")
@@ -20,7 +25,12 @@ class RolloutArgs:
     rollout_kv_cache_tokens: int = arg(-1, "KV-cache budget of the running decode batch in token slots per layer "
                                            "(-1: unlimited): a prompt's samples join only while rows x (longest "
                                            "prompt + max_dec_len) stays within it. Bytes = slots x 2 x layers x "
-                                           "kv_heads x head_dim x 4.")
+                                           "kv_heads x head_dim x the bytes of kv_cache_dtype.")
+    kv_cache_dtype: str = arg("auto", "What the rollout's KV cache stores: auto (the model's compute dtype) | float32 | "
+                                      "bfloat16 | float16. A 16-bit cache halves the cache's memory and the bytes "
+                                      "each decode step reads; keys and values are rounded to it, so the rollout's "
+                                      "log-probs drift from the trainer's (reuse_rollout_logprobs: auto then "
+                                      "recomputes the old log-probs).")
     per_device_rollout_batch_size: int = arg(-1, acted=False)
     eval_max_dec_len: Optional[int] = arg(None, "Response length for evaluation; defaults to max_dec_len.")
     reuse_rollout_logprobs: str = arg("auto", "Use the log-probs recorded while sampling as the old-policy log-probs "
@@ -41,7 +51,16 @@ class RolloutArgs:
                                        "next decode step (each token tagged with its version); not reproducible "
                                        "run to run (where the switch falls depends on timing).")
 
+    @property
+    def kv_cache_paddle_dtype(self) -> Optional[str]:
+        """The KV cache's dtype for the engine (None: the compute dtype)."""
+        return None if self.kv_cache_dtype == "auto" else self.kv_cache_dtype
+
     def _validate_rollout(self, errors):
+        dtype = str(self.kv_cache_dtype).lower()
+        self.kv_cache_dtype = KV_CACHE_DTYPES.get(dtype, dtype)
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES.values():
+            errors.append(f"kv_cache_dtype: must be auto, float32, bfloat16 or float16, got {self.kv_cache_dtype!r}")
         # YAML reads a bare on / off as true / false
         self.reuse_rollout_logprobs = {"true": "on", "false": "off", "yes": "on", "no": "off"}.get(str(self.reuse_rollout_logprobs).lower(), str(self.reuse_rollout_logprobs).lower())
         if self.reuse_rollout_logprobs not in ("auto", "on", "off"):

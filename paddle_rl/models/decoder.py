@@ -59,29 +59,40 @@ def scaled_inv_freq(inv_freq, scaling: dict):
 
 class LayerCache:
     """Keys and values of one layer: buffers k, v [B, kv_heads, capacity, head_dim] allocated once and written
-    in place; slots [0, length) hold the tokens seen so far. Without a capacity the buffers grow by doubling."""
+    in place; slots [0, length) hold the tokens seen so far. Without a capacity the buffers grow by doubling.
+    `dtype` (None: the computed keys' dtype) is what the buffers store: a 16-bit cache holds keys and values
+    rounded to it, and attention reads them back in the compute dtype (the rollout's kv_cache_dtype)."""
 
-    def __init__(self, capacity: int = 0):
+    def __init__(self, capacity: int = 0, dtype=None):
         self.capacity = capacity
+        self.dtype = dtype
         self.k = None
         self.v = None
         self.length = 0
 
     def update(self, k, v):
-        """Append k, v [B, kv_heads, L, head_dim]; returns the filled keys and values."""
+        """Append k, v [B, kv_heads, L, head_dim]; returns the filled keys and values in k's dtype."""
+        dtype = k.dtype
         start, end = self.length, self.length + k.shape[2]
         self.reserve(k.shape, k.dtype, end)
+        if k.dtype != self.k.dtype:
+            k, v = k.astype(self.k.dtype), v.astype(self.v.dtype)
         self.k[:, :, start:end] = k
         self.v[:, :, start:end] = v
         self.length = end
-        return self.keys, self.values
+        keys, values = self.keys, self.values
+        if keys.dtype != dtype:
+            keys, values = keys.astype(dtype), values.astype(dtype)
+        return keys, values
 
     def reserve(self, shape, dtype, needed: int):
-        """Buffers [B, kv_heads, >= needed, head_dim] (B, kv_heads, head_dim from `shape`), the filled slots kept."""
+        """Buffers [B, kv_heads, >= needed, head_dim] (B, kv_heads, head_dim from `shape`; the cache's own dtype,
+        else `dtype`), the filled slots kept."""
         if self.k is not None and needed <= self.k.shape[2]:
             return
         size = max(needed, self.capacity, 2 * (0 if self.k is None else self.k.shape[2]))
         shape = [shape[0], shape[1], size, shape[3]]
+        dtype = self.dtype or (self.k.dtype if self.k is not None else dtype)
         k, v = paddle.zeros(shape, dtype), paddle.zeros(shape, dtype)
         if self.length:
             k[:, :, :self.length] = self.keys
@@ -318,9 +329,10 @@ class CausalLM(nn.Layer):
             else:
                 param.set_value(paddle.normal(0.0, std, param.shape).astype(param.dtype))
 
-    def new_cache(self, capacity: int = 0) -> List[LayerCache]:
-        """One LayerCache per layer of this model; `capacity` (prompt + response slots) preallocates them."""
-        return [LayerCache(capacity) for _ in self.layers]
+    def new_cache(self, capacity: int = 0, dtype=None) -> List[LayerCache]:
+        """One LayerCache per layer of this model; `capacity` (prompt + response slots) preallocates them; `dtype`
+        (None: the compute dtype) is what they store."""
+        return [LayerCache(capacity, dtype) for _ in self.layers]
 
     # ---------------------------------------------------------------- the one forward
     def run(self, inputs, p: Pass):

@@ -4,16 +4,18 @@ import paddle.nn.functional as F
 
 from . import build
 from ._util import contiguous, fusable
+from .kv_cache import DTYPES as CACHE_DTYPES
 
 NEG_INF = -1e9
 
 
 def decode_attention_reference(q, cache_k, cache_v, start, length: int, scale: float):
-    """q [B, 1, H, D]; caches [B, KV, C, D]; row b attends to slots start[b] .. length - 1. Returns [B, 1, H * D]
-    (query head h uses kv head h // (H / KV), as in the decoder's Attention)."""
+    """q [B, 1, H, D]; caches [B, KV, C, D] (float32, or a 16-bit dtype read as q's); row b attends to slots
+    start[b] .. length - 1. Returns [B, 1, H * D] (query head h uses kv head h // (H / KV), as in the decoder's
+    Attention)."""
     batch, heads, d = q.shape[0], q.shape[2], q.shape[3]
     kv = cache_k.shape[1]
-    k, v = cache_k[:, :, :length], cache_v[:, :, :length]
+    k, v = cache_k[:, :, :length].astype(q.dtype), cache_v[:, :, :length].astype(q.dtype)
     qh = q.reshape([batch, kv, heads // kv, d])
     scores = paddle.matmul(qh, k, transpose_y=True) * scale
     valid = paddle.arange(length, dtype="int64").unsqueeze(0) >= start.unsqueeze(-1)
@@ -27,7 +29,8 @@ def decode_attention_fused(q, cache_k, cache_v, start, length: int, scale: float
 
 
 def decode_attention(q, cache_k, cache_v, start, length: int, scale: float):
-    fn = decode_attention_fused if fusable(q, cache_k, cache_v) else decode_attention_reference
+    fused = fusable(q) and fusable(cache_k, cache_v, dtypes=CACHE_DTYPES) and cache_k.dtype == cache_v.dtype
+    fn = decode_attention_fused if fused else decode_attention_reference
     return fn(q, cache_k, cache_v, start, length, scale)
 
 

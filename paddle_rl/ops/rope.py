@@ -5,6 +5,7 @@ import paddle
 
 from . import build
 from ._util import contiguous, fusable
+from .kv_cache import DTYPES as CACHE_DTYPES
 from .norm import rms_norm_reference
 
 
@@ -39,7 +40,7 @@ def rotary_tables(positions, inv_freq):
 def rotary_qkv_cache_reference(qkv, positions, inv_freq, cache_k, cache_v, num_heads: int, num_kv_heads: int,
                                slot: int, q_norm=None, k_norm=None, eps: float = 1e-6):
     """Split qkv [B, L, (H + 2 KV) * D]; return rotated q [B, L, H, D]; write rotated k and v into the caches
-    [B, KV, C, D] at slots slot .. slot + L - 1 (in place)."""
+    [B, KV, C, D] at slots slot .. slot + L - 1 (in place; cast to the caches' dtype)."""
     batch, length = qkv.shape[0], qkv.shape[1]
     d = cache_k.shape[3]
     q, k, v = paddle.split(qkv, [num_heads * d, num_kv_heads * d, num_kv_heads * d], axis=-1)
@@ -51,8 +52,8 @@ def rotary_qkv_cache_reference(qkv, positions, inv_freq, cache_k, cache_v, num_h
     cos, sin = rotary_tables(positions, inv_freq)
     q = rotary_reference(q, cos, sin)
     k = rotary_reference(k, cos, sin)
-    cache_k[:, :, slot:slot + length] = k.transpose([0, 2, 1, 3])
-    cache_v[:, :, slot:slot + length] = v.transpose([0, 2, 1, 3])
+    cache_k[:, :, slot:slot + length] = k.transpose([0, 2, 1, 3]).astype(cache_k.dtype)
+    cache_v[:, :, slot:slot + length] = v.transpose([0, 2, 1, 3]).astype(cache_v.dtype)
     return q
 
 
@@ -65,5 +66,7 @@ def rotary_qkv_cache_fused(qkv, positions, inv_freq, cache_k, cache_v, num_heads
 def rotary_qkv_cache(qkv, positions, inv_freq, cache_k, cache_v, num_heads: int, num_kv_heads: int, slot: int,
                      q_norm: Optional[paddle.Tensor] = None, k_norm: Optional[paddle.Tensor] = None,
                      eps: float = 1e-6):
-    fn = rotary_qkv_cache_fused if fusable(qkv, cache_k, cache_v, q_norm) else rotary_qkv_cache_reference
+    fused = (fusable(qkv, q_norm) and fusable(cache_k, cache_v, dtypes=CACHE_DTYPES)
+             and cache_k.dtype == cache_v.dtype)
+    fn = rotary_qkv_cache_fused if fused else rotary_qkv_cache_reference
     return fn(qkv, positions, inv_freq, cache_k, cache_v, num_heads, num_kv_heads, slot, q_norm, k_norm, eps)

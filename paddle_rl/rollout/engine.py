@@ -23,29 +23,32 @@ from ..models.lora import merged_weights
 from ..ops.kv_cache import kv_place
 from .keys import uniforms_for
 from .running import RunningBatch
-from .sampling import SamplingParams, force_lengths, stop_masks
+from .sampling import SamplingParams, force_lengths
 from .sequence import Scheduler, Sequence
 
 
 class RolloutEngine:
     def __init__(self, model: CausalLM, pad_id: int, eos_ids: Seq[int], max_num_seqs: int = -1,
-                 max_cache_tokens: int = -1):
+                 max_cache_tokens: int = -1, kv_cache_dtype: Optional[str] = None):
         self.model = model
         self.pad_id = pad_id
         self.eos_ids = list(eos_ids)
         self.max_num_seqs = max_num_seqs
         self.max_cache_tokens = max_cache_tokens
+        self.kv_cache_dtype = kv_cache_dtype   # what the KV cache stores (None: the model's compute dtype)
         self.forced_lengths = None   # benchmark only: keys -> response lengths (an EOS schedule)
         self._episodes = None
         # partial rollouts: `between_steps()` runs between decode steps and may load new weights into the model
         # (and set `version`); each token is tagged with the version that produced it (`token_version`)
         self.between_steps = None
         self.version = 0
-        self.stats = {}   # the last generate's counters: peak_rows, decode_steps, prefills, relayouts, copied_slots, peak_slots
+        self.stats = {}   # the last generate's counters: peak_rows, decode_steps, prefills, relayouts, copied_slots,
+        #                   peak_slots, peak_kv_bytes
 
     def bind(self, model: CausalLM) -> "RolloutEngine":
         """The same settings, decoding with another model (a resharded rollout copy)."""
-        engine = RolloutEngine(model, self.pad_id, self.eos_ids, self.max_num_seqs, self.max_cache_tokens)
+        engine = RolloutEngine(model, self.pad_id, self.eos_ids, self.max_num_seqs, self.max_cache_tokens,
+                               self.kv_cache_dtype)
         engine.forced_lengths = self.forced_lengths
         return engine
 
@@ -92,7 +95,6 @@ class RolloutEngine:
         scheduler = Scheduler(groups, self.max_num_seqs, self.max_cache_tokens, params.max_dec_len)
         stop_ids = sorted(set(params.stop_token_ids) | set(self.eos_ids))
         stop_t = paddle.to_tensor(np.asarray(stop_ids, dtype=np.int64).reshape([-1]))
-        masks = None if self.forced_lengths is None else stop_masks(stop_ids, model.config.vocab_size)
         batch = RunningBatch(len(model.layers), params.max_dec_len)
         stats = {"peak_rows": 0, "decode_steps": 0, "prefills": 0}
         done = []
@@ -102,7 +104,7 @@ class RolloutEngine:
                 self._prefill(batch, joining, params, stats["decode_steps"])
                 stats["prefills"] += 1
             stats["peak_rows"] = max(stats["peak_rows"], len(batch))
-            finished = self._sample(batch, params, stop_t, masks)
+            finished = self._sample(batch, params, stop_t, stop_ids)
             if finished.any():
                 for i in np.flatnonzero(finished):
                     seq = batch.seqs[i]
@@ -121,7 +123,8 @@ class RolloutEngine:
             stats["decode_steps"] += 1
         if was_training:
             model.train()
-        stats.update(relayouts=batch.relayouts, copied_slots=batch.copied_slots, peak_slots=batch.peak_slots)
+        stats.update(relayouts=batch.relayouts, copied_slots=batch.copied_slots, peak_slots=batch.peak_slots,
+                     peak_kv_bytes=batch.peak_kv_bytes)
         self.stats = stats
         return self._output(done, n * len(prompts))
 
@@ -137,7 +140,7 @@ class RolloutEngine:
         for length in np.unique(lengths):
             members = np.flatnonzero(lengths == length)
             ids = paddle.to_tensor(np.array([joining[i][0].prompt for i in members], dtype=np.int64))
-            cache = model.new_cache(int(length))
+            cache = model.new_cache(int(length), self.kv_cache_dtype)
             positions = paddle.arange(int(length), dtype="int64").unsqueeze(0).expand(ids.shape)
             bias = attention_bias_from_mask(paddle.ones_like(ids), int(length), causal=True)
             hidden = model.hidden_states(ids, positions, bias, cache)
@@ -164,16 +167,15 @@ class RolloutEngine:
             for r, s in enumerate(seqs):
                 seen[r, s.prompt] = 1.0
             new["seen"] = paddle.to_tensor(seen)
-        if self.forced_lengths is not None:
-            new["targets"] = paddle.to_tensor(np.array([s.target for s in seqs], dtype=np.int64))
         batch.relayout(np.arange(len(batch)), seqs, caches, fan, width, new, decode_count)
 
-    def _sample(self, batch: RunningBatch, params: SamplingParams, stop_t, masks) -> np.ndarray:
+    def _sample(self, batch: RunningBatch, params: SamplingParams, stop_t, stop_ids) -> np.ndarray:
         """One token for every running row; returns which rows finished (stop token or max_dec_len)."""
-        lengths = paddle.to_tensor(batch.lengths())
+        generated = batch.lengths()
+        lengths = paddle.to_tensor(generated)
         logits = batch.logits
-        if batch.targets is not None:
-            logits = force_lengths(logits, batch.targets, lengths, masks)
+        if self.forced_lengths is not None:
+            logits = force_lengths(logits, np.array([s.target for s in batch.seqs]), generated, stop_ids)
         uniforms = None
         if batch.uniforms is not None:
             uniforms = paddle.take_along_axis(batch.uniforms, lengths.unsqueeze(-1), axis=1).squeeze(-1)

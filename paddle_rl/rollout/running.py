@@ -20,7 +20,7 @@ from ..ops.kv_cache import kv_place
 from .sequence import Sequence
 
 GROWTH = 128   # slots added past the widest window when a buffer is (re)built (bounded by prompt + max_dec_len)
-ROW_STATE = ("logits", "uniforms", "seen", "targets")   # the per-row tensors, aligned with seqs
+ROW_STATE = ("logits", "uniforms", "seen")   # the per-row tensors, aligned with seqs
 
 
 class RunningBatch:
@@ -35,10 +35,10 @@ class RunningBatch:
         self.logits = None        # [R, V] the next token's logits
         self.uniforms = None      # [R, max_dec_len] float32 (sampling)
         self.seen = None          # [R, V] float32 (repetition penalty)
-        self.targets = None       # [R] int64 (forced lengths)
         self.relayouts = 0
         self.copied_slots = 0      # row-slots copied by relayouts (per layer, keys and values each)
         self.peak_slots = 0        # the most row-slots the buffers held (rows x capacity)
+        self.peak_kv_bytes = 0     # the most bytes the buffers held (keys and values of every layer)
 
     @property
     def slot(self) -> int:
@@ -63,7 +63,7 @@ class RunningBatch:
                  decode_count: int = 0) -> None:
         """Keep rows `keep` (indices, in order), then append `new_seqs` whose keys and values are rows `fan` of
         the prefill caches (prompts left-padded to `prompt_width`); `new_rows` holds their logits / uniforms /
-        seen / targets tensors. Builds buffers just wide enough for the live window plus GROWTH slots; rows that only
+        seen tensors. Builds buffers just wide enough for the live window plus GROWTH slots; rows that only
         leave are dropped in place instead (`drop`)."""
         keep = np.asarray(keep, dtype=np.int64)
         if prefill is None and not new_seqs and 0 < len(keep) < len(self.seqs) and (np.diff(keep) > 0).all():
@@ -74,9 +74,9 @@ class RunningBatch:
         width = max(old_width, prompt_width if new_seqs else 0)
         seqs = kept + list(new_seqs)
         if not seqs:
-            counters = (self.relayouts + 1, self.copied_slots, self.peak_slots)
+            counters = (self.relayouts + 1, self.copied_slots, self.peak_slots, self.peak_kv_bytes)
             self.__init__(len(self.layers), self.max_dec_len)
-            self.relayouts, self.copied_slots, self.peak_slots = counters
+            self.relayouts, self.copied_slots, self.peak_slots, self.peak_kv_bytes = counters
             return
         widest = max(len(s.prompt) for s in seqs) + self.max_dec_len
         remaining = max(self.max_dec_len - len(s.tokens) for s in seqs)
@@ -114,6 +114,8 @@ class RunningBatch:
         self.relayouts += 1
         self.copied_slots += len(keep) * old_width + (len(new_seqs) * prompt_width if new_seqs else 0)
         self.peak_slots = max(self.peak_slots, len(seqs) * capacity)
+        first = self.layers[0].k
+        self.peak_kv_bytes = max(self.peak_kv_bytes, 2 * len(self.layers) * first.size * first.element_size())
 
     def drop(self, keep: np.ndarray) -> None:
         """Keep rows `keep` (increasing) in the buffers they are in: the last kept rows move into the places of the

@@ -44,23 +44,20 @@ def next_tokens(logits, params: SamplingParams, seen, uniforms, ban_eos_rows=Non
                       params.repetition_penalty)
 
 
-def stop_masks(stop_ids, vocab: int):
-    """[V] bool masks of the stop tokens and of the first stop token (what `force_lengths` reads)."""
-    stops = np.zeros(vocab, dtype=bool)
-    stops[list(stop_ids)] = True
-    first = np.zeros(vocab, dtype=bool)
-    first[list(stop_ids)[:1]] = True
-    return paddle.to_tensor(stops), paddle.to_tensor(first)
-
-
-def force_lengths(logits, targets, generated, masks):
-    """Logits that make each row stop at exactly `targets` [B] response tokens (a benchmark's EOS schedule):
-    stop tokens banned while `generated` [B] + 1 < target, only the first stop token allowed at the target.
-    `masks`: stop_masks(...)."""
-    stops, first = masks
-    next_len = (generated + 1).unsqueeze(-1)
-    goal = targets.unsqueeze(-1)
-    neg = paddle.full_like(logits, NEG_INF)
-    logits = paddle.where(paddle.logical_and(next_len < goal, stops.unsqueeze(0)), neg, logits)
-    at_goal = paddle.logical_and(next_len >= goal, paddle.logical_not(first).unsqueeze(0))
-    return paddle.where(at_goal, neg, logits)
+def force_lengths(logits, targets: np.ndarray, generated: np.ndarray, stop_ids):
+    """Make each row stop at exactly `targets` [B] response tokens (a benchmark's EOS schedule), in place on the
+    step's `logits` [B, V]: the stop tokens banned while `generated` [B] + 1 < target; at the target every token but
+    the first stop token banned (it is drawn with log-prob 0). Touches only the stop tokens' columns and the rows
+    at their target."""
+    before = generated + 1 < targets
+    if before.any():
+        ban = paddle.to_tensor(before.reshape(-1, 1))
+        for col in stop_ids:
+            logits[:, col:col + 1] = paddle.where(ban, paddle.full([1, 1], NEG_INF, logits.dtype),
+                                                  logits[:, col:col + 1])
+    first = int(stop_ids[0])
+    for r in np.flatnonzero(~before):
+        row = paddle.full([logits.shape[-1]], NEG_INF, logits.dtype)
+        row[first] = logits[int(r), first]
+        logits[int(r)] = row
+    return logits
