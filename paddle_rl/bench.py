@@ -15,7 +15,8 @@ Workloads (docs/performance.md):
   by their sampling keys), so every run generates exactly the same lengths.
 - W3: a real model (`--model-path`), 8 chat prompts x 8 samples, exactly 128 response tokens, kl_loss_coeff 0.04.
 - W4: the same model and prompts sampled naturally: temperature 1.0, max_dec_len 512, no minimum length.
-W2-W4 train packed (use_remove_padding: true) in micro-batches of at most 8192 tokens (max_tokens_per_micro_batch).
+W2-W4 train packed (use_remove_padding: true) in micro-batches of at most 8192 tokens (max_tokens_per_micro_batch),
+with the attention core recomputed in the backward (recompute: true, recompute_granularity: core_attn).
 
 Prints seconds per step and its split by stage, generated and trained tokens, rows processed by decode steps,
 effective GFLOP/s against a matmul peak measured in the same process, peak RSS; the last line is one JSON
@@ -39,8 +40,11 @@ MODELS = {
 STAGES = ("rollout", "reward", "ref_logprob", "old_logprob", "advantage", "update")
 SPECIALS = ["<|endoftext|>", "<|im_end|>"]
 # what each workload sets (command-line options override); `lengths`: the response lengths of W2's schedule
-# W2-W4 train packed (use_remove_padding) in micro-batches of at most 8192 tokens, as a user at real lengths would
-REAL_LENGTHS = {"use_remove_padding": True, "max_tokens_per_micro_batch": 8192}
+# W2-W4 train packed (use_remove_padding) in micro-batches of at most 8192 tokens, with the attention probabilities
+# recomputed in the backward (kept, they grow with the sequence: W4's peak RSS was 1.23x W3's, 1.16x without
+# them), as a user at real lengths would
+REAL_LENGTHS = {"use_remove_padding": True, "max_tokens_per_micro_batch": 8192, "recompute": True,
+                "recompute_granularity": "core_attn"}
 WORKLOADS = {
     "w1": dict(model="w1", response_len=64, exact=True, settings={}),
     "w2": dict(model="w1", response_len=1024, exact=False, lengths="long_tail", settings=REAL_LENGTHS),
@@ -282,7 +286,8 @@ def run(args) -> dict:
     flops = step_flops(shape, prompt_tokens, response_tokens, rows, config.kl_loss_coeff > 0 or config.kl_coeff > 0,
                        mean("time/old_logprob") > 0 and "time/old_logprob" in timed[-1], groups=args.prompts,
                        shared_prompts=config.share_prompt_prefix and args.rollout_n > 1,
-                       shared_update=config.share_prompt_prefix and args.rollout_n > 1 and not config.recompute)
+                       shared_update=config.share_prompt_prefix and args.rollout_n > 1
+                       and config.recompute_what not in ("full", "full_attn"))
     result = {
         "workload": args.workload, "model": spec["model"] if spec["model"] != "path" else args.model_path,
         "prompts": args.prompts, "rollout_n": args.rollout_n, "prompt_len": mean("prompt_length/mean"),

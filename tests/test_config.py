@@ -48,6 +48,8 @@ def test_unknown_key_suggests_the_closest_name(tmp_path):
     ("rollout_n=four", "rollout_n: expected an integer"),
     ("do_eval=maybe", "do_eval: expected true or false"),
     ("kv_cache_dtype=int8", "kv_cache_dtype: must be auto, float32, bfloat16 or float16, got 'int8'"),
+    ("recompute_granularity=selective", "recompute_granularity: must be one of full, full_attn, core_attn"),
+    ("recompute_granularity=core_attn", "recompute_granularity: core_attn is set without recompute: true"),
 ])
 def test_invalid_values_name_the_key(override, message):
     with pytest.raises(ConfigError) as err:
@@ -161,3 +163,9 @@ def test_kv_cache_dtype_spellings():
     assert load_config(None, [MODEL, "kv_cache_dtype=bf16"]).kv_cache_dtype == "bfloat16"
     assert load_config(None, [MODEL, "kv_cache_dtype=FP16"]).kv_cache_paddle_dtype == "float16"
     assert load_config(None, [MODEL]).kv_cache_paddle_dtype is None   # auto: the model's compute dtype
+
+
+def test_recompute_granularity_reaches_the_model():
+    assert load_config(None, [MODEL, "recompute=true", "recompute_granularity=core_attn"]).recompute_what == "core_attn"
+    assert load_config(None, [MODEL, "recompute=true"]).recompute_what == "full"
+    assert load_config(None, [MODEL]).recompute_what is None

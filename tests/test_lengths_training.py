@@ -179,15 +179,46 @@ def test_packed_with_token_budget_recompute_and_reference_ops():
     ops.configure("off")
     try:
         fixed = run(build_layout(), model, batch)
-        model.recompute = True
+        model.recompute = "full"
         assert_same(run(layout, model, batch), fixed)
     finally:
         ops.configure(previous)
-        model.recompute = False
+        model.recompute = None
     fixed = run(build_layout(), model, batch)
     got = run(layout, model, batch)
     assert_same(got, fixed)
     assert all(rows == 1 and width <= 160 for rows, width in got["shapes"]) and len(got["shapes"]) > 4
+
+
+@pytest.mark.parametrize("remove_padding", [True, False])
+def test_core_attention_recompute_equals_the_kept_pass(remove_padding, monkeypatch):
+    """recompute_granularity core_attn: the attention core (the packing's blocks, or the padded pass with the
+    shared prompt prefix, whose keys and values are made outside the recomputed part) runs again in the backward,
+    and the update equals the pass that keeps its probabilities."""
+    from paddle_rl.models.decoder import Attention
+    from paddle_rl.models.packing import Packing
+    model, batch = make_model(), long_tail_batch(seed=2)
+    layout = build_layout(share_prompts=True, remove_padding=remove_padding)
+    kept = run(layout, model, batch)
+    core = (Packing, "attend") if remove_padding else (Attention, "_core")
+    calls = []
+    original = getattr(*core)
+
+    def counted(self, *args):
+        calls.append(paddle.is_grad_enabled())
+        return original(self, *args)
+    monkeypatch.setattr(*core, counted)
+    model.recompute = "core_attn"
+    try:
+        recomputed = run(layout, model, batch)
+    finally:
+        model.recompute = None
+    assert_same(recomputed, kept)
+    monkeypatch.setattr(*core, original)
+    plain = []
+    monkeypatch.setattr(*core, lambda self, *args: plain.append(1) or original(self, *args))
+    run(layout, model, batch)
+    assert len(calls) > len(plain)   # the recomputed cores ran again in the backward
 
 
 def test_packed_refuses_the_pipeline():

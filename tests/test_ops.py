@@ -390,10 +390,12 @@ def test_modes(monkeypatch, caplog):
 # ------------------------------------------------------------------------------------------------ in the model
 
 def test_model_gradients_with_kernels_and_recompute(rng, monkeypatch):
-    """A decoder's log-prob gradients are the same with the fused kernels or the references, and with the
-    layers recomputed in the backward (paddle.distributed.fleet.utils.recompute on CPU)."""
+    """A decoder's log-prob gradients are the same with the fused kernels or the references, and with each
+    recompute_granularity (paddle.distributed.fleet.utils.recompute on CPU): full reruns every layer in the
+    backward, full_attn every self-attention block, core_attn every attention core (softmax(QK^T)V) and nothing
+    else."""
     from paddle_rl.models import CausalLM, ModelConfig
-    from paddle_rl.models.decoder import DecoderLayer
+    from paddle_rl.models.decoder import Attention, DecoderLayer
     from paddle_rl.models.logprobs import token_logprobs
     paddle.seed(1)
     cfg = ModelConfig(model_type="qwen3", vocab_size=120, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
@@ -403,37 +405,43 @@ def test_model_gradients_with_kernels_and_recompute(rng, monkeypatch):
     model.train()
     ids = paddle.to_tensor(rng.integers(0, 120, (3, 10)))
     mask = paddle.to_tensor(np.array([[1] * 10, [0] * 3 + [1] * 7, [0] + [1] * 9]))
-    # every DecoderLayer.forward call, counted apart in the forward pass and in the backward
-    calls = {"forward": 0, "backward": 0}
+    # calls of each part, counted apart in the forward pass and in the backward
+    parts = {"layer": (DecoderLayer, "forward"), "attention": (Attention, "forward"), "core": (Attention, "_core")}
+    calls = {}
     phase = ["forward"]
-    layer_forward = DecoderLayer.forward
 
-    def counted(self, *args, **kwargs):
-        calls[phase[0]] += 1
-        return layer_forward(self, *args, **kwargs)
+    def counter(name, fn):
+        def counted(self, *args, **kwargs):
+            calls[name, phase[0]] = calls.get((name, phase[0]), 0) + 1
+            return fn(self, *args, **kwargs)
+        return counted
 
     grads, counts = {}, {}
     with monkeypatch.context() as m:
-        m.setattr(DecoderLayer, "forward", counted)
-        for mode, recompute in (("on", False), ("off", False), ("on", True), ("off", True)):
+        for name, (cls, attr) in parts.items():
+            m.setattr(cls, attr, counter(name, getattr(cls, attr)))
+        for mode, recompute in (("on", None), ("off", None), ("on", "full"), ("off", "full"), ("on", "full_attn"),
+                                ("on", "core_attn"), ("off", "core_attn")):
             ops.configure(mode)
             model.recompute = recompute
-            calls.update(forward=0, backward=0)
+            calls.clear()
             phase[0] = "forward"
             logp, entropy = token_logprobs(model, ids, mask, 4, ids[:, 4:], 0.9, with_entropy=True)
             phase[0] = "backward"
             (logp.sum() - 0.1 * entropy.sum()).backward()
-            counts[mode, recompute] = dict(calls)
+            counts[mode, recompute] = {name: calls.get((name, "backward"), 0) for name in parts}
+            assert all(calls.get((name, "forward"), 0) == cfg.num_hidden_layers for name in parts), calls
             grads[mode, recompute] = {n: p.grad.numpy().copy() for n, p in model.named_parameters()}
             model.clear_gradients()
     ops.configure("on")
-    model.recompute = False
-    layers = cfg.num_hidden_layers
-    # without recompute the backward reuses the saved activations; with it every layer runs again in the backward
-    for key, rerun in ((("on", False), 0), (("off", False), 0), (("on", True), layers), (("off", True), layers)):
-        assert counts[key] == {"forward": layers, "backward": rerun}, (key, counts[key])
-    for key in (("off", False), ("on", True), ("off", True)):
-        for name, ref in grads["on", False].items():
+    model.recompute = None
+    n = cfg.num_hidden_layers
+    # without recompute the backward reuses the saved activations; with it the recomputed part runs again
+    rerun = {None: (0, 0, 0), "full": (n, n, n), "full_attn": (0, n, n), "core_attn": (0, 0, n)}
+    for (mode, recompute), got in counts.items():
+        assert tuple(got[name] for name in parts) == rerun[recompute], (mode, recompute, got)
+    for key in grads:
+        for name, ref in grads["on", None].items():
             close(grads[key][name], ref, rel=1e-4, what=f"{key} {name}")
 
 

@@ -234,8 +234,9 @@ def test_shared_prompt_pass_equals_full_pass(kind, micro, op_mode):
 
 
 def test_recompute_in_training_takes_the_full_pass(monkeypatch):
-    """Layer recompute cannot share a prompt's keys/values across passes, so training with recompute on runs
-    the full pass (and still recomputes), while evaluation keeps the shared prompt prefix."""
+    """Layer (or attention-block) recompute cannot share a prompt's keys/values across passes, so training with it
+    runs the full pass, while evaluation, and training that recomputes only the attention core, keep the shared
+    prompt prefix."""
     from paddle_rl.models.logprobs import token_logprobs
     model = make_model("qwen2")
     batch = grouped_batch(211)
@@ -245,10 +246,15 @@ def test_recompute_in_training_takes_the_full_pass(monkeypatch):
     monkeypatch.setattr(CausalLM, "shared_prompt_hidden_states",
                         lambda self, *a: calls.append(self.training) or original(self, *a))
     args = (model, part["input_ids"], part["attention_mask"], batch.prompt_width, part["response_ids"], 1.0)
-    model.recompute = True
     model.train()
-    token_logprobs(*args, shared_prompts=batch.shared_prompts())[0].sum().backward()
+    for granularity, shared in (("full", False), ("full_attn", False), ("core_attn", True)):
+        calls.clear()
+        model.recompute = granularity
+        token_logprobs(*args, shared_prompts=batch.shared_prompts())[0].sum().backward()
+        assert calls == ([True] if shared else []), granularity   # core_attn keeps the shared prompt
     model.eval()
+    calls.clear()
     with paddle.no_grad():
         token_logprobs(*args, shared_prompts=batch.shared_prompts())
     assert calls == [False]
+    model.recompute = None

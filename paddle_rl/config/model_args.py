@@ -3,6 +3,9 @@ from typing import Optional
 
 from .fields import arg
 
+# what recompute_granularity may name (models/decoder.py: CausalLM.recompute)
+RECOMPUTE_GRANULARITIES = ("full", "full_attn", "core_attn")
+
 
 @dataclass
 class ModelArgs:
@@ -23,7 +26,7 @@ class ModelArgs:
     use_fused_head_and_loss_fn: bool = arg(False, acted=False)
     use_fused_linear: bool = arg(False, acted=False)
     fused_linear: bool = arg(False, acted=False)
-    recompute: bool = arg(False, "Recompute decoder layers in the backward pass to save memory.")
+    recompute: bool = arg(False, "Recompute in the backward pass to save memory (what: recompute_granularity).")
     use_custom_ops: str = arg("auto", "Fused C++/CUDA kernels of csrc/ (built on first use): auto (use them if they "
                                       "build, else the pure-Paddle fallbacks with one log line) | on (fail if they "
                                       "cannot be built) | off.")
@@ -45,7 +48,10 @@ class ModelArgs:
     merge_lora: bool = arg(False, "LoRA checkpoints also hold the merged weights as an ordinary Hugging Face model "
                                   "(config.json, model.safetensors) beside the adapter.")
     recompute_use_reentrant: bool = arg(True, acted=False)
-    recompute_granularity: str = arg("full", acted=False)
+    recompute_granularity: str = arg("full", "With recompute: full (each decoder layer: only the layer inputs are "
+                                             "kept) | full_attn (each self-attention block) | core_attn (the "
+                                             "attention core softmax(QK^T)V: its probabilities, which grow with the "
+                                             "sequence length, are not kept).")
     offload_level: str = arg("", acted=False)
     release_grads: bool = arg(False, acted=False)
     offload_optim: bool = arg(False, acted=False)
@@ -69,8 +75,19 @@ class ModelArgs:
             errors.append(f"lora_dropout: must be in [0, 1), got {self.lora_dropout}")
         if self.uses_lora and not self.lora_target_modules:
             errors.append("lora_target_modules: empty (all-linear, or module names such as [q_proj, v_proj])")
+        if self.recompute_granularity not in RECOMPUTE_GRANULARITIES:
+            errors.append(f"recompute_granularity: must be one of {', '.join(RECOMPUTE_GRANULARITIES)}, got "
+                          f"{self.recompute_granularity!r}")
+        elif self.recompute_granularity != "full" and not self.recompute:
+            errors.append(f"recompute_granularity: {self.recompute_granularity} is set without recompute: true, so "
+                          "nothing is recomputed")
         if self.merge_lora and not self.uses_lora:
             errors.append("merge_lora: needs LoRA (lora: true, lora_rank > 0 or lora_path)")
+
+    @property
+    def recompute_what(self):
+        """What the update pass recomputes: None, or a recompute_granularity."""
+        return self.recompute_granularity if self.recompute else None
 
     @property
     def uses_lora(self) -> bool:

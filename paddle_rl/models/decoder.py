@@ -57,6 +57,13 @@ def scaled_inv_freq(inv_freq, scaling: dict):
     return paddle.where(medium, blended, scaled)
 
 
+def _recompute(fn, *args):
+    """fn(*args) whose activations are recomputed in the backward instead of kept (Paddle's non-reentrant
+    recompute, which runs on CPU)."""
+    from paddle.distributed.fleet.utils import recompute
+    return recompute(fn, *args, use_reentrant=False)
+
+
 class LayerCache:
     """Keys and values of one layer: buffers k, v [B, kv_heads, capacity, head_dim] allocated once and written
     in place; slots [0, length) hold the tokens seen so far. Without a capacity the buffers grow by doubling.
@@ -140,12 +147,16 @@ class Pass:
     caches. `decode_start` [B] marks a decode step: one token per row, attending to cache slots from
     decode_start[b] on. MoE blocks add their router statistics to `router` (none in a decode step), each token
     weighted by `token_weight` [B, T] (0 on padding; None: every token counts once). `packing` (packing.Packing)
-    marks a packed row of several sequences: attention runs on its blocks instead of a bias over the row."""
+    marks a packed row of several sequences: attention runs on its blocks instead of a bias over the row.
+    `recompute` (set by CausalLM.run in training): what the backward recomputes, None or "full" (each layer),
+    "full_attn" (each self-attention block) or "core_attn" (softmax(QK^T)V, whose probabilities grow with the
+    sequence)."""
 
     def __init__(self, rotary, position_ids, attention_bias=None, caches=None, decode_start=None, token_weight=None,
                  router=None, packing=None):
         self.position_ids = position_ids
         self.packing = packing
+        self.recompute = None
         self.attention_bias = attention_bias
         self.caches = caches
         self.decode_start = decode_start
@@ -196,17 +207,25 @@ class Attention(nn.Layer):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = ops.rotary(q, p.cos, p.sin), ops.rotary(k, p.cos, p.sin)
         if p.packing is not None:  # several sequences in one row: attention on the packing's blocks
-            return self.o_proj(p.packing.attend(q, k, v, self.scale))
-        q, k, v = q.transpose([0, 2, 1, 3]), k.transpose([0, 2, 1, 3]), v.transpose([0, 2, 1, 3])
-        if cache is not None:
-            k, v = cache.update(k, v)
+            core, args = p.packing.attend, (q, k, v, self.scale)
+        else:
+            q, k, v = q.transpose([0, 2, 1, 3]), k.transpose([0, 2, 1, 3]), v.transpose([0, 2, 1, 3])
+            if cache is not None:
+                k, v = cache.update(k, v)
+            core, args = self._core, (q, k, v, p.attention_bias)
+        if p.recompute == "core_attn":
+            return self.o_proj(_recompute(core, *args))
+        return self.o_proj(core(*args))
+
+    def _core(self, q, k, v, bias):
+        """softmax(q k^T * scale + bias) v: q [B, H, L, D], k, v [B, KV, K, D] -> [B, L, H * D]."""
+        batch, length = q.shape[0], q.shape[2]
         groups = self.num_heads // self.num_kv_heads
         # heads h = kv * groups + j share kv head `kv`: fold the group into the query axis
         q = q.reshape([batch, self.num_kv_heads, groups * length, self.head_dim])
-        probs = ops.masked_softmax(paddle.matmul(q, k, transpose_y=True), p.attention_bias, self.scale)
+        probs = ops.masked_softmax(paddle.matmul(q, k, transpose_y=True), bias, self.scale)
         out = paddle.matmul(probs, v).reshape([batch, self.num_heads, length, self.head_dim])
-        out = out.transpose([0, 2, 1, 3]).reshape([batch, length, self.num_heads * self.head_dim])
-        return self.o_proj(out)
+        return out.transpose([0, 2, 1, 3]).reshape([batch, length, self.num_heads * self.head_dim])
 
     def _decode(self, x, p: Pass, cache: LayerCache):
         """One token per row: split, q/k norm, rotary and the cache write in one kernel, then attention over
@@ -250,7 +269,11 @@ class DecoderLayer(nn.Layer):
             self.mlp = MLP(config, tp_group, f"{prefix}.mlp")
 
     def forward(self, x, p: Pass, cache=None):
-        x = x + self.self_attn(self.input_layernorm(x), p, cache)
+        h = self.input_layernorm(x)
+        if p.recompute == "full_attn" and cache is None:
+            x = x + _recompute(self.self_attn, h, p, None)
+        else:
+            x = x + self.self_attn(h, p, cache)
         return x + self.mlp(self.post_attention_layernorm(x), p)
 
 
@@ -315,7 +338,7 @@ class CausalLM(nn.Layer):
                 self.lm_head = ColumnLinear(config.hidden_size, [config.vocab_size], False, tp_group, "",
                                             ("lm_head",), pad=True)
         self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope)
-        self.recompute = False
+        self.recompute = None   # what training passes recompute in the backward: None | full | full_attn | core_attn
         self._router = None
         self.lora = None  # LoraSettings once adapters are on the model (models/lora.py)
 
@@ -329,6 +352,12 @@ class CausalLM(nn.Layer):
             else:
                 param.set_value(paddle.normal(0.0, std, param.shape).astype(param.dtype))
 
+    @property
+    def recomputes_layers(self) -> bool:
+        """Whether a training pass recomputes whole layers or attention blocks (they cannot hand a prompt's keys and
+        values, with their autograd history, to a later pass)."""
+        return self.training and self.recompute in ("full", "full_attn")
+
     def new_cache(self, capacity: int = 0, dtype=None) -> List[LayerCache]:
         """One LayerCache per layer of this model; `capacity` (prompt + response slots) preallocates them; `dtype`
         (None: the compute dtype) is what they store."""
@@ -339,10 +368,10 @@ class CausalLM(nn.Layer):
         """Token ids (first stage) or the previous stage's hidden states -> this stage's hidden states (after the
         final norm on the last stage)."""
         x = self.embed_tokens(inputs) if self.is_first else inputs
+        p.recompute = self.recompute if self.training and not p.decode else None
         for i, layer in enumerate(self.layers):
-            if self.recompute and self.training and p.caches is None:
-                from paddle.distributed.fleet.utils import recompute
-                x = recompute(layer, x, p, None, use_reentrant=False)
+            if p.recompute == "full" and p.caches is None:
+                x = _recompute(layer, x, p, None)
             else:
                 x = layer(x, p, p.cache(i))
         self._router = p.router

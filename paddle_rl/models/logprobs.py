@@ -13,11 +13,10 @@ def response_hidden(model, input_ids, attention_mask, prompt_width: int, length:
     """Final hidden states at the positions that predict the `length` response tokens: [b, length, hidden].
 
     shared_prompts = (prompt_first [U], prompt_rows [b]) runs each distinct prompt once
-    (`CausalLM.shared_prompt_hidden_states`); None runs every row's prompt. Layer recompute in training
-    takes the full pass: a recomputed layer cannot hand its prompt keys/values, with their autograd
-    history, to the response pass."""
-    recomputing = model.recompute and model.training
-    if shared_prompts is not None and not recomputing and input_ids.shape[1] == prompt_width + length:
+    (`CausalLM.shared_prompt_hidden_states`); None runs every row's prompt. Layer or attention-block recompute in
+    training takes the full pass: a recomputed layer cannot hand its prompt keys/values, with their autograd
+    history, to the response pass (core_attn recompute can: the keys and values are made outside it)."""
+    if shared_prompts is not None and not model.recomputes_layers and input_ids.shape[1] == prompt_width + length:
         return model.shared_prompt_hidden_states(input_ids, attention_mask, prompt_width, *shared_prompts)
     bias = attention_bias_from_mask(attention_mask, input_ids.shape[1], causal=True)
     # the load-balancing loss (MoE) counts the tokens the shared-prompt pass runs: all real ones but the last column

@@ -71,7 +71,7 @@ class RLTrainer:
             1, math.ceil(config.num_train_epochs * self.sampler.batches_per_epoch))
         with unique_name.guard("actor_"):
             self.actor = self.layout.load_model(model_dir, lora=lora_settings(config), adapter=config.lora_path or None)
-        self.actor.recompute = config.recompute
+        self.actor.recompute = config.recompute_what
         if self.actor.router_aux_loss_coef and config.pipeline_parallel_degree > 1:
             raise ValueError("the MoE load-balancing loss (config.json output_router_logits: true, "
                              f"router_aux_loss_coef {self.actor.router_aux_loss_coef}) needs the routers of every "
