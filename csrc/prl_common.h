@@ -137,6 +137,19 @@ inline float ExpF(float x) {
   return x < lo ? 0.0f : p * scale;
 }
 
+typedef float V8 __attribute__((vector_size(32)));
+typedef uint32_t U8 __attribute__((vector_size(32)));
+typedef uint16_t H8 __attribute__((vector_size(16)));
+
+// 8 consecutive floats
+inline V8 Load8(const float* p) {
+  V8 x;
+  std::memcpy(&x, p, sizeof(x));
+  return x;
+}
+
+inline float HSum8(V8 a) { return ((a[0] + a[4]) + (a[1] + a[5])) + ((a[2] + a[6]) + (a[3] + a[7])); }
+
 inline float Dot(const float* a, const float* b, int64_t n) {
   float s = 0.0f;
 #pragma omp simd reduction(+ : s)
@@ -146,26 +159,14 @@ inline float Dot(const float* a, const float* b, int64_t n) {
 
 // Dot product for n % 8 == 0 with 8-wide vector accumulators (one horizontal sum at the end).
 inline float Dot8(const float* a, const float* b, int64_t n) {
-  typedef float V8 __attribute__((vector_size(32)));
   V8 acc0 = {0, 0, 0, 0, 0, 0, 0, 0}, acc1 = acc0;
   int64_t i = 0;
   for (; i + 16 <= n; i += 16) {
-    V8 x0, y0, x1, y1;
-    std::memcpy(&x0, a + i, sizeof(V8));
-    std::memcpy(&y0, b + i, sizeof(V8));
-    std::memcpy(&x1, a + i + 8, sizeof(V8));
-    std::memcpy(&y1, b + i + 8, sizeof(V8));
-    acc0 += x0 * y0;
-    acc1 += x1 * y1;
+    acc0 += Load8(a + i) * Load8(b + i);
+    acc1 += Load8(a + i + 8) * Load8(b + i + 8);
   }
-  for (; i < n; i += 8) {
-    V8 x0, y0;
-    std::memcpy(&x0, a + i, sizeof(V8));
-    std::memcpy(&y0, b + i, sizeof(V8));
-    acc0 += x0 * y0;
-  }
-  acc0 += acc1;
-  return ((acc0[0] + acc0[4]) + (acc0[1] + acc0[5])) + ((acc0[2] + acc0[6]) + (acc0[3] + acc0[7]));
+  for (; i < n; i += 8) acc0 += Load8(a + i) * Load8(b + i);
+  return HSum8(acc0 + acc1);
 }
 
 // KV-cache elements: float32, or a 16-bit float (bfloat16, float16) that attention reads back as float32.
@@ -202,16 +203,7 @@ inline void FromFloat(float v, float* out) { *out = v; }
 inline void FromFloat(float v, BF16* out) { out->bits = phi::dtype::bfloat16(v).x; }
 inline void FromFloat(float v, F16* out) { out->bits = phi::dtype::float16(v).x; }
 
-typedef float V8 __attribute__((vector_size(32)));
-typedef uint32_t U8 __attribute__((vector_size(32)));
-typedef uint16_t H8 __attribute__((vector_size(16)));
-
-// 8 consecutive elements as float32
-inline V8 Load8(const float* p) {
-  V8 x;
-  std::memcpy(&x, p, sizeof(x));
-  return x;
-}
+// 8 consecutive elements of a 16-bit cache as float32
 inline V8 Load8(const BF16* p) {
   H8 h;
   std::memcpy(&h, p, sizeof(h));
@@ -226,7 +218,5 @@ inline V8 Load8(const F16* p) {
   return x;
 #endif
 }
-
-inline float HSum8(V8 a) { return ((a[0] + a[4]) + (a[1] + a[5])) + ((a[2] + a[6]) + (a[3] + a[7])); }
 
 }  // namespace prl
