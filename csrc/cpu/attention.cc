@@ -58,6 +58,13 @@ inline void AccumulateScalar(const T* v, const float* p, int64_t stride, int64_t
   }
 }
 
+// Ask for the cache lines of one row of d elements.
+template <typename T>
+inline void Prefetch(const T* row, int64_t d) {
+  const char* p = reinterpret_cast<const char*>(row);
+  for (int64_t off = 0; off < d * static_cast<int64_t>(sizeof(T)); off += 64) __builtin_prefetch(p + off, 0, 3);
+}
+
 // fn.template operator()<M>() for the size M of the head block starting at j0
 template <typename Fn>
 inline void ForBlock(int64_t groups, int64_t j0, Fn&& fn) {
@@ -85,7 +92,19 @@ void Attend(const float* qp, const T* kp, const T* vp, const int64_t* st, float*
     // slots are counted from the row's first one, so a row's result does not depend on where its window sits in
     // the cache or on the rows beside it
     const int64_t n = length - first;
+    // the next item's window is a new stream: fetch its rows while this item's are read
+    const T* next_keys = nullptr;
+    const T* next_values = nullptr;
+    int64_t next_n = 0;
+    if (item + 1 < end) {
+      const int64_t nb = (item + 1) / kv, ng = (item + 1) % kv;
+      const int64_t nf = std::min<int64_t>(std::max<int64_t>(st[nb], 0), length - 1);
+      next_keys = kp + ((nb * kv + ng) * cap + nf) * d;
+      next_values = vp + ((nb * kv + ng) * cap + nf) * d;
+      next_n = length - nf;
+    }
     for (int64_t s = 0; s < n; ++s) {
+      if (s < next_n) Prefetch(next_keys + s * d, d);
       for (int64_t j0 = 0; j0 < groups; j0 += kHeadBlock) {
         ForBlock(groups, j0, [&](auto m) {
           constexpr int M = decltype(m)::value;
@@ -109,6 +128,7 @@ void Attend(const float* qp, const T* kp, const T* vp, const int64_t* st, float*
     }
     std::fill(acc.begin(), acc.end(), 0.0f);
     for (int64_t s = 0; s < n; ++s) {
+      if (s < next_n) Prefetch(next_values + s * d, d);
       for (int64_t j0 = 0; j0 < groups; j0 += kHeadBlock) {
         ForBlock(groups, j0, [&](auto m) {
           constexpr int M = decltype(m)::value;
