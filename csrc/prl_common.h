@@ -170,17 +170,19 @@ inline float Dot8(const float* a, const float* b, int64_t n) {
 }
 
 // KV-cache elements: float32, or a 16-bit float (bfloat16, float16) that attention reads back as float32.
-enum class KvType { kFloat32, kBFloat16, kFloat16 };
 struct BF16 { uint16_t bits; };  // bfloat16 storage
 struct F16 { uint16_t bits; };   // float16 storage
 
-inline KvType CheckCpuCache(const paddle::Tensor& x, const char* op, const char* name) {
-  PD_CHECK(x.is_cpu(), op, ": ", name, " must be a CPU tensor");
-  switch (x.dtype()) {
-    case paddle::DataType::FLOAT32: return KvType::kFloat32;
-    case paddle::DataType::BFLOAT16: return KvType::kBFloat16;
-    case paddle::DataType::FLOAT16: return KvType::kFloat16;
-    default: PD_THROW(op, ": ", name, " must be float32, bfloat16 or float16");
+// Checks that the caches k and v are CPU tensors of one KV-cache dtype and calls fn(T{}) with T its element type.
+template <typename Fn>
+void ForCacheType(const paddle::Tensor& k, const paddle::Tensor& v, const char* op, Fn&& fn) {
+  PD_CHECK(k.is_cpu() && v.is_cpu(), op, ": cache_k and cache_v must be CPU tensors");
+  PD_CHECK(v.dtype() == k.dtype(), op, ": cache_v must match cache_k's dtype");
+  switch (k.dtype()) {
+    case paddle::DataType::FLOAT32: return fn(float{});
+    case paddle::DataType::BFLOAT16: return fn(BF16{});
+    case paddle::DataType::FLOAT16: return fn(F16{});
+    default: PD_THROW(op, ": cache_k must be float32, bfloat16 or float16");
   }
 }
 

@@ -4,6 +4,7 @@
 //   (its left padding is skipped); out [B, 1, H * D]. Query head h reads kv head h / (H / KV).
 #include <algorithm>
 #include <type_traits>
+#include <utility>
 
 #include "../prl_common.h"
 
@@ -83,26 +84,24 @@ void Attend(const float* qp, const T* kp, const T* vp, const int64_t* st, float*
   const int64_t groups = heads / kv;
   const bool wide = d % 8 == 0;
   std::vector<float> scores(static_cast<size_t>(groups) * cap), acc(static_cast<size_t>(groups) * d), inv(groups);
-  for (int64_t item = begin; item < end; ++item) {
+  // the window of item (row, kv head): its first slot's offset in the caches and its number of slots
+  auto window = [&](int64_t item) {
     const int64_t bi = item / kv, g = item % kv;
     const int64_t first = std::min<int64_t>(std::max<int64_t>(st[bi], 0), length - 1);
-    const T* keys = kp + ((bi * kv + g) * cap + first) * d;
-    const T* values = vp + ((bi * kv + g) * cap + first) * d;
-    const float* q0 = qp + (bi * heads + g * groups) * d;  // the group's query heads are adjacent
+    return std::make_pair(((bi * kv + g) * cap + first) * d, length - first);
+  };
+  for (int64_t item = begin; item < end; ++item) {
+    const int64_t bi = item / kv, g = item % kv;
     // slots are counted from the row's first one, so a row's result does not depend on where its window sits in
     // the cache or on the rows beside it
-    const int64_t n = length - first;
+    const auto [at, n] = window(item);
+    const T* keys = kp + at;
+    const T* values = vp + at;
+    const float* q0 = qp + (bi * heads + g * groups) * d;  // the group's query heads are adjacent
     // the next item's window is a new stream: fetch its rows while this item's are read
-    const T* next_keys = nullptr;
-    const T* next_values = nullptr;
-    int64_t next_n = 0;
-    if (item + 1 < end) {
-      const int64_t nb = (item + 1) / kv, ng = (item + 1) % kv;
-      const int64_t nf = std::min<int64_t>(std::max<int64_t>(st[nb], 0), length - 1);
-      next_keys = kp + ((nb * kv + ng) * cap + nf) * d;
-      next_values = vp + ((nb * kv + ng) * cap + nf) * d;
-      next_n = length - nf;
-    }
+    const auto [next_at, next_n] = item + 1 < end ? window(item + 1) : std::make_pair(int64_t{0}, int64_t{0});
+    const T* next_keys = kp + next_at;
+    const T* next_values = vp + next_at;
     for (int64_t s = 0; s < n; ++s) {
       if (s < next_n) Prefetch(next_keys + s * d, d);
       for (int64_t j0 = 0; j0 < groups; j0 += kHeadBlock) {
@@ -155,8 +154,6 @@ std::vector<paddle::Tensor> DecodeAttention(const paddle::Tensor& q, const paddl
 #endif
   const char* op = "prl_decode_attention";
   prl::CheckCpuFloat(q, op, "q");
-  const prl::KvType type = prl::CheckCpuCache(cache_k, op, "cache_k");
-  PD_CHECK(cache_v.dtype() == cache_k.dtype() && cache_v.is_cpu(), op, ": cache_v must match cache_k's dtype");
   PD_CHECK(start.dtype() == paddle::DataType::INT64, op, ": start must be int64");
   const auto& qs = q.shape();
   const auto& cs = cache_k.shape();
@@ -169,21 +166,14 @@ std::vector<paddle::Tensor> DecodeAttention(const paddle::Tensor& q, const paddl
   const float* qp = q.data<float>();
   const int64_t* st = start.data<int64_t>();
   float* o = out.data<float>();
-  const void* kp = cache_k.data();
-  const void* vp = cache_v.data();
   // (row, kv head) items in parallel, each part with its own scratch
-  prl::ParallelFor(b * kv, 2 * heads / kv * length * d, [&](int, int64_t begin, int64_t end) {
-    switch (type) {
-      case prl::KvType::kFloat32:
-        return Attend(qp, static_cast<const float*>(kp), static_cast<const float*>(vp), st, o, begin, end, heads, kv,
-                      cap, d, length, scale);
-      case prl::KvType::kBFloat16:
-        return Attend(qp, static_cast<const prl::BF16*>(kp), static_cast<const prl::BF16*>(vp), st, o, begin, end,
-                      heads, kv, cap, d, length, scale);
-      case prl::KvType::kFloat16:
-        return Attend(qp, static_cast<const prl::F16*>(kp), static_cast<const prl::F16*>(vp), st, o, begin, end,
-                      heads, kv, cap, d, length, scale);
-    }
+  prl::ForCacheType(cache_k, cache_v, op, [&](auto zero) {
+    using T = decltype(zero);
+    const T* kp = static_cast<const T*>(cache_k.data());
+    const T* vp = static_cast<const T*>(cache_v.data());
+    prl::ParallelFor(b * kv, 2 * heads / kv * length * d, [&](int, int64_t begin, int64_t end) {
+      Attend(qp, kp, vp, st, o, begin, end, heads, kv, cap, d, length, scale);
+    });
   });
   return {out};
 }

@@ -128,8 +128,6 @@ std::vector<paddle::Tensor> RotaryQkvCache(const paddle::Tensor& qkv, const padd
 #endif
   const char* op = "prl_rotary_qkv_cache";
   prl::CheckCpuFloat(qkv, op, "qkv");
-  const prl::KvType type = prl::CheckCpuCache(cache_k, op, "cache_k");
-  PD_CHECK(cache_v.dtype() == cache_k.dtype() && cache_v.is_cpu(), op, ": cache_v must match cache_k's dtype");
   prl::CheckCpuFloat(inv_freq, op, "inv_freq");
   PD_CHECK(positions.dtype() == paddle::DataType::INT64, op, ": positions must be int64");
   const auto& s = qkv.shape();
@@ -150,7 +148,10 @@ std::vector<paddle::Tensor> RotaryQkvCache(const paddle::Tensor& qkv, const padd
   const float* freq = inv_freq.data<float>();
   float* qp = q.data<float>();
   const int64_t width = s[2];
-  auto write = [&](auto* kp, auto* vp) {
+  prl::ForCacheType(cache_k, cache_v, op, [&](auto zero) {
+    using T = decltype(zero);
+    T* kp = static_cast<T*>(cache_k.data());
+    T* vp = static_cast<T*>(cache_v.data());
     std::vector<float> c(d), sn(d), tmp(d), rotated(d);
     for (int64_t row = 0; row < b * l; ++row) {
       const int64_t bi = row / l, li = row % l;
@@ -174,16 +175,7 @@ std::vector<paddle::Tensor> RotaryQkvCache(const paddle::Tensor& qkv, const padd
         }
       }
     }
-  };
-  switch (type) {
-    case prl::KvType::kFloat32: write(cache_k.data<float>(), cache_v.data<float>()); break;
-    case prl::KvType::kBFloat16:
-      write(static_cast<prl::BF16*>(cache_k.data()), static_cast<prl::BF16*>(cache_v.data()));
-      break;
-    case prl::KvType::kFloat16:
-      write(static_cast<prl::F16*>(cache_k.data()), static_cast<prl::F16*>(cache_v.data()));
-      break;
-  }
+  });
   return {q};
 }
 

@@ -48,8 +48,7 @@ std::vector<paddle::Tensor> DecodeAttentionCUDA(const paddle::Tensor& q, const p
   auto out = paddle::empty({b, 1, heads * d}, q.dtype(), q.place());
   auto scores = paddle::empty({b * heads * cap}, paddle::DataType::FLOAT32, q.place());
   dim3 grid(static_cast<unsigned>(b), static_cast<unsigned>(heads));
-  PD_CHECK(cache_v.dtype() == cache_k.dtype(), "prl_decode_attention: cache_v must match cache_k's dtype");
-  prl_cuda::ForCacheType(cache_k.dtype(), "prl_decode_attention", [&](auto zero) {
+  prl_cuda::ForCacheType(cache_k, cache_v, "prl_decode_attention", [&](auto zero) {
     using T = decltype(zero);
     if (b > 0)
       DecodeAttentionKernel<T><<<grid, 128, 0, q.stream()>>>(

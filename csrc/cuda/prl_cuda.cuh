@@ -76,14 +76,15 @@ __device__ __forceinline__ void FromFloat(float v, float* out) { *out = v; }
 __device__ __forceinline__ void FromFloat(float v, __nv_bfloat16* out) { *out = __float2bfloat16_rn(v); }
 __device__ __forceinline__ void FromFloat(float v, __half* out) { *out = __float2half_rn(v); }
 
-// fn(T{}) with T the element type of a KV cache of `dtype`
+// Checks that the caches k and v share one KV-cache dtype and calls fn(T{}) with T its element type.
 template <typename Fn>
-void ForCacheType(paddle::DataType dtype, const char* op, Fn&& fn) {
-  switch (dtype) {
+void ForCacheType(const paddle::Tensor& k, const paddle::Tensor& v, const char* op, Fn&& fn) {
+  PD_CHECK(v.dtype() == k.dtype(), op, ": cache_v must match cache_k's dtype");
+  switch (k.dtype()) {
     case paddle::DataType::FLOAT32: return fn(float{});
     case paddle::DataType::BFLOAT16: return fn(__nv_bfloat16{});
     case paddle::DataType::FLOAT16: return fn(__half{});
-    default: PD_THROW(op, ": the KV cache must be float32, bfloat16 or float16");
+    default: PD_THROW(op, ": cache_k must be float32, bfloat16 or float16");
   }
 }
 

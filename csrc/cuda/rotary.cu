@@ -82,8 +82,7 @@ std::vector<paddle::Tensor> RotaryQkvCacheCUDA(const paddle::Tensor& qkv, const 
   const int threads = static_cast<int>((d + 31) / 32 * 32);
   PD_CHECK(threads <= 1024, "prl_rotary_qkv_cache: head_dim too large");
   dim3 grid(static_cast<unsigned>(b * l), static_cast<unsigned>(num_heads + num_kv_heads));
-  PD_CHECK(cache_v.dtype() == cache_k.dtype(), "prl_rotary_qkv_cache: cache_v must match cache_k's dtype");
-  prl_cuda::ForCacheType(cache_k.dtype(), "prl_rotary_qkv_cache", [&](auto zero) {
+  prl_cuda::ForCacheType(cache_k, cache_v, "prl_rotary_qkv_cache", [&](auto zero) {
     using T = decltype(zero);
     if (b * l > 0)
       RotaryQkvCacheKernel<T><<<grid, threads, 0, qkv.stream()>>>(

@@ -4,7 +4,7 @@ import paddle.nn.functional as F
 
 from . import build
 from ._util import contiguous, fusable
-from .kv_cache import DTYPES as CACHE_DTYPES
+from .kv_cache import caches_fusable
 
 NEG_INF = -1e9
 
@@ -29,8 +29,7 @@ def decode_attention_fused(q, cache_k, cache_v, start, length: int, scale: float
 
 
 def decode_attention(q, cache_k, cache_v, start, length: int, scale: float):
-    fused = fusable(q) and fusable(cache_k, cache_v, dtypes=CACHE_DTYPES) and cache_k.dtype == cache_v.dtype
-    fn = decode_attention_fused if fused else decode_attention_reference
+    fn = decode_attention_fused if fusable(q) and caches_fusable(cache_k, cache_v) else decode_attention_reference
     return fn(q, cache_k, cache_v, start, length, scale)
 
 

@@ -34,6 +34,11 @@ def kv_place_fused(dst, src, src_rows, dst_row: int, src_start: int, dst_start: 
 DTYPES = (paddle.float32, paddle.float16, paddle.bfloat16)
 
 
+def caches_fusable(cache_k, cache_v) -> bool:
+    """A KV cache the decode kernels read and write: keys and values of one of DTYPES on a kernel place."""
+    return cache_k.dtype == cache_v.dtype and fusable(cache_k, cache_v, dtypes=DTYPES)
+
+
 def _fusable(dst, src, src_rows) -> bool:
     if dst.dtype != src.dtype or src_rows.dtype != paddle.int64 or not dst.is_contiguous():
         return False

@@ -5,7 +5,7 @@ import paddle
 
 from . import build
 from ._util import contiguous, fusable
-from .kv_cache import DTYPES as CACHE_DTYPES
+from .kv_cache import caches_fusable
 from .norm import rms_norm_reference
 
 
@@ -66,7 +66,6 @@ def rotary_qkv_cache_fused(qkv, positions, inv_freq, cache_k, cache_v, num_heads
 def rotary_qkv_cache(qkv, positions, inv_freq, cache_k, cache_v, num_heads: int, num_kv_heads: int, slot: int,
                      q_norm: Optional[paddle.Tensor] = None, k_norm: Optional[paddle.Tensor] = None,
                      eps: float = 1e-6):
-    fused = (fusable(qkv, q_norm) and fusable(cache_k, cache_v, dtypes=CACHE_DTYPES)
-             and cache_k.dtype == cache_v.dtype)
+    fused = fusable(qkv, q_norm) and caches_fusable(cache_k, cache_v)
     fn = rotary_qkv_cache_fused if fused else rotary_qkv_cache_reference
     return fn(qkv, positions, inv_freq, cache_k, cache_v, num_heads, num_kv_heads, slot, q_norm, k_norm, eps)
