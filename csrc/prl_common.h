@@ -13,7 +13,7 @@
 #include <cstring>
 #include <thread>
 #include <vector>
-#ifdef __F16C__
+#if defined(__F16C__) || defined(__AVX__)
 #include <immintrin.h>
 #endif
 #ifdef _OPENMP
@@ -149,6 +149,28 @@ inline V8 Load8(const float* p) {
 }
 
 inline float HSum8(V8 a) { return ((a[0] + a[4]) + (a[1] + a[5])) + ((a[2] + a[6]) + (a[3] + a[7])); }
+
+// out[i] = scale * (the sum of a[i]'s lanes) for i < N; N = 8 and 4 reduce their vectors together (pairwise
+// horizontal adds, a lane order of their own), other N one at a time.
+template <int N>
+inline void HSums(const V8* a, float scale, float* out) {
+#ifdef __AVX__
+  if constexpr (N == 8 || N == 4) {
+    auto m = [&](int i) { return BitCast<__m256>(a[i]); };
+    const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(m(0), m(1)), _mm256_hadd_ps(m(2), m(3)));
+    if constexpr (N == 4) {
+      const __m128 r = _mm_add_ps(_mm256_castps256_ps128(u0), _mm256_extractf128_ps(u0, 1));
+      _mm_storeu_ps(out, _mm_mul_ps(r, _mm_set1_ps(scale)));
+    } else {
+      const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(m(4), m(5)), _mm256_hadd_ps(m(6), m(7)));
+      const __m256 r = _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+      _mm256_storeu_ps(out, _mm256_mul_ps(r, _mm256_set1_ps(scale)));
+    }
+    return;
+  }
+#endif
+  for (int i = 0; i < N; ++i) out[i] = HSum8(a[i]) * scale;
+}
 
 inline float Dot(const float* a, const float* b, int64_t n) {
   float s = 0.0f;

@@ -107,7 +107,7 @@ def rounded_cache_logprobs(model, seq, dtype, temperature):
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_16_bit_kv_cache(model, dtype):
     """kv_cache_dtype: keys and values are stored in 16 bits (half the cache's bytes). The rollout's log-probs equal
-    a full forward that reads the same rounded keys and values (to 1e-4 for float16, 1e-3 for bfloat16), differ
+    a full forward that reads the same rounded keys and values (to 5e-4 for float16, 1e-3 for bfloat16), differ
     from the float32 cache's by the rounding, and the layout changes no token."""
     keys = [sample_key(1, 0, i // 4, i % 4) for i in range(12)]
     params = SamplingParams(max_dec_len=24, temperature=0.8)
@@ -119,8 +119,8 @@ def test_16_bit_kv_cache(model, dtype):
     (half, stats), (full, full_stats) = runs[dtype], runs["float32"]
     # a full forward computes k and v in one GEMM over the sequence, the decode one row at a time: their ~1e-6
     # difference can tip a key across a rounding boundary (one 16-bit step: 2^-8 relative for bfloat16, 2^-11
-    # for float16), so the agreement is bounded by that step
-    tol = 1e-3 if dtype == "bfloat16" else 1e-4
+    # for float16), so the agreement is bounded by that step (a float16 key one step off moved a log-prob by 2.5e-4)
+    tol = 1e-3 if dtype == "bfloat16" else 5e-4
     cfg = model.config
     slot_bytes = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim
     assert stats["peak_kv_bytes"] == stats["peak_slots"] * slot_bytes * 2

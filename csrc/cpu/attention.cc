@@ -18,27 +18,119 @@ namespace {
 
 constexpr int64_t kHeadBlock = 4;  // query heads of a group that share each load (and conversion) of a key or value
 
-// out[j * stride] = scale * (q_j . k) for the M query heads of a block (q: M rows of d floats; d % 8 == 0)
-template <int M, typename T>
-inline void Score(const float* q, const T* k, int64_t d, float scale, float* out, int64_t stride) {
-  prl::V8 a[M] = {};
-  for (int64_t c = 0; c < d; c += 8) {
-    const prl::V8 x = prl::Load8(k + c);
-    for (int j = 0; j < M; ++j) a[j] += prl::Load8(q + j * d + c) * x;
-  }
-  for (int j = 0; j < M; ++j) out[j * stride] = prl::HSum8(a[j]) * scale;
+// Ask for the cache lines of one row of d elements.
+template <typename T>
+inline void Prefetch(const T* row, int64_t d) {
+  const char* p = reinterpret_cast<const char*>(row);
+  for (int64_t off = 0; off < d * static_cast<int64_t>(sizeof(T)); off += 64) __builtin_prefetch(p + off, 0, 3);
 }
 
-// acc_j += p[j * stride] * v for the M heads of a block (acc: M rows of d floats; d % 8 == 0)
-template <int M, typename T>
-inline void Accumulate(const T* v, const float* p, int64_t stride, int64_t d, float* acc) {
+// Vector accumulators a block keeps in registers: 32 vector registers with AVX-512, else 16, less the loaded rows
+// (a key block's NK, q read from memory) or the loaded row and its broadcast weight (a value tile's NV + 1).
+#ifdef __AVX512F__
+constexpr int kScoreAccumulators = 24, kValueAccumulators = 24;
+#else
+constexpr int kScoreAccumulators = 12, kValueAccumulators = 8;
+#endif
+
+// Keys scored together by a block of M heads: M x NK independent dot products (the loads of a key row serve M
+// heads, and no product waits on the one before it), reduced NK at a time.
+template <int M>
+constexpr int KeyBlock() {
+  return M * 8 <= kScoreAccumulators ? 8 : M * 4 <= kScoreAccumulators ? 4 : 2;
+}
+
+// out[j * stride + i] = scale * (q_j . k_i) for the M query heads of a block (q: M rows of d floats) and NK keys
+// (k: NK rows of d elements); d % 8 == 0.
+template <int M, int NK, typename T>
+inline void Score(const float* q, const T* k, int64_t d, float scale, float* out, int64_t stride) {
+  prl::V8 a[M][NK] = {};
   for (int64_t c = 0; c < d; c += 8) {
-    const prl::V8 x = prl::Load8(v + c);
+    prl::V8 x[NK];
+    for (int i = 0; i < NK; ++i) x[i] = prl::Load8(k + i * d + c);
     for (int j = 0; j < M; ++j) {
-      const prl::V8 r = prl::Load8(acc + j * d + c) + p[j * stride] * x;
-      std::memcpy(acc + j * d + c, &r, sizeof(r));
+      const prl::V8 y = prl::Load8(q + j * d + c);
+      for (int i = 0; i < NK; ++i) a[j][i] += y * x[i];
     }
   }
+  for (int j = 0; j < M; ++j) prl::HSums<NK>(a[j], scale, out + j * stride);
+}
+
+// acc_j = sum_s p[j * stride + s] * v_s over a window's n slots for the M heads of a block (v: rows of d = 8 NV
+// elements; acc: M rows of d floats). The M x NV accumulators stay in registers over all the slots; fetches the
+// first next_n rows of next (the next window) along.
+template <int M, int NV, typename T>
+inline void AccumulateInRegisters(const T* v, const float* p, int64_t stride, int64_t n, float* acc, const T* next,
+                                  int64_t next_n) {
+  constexpr int64_t d = 8 * NV;
+  prl::V8 a[M][NV] = {};
+  for (int64_t s = 0; s < n; ++s) {
+    if (s < next_n) Prefetch(next + s * d, d);
+    prl::V8 x[NV];
+    for (int i = 0; i < NV; ++i) x[i] = prl::Load8(v + s * d + 8 * i);
+    for (int j = 0; j < M; ++j) {
+      const float w = p[j * stride + s];
+      for (int i = 0; i < NV; ++i) a[j][i] += w * x[i];
+    }
+  }
+  for (int j = 0; j < M; ++j) std::memcpy(acc + j * d, a[j], sizeof(a[j]));
+}
+
+// The same for any d % 8 == 0, the accumulators in memory (L1): each value row is read once, in order, which keeps
+// a window too wide for the registers streaming at the memory's rate.
+template <int M, typename T>
+inline void AccumulateInMemory(const T* v, const float* p, int64_t stride, int64_t d, int64_t n, float* acc,
+                               const T* next, int64_t next_n) {
+  std::fill(acc, acc + M * d, 0.0f);
+  for (int64_t s = 0; s < n; ++s) {
+    if (s < next_n) Prefetch(next + s * d, d);
+    for (int64_t c = 0; c < d; c += 8) {
+      const prl::V8 x = prl::Load8(v + s * d + c);
+      for (int j = 0; j < M; ++j) {
+        const prl::V8 r = prl::Load8(acc + j * d + c) + p[j * stride + s] * x;
+        std::memcpy(acc + j * d + c, &r, sizeof(r));
+      }
+    }
+  }
+}
+
+// Column tiles of NV vectors: the M x NV accumulators of a tile stay in registers over the slots [s0, s1)
+// (v offset to the tile's first column; acc: M rows of d floats, added to).
+template <int M, int NV, typename T>
+inline void AccumulateTile(const T* v, const float* p, int64_t stride, int64_t d, int64_t s0, int64_t s1,
+                           float* acc) {
+  prl::V8 a[M][NV];
+  for (int j = 0; j < M; ++j) std::memcpy(a[j], acc + j * d, sizeof(a[j]));
+  for (int64_t s = s0; s < s1; ++s) {
+    prl::V8 x[NV];
+    for (int i = 0; i < NV; ++i) x[i] = prl::Load8(v + s * d + 8 * i);
+    for (int j = 0; j < M; ++j) {
+      const float w = p[j * stride + s];
+      for (int i = 0; i < NV; ++i) a[j][i] += w * x[i];
+    }
+  }
+  for (int j = 0; j < M; ++j) std::memcpy(acc + j * d, a[j], sizeof(a[j]));
+}
+
+// A window whose value rows fit in the L2 cache (at most kTiledBytes) is passed once per column tile.
+constexpr int64_t kTiledBytes = 256 << 10;
+
+template <int M, typename T>
+inline void Accumulate(const T* v, const float* p, int64_t stride, int64_t d, int64_t n, float* acc, const T* next,
+                       int64_t next_n) {
+  if constexpr (M * 8 <= kValueAccumulators) {
+    if (d == 64) return AccumulateInRegisters<M, 8>(v, p, stride, n, acc, next, next_n);
+  }
+  if constexpr (M * 4 <= kValueAccumulators) {
+    if (d == 32) return AccumulateInRegisters<M, 4>(v, p, stride, n, acc, next, next_n);
+  }
+  constexpr int NV = M * 4 <= kValueAccumulators ? 4 : 2;
+  if (d % (8 * NV) != 0 || n * d * static_cast<int64_t>(sizeof(T)) > kTiledBytes) {
+    return AccumulateInMemory<M>(v, p, stride, d, n, acc, next, next_n);
+  }
+  std::fill(acc, acc + M * d, 0.0f);
+  for (int64_t s = 0; s < next_n; ++s) Prefetch(next + s * d, d);
+  for (int64_t c = 0; c < d; c += 8 * NV) AccumulateTile<M, NV>(v + c, p, stride, d, 0, n, acc + c);
 }
 
 // Any head_dim: one element at a time.
@@ -52,18 +144,14 @@ inline void ScoreScalar(const float* q, const T* k, int64_t d, float scale, floa
 }
 
 template <int M, typename T>
-inline void AccumulateScalar(const T* v, const float* p, int64_t stride, int64_t d, float* acc) {
-  for (int64_t i = 0; i < d; ++i) {
-    const float x = prl::ToFloat(v[i]);
-    for (int j = 0; j < M; ++j) acc[j * d + i] += p[j * stride] * x;
+inline void AccumulateScalar(const T* v, const float* p, int64_t stride, int64_t d, int64_t n, float* acc) {
+  std::fill(acc, acc + M * d, 0.0f);
+  for (int64_t s = 0; s < n; ++s) {
+    for (int64_t i = 0; i < d; ++i) {
+      const float x = prl::ToFloat(v[s * d + i]);
+      for (int j = 0; j < M; ++j) acc[j * d + i] += p[j * stride + s] * x;
+    }
   }
-}
-
-// Ask for the cache lines of one row of d elements.
-template <typename T>
-inline void Prefetch(const T* row, int64_t d) {
-  const char* p = reinterpret_cast<const char*>(row);
-  for (int64_t off = 0; off < d * static_cast<int64_t>(sizeof(T)); off += 64) __builtin_prefetch(p + off, 0, 3);
 }
 
 // fn.template operator()<M>() for the size M of the head block starting at j0
@@ -102,16 +190,25 @@ void Attend(const float* qp, const T* kp, const T* vp, const int64_t* st, float*
     const auto [next_at, next_n] = item + 1 < end ? window(item + 1) : std::make_pair(int64_t{0}, int64_t{0});
     const T* next_keys = kp + next_at;
     const T* next_values = vp + next_at;
-    for (int64_t s = 0; s < n; ++s) {
-      if (s < next_n) Prefetch(next_keys + s * d, d);
-      for (int64_t j0 = 0; j0 < groups; j0 += kHeadBlock) {
-        ForBlock(groups, j0, [&](auto m) {
-          constexpr int M = decltype(m)::value;
-          float* o = scores.data() + j0 * cap + s;
-          if (wide) Score<M>(q0 + j0 * d, keys + s * d, d, scale, o, cap);
-          else ScoreScalar<M>(q0 + j0 * d, keys + s * d, d, scale, o, cap);
-        });
-      }
+    for (int64_t j0 = 0; j0 < groups; j0 += kHeadBlock) {
+      ForBlock(groups, j0, [&](auto m) {
+        constexpr int M = decltype(m)::value;
+        constexpr int NK = KeyBlock<M>();
+        const float* q = q0 + j0 * d;
+        float* o = scores.data() + j0 * cap;
+        int64_t s = 0;
+        if (wide) {
+          for (; s + NK <= n; s += NK) {
+            if (j0 == 0) {
+              for (int64_t i = s; i < std::min(s + NK, next_n); ++i) Prefetch(next_keys + i * d, d);
+            }
+            Score<M, NK>(q, keys + s * d, d, scale, o + s, cap);
+          }
+          for (; s < n; ++s) Score<M, 1>(q, keys + s * d, d, scale, o + s, cap);
+        } else {
+          for (; s < n; ++s) ScoreScalar<M>(q, keys + s * d, d, scale, o + s, cap);
+        }
+      });
     }
     for (int64_t j = 0; j < groups; ++j) {
       float* sc = scores.data() + j * cap;
@@ -125,17 +222,13 @@ void Attend(const float* qp, const T* kp, const T* vp, const int64_t* st, float*
       }
       inv[j] = 1.0f / sum;
     }
-    std::fill(acc.begin(), acc.end(), 0.0f);
-    for (int64_t s = 0; s < n; ++s) {
-      if (s < next_n) Prefetch(next_values + s * d, d);
-      for (int64_t j0 = 0; j0 < groups; j0 += kHeadBlock) {
-        ForBlock(groups, j0, [&](auto m) {
-          constexpr int M = decltype(m)::value;
-          const float* p = scores.data() + j0 * cap + s;
-          if (wide) Accumulate<M>(values + s * d, p, cap, d, acc.data() + j0 * d);
-          else AccumulateScalar<M>(values + s * d, p, cap, d, acc.data() + j0 * d);
-        });
-      }
+    for (int64_t j0 = 0; j0 < groups; j0 += kHeadBlock) {
+      ForBlock(groups, j0, [&](auto m) {
+        constexpr int M = decltype(m)::value;
+        const float* p = scores.data() + j0 * cap;
+        if (wide) Accumulate<M>(values, p, cap, d, n, acc.data() + j0 * d, next_values, j0 == 0 ? next_n : 0);
+        else AccumulateScalar<M>(values, p, cap, d, n, acc.data() + j0 * d);
+      });
     }
     for (int64_t j = 0; j < groups; ++j) {
       float* o = out + (bi * heads + g * groups + j) * d;
