@@ -195,17 +195,24 @@ inline float Dot8(const float* a, const float* b, int64_t n) {
 struct BF16 { uint16_t bits; };  // bfloat16 storage
 struct F16 { uint16_t bits; };   // float16 storage
 
+// Checks that t is a CPU tensor of float32, bfloat16 or float16 and calls fn(T{}) with T its element type.
+template <typename Fn>
+void ForElementType(const paddle::Tensor& t, const char* op, const char* name, Fn&& fn) {
+  PD_CHECK(t.is_cpu(), op, ": ", name, " must be a CPU tensor");
+  switch (t.dtype()) {
+    case paddle::DataType::FLOAT32: return fn(float{});
+    case paddle::DataType::BFLOAT16: return fn(BF16{});
+    case paddle::DataType::FLOAT16: return fn(F16{});
+    default: PD_THROW(op, ": ", name, " must be float32, bfloat16 or float16");
+  }
+}
+
 // Checks that the caches k and v are CPU tensors of one KV-cache dtype and calls fn(T{}) with T its element type.
 template <typename Fn>
 void ForCacheType(const paddle::Tensor& k, const paddle::Tensor& v, const char* op, Fn&& fn) {
   PD_CHECK(k.is_cpu() && v.is_cpu(), op, ": cache_k and cache_v must be CPU tensors");
   PD_CHECK(v.dtype() == k.dtype(), op, ": cache_v must match cache_k's dtype");
-  switch (k.dtype()) {
-    case paddle::DataType::FLOAT32: return fn(float{});
-    case paddle::DataType::BFLOAT16: return fn(BF16{});
-    case paddle::DataType::FLOAT16: return fn(F16{});
-    default: PD_THROW(op, ": cache_k must be float32, bfloat16 or float16");
-  }
+  ForElementType(k, op, "cache_k", fn);
 }
 
 // float16 bits -> float32, exact (normal, subnormal, inf, nan)

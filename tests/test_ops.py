@@ -173,6 +173,20 @@ def test_decode_attention(rng, batch, heads, kv, length):
     close(ops.decode_attention_fused(*args).numpy(), ops.decode_attention_reference(*args).numpy(), what="attention")
 
 
+@pytest.mark.parametrize("heads,kv,d,length", [(9, 3, 64, 37), (8, 2, 64, 50), (8, 2, 128, 40), (4, 1, 128, 600),
+                                               (14, 2, 64, 21)])
+def test_decode_attention_value_paths(rng, heads, kv, d, length):
+    """Each way the kernel sums a window's values and scores its keys: whole rows in registers (head_dim 64,
+    groups of up to 3), column tiles (groups of 4, or head_dim 128, windows that fit in L2), the per-slot sweep
+    (a 128-dim window of 600 slots), blocks of 8 and 4 keys with the remainder one by one, head blocks 4 + 3."""
+    batch, capacity = 3, length + 5
+    q = t(rng.standard_normal((batch, 1, heads, d)))
+    k, v = (t(rng.standard_normal((batch, kv, capacity, d))) for _ in range(2))
+    start = paddle.to_tensor(rng.integers(0, length // 2, batch))
+    args = (q, k, v, start, length, 1.0 / np.sqrt(d))
+    close(ops.decode_attention_fused(*args).numpy(), ops.decode_attention_reference(*args).numpy(), what="attention")
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("heads,kv,d", [(9, 3, 64), (7, 1, 16), (12, 2, 12), (4, 4, 32)])
 def test_decode_attention_on_a_16_bit_cache(rng, dtype, heads, kv, d):
@@ -452,3 +466,40 @@ def test_swiglu_and_gradient(rng, shape):
     close(fused.numpy(), ref.numpy(), what="swiglu")
     g = t(rng.standard_normal(ref.shape))
     close(paddle.grad(fused, x, g)[0].numpy(), paddle.grad(ref, x, g)[0].numpy(), what="swiglu dx")
+
+
+# ------------------------------------------------------------------------------------------------ packed linear
+
+@pytest.mark.parametrize("rows,k,n", [(1, 64, 96), (5, 64, 70), (13, 40, 33), (64, 96, 256), (7, 24, 1)])
+def test_packed_linear(rng, rows, k, n):
+    """x @ W from the packed copy: every row-tile size (6, 3 or fewer rows), a last panel cut short, and a row's
+    result bit for bit the same alone as in any batch (each row sums over k in order)."""
+    x = t(rng.standard_normal((rows, k)))
+    w = t(rng.standard_normal((k, n)))
+    packed = ops.pack_weight_fused(w)
+    assert packed.shape == [(n + 31) // 32, k, 32]
+    np.testing.assert_array_equal(packed.numpy(), ops.pack_weight_reference(w).numpy())
+    out = ops.packed_linear_fused(x, packed, n).numpy()
+    close(out, paddle.matmul(x, w).numpy(), what="packed linear")
+    close(ops.packed_linear_reference(x, packed, n).numpy(), paddle.matmul(x, w).numpy(), what="reference")
+    for r in (0, rows - 1):
+        np.testing.assert_array_equal(ops.packed_linear_fused(x[r:r + 1], packed, n).numpy(), out[r:r + 1])
+    # a batch of [..., K] keeps its leading dims; a tied head packs the [N, K] table
+    x3 = x.reshape([1, rows, k])
+    assert ops.packed_linear_fused(x3, packed, n).shape == [1, rows, n]
+    table = t(rng.standard_normal((n, k)))
+    np.testing.assert_array_equal(ops.pack_weight_fused(table, transposed=True).numpy(),
+                                  ops.pack_weight_reference(table, transposed=True).numpy())
+    close(ops.packed_linear_fused(x, ops.pack_weight(table, transposed=True), n).numpy(),
+          paddle.matmul(x, table, transpose_y=True).numpy(), what="packed tied head")
+
+
+def test_packed_linear_checks_its_inputs(rng):
+    x, w = t(rng.standard_normal((2, 16))), t(rng.standard_normal((16, 40)))
+    packed = ops.pack_weight(w)
+    with pytest.raises(Exception, match="prl_packed_linear: packed must be"):
+        ops.packed_linear_fused(t(rng.standard_normal((2, 8))), packed, 40)
+    with pytest.raises(Exception, match="prl_packed_linear: n 70 does not match 2 panels"):
+        ops.packed_linear_fused(x, packed, 70)
+    with pytest.raises(Exception, match="prl_packed_linear: packed must be float32"):
+        ops.packed_linear_fused(x, packed.astype("bfloat16"), 40)

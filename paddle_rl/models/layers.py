@@ -121,7 +121,27 @@ class RMSNorm(nn.Layer):
         return ops.rms_norm(x, self.weight, self.eps)
 
 
-class ColumnLinear(nn.Layer):
+class _Linear(nn.Layer):
+    """What ColumnLinear and RowLinear share: a LoRA adapter and the rollout's packed copy of the weight."""
+
+    def __init__(self):
+        super().__init__()
+        self.lora = None    # a LoRA adapter (models/lora.py) when one is put on this layer
+        self.packed = None  # the rollout's packed copy of effective_weight (CausalLM.packed_weights)
+
+    @property
+    def effective_weight(self):
+        """What x is multiplied by: the weight, or the LoRA-merged one while merged."""
+        return self.weight if self.lora is None else self.lora.weight(self.weight)
+
+    def project(self, x, weight):
+        """x @ weight: from the packed copy while the rollout holds one, else a matmul."""
+        if self.packed is not None:
+            return ops.packed_linear(x, self.packed, weight.shape[1])
+        return paddle.matmul(x, weight)
+
+
+class ColumnLinear(_Linear):
     """y = x @ W (+ b) with the output features split over the group; `sources` are the HF sub-modules fused
     into it under `prefix` (q_proj, k_proj, v_proj), `parts` their output sizes."""
 
@@ -131,7 +151,6 @@ class ColumnLinear(nn.Layer):
         self.group = group
         names = tuple(f"{prefix}.{s}" if prefix else s for s in sources)
         self.module_names = names
-        self.lora = None  # a LoRA adapter (models/lora.py) when one is put on this layer
         tp = group_size(group)
         weight = ParamSpec(tuple(f"{n}.weight" for n in names), True, 1, tuple(parts), pad)
         self.weight = _param(self, [in_features, weight.local_size(tp)], weight, group)
@@ -141,33 +160,32 @@ class ColumnLinear(nn.Layer):
             self.bias = _param(self, [spec.local_size(tp)], spec, group, is_bias=True)
 
     def forward(self, x):
-        weight = self.weight if self.lora is None else self.lora.weight(self.weight)
-        if self.group is None:
+        weight = self.effective_weight
+        if self.group is None and self.packed is None:
             y = F.linear(x, weight, self.bias)
         else:
-            y = paddle.matmul(copy_to_group(x, self.group), weight)
+            y = self.project(copy_to_group(x, self.group), weight)
             y = y + self.bias if self.bias is not None else y
         return y if self.lora is None else self.lora.add(x, y)
 
 
-class RowLinear(nn.Layer):
+class RowLinear(_Linear):
     """y = x @ W (+ b) with the input features split over the group; partial outputs summed."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, group, hf_name: str):
         super().__init__()
         self.group = group
         self.module_names = (hf_name,)
-        self.lora = None  # a LoRA adapter (models/lora.py) when one is put on this layer
         spec = ParamSpec((f"{hf_name}.weight",), True, 0, (in_features,))
         self.weight = _param(self, [spec.local_size(group_size(group)), out_features], spec, group)
         self.bias = _param(self, [out_features], ParamSpec((f"{hf_name}.bias",)), None, True) if bias else None
 
     def forward(self, x):
-        weight = self.weight if self.lora is None else self.lora.weight(self.weight)
-        if self.group is None:
+        weight = self.effective_weight
+        if self.group is None and self.packed is None:
             y = F.linear(x, weight, self.bias)
         else:
-            y = reduce_from_group(paddle.matmul(x, weight), self.group)
+            y = reduce_from_group(self.project(x, weight), self.group)
             y = y + self.bias if self.bias is not None else y
         return y if self.lora is None else self.lora.add(x, y)
 

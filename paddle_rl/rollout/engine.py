@@ -80,13 +80,13 @@ class RolloutEngine:
         if episodes is not None and params.repetition_penalty != 1.0:
             raise ValueError("repetition_penalty: not with a multi-turn environment (observation tokens would not "
                              "count as seen)")
-        with merged_weights(self.model):
-            out = self._generate(prompts, n, params, keys, episodes)
+        with merged_weights(self.model), self.model.packed_weights() as repack:
+            out = self._generate(prompts, n, params, keys, episodes, repack)
         if episodes is not None:
             episodes.finish(out)
         return out
 
-    def _generate(self, prompts, n: int, params: SamplingParams, keys, episodes=None) -> StepBatch:
+    def _generate(self, prompts, n: int, params: SamplingParams, keys, episodes=None, repack=None) -> StepBatch:
         self._episodes = episodes
         model = self.model
         was_training = model.training
@@ -116,7 +116,10 @@ class RolloutEngine:
             if batch.slot >= batch.capacity:
                 batch.relayout(np.arange(len(batch)), decode_count=stats["decode_steps"])
             if self.between_steps is not None:
+                version = self.version
                 self.between_steps()  # rows keep their KV caches, written by the weights they were decoded with
+                if self.version != version and repack is not None:
+                    repack()  # the packed copies follow the new weights
             last = paddle.to_tensor(np.array([s.tokens[-1] for s in batch.seqs], dtype=np.int64))
             positions = paddle.to_tensor(batch.positions().reshape(-1, 1))
             batch.logits = model.decode_step(last, positions, batch.layers, batch.start_tensor())
