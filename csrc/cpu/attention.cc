@@ -56,13 +56,12 @@ inline void Score(const float* q, const T* k, int64_t d, float scale, float* out
   for (int j = 0; j < M; ++j) prl::HSums<NK>(a[j], scale, out + j * stride);
 }
 
-// acc_j = sum_s p[j * stride + s] * v_s over a window's n slots for the M heads of a block (v: rows of d = 8 NV
-// elements; acc: M rows of d floats). The M x NV accumulators stay in registers over all the slots; fetches the
-// first next_n rows of next (the next window) along.
+// acc_j[0 : 8 NV] = sum_s p[j * stride + s] * v_s[0 : 8 NV] over a window's n slots for the M heads of a block
+// (v: rows of d elements, offset to the tile's first column; acc: M rows of d floats, offset alike). The M x NV
+// accumulators stay in registers over all the slots; fetches the first next_n rows of next (the next window) along.
 template <int M, int NV, typename T>
-inline void AccumulateInRegisters(const T* v, const float* p, int64_t stride, int64_t n, float* acc, const T* next,
-                                  int64_t next_n) {
-  constexpr int64_t d = 8 * NV;
+inline void AccumulateTile(const T* v, const float* p, int64_t stride, int64_t d, int64_t n, float* acc,
+                           const T* next, int64_t next_n) {
   prl::V8 a[M][NV] = {};
   for (int64_t s = 0; s < n; ++s) {
     if (s < next_n) Prefetch(next + s * d, d);
@@ -76,8 +75,8 @@ inline void AccumulateInRegisters(const T* v, const float* p, int64_t stride, in
   for (int j = 0; j < M; ++j) std::memcpy(acc + j * d, a[j], sizeof(a[j]));
 }
 
-// The same for any d % 8 == 0, the accumulators in memory (L1): each value row is read once, in order, which keeps
-// a window too wide for the registers streaming at the memory's rate.
+// The same over whole rows for any d % 8 == 0, the accumulators in memory (L1): each value row is read once, in
+// order, which keeps a window too wide for the registers streaming at the memory's rate.
 template <int M, typename T>
 inline void AccumulateInMemory(const T* v, const float* p, int64_t stride, int64_t d, int64_t n, float* acc,
                                const T* next, int64_t next_n) {
@@ -94,43 +93,26 @@ inline void AccumulateInMemory(const T* v, const float* p, int64_t stride, int64
   }
 }
 
-// Column tiles of NV vectors: the M x NV accumulators of a tile stay in registers over the slots [s0, s1)
-// (v offset to the tile's first column; acc: M rows of d floats, added to).
-template <int M, int NV, typename T>
-inline void AccumulateTile(const T* v, const float* p, int64_t stride, int64_t d, int64_t s0, int64_t s1,
-                           float* acc) {
-  prl::V8 a[M][NV];
-  for (int j = 0; j < M; ++j) std::memcpy(a[j], acc + j * d, sizeof(a[j]));
-  for (int64_t s = s0; s < s1; ++s) {
-    prl::V8 x[NV];
-    for (int i = 0; i < NV; ++i) x[i] = prl::Load8(v + s * d + 8 * i);
-    for (int j = 0; j < M; ++j) {
-      const float w = p[j * stride + s];
-      for (int i = 0; i < NV; ++i) a[j][i] += w * x[i];
-    }
-  }
-  for (int j = 0; j < M; ++j) std::memcpy(acc + j * d, a[j], sizeof(a[j]));
-}
-
 // A window whose value rows fit in the L2 cache (at most kTiledBytes) is passed once per column tile.
 constexpr int64_t kTiledBytes = 256 << 10;
 
 template <int M, typename T>
 inline void Accumulate(const T* v, const float* p, int64_t stride, int64_t d, int64_t n, float* acc, const T* next,
                        int64_t next_n) {
+  // a whole row in one tile where its accumulators fit in the registers
   if constexpr (M * 8 <= kValueAccumulators) {
-    if (d == 64) return AccumulateInRegisters<M, 8>(v, p, stride, n, acc, next, next_n);
+    if (d == 64) return AccumulateTile<M, 8>(v, p, stride, d, n, acc, next, next_n);
   }
   if constexpr (M * 4 <= kValueAccumulators) {
-    if (d == 32) return AccumulateInRegisters<M, 4>(v, p, stride, n, acc, next, next_n);
+    if (d == 32) return AccumulateTile<M, 4>(v, p, stride, d, n, acc, next, next_n);
   }
   constexpr int NV = M * 4 <= kValueAccumulators ? 4 : 2;
   if (d % (8 * NV) != 0 || n * d * static_cast<int64_t>(sizeof(T)) > kTiledBytes) {
     return AccumulateInMemory<M>(v, p, stride, d, n, acc, next, next_n);
   }
-  std::fill(acc, acc + M * d, 0.0f);
-  for (int64_t s = 0; s < next_n; ++s) Prefetch(next + s * d, d);
-  for (int64_t c = 0; c < d; c += 8 * NV) AccumulateTile<M, NV>(v + c, p, stride, d, 0, n, acc + c);
+  for (int64_t c = 0; c < d; c += 8 * NV) {
+    AccumulateTile<M, NV>(v + c, p, stride, d, n, acc + c, next, c == 0 ? next_n : 0);
+  }
 }
 
 // Any head_dim: one element at a time.
