@@ -40,6 +40,8 @@ def smoke_test() -> dict:
         "sample_mismatches": int((tokens != ref_tokens).astype("int32").sum()),
         "lm_head_logprobs": float((ops.lm_head_logprobs(hidden, head, labels, 1.0, fused=True)[0]
                                    - ops.lm_head_logprobs_reference(hidden, head, labels, 1.0)[0]).abs().max()),
+        "packed_linear": float((ops.packed_linear_fused(hidden, ops.pack_weight_fused(head), 100)
+                                - paddle.matmul(hidden, head)).abs().max()),
     }
 
 
