@@ -7,7 +7,8 @@ each parameter carries its Hugging Face names and tensor-parallel split (layers.
 One forward serves training, prefill and decode: a `Pass` describes the tokens being run (positions, the
 attention bias, the KV caches) and every layer reads it. A decode step (one new token per row against a
 preallocated cache) takes the fused path in `Attention`: qkv projection -> `rotary_qkv_cache` (split, q/k
-norm, rotary, cache write in place) -> `decode_attention` (left padding skipped by a per-row start slot).
+norm, rotary, cache write in place) -> `decode_attention` (left padding skipped by a per-row start slot). The
+rollout runs inside `packed_weights()`, where the linear layers and the tied head multiply by packed copies.
 A pipeline stage is the same model restricted to a range of layers (`stage=(index, count)`).
 """
 import contextlib
