@@ -44,5 +44,5 @@ def packing_helps(weight) -> bool:
 def packed_linear(x, packed, n: int):
     """x [..., K] @ W[:, :n] from pack_weight's copy. Each row's sums run over k in order whatever the other rows
     are, so a row's output does not depend on the batch it is in."""
-    fused = fusable(x) and x.place.is_cpu_place() and packed.place.is_cpu_place()
+    fused = packing_helps(x) and packed.place.is_cpu_place()
     return (packed_linear_fused if fused else packed_linear_reference)(x, packed, n)

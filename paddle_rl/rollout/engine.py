@@ -86,7 +86,7 @@ class RolloutEngine:
             episodes.finish(out)
         return out
 
-    def _generate(self, prompts, n: int, params: SamplingParams, keys, episodes=None, repack=None) -> StepBatch:
+    def _generate(self, prompts, n: int, params: SamplingParams, keys, episodes, repack) -> StepBatch:
         self._episodes = episodes
         model = self.model
         was_training = model.training
@@ -118,7 +118,7 @@ class RolloutEngine:
             if self.between_steps is not None:
                 version = self.version
                 self.between_steps()  # rows keep their KV caches, written by the weights they were decoded with
-                if self.version != version and repack is not None:
+                if self.version != version:
                     repack()  # the packed copies follow the new weights
             last = paddle.to_tensor(np.array([s.tokens[-1] for s in batch.seqs], dtype=np.int64))
             positions = paddle.to_tensor(batch.positions().reshape(-1, 1))
