@@ -1,8 +1,14 @@
-"""The sandbox and the `code` rule: hostile programs are contained and scored 0 with their reason, nothing of them
-is left running, and the test layouts of public code-RL data score right."""
+"""The sandbox and the `code` rule, against hostile programs: each is contained and scored 0 with its reason, the
+reward pays only for tests the harness saw pass, and nothing of a program is left afterwards (no process, file,
+shared-memory segment or cgroup), as root and as an ordinary user, in-process and through the reward server."""
 import json
 import os
+import shutil
 import socket
+import subprocess
+import sys
+import tempfile
+import textwrap
 import threading
 import time
 
@@ -10,98 +16,292 @@ import numpy as np
 import pytest
 
 from paddle_rl.rewards import RewardSample, RuleReward
-from paddle_rl.rewards.code import extract_program, parse_tests, score_program
-from paddle_rl.rewards.sandbox import SandboxLimits, isolation, run_program
+from paddle_rl.rewards import sandbox
+from paddle_rl.rewards.code import extract_program, parse_tests, run_test, score_program
+from paddle_rl.rewards.sandbox import SandboxError, SandboxLimits, isolation, isolation_problem, run_program
 
 LIMITS = SandboxLimits(wall_seconds=4, cpu_seconds=3, memory_mb=512, output_mb=1, processes=16)
-pytestmark = pytest.mark.skipif(isolation() is None, reason="no network namespace can be made here (unshare)")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# .ci/run sets this: where isolation is expected, its absence fails the suite instead of skipping it
+REQUIRED = os.environ.get("PADDLE_RL_REQUIRE_SANDBOX") == "1"
+isolated = pytest.mark.skipif(isolation() is None and not REQUIRED,
+                              reason=f"programs cannot be isolated here: {isolation_problem()}")
 
 
-def _sandbox_processes():
-    """pids of processes still running a sandboxed program (its interpreter on main.py in a sandbox folder)."""
-    out = []
+@pytest.fixture(autouse=True)
+def _isolation_required_in_ci(request):
+    if REQUIRED and request.node.get_closest_marker("skipif") is not None:
+        assert isolation() is not None, isolation_problem()
+
+
+def _pid_namespace(pid) -> str:
+    try:
+        return os.readlink(f"/proc/{pid}/ns/pid")
+    except OSError:
+        return ""
+
+
+def sandbox_processes():
+    """Processes of any sandbox: in a PID namespace other than this process's (each sandbox makes its own), or
+    bwrap itself. Found by namespace, not by name: a program that execs another binary is still seen."""
+    own = _pid_namespace("self")
+    found = []
     for pid in os.listdir("/proc"):
         if not pid.isdigit():
             continue
         try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                cmd = f.read().split(b"\0")
             with open(f"/proc/{pid}/stat") as f:
-                state = f.read().rsplit(")", 1)[1].split()[0]
+                name, rest = f.read().rsplit(")", 1)
+            state = rest.split()[0]
         except OSError:
             continue
-        if b"main.py" in cmd and state != "Z":
-            out.append(int(pid))
-    return out
+        ns = _pid_namespace(pid)
+        if state != "Z" and ((ns and ns != own) or name.endswith("(bwrap")):
+            found.append(int(pid))
+    return found
 
 
-def _nothing_left():
-    deadline = time.time() + 5
-    while _sandbox_processes() and time.time() < deadline:
+# the names the hostile programs below write (/tmp is shared with the rest of the machine: only these are watched
+# there; /var/tmp and /dev/shm are watched whole)
+WRITTEN = ("paddle_rl_left_behind", "x", "big", "mine.txt")
+
+
+def host_traces():
+    """What a program could leave on the host: files in /tmp, /var/tmp, /dev/shm, System V segments, our cgroups."""
+    files = {os.path.join("/tmp", name) for name in WRITTEN if os.path.lexists(os.path.join("/tmp", name))}
+    for folder in ("/var/tmp", "/dev/shm"):
+        try:
+            files.update(os.path.join(folder, name) for name in os.listdir(folder))
+        except OSError:
+            pass
+    try:
+        with open("/proc/sysvipc/shm") as f:
+            segments = len(f.readlines())
+    except OSError:
+        segments = 0
+    cgroups = set()
+    for parents in sandbox._Cgroup._parents().values():
+        for parent in parents.values():
+            try:
+                cgroups.update(n for n in os.listdir(parent) if n.startswith(sandbox.CGROUP_PREFIX))
+            except OSError:
+                pass
+    shm = os.statvfs("/dev/shm")
+    return files, segments, cgroups, (shm.f_blocks - shm.f_bfree) * shm.f_frsize
+
+
+def nothing_left(before, timeout=10.0):
+    """No sandbox process, and the host's traces as `before` (shm use within 1 MB)."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        after = host_traces()
+        if not sandbox_processes() and after[:3] == before[:3] and abs(after[3] - before[3]) < (1 << 20):
+            return True
         time.sleep(0.1)
-    return not _sandbox_processes()
+    after = host_traces()
+    print("left:", sandbox_processes(), after[0] ^ before[0], after[1:3], before[1:3], after[3] - before[3])
+    return False
 
 
+@pytest.fixture
+def clean_host():
+    """Asserts the test leaves no process or trace of a sandbox behind."""
+    before = host_traces()
+    yield
+    assert nothing_left(before)
+
+
+# a hostile program, the status its run must end with, and the limits it runs under
+MB = 1 << 20
 HOSTILE = {
     "infinite loop": ("while True:\n    pass\n", "timeout"),
     "sleep past the wall clock": ("import time\ntime.sleep(60)\n", "timeout"),
     "fork bomb": ("import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n", "timeout"),
     "10 GB allocation": ("x = bytearray(10 * 1024 ** 3)\nprint(len(x))\n", "memory"),
+    "10 GB over many processes": (textwrap.dedent("""\
+        import os, time
+        for _ in range(64):
+            try:
+                child = os.fork()
+            except OSError:
+                break
+            if child == 0:
+                try:
+                    x = bytearray(160 * 1024 ** 2)
+                    for i in range(0, len(x), 4096):
+                        x[i] = 1
+                except MemoryError:
+                    pass
+                time.sleep(30)
+                os._exit(0)
+        time.sleep(30)
+        """), "memory"),
     "1 GB of output": ("import sys\nfor _ in range(16384):\n    sys.stdout.write('x' * 65536)\n", "output_too_large"),
+    "a file in every writable place": (textwrap.dedent("""\
+        import os
+        for folder in ("/tmp", "/var/tmp", "/dev/shm", ".", os.path.expanduser("~")):
+            try:
+                with open(os.path.join(folder, "paddle_rl_left_behind"), "w") as f:
+                    f.write("x")
+            except OSError:
+                pass
+        os.execv("/bin/sleep", ["sleep", "60"])
+        """), "timeout"),
+    "2 GB file in /dev/shm": ("f = open('/dev/shm/big', 'wb')\nfor _ in range(2048):\n    f.write(b'x' * 1024 ** 2)\n",
+                              "output_too_large"),
 }
 
 
+@isolated
 @pytest.mark.parametrize("name", sorted(HOSTILE))
-def test_hostile_program_is_contained(name):
+def test_hostile_program_is_contained(name, clean_host):
     code, status = HOSTILE[name]
     start = time.time()
     result = run_program(code, "", LIMITS)
     assert result.status == status, (result.status, result.stderr[-300:])
     assert time.time() - start < LIMITS.wall_seconds + 5
-    assert _nothing_left()
 
 
-@pytest.mark.skipif(isolation() is not None and "--setuid" not in isolation()[0],
-                    reason="programs run as this user (not root: no switch to nobody), who owns tmp_path")
-def test_write_outside_the_folder_fails(tmp_path):
-    target = tmp_path / "owned.txt"
-    result = run_program(f"open({str(target)!r}, 'w').write('x')\n", "", LIMITS)
-    assert result.status == "runtime_error" and "PermissionError" in result.stderr and not target.exists()
-    # its own folder is writable
-    assert run_program("open('mine.txt', 'w').write('x')\nprint(open('mine.txt').read())\n", "", LIMITS).stdout == "x\n"
+@isolated
+def test_all_processes_together_stay_under_the_memory_bound(clean_host):
+    """Four children of 100 MB each under a 128 MB bound: the run is stopped before they hold 4 x 100 MB."""
+    code = textwrap.dedent("""\
+        import os, sys, time
+        kids = []
+        for _ in range(4):
+            pid = os.fork()
+            if pid == 0:
+                x = bytearray(100 * 1024 ** 2)
+                for i in range(0, len(x), 4096):
+                    x[i] = 1
+                time.sleep(5)
+                os._exit(0)
+            kids.append(pid)
+        if all(os.waitpid(pid, 0)[1] == 0 for pid in kids):
+            print("all four held 100 MB")
+        """)
+    result = run_program(code, "", SandboxLimits(wall_seconds=8, cpu_seconds=8, memory_mb=128, processes=16))
+    assert result.status == "memory" and "all four" not in result.stdout, (result.status, result.stdout)
 
 
-def test_parent_environment_is_not_visible(monkeypatch):
+@isolated
+def test_the_program_sees_nothing_of_the_host(tmp_path, monkeypatch, clean_host):
+    """The repository, a checkpoint-like file, /etc/passwd, the parent's environment, a Unix socket on the file
+    system, a listener on 127.0.0.1: none is reachable; its own folder and /tmp are writable and private."""
     monkeypatch.setenv("PADDLE_RL_TEST_SECRET", "hunter2")
-    code = ("import os, glob\nseen = [k for k in os.environ]\nfor p in glob.glob('/proc/*/environ'):\n"
-            "    try:\n        seen.append(open(p, 'rb').read().decode(errors='replace'))\n"
-            "    except OSError:\n        pass\nprint('\\n'.join(seen))\n")
-    result = run_program(code, "", LIMITS)
-    assert result.status == "ok" and "hunter2" not in result.stdout and "PADDLE_RL_TEST_SECRET" not in result.stdout
-
-
-def test_no_connection_reaches_localhost():
-    listener = socket.socket()
-    listener.bind(("127.0.0.1", 0))
-    listener.listen(1)
-    listener.settimeout(3)
-    port = listener.getsockname()[1]
-    got = []
-    thread = threading.Thread(target=lambda: got.append(_accept(listener)))
-    thread.start()
-    result = run_program(f"import socket\ns = socket.create_connection(('127.0.0.1', {port}), timeout=2)\n"
-                         "s.sendall(b'leak')\n", "", LIMITS)
-    thread.join()
-    listener.close()
-    assert result.status == "runtime_error" and got == [None]
-
-
-def _accept(listener):
+    checkpoint = tmp_path / "model_state.pdparams"
+    checkpoint.write_bytes(b"weights")
+    os.chmod(tmp_path, 0o755)
+    sock_path = str(tmp_path / "host.sock")
+    unix = socket.socket(socket.AF_UNIX)
+    unix.bind(sock_path)
+    unix.listen(1)
+    os.chmod(sock_path, 0o777)
+    tcp = socket.socket()
+    tcp.bind(("127.0.0.1", 0))
+    tcp.listen(1)
+    port = tcp.getsockname()[1]
+    code = textwrap.dedent(f"""\
+        import glob, json, os, socket
+        seen = {{}}
+        for path in ({os.path.join(ROOT, "README.md")!r}, {str(checkpoint)!r}, "/etc/passwd", "/etc/shadow"):
+            try:
+                seen[path] = open(path, "rb").read(16).decode(errors="replace")
+            except OSError as e:
+                seen[path] = None
+        env = list(os.environ) + [open(p, "rb").read().decode(errors="replace") for p in glob.glob("/proc/*/environ")
+                                  if os.access(p, os.R_OK)]
+        for what, family, address in (("unix", socket.AF_UNIX, {sock_path!r}), ("tcp", socket.AF_INET,
+                                                                                 ("127.0.0.1", {port}))):
+            s = socket.socket(family)
+            s.settimeout(2)
+            try:
+                s.connect(address)
+                seen[what] = "connected"
+            except OSError as e:
+                seen[what] = None
+        open("mine.txt", "w").write("x")
+        open("/tmp/mine.txt", "w").write("y")
+        seen["own"] = open("mine.txt").read() + open("/tmp/mine.txt").read()
+        seen["processes"] = sorted(int(p) for p in os.listdir("/proc") if p.isdigit())
+        print(json.dumps({{"seen": seen, "env": env}}))
+        """)
     try:
-        conn, _ = listener.accept()
-        return conn.recv(16)
-    except OSError:
-        return None
+        result = run_program(code, "", LIMITS)
+    finally:
+        unix.close()
+        tcp.close()
+    assert result.status == "ok", result.stderr[-500:]
+    out = json.loads(result.stdout)
+    seen = out["seen"]
+    assert seen[os.path.join(ROOT, "README.md")] is None and seen[str(checkpoint)] is None
+    assert seen["/etc/passwd"] is None and seen["/etc/shadow"] is None
+    assert seen["unix"] is None and seen["tcp"] is None
+    assert seen["own"] == "xy" and max(seen["processes"]) <= 3  # bwrap's init, the program, and nothing else
+    assert not any("hunter2" in e or "PADDLE_RL_TEST_SECRET" in e for e in out["env"])
+
+
+@isolated
+def test_the_program_runs_as_nobody_without_capabilities(clean_host):
+    code = ("import os\nstatus = open('/proc/self/status').read()\n"
+            "print(os.getuid(), os.getgid(), status.split('CapEff:')[1].split()[0], "
+            "status.split('NoNewPrivs:')[1].split()[0])\n")
+    result = run_program(code, "", LIMITS)
+    assert result.status == "ok" and result.stdout.split() == ["65534", "65534", "0000000000000000", "1"], result
+
+
+# ---------------------------------------------------------------------------------------------- reward hacking
+
+WRONG_ADD = "```python\ndef add(a, b):\n    return a - b\n```"    # wrong: every test must fail
+ASSERTS = {"test_cases": ["assert add(1, 2) == 3", "assert add(2, 2) == 4"]}
+HUMANEVAL = {"test": "def check(candidate):\n    assert candidate(1, 2) == 3\n    assert abs(candidate(1.5, 1) - 2.5) < 1e-9\n",
+             "entry_point": "add"}
+CALL = {"fn_name": "add", "inputs": [[1, 2], [2, 2]], "outputs": [[3], [4]]}
+LYING = "class Yes(int):\n    def __eq__(self, other):\n        return True\n    __hash__ = int.__hash__\n"
+HACKS = {
+    "sys.exit(0) after the definitions": WRONG_ADD.replace("\n```", "\nimport sys\nsys.exit(0)\n```"),
+    "os._exit(0) after the definitions": WRONG_ADD.replace("\n```", "\nimport os\nos._exit(0)\n```"),
+    "raise SystemExit(0)": WRONG_ADD.replace("\n```", "\nraise SystemExit(0)\n```"),
+    "SystemExit inside the function": "```python\nimport sys\ndef add(a, b):\n    sys.exit(0)\n```",
+    "SIGKILL of itself": "```python\nimport os, signal\ndef add(a, b):\n    os.kill(os.getpid(), signal.SIGKILL)\n```",
+    "an __eq__ that is always True": "```python\n" + LYING + "def add(a, b):\n    return Yes(0)\n```",
+    "a __bool__ and __sub__ that lie": ("```python\nclass Liar:\n    def __eq__(self, o):\n        return True\n"
+                                       "    def __sub__(self, o):\n        return 0\n    def __bool__(self):\n"
+                                       "        return True\ndef add(a, b):\n    return Liar()\n```"),
+    "patched builtins": ("```python\nimport builtins\nbuiltins.abs = lambda x: 0\nbuiltins.all = lambda x: True\n"
+                         "builtins.AssertionError = KeyboardInterrupt\ndef add(a, b):\n    return a - b\n```"),
+    "a trace function that skips the asserts": (
+        "```python\nimport sys\ndef add(a, b):\n    return a - b\n"
+        "def tracer(frame, event, arg):\n    if event == 'exception':\n        frame.f_lineno = frame.f_lineno\n"
+        "    return tracer\nsys.settrace(tracer)\n```"),
+}
+
+
+@isolated
+@pytest.mark.parametrize("layout", ["asserts", "humaneval", "call"])
+@pytest.mark.parametrize("name", sorted(HACKS))
+def test_a_hack_never_passes_a_test(name, layout):
+    truth = {"asserts": ASSERTS, "humaneval": HUMANEVAL, "call": CALL}[layout]
+    score, outcomes = score_program(HACKS[name], truth, LIMITS, False)
+    assert score == 0.0 and "pass" not in outcomes, outcomes
+
+
+@isolated
+def test_hacks_are_told_apart_in_the_outcomes():
+    test = ("assert", "assert add(1, 2) == 3", None)
+    program = extract_program
+    assert run_test(program(HACKS["sys.exit(0) after the definitions"]), test, LIMITS) == "early_exit"
+    assert run_test(program(HACKS["os._exit(0) after the definitions"]), test, LIMITS) == "early_exit"
+    assert run_test(program(HACKS["an __eq__ that is always True"]), test, LIMITS) == "bad_type"
+    right = "def add(a, b):\n    return a + b\n"
+    assert run_test(right, test, LIMITS) == "pass"
+    # a right program may still end itself on stdin / stdout tests: only its output counts there
+    assert run_test("print(sum(map(int, input().split())))\nimport sys\nsys.exit(0)\n", ("stdio", "1 2\n", "3\n"),
+                    LIMITS) == "pass"
+    # a test that compares a program's own class instance is refused (documented)
+    point = "class P:\n    def __init__(self, x):\n        self.x = x\n"
+    assert run_test(point, ("assert", "assert P(1).x == 1", None), LIMITS) == "pass"
+    assert run_test(point, ("assert", "assert P(1) != None", None), LIMITS) == "bad_type"
 
 
 # ---------------------------------------------------------------------------------------------- the rule
@@ -111,6 +311,7 @@ PRIME_STDIO = json.dumps({"inputs": ["1 2\n", "5 5\n", "0 0\n"], "outputs": ["3\
 PRIME_CALL = json.dumps({"fn_name": "add", "inputs": [[1, 2], [2, 2]], "outputs": [[3], [4]]})
 
 
+@isolated
 def test_layouts_score_the_fraction_passed():
     assert extract_program("<think>x</think>\n" + ADD) == "a, b = map(int, input().split())\nprint(a + b)\n"
     assert score_program(ADD, PRIME_STDIO, LIMITS, False)[0] == 1.0
@@ -129,7 +330,8 @@ def test_layouts_score_the_fraction_passed():
         parse_tests({"question": "x"})
 
 
-def test_code_rule_through_the_reward_with_hostile_responses():
+@isolated
+def test_code_rule_through_the_reward_with_hostile_responses(clean_host):
     """A batch with hostile programs: each scores 0, the others are scored, and the process goes on."""
     from paddle_rl.config import RLConfig
     config = RLConfig(reward_funcs=["code"], sandbox_timeout=3, sandbox_memory_mb=512)
@@ -142,7 +344,6 @@ def test_code_rule_through_the_reward_with_hostile_responses():
     metrics = result.metrics("reward")  # every test run's outcome, counted over the batch (3 tests per sample)
     assert (metrics["reward/code/pass"], metrics["reward/code/timeout"], metrics["reward/code/memory"]) == (6, 3, 3)
     assert metrics["reward/code/wrong_answer"] == 0 and metrics["reward/code/syntax_error"] == 0
-    assert _nothing_left()
 
 
 # ---------------------------------------------------------------------------------------------- the reward server
@@ -155,8 +356,10 @@ def _program_sample(code: str, k: int = 0):
 
 @pytest.fixture(scope="module")
 def code_server():
+    """Workers that overrun 2 s are killed mid-program (sandbox_timeout 3 s): a program must die with its worker."""
     from test_reward_server import Server
-    server = Server("--reward", "code", "--workers", "2", "--sample-timeout", "60", "--set", "sandbox_timeout=3",
+    server = Server("--reward", "code", "--workers", "2", "--sample-timeout", "2", "--timeout-score", "0",
+                    "--set", "sandbox_timeout=3",
                     "--set", "sandbox_memory_mb=512")
     try:
         yield server.wait()
@@ -164,19 +367,57 @@ def code_server():
         server.stop()
 
 
+@isolated
 def test_reward_server_survives_hostile_programs(code_server):
     from test_reward_server import post
-    hostile = [HOSTILE[name][0] for name in ("infinite loop", "fork bomb", "10 GB allocation", "1 GB of output")]
+    before = host_traces()
+    hostile = [HOSTILE[name][0] for name in ("infinite loop", "fork bomb", "10 GB allocation", "1 GB of output",
+                                             "a file in every writable place")]
     samples = [_program_sample(code) for code in hostile] + [_program_sample("print(input())")]
     r = post(code_server.url + "/v1/score", {"samples": samples})
     assert r.status_code == 200, r.text
-    assert r.json()["score"] == [0.0, 0.0, 0.0, 0.0, 1.0]
-    # still serving, and nothing of the programs is left
+    assert r.json()["score"] == [0.0] * len(hostile) + [1.0]
+    # still serving, and nothing of the programs is left (the killed workers' programs included)
     r = post(code_server.url + "/v1/score", {"samples": [_program_sample("print(input())", 7)]})
     assert r.status_code == 200 and r.json()["score"] == [1.0]
-    assert code_server.proc.poll() is None and _nothing_left()
+    assert code_server.proc.poll() is None and nothing_left(before)
 
 
+@isolated
+def test_reward_server_200_hostile_programs_from_16_clients(code_server):
+    """200 samples from 16 concurrent clients, seven in eight hostile (early exits, an exec of another binary, a
+    lying __eq__, a sleeper past the worker's time limit, whose worker is killed, a child left behind by its parent,
+    files in /tmp and /dev/shm), each right one echoing its own number: every score is right and nothing is left."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import httpx
+    before = host_traces()
+    url = code_server.url + "/v1/score"
+    kinds = ["print(input())",
+             "import sys\nsys.exit(0)",
+             "import os\nos._exit(0)",
+             "import time\ntime.sleep(60)",
+             "import os\nfor p in ('/tmp/x', '/dev/shm/x'):\n    open(p, 'w').write('x')\nif os.fork():\n    os._exit(0)\n"
+             "import time\ntime.sleep(60)",
+             "print(int(input()) + 1)",
+             "class Y(str):\n    def __eq__(s, o):\n        return True\nprint(Y(''))",
+             "import os\nos.execv('/bin/sh', ['sh', '-c', 'exit 0'])"]
+    with httpx.Client(timeout=120.0, limits=httpx.Limits(max_connections=16)) as client:
+        def call(k):
+            r = client.post(url, json={"samples": [_program_sample(kinds[k % len(kinds)], k)]})
+            return k, r.status_code, r.json()["score"][0]
+        start = time.monotonic()
+        with ThreadPoolExecutor(max_workers=16) as pool:
+            results = list(pool.map(call, range(200)))
+        elapsed = time.monotonic() - start
+    assert sorted(k for k, _, _ in results) == list(range(200))
+    for k, status, score in results:
+        assert status == 200 and score == (1.0 if k % len(kinds) == 0 else 0.0), (k, kinds[k % len(kinds)], score)
+    assert code_server.proc.poll() is None and nothing_left(before, timeout=20)
+    print(f"200 programs in {elapsed:.1f} s")
+
+
+@isolated
 def test_reward_server_500_programs_from_16_clients(code_server):
     """500 programs, each echoing its own number, from 16 concurrent clients: none lost or mixed up."""
     from concurrent.futures import ThreadPoolExecutor
@@ -198,6 +439,135 @@ def test_reward_server_500_programs_from_16_clients(code_server):
     print(f"500 programs in {elapsed:.1f} s: {500 / elapsed:.1f} programs/s")
 
 
+@isolated
+def test_a_killed_caller_leaves_nothing(tmp_path):
+    """SIGKILL of the process that runs a sandbox (a trainer, a reward-server worker): the program, its children
+    and its files die with it; the cgroup the caller could not remove goes at the next start."""
+    before = host_traces()
+    script = tmp_path / "caller.py"
+    script.write_text(textwrap.dedent(f"""\
+        import sys
+        sys.path.insert(0, {ROOT!r})
+        from paddle_rl.rewards.sandbox import SandboxLimits, run_program
+        print("start", flush=True)
+        run_program("import os, time\\nos.fork()\\nopen('/dev/shm/x', 'wb').write(b'x' * 2 ** 20)\\n"
+                    "print('running', flush=True)\\ntime.sleep(60)\\n", "",
+                    SandboxLimits(wall_seconds=60, cpu_seconds=60))
+        """))
+    caller = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    assert caller.stdout.readline().strip() == "start"
+    deadline = time.time() + 20
+    while len(sandbox_processes()) < 2 and time.time() < deadline:
+        time.sleep(0.05)
+    assert len(sandbox_processes()) >= 2
+    caller.kill()
+    caller.wait()
+    deadline = time.time() + 10
+    while sandbox_processes() and time.time() < deadline:
+        time.sleep(0.1)
+    assert not sandbox_processes()
+    sandbox.isolation.cache_clear()   # the next start sweeps the dead caller's cgroup
+    assert isolation() is not None
+    assert nothing_left(before)
+
+
+def _run_as_ordinary_user(code: str) -> dict:
+    """Runs the sandbox module from a copy readable by everyone, as uid 65534 through setpriv, with the system's
+    Python; `code` is the body of a function given `sandbox`, returning a JSON-able dict."""
+    folder = tempfile.mkdtemp(prefix="paddle_rl_test_user_")
+    try:
+        os.chmod(folder, 0o755)
+        for name in ("sandbox.py", "harness.py"):
+            shutil.copy(os.path.join(os.path.dirname(sandbox.__file__), name), folder)
+        with open(os.path.join(folder, "drive.py"), "w") as f:
+            f.write("import json, sys\nsys.path.insert(0, %r)\nimport sandbox\n" % folder
+                    + "def body(sandbox):\n" + textwrap.indent(code, "    ") + "\nprint(json.dumps(body(sandbox)))\n")
+        for name in os.listdir(folder):
+            os.chmod(os.path.join(folder, name), 0o644)
+        done = subprocess.run(["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups", "/usr/bin/python3",
+                               "-I", os.path.join(folder, "drive.py")], capture_output=True, text=True, timeout=300,
+                              cwd="/")
+        assert done.returncode == 0, done.stderr[-2000:]
+        return json.loads(done.stdout.strip().splitlines()[-1])
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+@isolated
+@pytest.mark.skipif(os.geteuid() != 0 or not os.path.isfile("/usr/bin/python3") or shutil.which("setpriv") is None,
+                    reason="needs root (to become an ordinary user with setpriv) and /usr/bin/python3")
+def test_an_ordinary_user_gets_the_same_isolation(tmp_path, clean_host):
+    """As uid 65534 (no cgroup: the memory watchdog applies), the hostile programs are contained as for root."""
+    secret = tmp_path / "secret"
+    secret.write_text("s")
+    os.chmod(tmp_path, 0o755)
+    os.chmod(secret, 0o644)   # readable by everyone on the host: the sandbox still hides it
+    cases = {name: HOSTILE[name] for name in ("fork bomb", "10 GB over many processes", "a file in every writable place",
+                                             "2 GB file in /dev/shm", "sleep past the wall clock")}
+    cases["host file"] = (f"print(open({str(secret)!r}).read())", "runtime_error")
+    cases["four children of 100 MB under 128 MB"] = ("import os, time\nfor _ in range(4):\n    if os.fork() == 0:\n"
+                                                     "        x = bytearray(100 * 1024 ** 2)\n        time.sleep(5)\n"
+                                                     "        os._exit(0)\ntime.sleep(5)\n", "memory")
+    body = ("iso = sandbox.isolation()\nif iso is None:\n    return {'problem': sandbox.isolation_problem()}\n"
+            f"cases = {json.dumps({k: v[0] for k, v in cases.items()})}\nout = {{'memory': iso.memory, 'cgroup': iso.cgroup}}\n"
+            "for name, code in cases.items():\n"
+            "    mb = 128 if '128 MB' in name else 512\n"
+            "    out[name] = sandbox.run_program(code, '', sandbox.SandboxLimits(wall_seconds=4, cpu_seconds=3, "
+            "memory_mb=mb, output_mb=1, processes=16)).status\n"
+            "out['hack'] = sandbox.run_program('def add(a, b):\\n    return 0\\nimport os\\nos._exit(0)', '', "
+            "test={'code': 'assert add(1, 2) == 3'}).status\n"
+            "out['uid'] = sandbox.run_program('import os; print(os.getuid())').stdout.strip()\nreturn out\n")
+    out = _run_as_ordinary_user(body)
+    assert "problem" not in out, out
+    assert out["cgroup"] is None and "watchdog" in out["memory"]
+    for name, (_, status) in cases.items():
+        assert out[name] == status, (name, out[name])
+    assert out["hack"] == "early_exit" and out["uid"] == "65534"
+
+
+# ---------------------------------------------------------------------------------------------- refusing
+
+def test_without_isolation_it_refuses_unless_allowed(monkeypatch, caplog):
+    """Where bubblewrap cannot isolate (here: made missing), code does not run and the code rule and the python tool
+    stop at start-up naming what is missing and the key; sandbox_allow_unisolated runs programs, loudly."""
+    import logging
+
+    from paddle_rl.config import RLConfig
+    from paddle_rl.rewards import build_reward
+    from paddle_rl.rollout.episodes import PYTHON_TOOL_LIMITS, load_environment
+    monkeypatch.setenv("PATH", "/nonexistent")   # no bwrap on the PATH
+    sandbox.isolation.cache_clear()
+    try:
+        assert isolation() is None and "bubblewrap (bwrap) is not installed" in isolation_problem()
+        with pytest.raises(SandboxError, match="sandbox_allow_unisolated: true"):
+            run_program("print(1)", "", LIMITS)
+        with pytest.raises(SandboxError, match="apt-get install bubblewrap"):
+            build_reward(RLConfig(reward_funcs=["code"]))
+        with pytest.raises(SandboxError, match="env_tools: the python tool"):
+            load_environment("tools", ("calculator", "python"))
+        load_environment("tools", ("calculator",))   # no untrusted code: nothing to refuse
+        allowed = SandboxLimits(wall_seconds=4, cpu_seconds=3, memory_mb=512, allow_unisolated=True)
+        with caplog.at_level(logging.WARNING, logger="paddle_rl"):
+            result = run_program("print(1)", "", allowed)
+        assert result.status == "ok" and result.stdout == "1\n" and "WITHOUT isolation" in caplog.text
+        # the harness still decides tests where nothing isolates
+        assert run_program("import os\nos._exit(0)", "", allowed, test={"code": "assert False"}).status == "early_exit"
+        build_reward(RLConfig(reward_funcs=["code"], sandbox_allow_unisolated=True))
+        load_environment("tools", ("python",), sandbox=SandboxLimits(allow_unisolated=True))
+    finally:
+        sandbox.isolation.cache_clear()
+
+
+@isolated
+def test_the_tool_environment_limits_calls_per_turn():
+    from paddle_rl.rollout.episodes import ToolEnvironment
+    env = ToolEnvironment(("calculator",), max_calls=2)
+    env.reset({})
+    call = '<tool_call>{"name": "calculator", "arguments": {"expression": "1 + 1"}}</tool_call>'
+    step = env.step(call * 5)
+    assert step.tool_calls == 5 and step.tool_errors == 3
+    assert step.observation.splitlines()[:2] == ["2", "2"] and step.observation.count("max_tool_calls_per_turn") == 3
+@isolated
 def test_converted_records_score_with_the_code_rule():
     """APPS (stdin/stdout and call-based) and AceCoder records through `paddle-rl data convert`'s converter: the
     verl layout's ground truth is what the code rule runs."""
@@ -224,15 +594,3 @@ def test_converted_records_score_with_the_code_rule():
         convert_records([("x:1", {"question": "q", "input_output": json.dumps({"inputs": [1, 2], "outputs": [1]})})])
 
 
-def test_without_a_network_namespace_it_refuses_unless_allowed(monkeypatch, caplog):
-    """Where unshare cannot make a network namespace, code does not run; sandbox_allow_network runs it, loudly."""
-    import logging
-
-    from paddle_rl.rewards import sandbox
-    monkeypatch.setattr(sandbox, "isolation", lambda: None)
-    with pytest.raises(sandbox.SandboxError, match="sandbox_allow_network: true"):
-        run_program("print(1)", "", LIMITS)
-    allowed = SandboxLimits(wall_seconds=4, cpu_seconds=3, memory_mb=512, allow_network=True)
-    with caplog.at_level(logging.WARNING, logger="paddle_rl"):
-        result = run_program("print(1)", "", allowed)
-    assert result.status == "ok" and result.stdout == "1\n" and "NO network isolation" in caplog.text

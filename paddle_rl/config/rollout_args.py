@@ -40,7 +40,10 @@ class RolloutArgs:
                               "answered with tool results) or path/to/file.py:ClassName (docs/multi_turn.md).",
                           aliases=("multi_turn_scheduler",))
     max_turns: int = arg(4, "With env_plugin: the most policy turns of an episode.")
-    env_tools: list = arg(["calculator", "python"], "The built-in tool environment's tools: calculator, python.")
+    env_tools: list = arg(["calculator", "python"], "The built-in tool environment's tools: calculator, python "
+                                                    "(runs untrusted programs: needs bubblewrap, docs/rewards.md).")
+    max_tool_calls_per_turn: int = arg(4, "The built-in tool environment: tool calls run per turn; the ones past it "
+                                          "get an error observation and are not run.")
     async_rollout: bool = arg(False, "Generate in a worker process of its own, ahead of the trainer by up to "
                                      "max_staleness policy versions (docs/algorithms.md, Asynchronous rollout).")
     max_staleness: int = arg(1, "With async_rollout: the most policy versions a trained batch may lag the trainer "
@@ -78,6 +81,8 @@ class RolloutArgs:
             errors.append(f"max_staleness: must be >= 0, got {self.max_staleness}")
         if self.async_rollout_threads < 0:
             errors.append(f"async_rollout_threads: must be >= 0, got {self.async_rollout_threads}")
+        if self.max_tool_calls_per_turn < 1:
+            errors.append(f"max_tool_calls_per_turn: must be >= 1, got {self.max_tool_calls_per_turn}")
         if self.max_turns < 1:
             errors.append(f"max_turns: must be >= 1, got {self.max_turns}")
         if self.env_plugin and self.repetition_penalty != 1.0:

@@ -23,7 +23,7 @@ from typing import List, Tuple
 import numpy as np
 
 from .rules import SampleError, register_rule
-from .sandbox import STATUSES, SandboxLimits, run_program
+from .sandbox import STATUSES, SandboxLimits, require_isolation, run_program
 
 # a test run's outcome; each is counted per batch in metrics as reward/code/<outcome>
 OUTCOMES = ("pass", "wrong_answer") + tuple(status for status in STATUSES if status != "ok")
@@ -69,7 +69,10 @@ def _same_stdout(got: str, expected: str) -> bool:
 
 
 def run_test(program: str, test, limits: SandboxLimits) -> str:
-    """'pass', 'wrong_answer', or the run's failing status (sandbox.STATUSES)."""
+    """'pass', 'wrong_answer', or the run's failing status (sandbox.STATUSES). Only the harness's verdict, written
+    after the test with a marker the program is not given, passes a call-based, assert or HumanEval test: an early
+    exit fails it (`early_exit`), and a value of a non-builtin type returned by the program's functions or met in
+    the test's comparisons fails it (`bad_type`: an `__eq__` that always says True)."""
     kind, given, expected = test
     if kind == "stdio":
         result = run_program(program, given, limits)
@@ -78,21 +81,17 @@ def run_test(program: str, test, limits: SandboxLimits) -> str:
         return "pass" if _same_stdout(result.stdout, expected) else "wrong_answer"
     if kind == "call":
         fn, args = given
-        harness = (f"{program}\n\nimport json as _json, sys as _sys\n_args = _json.loads(_sys.stdin.read())\n"
-                   f"print(_json.dumps({fn}(*_args)))\n")
-        result = run_program(harness, json.dumps(args), limits)
-        if result.status != "ok":
-            return result.status
-        try:
-            got = json.loads(result.stdout.strip().splitlines()[-1])
-        except (ValueError, IndexError):
-            return "wrong_answer"
+        result = run_program(program, "", limits, test={"call": fn, "args": list(args)})
+    else:
+        code = f"{given}\n" + (f"check({expected})\n" if kind == "check" and expected else "")
+        result = run_program(program, "", limits, test={"code": code})
+    if result.status != "ok":
+        return result.status
+    outcome = result.verdict["outcome"]
+    if outcome == "returned":
+        got = result.verdict.get("value")
         return "pass" if got == expected or [got] == expected else "wrong_answer"
-    code = f"{program}\n\n{given}\n" + (f"check({expected})\n" if kind == "check" and expected else "")
-    result = run_program(code, "", limits)
-    if result.status == "runtime_error" and "AssertionError" in result.stderr[-2000:]:
-        return "wrong_answer"
-    return "pass" if result.status == "ok" else result.status
+    return outcome if outcome in OUTCOMES else "runtime_error"
 
 
 def score_program(response: str, truth, limits: SandboxLimits, all_or_nothing: bool) -> Tuple[float, Counter]:
@@ -105,11 +104,22 @@ def score_program(response: str, truth, limits: SandboxLimits, all_or_nothing: b
     return (float(passed == 1.0) if all_or_nothing else passed), outcomes
 
 
+def sandbox_limits(config) -> SandboxLimits:
+    """The code rule's limits from the config's sandbox_* keys; refuses (SandboxError) where programs cannot be
+    isolated, unless sandbox_allow_unisolated."""
+    limits = SandboxLimits(wall_seconds=config.sandbox_timeout, cpu_seconds=max(1, int(config.sandbox_timeout)),
+                           memory_mb=config.sandbox_memory_mb, processes=config.sandbox_processes,
+                           allow_network=config.sandbox_allow_network,
+                           allow_unisolated=config.sandbox_allow_unisolated)
+    if not limits.allow_unisolated:
+        require_isolation()
+    return limits
+
+
 @register_rule("code", needs_config=True)
 def make_code_rule(config):
     """Run the response's program against the record's tests in the sandbox: fraction passed (or all-or-nothing)."""
-    limits = SandboxLimits(wall_seconds=config.sandbox_timeout, cpu_seconds=max(1, int(config.sandbox_timeout)),
-                           memory_mb=config.sandbox_memory_mb, allow_network=config.sandbox_allow_network)
+    limits = sandbox_limits(config)
     all_or_nothing = config.code_score == "all"
 
     def code_rule(samples):

@@ -18,6 +18,7 @@ log-probs of the policy's tokens are those of a forward over the whole conversat
 errors and the environment's reward, written as columns after the rollout (`finish`).
 """
 import ast
+import functools
 import importlib.util
 import json
 import math
@@ -28,6 +29,8 @@ from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional
 
 import numpy as np
+
+from ..rewards.sandbox import SandboxError, SandboxLimits, require_isolation, run_program
 
 SENTINEL = "\u2063TURN\u2063"  # stands for the policy's turn when the template renders an observation
 
@@ -74,10 +77,12 @@ def calculator(expression: str) -> str:
     return str(result)
 
 
-def python(code: str) -> str:
-    """Run a Python program in the sandbox (no network, its own PID namespace, 5 s, 256 MB); its stdout."""
-    from ..rewards.sandbox import SandboxLimits, run_program
-    result = run_program(str(code), "", SandboxLimits(wall_seconds=5.0, cpu_seconds=5, memory_mb=256, output_mb=1))
+PYTHON_TOOL_LIMITS = SandboxLimits(wall_seconds=5.0, cpu_seconds=5, memory_mb=256, output_mb=1)
+
+
+def python(code: str, limits: SandboxLimits = PYTHON_TOOL_LIMITS) -> str:
+    """Run a Python program in the sandbox (rewards/sandbox.py: bubblewrap, no network, 5 s, 256 MB); its stdout."""
+    result = run_program(str(code), "", limits)
     if result.status != "ok":
         detail = result.stderr.strip().splitlines()[-1] if result.stderr.strip() else result.status
         raise RuntimeError(f"{result.status}: {detail[:300]}")
@@ -96,11 +101,14 @@ class ToolEnvironment:
     call); a turn without one ends the episode. A tool that raises, hangs or prints megabytes gives an error
     observation (`error: ...`), never an exception."""
 
-    def __init__(self, tools=("calculator", "python")):
+    def __init__(self, tools=("calculator", "python"), max_calls: int = 4, sandbox: SandboxLimits = PYTHON_TOOL_LIMITS):
         unknown = [t for t in tools if t not in TOOLS]
         if unknown:
             raise ValueError(f"env_tools: unknown tool(s) {', '.join(unknown)} (built-in: {', '.join(TOOLS)})")
         self.tools = {t: TOOLS[t] for t in tools}
+        if "python" in self.tools:
+            self.tools["python"] = functools.partial(python, limits=sandbox)
+        self.max_calls = max_calls
 
     def reset(self, record: dict) -> None:
         self.record = record
@@ -110,7 +118,12 @@ class ToolEnvironment:
         if not calls:
             return Step(done=True)
         results, errors = [], 0
-        for raw in calls:
+        for index, raw in enumerate(calls):
+            if index >= self.max_calls:
+                errors += 1
+                results.append(f"error: not run: more than {self.max_calls} tool calls in one turn "
+                               f"(max_tool_calls_per_turn)")
+                continue
             try:
                 call = json.loads(raw)
                 name, arguments = call["name"], call.get("arguments", {})
@@ -130,11 +143,20 @@ class ToolEnvironment:
         return Step("\n".join(results), tool_calls=len(calls), tool_errors=errors)
 
 
-def load_environment(spec: str, tools=("calculator", "python")) -> Callable[[], object]:
-    """A factory of environments: `tools` (the built-in ToolEnvironment) or `file.py:ClassName`."""
+def load_environment(spec: str, tools=("calculator", "python"), max_calls: int = 4,
+                     sandbox: SandboxLimits = PYTHON_TOOL_LIMITS) -> Callable[[], object]:
+    """A factory of environments: `tools` (the built-in ToolEnvironment) or `file.py:ClassName`. The built-in
+    `python` tool refuses at start-up (SandboxError) where programs cannot be isolated, unless
+    `sandbox.allow_unisolated`."""
     if spec == "tools":
-        ToolEnvironment(tools)  # unknown tool names fail here, at start-up
-        return lambda: ToolEnvironment(tools)
+        ToolEnvironment(tools, max_calls, sandbox)  # unknown tool names fail here, at start-up
+        if "python" in tools and not sandbox.allow_unisolated:
+            try:
+                require_isolation()
+            except SandboxError as e:
+                raise SandboxError(f"env_tools: the python tool runs untrusted programs: {e}; or remove python "
+                                   f"from env_tools") from e
+        return lambda: ToolEnvironment(tools, max_calls, sandbox)
     path, _, name = spec.rpartition(":")
     if not path or not name:
         raise ValueError(f"env_plugin: {spec!r} is neither 'tools' nor 'path/to/file.py:ClassName'")

@@ -1,10 +1,13 @@
 """Greedy evaluation on held-out prompts: accuracy and mean reward."""
 
+import dataclasses
+
 import numpy as np
 
 from ..batch import StepBatch, object_column
 from ..rollout import SamplingParams
-from .scoring import reward_result, score
+from ..rollout.episodes import PYTHON_TOOL_LIMITS, EpisodeRunner, load_environment
+from .scoring import reward_record, reward_result, score
 
 
 def evaluate(engine, tokenizer, dataset, reward_fn, config, stop_ids, episodes_for=None) -> dict:
@@ -84,8 +87,8 @@ def episode_maker(config, tokenizer, stop_ids):
     `env_plugin` names (None without one); training and evaluation both build theirs here."""
     if not config.env_plugin:
         return None
-    from ..rollout.episodes import EpisodeRunner, load_environment
-    from .scoring import reward_record
-    make_env = load_environment(config.env_plugin, tuple(config.env_tools))
+    sandbox = dataclasses.replace(PYTHON_TOOL_LIMITS, allow_network=config.sandbox_allow_network,
+                                  allow_unisolated=config.sandbox_allow_unisolated)
+    make_env = load_environment(config.env_plugin, tuple(config.env_tools), config.max_tool_calls_per_turn, sandbox)
     return lambda items, n: EpisodeRunner(make_env, [reward_record(it) for it in items], n, tokenizer, stop_ids,
                                           config.max_turns, f"env_plugin {config.env_plugin}")
