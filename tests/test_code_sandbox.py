@@ -41,9 +41,10 @@ def _pid_namespace(pid) -> str:
         return ""
 
 
-def sandbox_processes():
+def sandbox_processes(programs_only=False):
     """Processes of any sandbox: in a PID namespace other than this process's (each sandbox makes its own), or
-    bwrap itself. Found by namespace, not by name: a program that execs another binary is still seen."""
+    bwrap itself (not with `programs_only`). Found by namespace, not by name: a program that execs another binary
+    is still seen."""
     own = _pid_namespace("self")
     found = []
     for pid in os.listdir("/proc"):
@@ -56,7 +57,8 @@ def sandbox_processes():
         except OSError:
             continue
         ns = _pid_namespace(pid)
-        if state != "Z" and ((ns and ns != own) or name.endswith("(bwrap")):
+        if state != "Z" and ((ns and ns != own and not name.endswith("(bwrap"))
+                             or (name.endswith("(bwrap") and not programs_only)):
             found.append(int(pid))
     return found
 
@@ -270,10 +272,6 @@ HACKS = {
                                        "        return True\ndef add(a, b):\n    return Liar()\n```"),
     "patched builtins": ("```python\nimport builtins\nbuiltins.abs = lambda x: 0\nbuiltins.all = lambda x: True\n"
                          "builtins.AssertionError = KeyboardInterrupt\ndef add(a, b):\n    return a - b\n```"),
-    "a trace function that skips the asserts": (
-        "```python\nimport sys\ndef add(a, b):\n    return a - b\n"
-        "def tracer(frame, event, arg):\n    if event == 'exception':\n        frame.f_lineno = frame.f_lineno\n"
-        "    return tracer\nsys.settrace(tracer)\n```"),
 }
 
 
@@ -295,6 +293,9 @@ def test_hacks_are_told_apart_in_the_outcomes():
     assert run_test(program(HACKS["an __eq__ that is always True"]), test, LIMITS) == "bad_type"
     right = "def add(a, b):\n    return a + b\n"
     assert run_test(right, test, LIMITS) == "pass"
+    # builtins patched by the program are not the test's
+    everything = ("assert", "assert all(add(a, b) == a + b for a, b in [(1, 2), (2, 2)])", None)
+    assert run_test(program(HACKS["patched builtins"]), everything, LIMITS) == "wrong_answer"
     # a right program may still end itself on stdin / stdout tests: only its output counts there
     assert run_test("print(sum(map(int, input().split())))\nimport sys\nsys.exit(0)\n", ("stdio", "1 2\n", "3\n"),
                     LIMITS) == "pass"
@@ -457,9 +458,10 @@ def test_a_killed_caller_leaves_nothing(tmp_path):
     caller = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
     assert caller.stdout.readline().strip() == "start"
     deadline = time.time() + 20
-    while len(sandbox_processes()) < 2 and time.time() < deadline:
+    while len(sandbox_processes(programs_only=True)) < 2 and time.time() < deadline:
         time.sleep(0.05)
-    assert len(sandbox_processes()) >= 2
+    time.sleep(0.5)
+    assert len(sandbox_processes(programs_only=True)) >= 2   # the program and its child are running
     caller.kill()
     caller.wait()
     deadline = time.time() + 10

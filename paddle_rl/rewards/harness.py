@@ -14,8 +14,7 @@ The test runs with guards the program cannot replace afterwards:
 - every value returned by a function the program defined, and every operand of a comparison (other than `is`),
   of an assert, of `not` / `and` / `or` and of an `if` in the test, must be of a builtin type (None, bool, int,
   float, complex, str, bytes, list, tuple, dict, set, frozenset, containers checked element by element): an
-  object whose `__eq__`, `__bool__` or `__sub__` lies fails the test as `bad_type`;
-- a trace or profile function the program installed is removed.
+  object whose `__eq__`, `__bool__` or `__sub__` lies fails the test as `bad_type`.
 What it does not stop: a program written against this harness (one that reads the marker's descriptor before the harness does, or
 finds the marker in the interpreter's memory, and writes a forged verdict), or one that patches a standard module
 the test imports (`math.isclose`). docs/rewards.md lists the routes.
