@@ -75,11 +75,45 @@ def test_reward_kl_lowers_outcome_scores():
     # shaped scores 0.9 and 0.8: mean 0.85, unbiased std sqrt(2 * 0.05**2) = 0.05 * sqrt(2)
     out = compute_advantages("dr_grpo", scores, mask, groups, old_logp=old, ref_logp=ref, kl_coeff=0.1).numpy()
     np.testing.assert_allclose(out, [[0.05, 0.05], [-0.05, -0.05]], rtol=1e-5)
-    out = compute_advantages("grpo", scores, mask, groups, old_logp=old, ref_logp=ref, kl_coeff=0.1, eps=EPS).numpy()
-    a = 0.05 / (0.05 * np.sqrt(2) + EPS)
+    # grpo divides by the group's std where the scores differ: 1.2 and 1.0 become 1.1 and 0.8, std 0.3 / sqrt(2)
+    out = compute_advantages("grpo", np.array([1.2, 1.0]), mask, groups, old_logp=old, ref_logp=ref, kl_coeff=0.1,
+                             eps=EPS).numpy()
+    a = 0.15 / (0.3 / np.sqrt(2) + EPS)
     np.testing.assert_allclose(out, [[a, a], [-a, -a]], rtol=1e-5)
+    # ... and not where they are equal (the next test): the penalty centered, as dr_grpo gives it
+    out = compute_advantages("grpo", scores, mask, groups, old_logp=old, ref_logp=ref, kl_coeff=0.1, eps=EPS).numpy()
+    np.testing.assert_allclose(out, [[0.05, 0.05], [-0.05, -0.05]], rtol=1e-5)
     with pytest.raises(ValueError, match="old_logp and ref_logp"):
         compute_advantages("grpo", scores, mask, groups, kl_coeff=0.1)
+
+
+@pytest.mark.parametrize("scale_rewards", ["group", "batch", "none"])
+def test_grpo_equal_score_group_keeps_reward_kl_noise_at_its_size(scale_rewards):
+    """A group whose scores are all equal, with a reward KL of rounding size (old and reference log-probs of the
+    same weights, as at step 1): the advantages are the centered penalty, about kl_coeff * 1e-7, not the noise
+    divided by its own std (which made them of unit size and unrelated between two roundings of the same pass)."""
+    rng = np.random.default_rng(0)
+    mask = np.ones((8, 6), np.float32)
+    old = rng.normal(-1.0, 0.3, (8, 6))
+    ref = old + rng.normal(0.0, 1e-7, (8, 6))                     # fp32 rounding-sized gap
+    scores = np.array([1.0] * 4 + [0.0, 1.0, 0.0, 1.0])           # group 0 equal, group 1 with a signal
+    groups = np.array([0] * 4 + [1] * 4)
+    options = dict(old_logp=old, ref_logp=ref, kl_coeff=0.05, eps=EPS, scale_rewards=scale_rewards)
+    out = compute_advantages("grpo", scores, mask, groups, **options).numpy()
+    penalty = 0.05 * (old - ref).sum(-1)
+    np.testing.assert_allclose(out[:4], rows(penalty[:4].mean() - penalty[:4], mask[:4]), rtol=1e-5, atol=1e-14)
+    assert np.abs(out[:4]).max() < 1e-7
+    # a second rounding of the same pass moves the equal group's advantages by no more than its own size
+    again = compute_advantages("grpo", scores, mask, groups, **dict(options, ref_logp=ref + rng.normal(
+        0.0, 1e-7, ref.shape))).numpy()
+    assert np.abs(again[:4] - out[:4]).max() < 1e-7
+    # the group with a signal: +-0.5 / std (or no division with none), the KL noise a rounding of it
+    size = {"group": 0.5 / np.sqrt(1 / 3), "none": 0.5,
+            "batch": 0.5 / np.std([1.0] * 5 + [0.0, 0.0, 1.0], ddof=1)}[scale_rewards]
+    np.testing.assert_allclose(out[4:, 0], size * np.array([-1, 1, -1, 1]), rtol=1e-5)
+    # without the KL an equal group's advantages are exactly 0
+    plain = compute_advantages("grpo", scores, mask, groups, eps=EPS, scale_rewards=scale_rewards).numpy()
+    assert not plain[:4].any()
 
 
 def test_gdpo_per_function_group_then_batch_zscore():

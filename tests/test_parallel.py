@@ -273,6 +273,30 @@ def test_data_parallel_dynamic_sampling_agrees_with_one_process(setup):
     check_parity(setup, {"grpo": single}, out_dir)
 
 
+def test_data_parallel_grpo_reward_kl_with_equal_score_groups(tmp_path):
+    """GRPO with the KL in the reward (adaptive_kl, kl_coeff 0.05) on the arithmetic default, whose groups are
+    often all right or all wrong: at step 1 the reward KL of old vs reference is rounding (~1e-8, rounded
+    differently by each layout's passes), which the group std turned into advantages of unit size; one process and
+    DP2 then differed by 0.5% in grad_norm at step 1 and sampled different responses from step 2. An equal-score
+    group now gets the centered penalty, not divided by its std (algorithms/advantages.py), and the layouts agree."""
+    arith = os.path.join(ROOT, "data", "tiny_arith")
+    keys = [f"actor_model_name_or_path={arith}/model", f"train_datasets={arith}/arith/train.jsonl",
+            "eval_datasets=", "logging_dir=", "report_to=none", "do_eval=false", "max_steps=3",
+            "global_batch_size=8", "global_mini_batch_size=8", "kl_coeff=0.05", "adaptive_kl=true"]
+    config = os.path.join(ROOT, "configs", "tiny_arith_grpo.yaml")
+    single, dp = str(tmp_path / "single"), str(tmp_path / "dp")
+    from paddle_rl.config import load_config
+    from paddle_rl.trainer import RLTrainer
+    RLTrainer(load_config(config, keys + [f"output_dir={single}"])).train()
+    launch([os.path.join(ROOT, "paddle_rl", "run_rl.py"), config, *keys, f"output_dir={dp}",
+            "data_parallel_degree=2"], str(tmp_path / "log"))
+    ref, par = read_rows(single), read_rows(dp)
+    assert 0 < ref[0]["reward_kl"] < 1e-6  # step 1: the policy is the reference, the KL is rounding
+    for key in ("reward/mean", "accuracy", "response_length/mean"):  # the same samples, step after step
+        assert [r[key] for r in par] == [r[key] for r in ref], key
+    assert_parity(single, dp)
+
+
 def test_tensor_parallel(setup, reference):
     out_dir, _ = run_layout(setup, "tp", tensor_parallel_degree=2)
     check_parity(setup, reference, out_dir)

@@ -173,3 +173,88 @@ def test_data_parallel_equals_one_process(micro, tmp_path):
     rows = read_metrics(str(dp / "metrics.jsonl"))
     assert all("rollout_corr/k3_kl" in r for r in rows)
     assert_parity(str(single), str(dp))
+
+
+# ------------------------------------------------------------------------------ real gaps: a stale rollout
+
+def _stale(micro, plugin, out, staleness, **keys):
+    """An asynchronous run whose batches lag the trainer by `staleness` policy versions (from step 2 on: the first
+    batch is generated and trained on the initial weights); 4 steps, the last checkpoint's weights."""
+    from paddle_rl.models.safetensors_io import load_state
+    from paddle_rl.trainer import RLTrainer
+    overrides = micro_overrides(micro, str(out), max_steps=4, do_eval=False, save_steps=4, reward_plugins=plugin,
+                                reward_funcs="length_parity", kl_loss_coeff=0.0, async_rollout=True,
+                                max_staleness=staleness, **keys)
+    RLTrainer(load_config(None, overrides)).train()
+    return read_metrics(str(out / "metrics.jsonl")), load_state(str(out / "checkpoint-4"))
+
+
+@pytest.fixture(scope="module")
+def parity_plugin(tmp_path_factory):
+    from test_parallel import PLUGIN
+    path = tmp_path_factory.mktemp("stale") / "reward.py"
+    path.write_text(PLUGIN)
+    return str(path)
+
+
+def _weight_change(a, b):
+    return max(float(np.abs(a[k] - b[k]).max()) for k in a)
+
+
+GAP = ("rollout_corr/kl", "rollout_corr/k3_kl", "rollout_corr/ratio/max")
+CORRECTION_ONLY = ("rollout_corr/is_weight_mean", "rollout_corr/is_weight/max", "rollout_corr/rejected_token_share",
+                   "rollout_corr/rejected_seq_share")
+
+
+STALE_RUNS = {}
+
+
+def _plain_stale(micro, plugin, tmp_path_factory, staleness):
+    """The uncorrected stale run of `staleness` (made once per module)."""
+    if staleness not in STALE_RUNS:
+        STALE_RUNS[staleness] = _stale(micro, plugin, tmp_path_factory.mktemp(f"plain{staleness}"), staleness)
+    return STALE_RUNS[staleness]
+
+
+def test_the_gap_is_reported_without_any_correction_key(micro, parity_plugin, tmp_path_factory):
+    """No rollout_is / rollout_rs: the gap metrics are still there every step (the old log-probs are recomputed:
+    the rollout's are a stale policy's). Step 1 is trained on the weights that generated it: rounding. From step 2
+    the batch lags by real updates, and two versions of lag show a larger gap than one."""
+    runs = {k: _plain_stale(micro, parity_plugin, tmp_path_factory, k)[0] for k in (1, 2)}
+    for rows in runs.values():
+        assert [r["step"] for r in rows] == [1, 2, 3, 4]
+        assert all(set(GAP) <= set(r) and not set(r) & set(CORRECTION_ONLY) for r in rows)
+        first = rows[0]
+        assert abs(first["rollout_corr/kl"]) < 1e-6 and 0 <= first["rollout_corr/k3_kl"] < 1e-12
+        assert first["rollout_corr/ratio/max"] < 1 + 1e-5
+        for r in rows[1:]:  # lr 1e-3 moves the micro model's log-probs by a few percent a step
+            assert 1e-5 < r["rollout_corr/k3_kl"] < 1e-2 and 1.01 < r["rollout_corr/ratio/max"] < 2
+    # step 2 is the same batch (initial weights) against the same old weights (after step 1) in both runs
+    assert runs[2][1]["rollout_corr/k3_kl"] == runs[1][1]["rollout_corr/k3_kl"]
+    for step in (2, 3):  # steps 3, 4: two updates between rollout and trainer instead of one
+        assert runs[2][step]["rollout_corr/k3_kl"] > 2 * runs[1][step]["rollout_corr/k3_kl"]
+
+
+@pytest.mark.parametrize("staleness", [1, 2])
+def test_correction_changes_the_update_of_a_stale_rollout(micro, parity_plugin, tmp_path, tmp_path_factory,
+                                                          staleness):
+    """rollout_is: token and rollout_rs: token on a batch lagging by `staleness` versions: the same gap measured,
+    weights that are not 1 (mean 1 + k3 - k1 exactly, nothing truncated), tokens rejected, and final weights
+    that differ from the uncorrected run's; step 1 (no lag) trains as the uncorrected run does."""
+    plain, plain_w = _plain_stale(micro, parity_plugin, tmp_path_factory, staleness)
+    weighted, weighted_w = _stale(micro, parity_plugin, tmp_path / "is", staleness, rollout_is="token")
+    rejected, rejected_w = _stale(micro, parity_plugin, tmp_path / "rs", staleness, rollout_rs="token",
+                                  rollout_rs_threshold=1.05)
+    for rows in (weighted, rejected):
+        assert rows[0]["actor/grad_norm"] == pytest.approx(plain[0]["actor/grad_norm"], rel=1e-5)
+        # step 2: the batch and the old weights are those of the uncorrected run; so is the gap
+        assert rows[1]["rollout_corr/k3_kl"] == pytest.approx(plain[1]["rollout_corr/k3_kl"], rel=1e-5)
+    for r in weighted[1:]:
+        mean = r["rollout_corr/is_weight_mean"]
+        assert 1e-4 < abs(mean - 1) < 0.02
+        assert mean == pytest.approx(1 + r["rollout_corr/k3_kl"] - r["rollout_corr/kl"], abs=1e-9)
+        assert r["rollout_corr/is_weight/max"] == r["rollout_corr/ratio/max"] < 2.0  # below the truncation
+    assert rejected[0]["rollout_corr/rejected_token_share"] == 0.0
+    assert any(0 < r["rollout_corr/rejected_token_share"] < 0.5 for r in rejected[1:])
+    for w in (weighted_w, rejected_w):
+        assert _weight_change(plain_w, w) > 1e-3  # Adam steps of lr 1e-3 move single weights by ~1e-3

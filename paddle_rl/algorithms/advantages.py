@@ -65,13 +65,34 @@ def reward_kl_per_token(old_logp, ref_logp, response_mask, kind: str = "kl"):
     return kl * to_numpy(response_mask)
 
 
+def reward_kl_penalty(response_mask, old_logp=None, ref_logp=None, kl_coeff: float = 0.0,
+                      kl_penalty_kind: str = "kl"):
+    """kl_coeff * sum_t kl_t per sequence, float64 numpy [B] (zeros without kl_coeff)."""
+    if not kl_coeff:
+        return np.zeros(to_numpy(response_mask).shape[0], dtype=np.float64)
+    return kl_coeff * reward_kl_per_token(old_logp, ref_logp, response_mask, kl_penalty_kind).sum(-1)
+
+
 def outcome_scores(scores, response_mask, old_logp=None, ref_logp=None, kl_coeff: float = 0.0,
                    kl_penalty_kind: str = "kl"):
     """Sequence scores with the reward KL folded in: s_i - kl_coeff * sum_t kl_t (outcome estimators)."""
     s = to_numpy(scores)
     if kl_coeff:
-        s = s - kl_coeff * reward_kl_per_token(old_logp, ref_logp, response_mask, kl_penalty_kind).sum(-1)
+        s = s - reward_kl_penalty(response_mask, old_logp, ref_logp, kl_coeff, kl_penalty_kind)
     return s
+
+
+def equal_score_groups(scores, group_ids) -> np.ndarray:
+    """Per sample [B] bool: its group has two or more responses and their scores are all exactly equal (no
+    outcome signal to normalize)."""
+    dense, n_groups = group_index(group_ids)
+    s = to_numpy(scores).reshape(-1)
+    flat = np.zeros(s.shape[0], dtype=bool)
+    for g in range(n_groups):
+        idx = dense == g
+        if idx.sum() > 1 and s[idx].max() == s[idx].min():
+            flat[idx] = True
+    return flat
 
 
 def last_token_index(mask: np.ndarray) -> np.ndarray:
@@ -98,17 +119,30 @@ def grpo_advantages(scores, response_mask, group_ids, eps: float = 1e-6, scale_r
                     norm_adv_by_std: bool = True, reduce=None, old_logp=None, ref_logp=None, kl_coeff: float = 0.0,
                     kl_penalty_kind: str = "kl"):
     """(s - group mean) / (std + eps); std of the group (scale_rewards=group), of the whole batch (batch),
-    or no division (none, or norm_adv_by_std=False)."""
-    s = outcome_scores(scores, response_mask, old_logp, ref_logp, kl_coeff, kl_penalty_kind)
+    or no division (none, or norm_adv_by_std=False).
+
+    With the reward KL (kl_coeff) a group whose scores are all equal has no outcome signal, and its std would be
+    the KL's alone (rounding-sized where the policy still equals the reference, which the division blows up to
+    advantages of unit size): such a group gets the centered penalty -(p_i - mean_g p), p_i = kl_coeff * sum_t
+    kl_t, divided by nothing (zero without kl_coeff)."""
+    if scale_rewards not in ("group", "batch", "none"):
+        raise ValueError(f"scale_rewards: {scale_rewards!r} is not one of group, batch, none")
+    raw = to_numpy(scores)
+    penalty = reward_kl_penalty(response_mask, old_logp, ref_logp, kl_coeff, kl_penalty_kind)
+    s = raw - penalty
     mean, std = group_mean_std(s, group_ids)
     if not norm_adv_by_std or scale_rewards == "none":
-        return broadcast(s - mean, response_mask)
-    if scale_rewards == "batch":
-        _, var = global_mean_var(s, reduce=reduce)
-        std = np.full_like(s, np.sqrt(var))
-    elif scale_rewards != "group":
-        raise ValueError(f"scale_rewards: {scale_rewards!r} is not one of group, batch, none")
-    return broadcast((s - mean) / (std + eps), response_mask)
+        adv = s - mean
+    else:
+        if scale_rewards == "batch":
+            _, var = global_mean_var(s, reduce=reduce)
+            std = np.full_like(s, np.sqrt(var))
+        adv = (s - mean) / (std + eps)
+    flat = equal_score_groups(raw, group_ids)
+    if flat.any():
+        penalty_mean, _ = group_mean_std(penalty, group_ids)
+        adv = np.where(flat, penalty_mean - penalty, adv)
+    return broadcast(adv, response_mask)
 
 
 @register_advantage("dr_grpo", REWARD_KL_OPTIONS, loss_agg_mode="seq-mean-token-sum-norm")

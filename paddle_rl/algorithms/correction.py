@@ -79,6 +79,7 @@ def rollout_correction(old_logp, rollout_logp, mask, is_level: Optional[str] = N
     return weight.astype(np.float32), keep.astype(np.float32), sums
 
 
+GAP_METRICS = ("rollout_corr/kl", "rollout_corr/k3_kl", "rollout_corr/ratio/max")  # without any correction key
 SUMMED = ("tokens", "rows", "log_ratio", "k3", "weight", "kept_tokens", "rejected_tokens", "rejected_rows")
 
 

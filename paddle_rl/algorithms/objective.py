@@ -21,7 +21,7 @@ from ..config import ConfigError
 from ._tensor import as_tensor, metrics_to_floats, to_numpy
 from .advantages import ADVANTAGE_ESTIMATORS, reward_kl_per_token
 from .aggregation import LOSS_AGG_MODES, aggregate_loss, loss_normalizers
-from .correction import SUMMED, correction_metrics, rollout_correction
+from .correction import GAP_METRICS, SUMMED, correction_metrics, rollout_correction
 from .dapo import overlong_filtered_mask, select_groups, soft_overlong_penalty, zero_variance_groups
 from .kl import KL_ESTIMATORS, AdaptiveKLController, FixedKLController, kl_penalty
 from .losses import POLICY_LOSSES, masked_mean, policy_loss_tensors
@@ -184,14 +184,19 @@ class Objective:
     def rollout_correction(self, old_logp, rollout_logp, response_mask):
         """(is_weight [B, T], update mask [B, T], metrics) of the rollout correction the config asks for
         (rollout_is, rollout_rs, rollout_token_veto_threshold; algorithms/correction.py), statistics over the whole
-        batch (summed through `reduce`; the */max metrics are this rank's, reduce_metrics takes the largest)."""
+        batch (summed through `reduce`; the */max metrics are this rank's, reduce_metrics takes the largest).
+        Without those keys the weight is 1 and nothing is rejected, and the metrics are the gap's alone
+        (`GAP_METRICS`: the trainer reports them whenever it recomputes the old log-probs)."""
         cfg = self.config
         weight, keep, sums = rollout_correction(
             old_logp, rollout_logp, response_mask, is_level=cfg.rollout_is, is_threshold=cfg.rollout_is_threshold,
             rs_level=cfg.rollout_rs, rs_upper=cfg.rollout_rs_threshold, rs_lower=cfg.rollout_rs_threshold_lower,
             veto_threshold=cfg.rollout_token_veto_threshold)
         totals = dict(zip(SUMMED, global_sum([sums[k] for k in SUMMED], self.reduce)))
-        return weight, keep, correction_metrics(dict(sums, **totals))
+        metrics = correction_metrics(dict(sums, **totals))
+        if not cfg.rollout_correction:
+            metrics = {k: v for k, v in metrics.items() if k in GAP_METRICS}
+        return weight, keep, metrics
 
     def advantages(self, scores, response_mask, group_ids, old_logp=None, ref_logp=None,
                    per_function_scores=None):

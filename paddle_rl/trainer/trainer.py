@@ -330,8 +330,6 @@ class RLTrainer:
         metrics.update(placement)
         batch["group"] = np.arange(batch.size) // cfg.rollout_n
         batch.with_prompt_layout(self.pad_id)
-        if not (reuses_rollout_logprobs(cfg, self.mini_batches_per_step) or cfg.rollout_correction):
-            batch.pop("rollout_logp")
         batch["response_mask"] = np.asarray(
             self.objective.response_mask_for_update(batch["response_mask"], batch["truncated"]), dtype=np.float32)
         mask = batch["response_mask"]
@@ -368,16 +366,18 @@ class RLTrainer:
                 batch["ref_logp"] = self.layout.logprobs(reference, batch, cfg.temperature,
                                                          cfg.per_device_logprob_batch_size)
         with timer.stage("old_logprob"):
-            if "rollout_logp" in batch and not cfg.rollout_correction:
+            if "rollout_logp" in batch and reuses_rollout_logprobs(cfg, self.mini_batches_per_step):
                 batch["old_logp"] = batch.pop("rollout_logp") * mask
             else:
                 batch["old_logp"] = self.layout.logprobs(self.actor, batch, cfg.temperature,
                                                          cfg.per_device_logprob_batch_size)
-        if cfg.rollout_correction:  # rejected tokens leave the mask of everything below
-            batch["is_weight"], batch["response_mask"], corr_metrics = self.objective.rollout_correction(
+        if "rollout_logp" in batch:  # the gap between the rollout's log-probs and the trainer's, every step
+            is_weight, keep, corr_metrics = self.objective.rollout_correction(
                 batch["old_logp"], batch.pop("rollout_logp"), mask)
-            mask = batch["response_mask"]
             metrics.update(self.layout.batch.reduce_metrics(corr_metrics))
+        if cfg.rollout_correction:  # rejected tokens leave the mask of everything below
+            batch["is_weight"], batch["response_mask"] = is_weight, keep
+            mask = batch["response_mask"]
             if self.layout.batch.sum([mask.sum()])[0] == 0:  # every token rejected on every rank: no update
                 metrics["actor/skipped_update"] = 1.0
                 return metrics
