@@ -107,3 +107,27 @@ def test_error_during_training_keeps_its_traceback(micro, tmp_path):
     assert "Traceback (most recent call last)" in result.stderr
     assert "field_the_records_lack" in result.stderr
     assert "\nerror: " not in result.stderr
+
+
+# ---- Paddle's import-time notices (OMP_NUM_THREADS, ccache) stay out of the output; other stderr lines pass
+@pytest.mark.parametrize("argv", [["--help"], ["train", "--help"]])
+def test_help_prints_nothing_on_stderr(argv):
+    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="4")  # > 1: Paddle's notice would be printed
+    result = subprocess.run([sys.executable, "-m", "paddle_rl", *argv], cwd=ROOT, env=env, capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0 and "usage: paddle-rl" in result.stdout
+    assert result.stderr == ""
+
+
+def test_import_filter_drops_only_paddles_notices():
+    import io
+
+    from paddle_rl.env import PADDLE_IMPORT_NOTICES, _DropLines
+    out = io.StringIO()
+    stream = _DropLines(out, PADDLE_IMPORT_NOTICES)
+    print("WARNING: OMP_NUM_THREADS set to 4, not 1. The computation ...", file=stream)
+    print("PLEASE USE OMP_NUM_THREADS WISELY.", file=stream)
+    print("W0101 a real warning", file=stream)
+    stream.write("no newline yet")
+    stream.flush()
+    assert out.getvalue() == "W0101 a real warning\nno newline yet"
