@@ -131,3 +131,15 @@ def test_import_filter_drops_only_paddles_notices():
     stream.write("no newline yet")
     stream.flush()
     assert out.getvalue() == "W0101 a real warning\nno newline yet"
+
+
+def test_train_with_an_unreachable_reward_server_stops_before_the_first_step(tmp_path):
+    import socket
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{s.getsockname()[1]}"
+    result = run_cli("train", "configs/tiny_arith_grpo.yaml", "use_rm_server=true", f"reward_server={url}",
+                     "reward_server_retries=0", f"output_dir={tmp_path}")
+    assert result.returncode == 2, result.stderr
+    assert f"error: reward_server: no server answers at {url}" in result.stderr
+    assert "Traceback" not in result.stderr and not os.path.exists(tmp_path / "metrics.jsonl")
