@@ -24,6 +24,7 @@ from ..models import Tokenizer, adapters_off
 from ..models.lora import lora_settings
 from ..monitor import MetricsLog, StageTimer, run_summary
 from ..parallel import watchdog
+from ..parallel.device import select_device
 from ..rewards import build_reward, check_reward_config
 from ..rollout import RolloutEngine, SamplingParams, sample_key
 from . import faults
@@ -48,6 +49,7 @@ class RLTrainer:
         check_paths(config)
         check_reward_config(config)  # reward names against the registry, before any model loads
         self.config = config
+        self.device = select_device()  # the launcher's GPU for this rank (or the CPU), before any tensor exists
         ops.configure(config.use_custom_ops)
         self.layout = build_layout(topology if topology is not None else _topology(config),
                                    share_prompts=config.share_prompt_prefix,
