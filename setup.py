@@ -25,8 +25,11 @@ setup(
     python_requires=">=3.9",
     packages=find_packages(include=["paddle_rl", "paddle_rl.*", "reward_server", "reward_server.*"]),
     cmdclass={"build_py": BuildWithKernelSources},
+    # Paddle is not a requirement: the CPU build (paddlepaddle) and the GPU builds (paddlepaddle-gpu, from
+    # paddlepaddle.org.cn's index for each CUDA version) are different distributions that both provide the
+    # `paddle` module, so requiring one would install it over the other. The CPU build is the extra `cpu`;
+    # without any build, `import paddle_rl` says what to install (paddle_rl/env.py).
     install_requires=[
-        "paddlepaddle==3.3.1",
         "pyyaml",
         "numpy",
         "fastapi",
@@ -44,6 +47,7 @@ setup(
         "httpx",
     ],
     extras_require={
+        "cpu": ["paddlepaddle==3.3.1"],
         # parity checks against Hugging Face transformers (PyTorch CPU); torch is pinned: an unpinned torch
         # pulls a multi-GB CUDA build
         # (accelerate: transformers needs it to read a GGUF file, the independent side of the GGUF parity tests;

@@ -9,10 +9,30 @@ is unmapped on free, so every large activation pays its page faults again (a 64 
 instead of 17). PADDLE_RL_MALLOC=heap makes `configure_allocator` keep freed memory in the process heap
 instead, as a caching allocator would (W1 ~5% faster; peak RSS stays at its high-water mark, +1.9 GB on a
 0.5B model). It is off by default for that memory.
+
+`import_paddle` imports Paddle once, for the whole package: without a Paddle build it stops with one line that
+says what to install (the suite does not install Paddle itself: the CPU and GPU builds are different
+distributions that both provide `paddle`), and it keeps two import-time notices of Paddle's out of the output:
+- "WARNING: OMP_NUM_THREADS set to N, not 1 ... PLEASE USE OMP_NUM_THREADS WISELY.", printed to stderr when
+  OMP_NUM_THREADS > 1. `configure_threads` sets it on purpose (the cores divided among the local processes); the
+  notice is about OpenBLAS builds, and Paddle's CPU wheel uses MKL.
+- "No ccache found ...", a UserWarning of paddle.utils.cpp_extension: the custom ops build once per source
+  version into a cache of their own (ops/build.py), so a compiler cache would not be used.
+Every other line Paddle writes while it is imported passes through.
 """
 import ctypes
+import importlib.util
+import io
 import os
 import sys
+import warnings
+
+PADDLE_MISSING = ('paddle-rl needs PaddlePaddle, which is not installed: for CPU run pip install -e ".[cpu]" '
+                  '(or pip install paddlepaddle==3.3.1); for GPU first install paddlepaddle-gpu as '
+                  'https://www.paddlepaddle.org.cn/install says for your CUDA version')
+
+# lines Paddle prints to stderr while it is imported that are dropped (the module docstring says why)
+PADDLE_IMPORT_NOTICES = ("WARNING: OMP_NUM_THREADS set to ", "PLEASE USE OMP_NUM_THREADS WISELY.")
 
 
 def cpu_count() -> int:
@@ -46,3 +66,45 @@ def configure_threads(processes_per_node: int = 1) -> None:
     os.environ.setdefault("GLOG_minloglevel", "2")
     # transposes as real copies: Paddle's CPU strided-copy kernels are several times slower
     os.environ.setdefault("FLAGS_use_stride_kernel", "0")
+
+
+class _DropLines(io.TextIOBase):
+    """A text stream that forwards whole lines to `target`, except those starting with one of `prefixes`."""
+
+    def __init__(self, target, prefixes):
+        super().__init__()
+        self.target, self.prefixes, self.pending = target, tuple(prefixes), ""
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, text: str) -> int:
+        self.pending += text
+        *lines, self.pending = self.pending.split("\n")
+        for line in lines:
+            if not line.startswith(self.prefixes):
+                self.target.write(line + "\n")
+        return len(text)
+
+    def flush(self) -> None:
+        if self.pending and not self.pending.startswith(self.prefixes):
+            self.target.write(self.pending)
+        self.pending = ""
+        self.target.flush()
+
+
+def import_paddle():
+    """Import Paddle without its import-time notices; ImportError with PADDLE_MISSING when no build is installed."""
+    warnings.filterwarnings("ignore", message="No ccache found", category=UserWarning)
+    if "paddle" in sys.modules:
+        return sys.modules["paddle"]
+    if importlib.util.find_spec("paddle") is None:
+        raise ImportError(PADDLE_MISSING, name="paddle")
+    stderr = sys.stderr
+    sys.stderr = _DropLines(stderr, PADDLE_IMPORT_NOTICES)
+    try:
+        import paddle
+    finally:
+        sys.stderr.flush()
+        sys.stderr = stderr
+    return paddle

@@ -107,3 +107,39 @@ def test_error_during_training_keeps_its_traceback(micro, tmp_path):
     assert "Traceback (most recent call last)" in result.stderr
     assert "field_the_records_lack" in result.stderr
     assert "\nerror: " not in result.stderr
+
+
+# ---- Paddle's import-time notices (OMP_NUM_THREADS, ccache) stay out of the output; other stderr lines pass
+@pytest.mark.parametrize("argv", [["--help"], ["train", "--help"]])
+def test_help_prints_nothing_on_stderr(argv):
+    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="4")  # > 1: Paddle's notice would be printed
+    result = subprocess.run([sys.executable, "-m", "paddle_rl", *argv], cwd=ROOT, env=env, capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0 and "usage: paddle-rl" in result.stdout
+    assert result.stderr == ""
+
+
+def test_import_filter_drops_only_paddles_notices():
+    import io
+
+    from paddle_rl.env import PADDLE_IMPORT_NOTICES, _DropLines
+    out = io.StringIO()
+    stream = _DropLines(out, PADDLE_IMPORT_NOTICES)
+    print("WARNING: OMP_NUM_THREADS set to 4, not 1. The computation ...", file=stream)
+    print("PLEASE USE OMP_NUM_THREADS WISELY.", file=stream)
+    print("W0101 a real warning", file=stream)
+    stream.write("no newline yet")
+    stream.flush()
+    assert out.getvalue() == "W0101 a real warning\nno newline yet"
+
+
+def test_train_with_an_unreachable_reward_server_stops_before_the_first_step(tmp_path):
+    import socket
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{s.getsockname()[1]}"
+    result = run_cli("train", "configs/tiny_arith_grpo.yaml", "use_rm_server=true", f"reward_server={url}",
+                     "reward_server_retries=0", f"output_dir={tmp_path}")
+    assert result.returncode == 2, result.stderr
+    assert f"error: reward_server: no server answers at {url}" in result.stderr
+    assert "Traceback" not in result.stderr and not os.path.exists(tmp_path / "metrics.jsonl")

@@ -7,7 +7,7 @@ import shutil
 import numpy as np
 import pytest
 
-from paddle_rl.config import ConfigError, RLConfig
+from paddle_rl.config import ConfigError, RLConfig, load_config
 from paddle_rl.rewards import RewardSample, build_local_reward, check_reward_config
 from paddle_rl.rewards.reward_model import NeuralReward
 
@@ -79,6 +79,42 @@ def test_combined_with_rules_by_weight(reward_folder):
     rm = _hf_scores(model, tok, ["q " + r for r in responses])
     np.testing.assert_allclose(result.per_function["reward_model"], rm, atol=1e-4)
     np.testing.assert_allclose(result.scores, 2.0 * rm + np.array([1.0, 0.0]), atol=2e-4)
+
+
+# the config requires an actor; never loaded here
+ACTOR = {"actor_model_name_or_path": os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                                  "data", "tiny_arith", "model")}
+
+
+def test_the_path_alone_scores_with_the_model(reward_folder):
+    """PaddleNLP's switch: use_rm_server false + reward_model_name_or_path, no reward_funcs (default: a rule)."""
+    folder, model, tok = reward_folder
+    config = load_config(None, {**ACTOR, "use_rm_server": False, "reward_model_name_or_path": folder})
+    assert config.reward_funcs == ["reward_model"] and config.reward_weights == []
+    check_reward_config(config)
+    responses = ["<think>a</think>\n<answer>b</answer>", "no format"]
+    result = build_local_reward(config)([RewardSample("q ", r, {"src": "q "}) for r in responses])
+    np.testing.assert_allclose(result.scores, _hf_scores(model, tok, ["q " + r for r in responses]), atol=1e-4)
+    # an empty reward_funcs given: the model alone too
+    assert load_config(None, {**ACTOR, "reward_funcs": [], "reward_model_name_or_path": folder}).reward_funcs == ["reward_model"]
+
+
+def test_the_path_with_reward_funcs_adds_the_model_with_weight_1(reward_folder):
+    folder, model, tok = reward_folder
+    config = load_config(None, [f"actor_model_name_or_path={ACTOR['actor_model_name_or_path']}", "reward_funcs=[format]",
+                                "reward_weights=[0.5]", f"reward_model_name_or_path={folder}"])
+    assert config.reward_funcs == ["format", "reward_model"] and config.reward_weights == [0.5, 1.0]
+    responses = ["<think>a</think>\n<answer>b</answer>", "no format"]
+    result = build_local_reward(config)([RewardSample("q ", r, {"src": "q "}) for r in responses])
+    rm = _hf_scores(model, tok, ["q " + r for r in responses])
+    np.testing.assert_allclose(result.scores, rm + np.array([0.5, 0.0]), atol=2e-4)
+    # listed with a weight of its own: kept as written
+    listed = load_config(None, {**ACTOR, "reward_funcs": ["reward_model", "format"], "reward_weights": [2.0, 1.0],
+                                "reward_model_name_or_path": folder})
+    assert listed.reward_funcs == ["reward_model", "format"] and listed.reward_weights == [2.0, 1.0]
+    # without weights every function weighs 1
+    plain = load_config(None, {**ACTOR, "reward_funcs": ["format"], "reward_model_name_or_path": folder})
+    assert plain.reward_funcs == ["format", "reward_model"] and plain.reward_weights == []
 
 
 def test_errors_name_the_key_and_the_file(reward_folder, micro, tmp_path):

@@ -1,7 +1,11 @@
 """Rule rewards, plugins, routing and results, in process, against hand-computed numbers."""
+import contextlib
+import http.server
 import math
 import os
+import socket
 import textwrap
+import threading
 
 import numpy as np
 import pytest
@@ -262,8 +266,35 @@ def test_reward_names_are_checked_by_the_rewards_package(plugin_file):
     check_reward_config(RLConfig(reward_funcs=["contains", "kk"], reward_plugins=[plugin_file]))
     with pytest.raises(ConfigError, match="unknown reward function 'contain' \\(did you mean 'contains'\\?\\)"):
         check_reward_config(RLConfig(reward_funcs=["contain"], reward_plugins=[plugin_file]))
-    # with a reward server, the server checks its own functions
-    check_reward_config(RLConfig(reward_funcs=["nonsense"], use_rm_server=True))
+    # with a reward server, the server checks its own functions (one that answers HTTP at all is enough here)
+    with http_server() as url:
+        check_reward_config(RLConfig(reward_funcs=["nonsense"], use_rm_server=True, reward_server=url))
+
+
+@contextlib.contextmanager
+def http_server():
+    """A real HTTP server on 127.0.0.1 that answers every GET with 501 (it implements no method)."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), http.server.BaseHTTPRequestHandler)
+    server.RequestHandlerClass.log_message = lambda *args: None
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_an_unreachable_reward_server_is_a_config_error_naming_its_url():
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    config = RLConfig(use_rm_server=True, reward_server=url, reward_server_retries=1, reward_server_backoff=0.01)
+    with pytest.raises(ConfigError, match=f"reward_server: no server answers at {url} \\(ConnectError: .*2 attempt"):
+        check_reward_config(config)
+    with http_server() as up:  # the same check passes once a server answers
+        check_reward_config(RLConfig(use_rm_server=True, reward_server=up, reward_server_retries=0))
 
 
 def test_check_reward_config_loads_a_plugin_file_once(tmp_path):

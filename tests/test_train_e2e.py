@@ -216,3 +216,52 @@ def test_do_train_false_evaluates_the_starting_model_only(micro, tmp_path):
     bad = run_cli(["train", "/dev/null", *micro_overrides(micro, str(tmp_path / "bad"), do_train=False,
                                                           do_eval=False)])
     assert bad.returncode == 2 and "do_train: false leaves nothing to run" in bad.stderr
+
+
+def _summary_lines(stderr: str) -> list:
+    """The run summary's lines (the last lines logged from trainer.py), without the log prefix."""
+    lines = [line.split(" - ", 1)[1] for line in stderr.splitlines() if "trainer.py" in line and " - " in line]
+    start = max(i for i, line in enumerate(lines) if line.startswith("run "))
+    return lines[start:]
+
+
+TINY_SHORT = ["max_steps=2", "eval_steps=2", "save_steps=2", "global_batch_size=4", "global_mini_batch_size=4",
+              "rollout_n=4", "max_eval_samples=32", "disable_tqdm=true"]
+
+
+def test_run_ends_with_a_summary(tmp_path):
+    """A short real run of the tiny config: first and last evaluation with their change, steps, wall time, the
+    last checkpoint, metrics.jsonl and the dashboards' commands on this run's log folder."""
+    out, logs = tmp_path / "run", tmp_path / "my logs"
+    result = run_cli(["train", "configs/tiny_arith_grpo.yaml", *TINY_SHORT, f"output_dir={out}",
+                      f"logging_dir={logs}", "report_to=visualdl,tensorboard"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = _summary_lines(result.stderr)
+    rows = read_metrics(str(out / "metrics.jsonl"))
+    first, last = rows[0], rows[-1]
+    assert lines[0].startswith("run finished: 2/2 steps, wall time ")
+    assert lines[1] == (f"evaluation (step 0 -> step 2): accuracy {first['eval/accuracy']:.4g} -> "
+                        f"{last['eval/accuracy']:.4g} ({last['eval/accuracy'] - first['eval/accuracy']:+.4g}), "
+                        f"reward {first['eval/reward_mean']:.4g} -> {last['eval/reward_mean']:.4g} "
+                        f"({last['eval/reward_mean'] - first['eval/reward_mean']:+.4g})")
+    assert lines[2] == f"last checkpoint: {out / 'checkpoint-2'}"
+    assert lines[3] == f"metrics: {out / 'metrics.jsonl'} (through step 2)"
+    assert lines[4] == f"VisualDL: visualdl --logdir '{logs}'"  # quoted: the folder name has a space
+    assert lines[5] == f"TensorBoard: tensorboard --logdir '{logs}'"
+    assert any(name.startswith("events.out.tfevents") for name in os.listdir(logs))  # what tensorboard reads
+
+
+def test_failed_run_says_what_was_saved_last(tmp_path):
+    out = tmp_path / "run"
+    result = run_cli(["train", "configs/tiny_arith_grpo.yaml", *TINY_SHORT, "max_steps=4", "eval_steps=10",
+                      f"output_dir={out}", f"logging_dir={out / 'logs'}", "report_to=tensorboard"],
+                     env={"PADDLE_RL_TEST_FAIL_SAVE": "4"})  # checkpoint-4's save fails: the run stops there
+    assert result.returncode != 0 and "Traceback" in result.stderr
+    lines = _summary_lines(result.stderr)
+    assert lines[0].startswith("run failed at step 4/4, wall time ") and "OSError" in lines[0]
+    assert lines[0].endswith("saved last:")
+    assert lines[1].startswith("evaluation (step 0 -> step 4): accuracy ")  # the last step evaluates, then saves
+    assert lines[2] == f"last checkpoint: {out / 'checkpoint-2'}"
+    assert lines[3] == f"metrics: {out / 'metrics.jsonl'} (through step 4)"
+    assert lines[4] == "VisualDL: not written (add visualdl to report_to)"
+    assert lines[5] == f"TensorBoard: tensorboard --logdir {out / 'logs'}"

@@ -149,6 +149,8 @@ def load_config(path: Optional[str] = None, overrides: Optional[Iterable[str] | 
     if errors:
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(errors))
     config = cls(**values)
+    for method in sorted(m for m in dir(config) if m.startswith("_resolve_")):  # keys that depend on others
+        getattr(config, method)(frozenset(values))
     problems = []
     for method in sorted(m for m in dir(config) if m.startswith("_validate_")):
         getattr(config, method)(problems)

@@ -1,7 +1,12 @@
+import logging
 import os
 from dataclasses import dataclass
 
 from .fields import arg
+
+logger = logging.getLogger("paddle_rl")
+
+MODEL_REWARD = "reward_model"  # the neural reward model's name among reward_funcs (rewards/reward_model.py)
 
 COSINE_ACCURACY = ("math", "accuracy", "gsm8k", "gsm8k_flexible", "kk")
 SERVER_PROTOCOLS = ("auto", "v1", "paddlenlp")
@@ -47,6 +52,31 @@ class RewardArgs:
     sandbox_allow_unisolated: bool = arg(False, "Run untrusted programs (code rule, python tool) where bubblewrap "
                                                 "cannot isolate them: as this user with rlimits only (logged). "
                                                 "Without it such a run stops at start-up.")
+
+    def _resolve_reward_model(self, given_keys) -> None:
+        """PaddleNLP's switch: `use_rm_server: false` with `reward_model_name_or_path` scores with that model.
+        Unless reward_funcs / reward_routes name `reward_model`, it joins reward_funcs: alone when the file and
+        overrides do not give reward_funcs (its default is a rule), else as one more function, weight 1."""
+        if not self.reward_model_name_or_path:
+            return
+        if self.use_rm_server:
+            logger.warning("reward_model_name_or_path is not used with use_rm_server: true (the reward server at "
+                           "%s scores; start it with --reward-model to score with the model)", self.reward_server)
+            return
+        named = [str(n) for n in self.reward_funcs]
+        for spec in self.reward_routes.values():
+            named += [spec] if isinstance(spec, str) else [str(n) for n in spec]
+        if MODEL_REWARD in named:
+            return
+        if "reward_funcs" not in given_keys:
+            self.reward_funcs = [MODEL_REWARD]
+            logger.info("reward: %s (reward_model_name_or_path) alone, reward_funcs not given", MODEL_REWARD)
+            return
+        self.reward_funcs = list(self.reward_funcs) + [MODEL_REWARD]
+        if self.reward_weights:
+            self.reward_weights = list(self.reward_weights) + [1.0]
+        logger.info("reward: %s (reward_model_name_or_path) added to reward_funcs with weight 1: %s", MODEL_REWARD,
+                    ", ".join(self.reward_funcs))
 
     def _validate_reward(self, errors):
         if self.code_score not in ("fraction", "all"):

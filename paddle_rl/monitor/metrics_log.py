@@ -4,7 +4,7 @@ import math
 import os
 from typing import Optional
 
-from .dashboards import open_dashboards
+from .dashboards import OPENERS, open_dashboards
 
 METRICS_FILE = "metrics.jsonl"
 # Wall-clock figures: they differ between two runs of the same computation.
@@ -24,11 +24,14 @@ class MetricsLog:
         self.enabled = enabled
         self.path = os.path.join(output_dir, METRICS_FILE)
         self.logging_steps = logging_steps
-        self.dashboards = []
+        self.dashboards, self.dashboard_names = [], []
+        self.logging_dir = logging_dir or os.path.join(output_dir, "logs")
         if not enabled:
             return
         os.makedirs(output_dir, exist_ok=True)
-        self.dashboards = open_dashboards(report_to, logging_dir or os.path.join(output_dir, "logs"), run_name)
+        self.dashboards = open_dashboards(report_to, self.logging_dir, run_name)
+        # the report_to names of the dashboards written (visualdl, tensorboard, wandb), kept after close
+        self.dashboard_names = [name for name, cls in OPENERS.items() if any(isinstance(d, cls) for d in self.dashboards)]
 
     def truncate_after(self, step: int) -> None:
         """Drop lines of steps after `step` (written by an interrupted run that is being resumed)."""

@@ -8,6 +8,8 @@ import difflib
 from typing import Dict, List, Tuple
 
 from ..config import ConfigError
+from ..config.reward_args import MODEL_REWARD
+from .client import RewardServerClient
 from .plugins import PluginFunction, load_plugins_cached
 from .rules import RULE_REWARDS
 
@@ -69,16 +71,14 @@ def reward_config_errors(config) -> List[str]:
         overlong_errors(config, named, plugins)
 
 
-MODEL_REWARD = "reward_model"  # the name of the neural reward model among reward_funcs (rewards/reward_model.py)
-
-
 def reward_model_errors(config, named: List[Tuple[str, str]]) -> List[str]:
     """reward_model_name_or_path and the `reward_model` function name go together."""
     used = any(n == MODEL_REWARD for _, n in named)
     path = getattr(config, "reward_model_name_or_path", "")
     if path and not used:
         return [f"reward_model_name_or_path: set, but {MODEL_REWARD!r} is in neither reward_funcs nor reward_routes; "
-                f"add it (and its weight to reward_weights) or remove the key"]
+                f"add it (and its weight to reward_weights) or remove the key (a YAML file or key=value overrides "
+                f"add it by themselves)"]
     if used and not path:
         return [f"reward_funcs: {MODEL_REWARD!r} needs reward_model_name_or_path (a *ForSequenceClassification folder)"]
     return []
@@ -90,8 +90,13 @@ def check_reward_config(config) -> None:
     In process: loads `reward_plugins` (kept for `build_reward`, so a plugin file runs once per process),
     checks that every name of `reward_funcs` and `reward_routes` is a built-in rule or a plugin function
     (ConfigError naming the key, the name and the closest known name), and that the soft overlong penalty is not
-    switched on twice. With `use_rm_server` the server checks its own functions; nothing is loaded here.
+    switched on twice. With `use_rm_server` the server checks its own functions; nothing is loaded here, and a
+    server that does not answer at `reward_server` is a ConfigError naming the URL.
     """
     if config.use_rm_server:
+        problem = RewardServerClient.from_config(config).unreachable()
+        if problem:
+            raise ConfigError(f"reward_server: {problem}; start it (paddle-rl reward-server) or set "
+                              f"use_rm_server: false")
         return
     raise_errors(reward_config_errors(config))

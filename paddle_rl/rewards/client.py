@@ -119,6 +119,21 @@ class RewardServerClient:
     def _headers(self):
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
+    def unreachable(self) -> Optional[str]:
+        """None when an HTTP server answers at the URL (any status: a PaddleNLP-protocol server answers GET with
+        405), else what went wrong, naming the URL. Connection errors are retried as a scoring request's are."""
+        import httpx
+        for attempt in range(self.retries + 1):
+            try:
+                with httpx.Client(timeout=min(self.timeout, 10.0)) as client:
+                    client.get(self.url, headers=self._headers())
+                return None
+            except httpx.TransportError as e:
+                failure = f"{type(e).__name__}: {e}"
+            if attempt < self.retries:
+                time.sleep(self.backoff * 2 ** attempt)
+        return f"no server answers at {self.url} ({failure}, {self.retries + 1} attempt(s))"
+
     # ------------------------------------------------------------------------------------------ one request
     def _post(self, url: str, payload: dict):
         import httpx

@@ -22,13 +22,14 @@ from ..data.loader import PromptSampler, load_prompt_dataset
 from ..layouts import build_layout
 from ..models import Tokenizer, adapters_off
 from ..models.lora import lora_settings
-from ..monitor import MetricsLog, StageTimer
+from ..monitor import MetricsLog, StageTimer, run_summary
 from ..parallel import watchdog
+from ..parallel.device import select_device
 from ..rewards import build_reward, check_reward_config
 from ..rollout import RolloutEngine, SamplingParams, sample_key
 from . import faults
-from .checkpoint import (CheckpointError, check_shared_folder, load_optimizer, load_trainer_state, resolve_resume,
-                         save_checkpoint, seed_rngs, set_rng_state)
+from .checkpoint import (CheckpointError, check_shared_folder, checkpoint_dirs, load_optimizer, load_trainer_state,
+                         resolve_resume, save_checkpoint, seed_rngs, set_rng_state)
 from .evaluate import episode_maker, evaluate
 from .logprobs import reuses_rollout_logprobs
 from .rollouts import build_rollout
@@ -44,9 +45,11 @@ class RLTrainer:
     def __init__(self, config, topology=None):
         """`topology`: the process grid (parallel/topology.py); default: from the config's degrees when launched on
         several processes, else a single process."""
+        self.started = time.time()  # the run's wall time counts its setup (models, data) too
         check_paths(config)
         check_reward_config(config)  # reward names against the registry, before any model loads
         self.config = config
+        self.device = select_device()  # the launcher's GPU for this rank (or the CPU), before any tensor exists
         ops.configure(config.use_custom_ops)
         self.layout = build_layout(topology if topology is not None else _topology(config),
                                    share_prompts=config.share_prompt_prefix,
@@ -435,13 +438,30 @@ class RLTrainer:
         return False
 
     def train(self) -> dict:
+        """Run to the end; the run's summary (monitor/summary.py) is logged last, finished or failed."""
         try:
-            return self._train()
-        except BaseException:
+            last = self._train()
+        except BaseException as e:
             watchdog.leaving()  # peers raising the same error may exit first: not a dead rank
+            self._log_summary(time.time() - self.started, e)
             raise
         finally:
             self.rollout.close()
+        self._log_summary(time.time() - self.started)
+        return last
+
+    def _log_summary(self, seconds: float, error: Optional[BaseException] = None) -> None:
+        if not self.layout.is_logging_rank:
+            return
+        try:
+            saved = checkpoint_dirs(self.config.output_dir)
+            lines = run_summary(self.log.path, self.log.logging_dir, self.log.dashboard_names, self.step,
+                                self.total_steps, seconds, os.path.abspath(saved[-1]) if saved else None, error)
+        except Exception as e:  # noqa: BLE001 - a failed run's own error is the one to raise
+            logger.warning("run summary unavailable: %s: %s", type(e).__name__, e)
+            return
+        for line in lines:
+            (logger.info if error is None else logger.error)("%s", line)
 
     def _train(self) -> dict:
         cfg = self.config
