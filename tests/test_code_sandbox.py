@@ -392,6 +392,7 @@ def test_reward_server_200_hostile_programs_from_16_clients(code_server):
     from concurrent.futures import ThreadPoolExecutor
 
     import httpx
+    from test_reward_server import post
     before = host_traces()
     url = code_server.url + "/v1/score"
     kinds = ["print(input())",
@@ -414,6 +415,8 @@ def test_reward_server_200_hostile_programs_from_16_clients(code_server):
     assert sorted(k for k, _, _ in results) == list(range(200))
     for k, status, score in results:
         assert status == 200 and score == (1.0 if k % len(kinds) == 0 else 0.0), (k, kinds[k % len(kinds)], score)
+    # the next run sweeps the cgroups its killed predecessors could not remove
+    assert post(url, {"samples": [_program_sample("print(input())", 9)]}).json()["score"] == [1.0]
     assert code_server.proc.poll() is None and nothing_left(before, timeout=20)
     print(f"200 programs in {elapsed:.1f} s")
 

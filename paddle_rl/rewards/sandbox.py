@@ -137,7 +137,6 @@ def isolation() -> Optional[Isolation]:
     memory = (f"cgroup {cgroup}: the kernel bounds all processes and tmpfs files of a run together" if cgroup else
               "no writable cgroup: address space per process, and a watchdog that sums the resident memory of the "
               f"sandbox's processes every {WATCH_SECONDS * 1000:.0f} ms and kills it past the limit")
-    _sweep_cgroups()
     tried = []
     for python in dict.fromkeys((os.path.realpath(sys.executable), "/usr/bin/python3")):
         if not os.path.isfile(python):
@@ -455,6 +454,7 @@ class _Cgroup:
         parents = cls._parents().get(version)
         if parents is None:
             raise OSError(f"no cgroup {version} hierarchy")
+        _sweep_cgroups()
         name = f"{CGROUP_PREFIX}{os.getpid()}_{next(cls._serial)}"
         folders = {c: os.path.join(p, name) for c, p in parents.items()}
         group = cls(version, {})
@@ -541,7 +541,8 @@ def _write(path: str, value: str) -> None:
 
 
 def _sweep_cgroups() -> None:
-    """Removes the empty cgroups of runs whose caller died (it was killed before it could remove them)."""
+    """Removes the empty cgroups of runs whose caller died (it was killed before it could remove them); every run
+    as root sweeps before it makes its own."""
     if os.geteuid() != 0:
         return
     for parents in _Cgroup._parents().values():
