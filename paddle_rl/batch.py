@@ -77,6 +77,16 @@ class StepBatch:
             return columns[key]
         raise AttributeError(key)
 
+    def group_order(self):
+        """(the batch's prompt groups, column `group`, in order of first appearance; each row's position in that
+        order)."""
+        groups = np.asarray(self["group"])
+        unique, first, inverse = np.unique(groups, return_index=True, return_inverse=True)
+        order = np.argsort(first, kind="stable")
+        position = np.empty(len(unique), dtype=np.int64)
+        position[order] = np.arange(len(unique))
+        return unique[order], position[inverse.reshape(-1)]
+
     def get(self, key: str, default=None):
         return self.columns.get(key, default)
 
@@ -190,8 +200,11 @@ class StepBatch:
         return paddle.to_tensor(first.astype(np.int64)), paddle.to_tensor(inverse.reshape(-1).astype(np.int64))
 
 
-def rollout_batch(prompt_ids, response_ids, response_mask, logprobs, lengths, truncated, pad_id: int) -> StepBatch:
-    """The columns a rollout writes (row r: sample r % n of prompt r // n)."""
+def rollout_batch(prompt_ids, response_ids, response_mask, logprobs, lengths, truncated, pad_id: int, group,
+                  sample) -> StepBatch:
+    """The columns a rollout writes; each row carries who it is: `group` (its prompt) and `sample` (which of that
+    prompt's samples)."""
     return StepBatch({"prompt_ids": object_column(list(p) for p in prompt_ids), "response_ids": response_ids,
                       "response_mask": response_mask, "rollout_logp": logprobs, "lengths": lengths,
-                      "truncated": truncated}, pads={"response_ids": pad_id})
+                      "truncated": truncated, "group": np.asarray(group, dtype=np.int64),
+                      "sample": np.asarray(sample, dtype=np.int64)}, pads={"response_ids": pad_id})

@@ -50,7 +50,8 @@ def long_tail_batch(groups=4, n=4, seed=0, cap=64):
             ids[i, :lengths[i]] = rng.integers(1, 211, size=lengths[i])
             mask[i, :lengths[i]] = 1.0
     batch = StepBatch({"prompt_ids": object_column(prompts), "response_ids": ids, "response_mask": mask,
-                       "lengths": lengths, "group": np.repeat(np.arange(groups), n)}).with_prompt_layout(0)
+                       "lengths": lengths, "group": np.repeat(np.arange(groups), n),
+                       "sample": np.tile(np.arange(n), groups)}).with_prompt_layout(0)
     batch["old_logp"] = (-rng.random(mask.shape) * mask).astype(np.float32)
     batch["ref_logp"] = ((batch["old_logp"] - 0.05 * rng.random(mask.shape)) * mask).astype(np.float32)
     batch["advantages"] = (rng.normal(size=(rows, 1)) * mask).astype(np.float32)
@@ -243,7 +244,7 @@ def test_balance_groups_largest_first():
 def test_balance_batch_does_nothing_in_one_process():
     from paddle_rl.parallel.topology import single_process
     batch = long_tail_batch()
-    placed, metrics = BatchGroup(single_process()).place(batch, 4, 2, balance=True)
+    placed, metrics = BatchGroup(single_process()).place(batch, 2, balance=True)
     assert placed is batch and metrics == {"perf/token_imbalance": 1.0}
     assert placed["mini_batch"].tolist() == [0] * 8 + [1] * 8
 

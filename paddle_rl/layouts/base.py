@@ -73,33 +73,40 @@ class BatchGroup:
             out += mini[self.rank * share:(self.rank + 1) * share]
         return out
 
-    def to_global(self, batch: StepBatch, n: int, mini_prompts: int) -> StepBatch:
-        """Every rank's share of a sampler batch, gathered back into the single-process order (groups of n
-        rows; each rank holds the same slice of every mini-batch, see local_prompt_indices)."""
-        if self.group is None:
-            return batch
-        parts = C.gather_objects(batch, self.group)
-        share = mini_prompts // self.degree
-        groups = parts[0].size // n
-        order = []  # (rank, local group) in global order
-        for m in range(groups // share):
-            for r in range(self.degree):
-                order += [(r, m * share + w) for w in range(share)]
-        offsets = np.cumsum([0] + [p.size for p in parts])
-        rows = np.concatenate([offsets[r] + g * n + np.arange(n) for r, g in order])
-        return StepBatch.concat(parts).select(rows)
+    def global_groups(self, local, mini_prompts: int, gen_round: int = 0) -> np.ndarray:
+        """The step-wide ids of this rank's prompts (`local`: their index in the rank's draw): the position of
+        each in the sampler batch (see local_prompt_indices), round r's offset by r << 32 so that generation
+        rounds never share an id. Sorting rows by (group, sample) is the single-process order."""
+        local = np.asarray(local, dtype=np.int64)
+        if self.degree == 1:
+            position = local
+        else:
+            share = mini_prompts // self.degree
+            position = (local // share) * mini_prompts + self.rank * share + local % share
+        return (np.int64(gen_round) << 32) + position
 
-    def local_share(self, batch: StepBatch, n: int, mini_prompts: int) -> StepBatch:
-        """This rank's share of a batch held whole, in single-process order (the inverse of to_global)."""
+    def to_global(self, batch: StepBatch) -> StepBatch:
+        """Every rank's share of a sampler batch, gathered back into the single-process order (by the rows'
+        `group` and `sample`)."""
         if self.group is None:
             return batch
-        groups = self.local_prompt_indices(range(batch.size // n), mini_prompts)
-        return batch.select(np.concatenate([g * n + np.arange(n) for g in groups]).astype(np.int64))
+        whole = StepBatch.concat(C.gather_objects(batch, self.group))
+        return whole.select(np.lexsort((whole["sample"], whole["group"])))
+
+    def local_share(self, batch: StepBatch, mini_prompts: int) -> StepBatch:
+        """This rank's share of a batch held whole, in single-process order (the inverse of to_global): the same
+        slice of every mini-batch of its prompt groups."""
+        if self.group is None:
+            return batch
+        groups, position = batch.group_order()
+        mine = np.zeros(len(groups), dtype=bool)
+        mine[self.local_prompt_indices(range(len(groups)), mini_prompts)] = True
+        return batch.select(np.flatnonzero(mine[position]))
 
     def local_prompts(self, prompts: int) -> int:
         return prompts // self.degree
 
-    def place(self, batch: StepBatch, n: int, mini_prompts: int, balance: bool):
+    def place(self, batch: StepBatch, mini_prompts: int, balance: bool):
         """(this rank's rows for the log-prob and update passes, metrics). Adds column `mini_batch` (each row's
         mini-batch). Without `balance` the rows stay where the rollout put them (the same contiguous share of
         every mini-batch); with it, each mini-batch's prompt groups are assigned to the ranks by their tokens
@@ -107,18 +114,22 @@ class BatchGroup:
         perf/token_imbalance: the largest rank's tokens of a mini-batch over the ranks' mean, averaged over the
         mini-batches (1 for one process)."""
         if balance and self.degree > 1:
-            whole = self.to_global(batch, n, mini_prompts)
-            sizes = row_tokens(whole).reshape(-1, n).sum(1)
+            whole = self.to_global(batch)
+            groups, position = whole.group_order()
+            tokens = row_tokens(whole)
+            sizes = np.zeros(len(groups), dtype=tokens.dtype)
+            np.add.at(sizes, position, tokens)
             mine, minis = [], []
             for m, start in enumerate(range(0, len(sizes), mini_prompts)):
                 owner = balance_groups(sizes[start:start + mini_prompts], self.degree)
-                groups = start + np.flatnonzero(owner == self.rank)
-                mine += [g * n + np.arange(n) for g in groups]
-                minis += [m] * (len(groups) * n)
+                for g in start + np.flatnonzero(owner == self.rank):
+                    rows = np.flatnonzero(position == g)
+                    mine.append(rows)
+                    minis += [m] * len(rows)
             batch = whole.select(np.concatenate(mine) if mine else np.zeros(0, np.int64))
             batch["mini_batch"] = np.array(minis, dtype=np.int64)
         else:
-            batch["mini_batch"] = np.arange(batch.size) // (self.local_prompts(mini_prompts) * n)
+            batch["mini_batch"] = batch.group_order()[1] // self.local_prompts(mini_prompts)
         return batch, {"perf/token_imbalance": self.token_imbalance(batch)}
 
     def token_imbalance(self, batch: StepBatch) -> float:

@@ -223,7 +223,8 @@ class RolloutEngine:
             logprobs[r, :len(s.tokens)] = s.logprobs
             mask[r, :len(s.tokens)] = s.policy  # observation tokens are out of the loss mask
         out = rollout_batch([s.prompt for s in done], response, mask, logprobs, lengths,
-                            np.array([s.truncated for s in done]), self.pad_id)
+                            np.array([s.truncated for s in done]), self.pad_id, [s.group for s in done],
+                            [s.sample for s in done])
         out["decode_steps"] = np.array([s.decode_steps for s in done], dtype=np.int64)
         if self.between_steps is not None:
             versions = np.full((rows, width), -1, dtype=np.int64)

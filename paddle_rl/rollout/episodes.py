@@ -196,7 +196,8 @@ def observation_renderer(tokenizer, stop_ids) -> Callable[[str, int], List[int]]
 
 
 class EpisodeRunner:
-    """The episodes of one rollout: row r is sample r % n of record r // n."""
+    """The episodes of one rollout: one environment per sample, in the engine's row order (each prompt's n samples
+    together), reset with its prompt's record."""
 
     def __init__(self, make_env: Callable[[], object], records: List[dict], n: int, tokenizer, stop_ids,
                  max_turns: int, name: str = "env_plugin"):
@@ -207,25 +208,26 @@ class EpisodeRunner:
         self.tool_calls = np.zeros(len(records) * n, dtype=np.int64)
         self.tool_errors = np.zeros(len(records) * n, dtype=np.int64)
         self.reward = np.full(len(records) * n, np.nan, dtype=np.float32)
-        for row in range(len(records) * n):
-            env = make_env()
-            self._call(row, env, "reset", records[row // n])
-            self.envs.append(env)
+        for group, record in enumerate(records):
+            for sample in range(n):
+                env = make_env()
+                self._call(group, sample, env, "reset", record)
+                self.envs.append(env)
 
-    def _call(self, row: int, env, method: str, arg):
+    def _call(self, group: int, sample: int, env, method: str, arg):
         try:
             return getattr(env, method)(arg)
         except Exception as e:  # noqa: BLE001 - named: the plugin and the sample
-            record = self.records[row // self.n]
-            uid = record.get("uid", row // self.n) if isinstance(record, dict) else row // self.n
-            raise EpisodeError(f"{self.name} {type(env).__name__}.{method} raised on sample {row % self.n} of prompt "
-                               f"{uid} (row {row}): {type(e).__name__}: {e}") from e
+            record = self.records[group]
+            uid = record.get("uid", group) if isinstance(record, dict) else group
+            raise EpisodeError(f"{self.name} {type(env).__name__}.{method} raised on sample {sample} of prompt "
+                               f"{uid} (row {group * self.n + sample}): {type(e).__name__}: {e}") from e
 
     def turn_ended(self, seq) -> Optional[List[int]]:
         """The observation's tokens after `seq`'s finished turn, or None when the episode ends."""
         row = seq.row
         turn = self.tokenizer.decode(seq.tokens[seq.turn_start:-1])
-        step = self._call(row, self.envs[row], "step", turn)
+        step = self._call(seq.group, seq.sample, self.envs[row], "step", turn)
         if not isinstance(step, Step):
             step = Step(observation=step) if isinstance(step, str) or step is None else Step(*step)
         if step.reward is not None:

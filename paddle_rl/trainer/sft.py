@@ -56,8 +56,10 @@ class SFTTrainer(RLTrainer):
         start = time.perf_counter()
         indices = self.layout.batch.local_prompt_indices(self.sampler.next_batch(), cfg.mini_batch_prompts)
         batch = sft_batch([self.train_data[i] for i in indices], self.pad_id)
-        batch, metrics = self.layout.batch.place(batch, 1, cfg.mini_batch_prompts, cfg.balance_batch)
-        batch["group"] = np.arange(batch.size)  # every row its own prompt: no shared prefix to reuse
+        # every row its own prompt (no shared prefix to reuse), one sample of it
+        batch["group"] = self.layout.batch.global_groups(np.arange(batch.size), cfg.mini_batch_prompts)
+        batch["sample"] = np.zeros(batch.size, dtype=np.int64)
+        batch, metrics = self.layout.batch.place(batch, cfg.mini_batch_prompts, cfg.balance_batch)
         batch.with_prompt_layout(self.pad_id)
         metrics.update(self._update(batch, timer))
         elapsed = time.perf_counter() - start

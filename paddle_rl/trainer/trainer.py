@@ -162,11 +162,12 @@ class RLTrainer:
     def _generate_round(self, step: int, timer: StageTimer, gen_round: int) -> StepBatch:
         """One generation round of this rank's share of a sampler batch: rollout (here, or taken from the
         asynchronous worker), rewards, shaped scores."""
-        n = self.config.rollout_n
         with timer.stage("rollout"):
             faults.die("rollout", step, self.layout.rank)
             items, batch = self.rollout.take(step, lambda s: self._draw(s, gen_round))
-        batch["item"] = object_column(items[i // n] for i in range(batch.size))
+        local = batch["group"]   # the engine's: each row's prompt, by its index in this draw
+        batch["item"] = object_column(items[g] for g in local)
+        batch["group"] = self.layout.batch.global_groups(local, self.config.mini_batch_prompts, gen_round)
         with timer.stage("reward"):
             score(batch, self.tokenizer, self.reward_fn)
         batch.meta["shape_metrics"] = self._shape_scores(batch)
@@ -193,15 +194,14 @@ class RLTrainer:
         Under dynamic sampling every rank sees every rank's samples in the single-process order, so the
         ranks agree on the rounds and select the same groups as one process; each then trains on its share."""
         cfg = self.config
-        n = cfg.rollout_n
         group_view = self.layout.batch
         local_rounds, rounds = [], []
         for gen_round in range(1, max(1, cfg.max_gen_batches if cfg.dynamic_sampling else 1) + 1):
             local = self._generate_round(step, timer, gen_round - 1)
             local_rounds.append(local)
-            rounds.append(group_view.to_global(local, n, cfg.mini_batch_prompts) if cfg.dynamic_sampling else local)
+            rounds.append(group_view.to_global(local) if cfg.dynamic_sampling else local)
             pool = StepBatch.concat(rounds)
-            group_ids = np.arange(pool.size) // n
+            group_ids = pool["group"]
             keep, filter_metrics = self.objective.filter_groups(pool["scores"], group_ids)
             skipped = pool.get("skipped")
             if skipped is not None:
@@ -210,15 +210,15 @@ class RLTrainer:
                 index = self.objective.select_groups(keep, group_ids, cfg.global_batch_size, gen_round)
             elif skipped is not None:
                 # without dynamic sampling only this rank's skipped groups leave, in the first and only round
-                index = self.objective.select_groups(keep, group_ids, int(keep.reshape(-1, n).all(1).sum()),
-                                                     max(gen_round, cfg.max_gen_batches))
+                whole_groups = len(np.unique(group_ids)) - len(np.unique(group_ids[~keep]))
+                index = self.objective.select_groups(keep, group_ids, whole_groups, max(gen_round, cfg.max_gen_batches))
             else:
                 index = np.arange(pool.size)
             if index is not None:
                 break
         train = pool.select(index)
         if cfg.dynamic_sampling:
-            train = group_view.local_share(train, n, cfg.mini_batch_prompts)
+            train = group_view.local_share(train, cfg.mini_batch_prompts)
         metrics = dict(local_rounds[-1].meta["shape_metrics"])
         metrics.update(filter_metrics)
         metrics["gen_rounds"] = float(gen_round)
@@ -329,9 +329,8 @@ class RLTrainer:
         metrics.update(reward_result(everything).metrics("reward"))
         metrics.update(self._length_metrics(everything))
         generated = float(pool["lengths"].sum())
-        batch, placement = self.layout.batch.place(batch, cfg.rollout_n, cfg.mini_batch_prompts, cfg.balance_batch)
+        batch, placement = self.layout.batch.place(batch, cfg.mini_batch_prompts, cfg.balance_batch)
         metrics.update(placement)
-        batch["group"] = np.arange(batch.size) // cfg.rollout_n
         batch.with_prompt_layout(self.pad_id)
         batch["response_mask"] = np.asarray(
             self.objective.response_mask_for_update(batch["response_mask"], batch["truncated"]), dtype=np.float32)
