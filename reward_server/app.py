@@ -24,7 +24,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from fastapi_offline import FastAPIOffline
@@ -93,22 +93,40 @@ class ScoreResponse(BaseModel):
     timed_out: List[int] = []
 
 
-def error(code: int, message: str, status: int, **extra) -> JSONResponse:
-    return JSONResponse({"error_code": code, "error_msg": message, "score": [], **extra}, status_code=status)
+def error(code: int, message: str, status: int, headers: Optional[dict] = None, **extra) -> JSONResponse:
+    return JSONResponse({"error_code": code, "error_msg": message, "score": [], **extra}, status_code=status,
+                        headers=headers)
 
 
-# ------------------------------------------------------------------------------------------------ body limit
+# ------------------------------------------------------------------------------------------------ request gate
 
-class BodyLimit:
-    """Reads request bodies up to `limit` bytes (413 beyond) before the application sees them, as JSON."""
+def key_matches(headers: Dict[bytes, bytes], api_key: str) -> bool:
+    """The request carries `api_key` (Authorization: Bearer KEY or X-API-Key: KEY), compared in constant time."""
+    given = headers.get(b"x-api-key", b"").decode("latin-1")
+    auth = headers.get(b"authorization", b"").decode("latin-1")
+    if auth.lower().startswith("bearer "):
+        given = given or auth[7:].strip()
+    return bool(given) and hmac.compare_digest(given.encode(), api_key.encode())
 
-    def __init__(self, app, limit: int):
-        self.app, self.limit = app, limit
+
+class RequestGate:
+    """Stands before the application for every request with a body (every method but GET / HEAD / OPTIONS): the
+    API key is checked from the headers alone (401 without reading a byte of the body), then the body is read up
+    to `limit` bytes (413 beyond; a declared Content-Length over the limit is refused before reading) and handed
+    on as JSON."""
+
+    def __init__(self, app, limit: int, api_key: str = ""):
+        self.app, self.limit, self.api_key = app, limit, api_key
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS"):
             return await self.app(scope, receive, send)
-        declared = dict(scope.get("headers") or []).get(b"content-length")
+        headers = dict(scope.get("headers") or [])
+        if self.api_key and not key_matches(headers, self.api_key):
+            response = error(UNAUTHORIZED, "missing or wrong API key (send Authorization: Bearer KEY or "
+                                           "X-API-Key: KEY)", 401, headers={"Connection": "close"})
+            return await response(scope, receive, send)
+        declared = headers.get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.limit:
             return await self._too_large(scope, receive, send, int(declared))
         chunks, size = [], 0
@@ -172,7 +190,7 @@ def create_app(settings: ServerSettings, pool: Optional[ScoringPool] = None) -> 
     app = FastAPIOffline(title="paddle-rl reward server", version="1.0", lifespan=lifespan,
                          description="Rule and plugin rewards over HTTP, PaddleNLP-compatible at POST /.",
                          static_url=DOCS_ASSETS, swagger_ui_parameters={"validatorUrl": None})
-    app.add_middleware(BodyLimit, limit=settings.max_request_bytes)
+    app.add_middleware(RequestGate, limit=settings.max_request_bytes, api_key=settings.api_key)
 
     @app.exception_handler(RequestValidationError)
     async def invalid_request(request: Request, exc: RequestValidationError):
@@ -185,20 +203,6 @@ def create_app(settings: ServerSettings, pool: Optional[ScoringPool] = None) -> 
             where = ".".join(str(p) for p in e.get("loc", ()) if p != "body")
             problems.append(f"{where or 'body'}: {e.get('msg')}")
         return error(INVALID, "invalid request: " + "; ".join(problems), 400)
-
-    async def check_key(request: Request):
-        if not settings.api_key:
-            return
-        given = request.headers.get("x-api-key", "")
-        auth = request.headers.get("authorization", "")
-        if auth.lower().startswith("bearer "):
-            given = given or auth[7:].strip()
-        if not given or not hmac.compare_digest(given.encode(), settings.api_key.encode()):
-            raise _Unauthorized()
-
-    @app.exception_handler(_Unauthorized)
-    async def unauthorized(request: Request, exc: "_Unauthorized"):
-        return error(UNAUTHORIZED, "missing or wrong API key (send Authorization: Bearer KEY or X-API-Key: KEY)", 401)
 
     async def score(request: Request, samples: List[dict]):
         if len(samples) > settings.max_samples:
@@ -216,7 +220,7 @@ def create_app(settings: ServerSettings, pool: Optional[ScoringPool] = None) -> 
             return None, error(code, failure.message, status, failed_sample=failure.index)
         return results, None
 
-    @app.post("/", response_model=PaddleNLPResponse, dependencies=[Depends(check_key)],
+    @app.post("/", response_model=PaddleNLPResponse,
               summary="Score responses (PaddleNLP protocol)")
     async def paddlenlp_score(request: Request, body: PaddleNLPRequest):
         lengths = (len(body.src), len(body.tgt), len(body.response))
@@ -231,7 +235,7 @@ def create_app(settings: ServerSettings, pool: Optional[ScoringPool] = None) -> 
         return {"error_code": 0, "error_msg": "Success", "score": [r.score for r in results],
                 "timed_out": [i for i, r in enumerate(results) if r.timed_out]}
 
-    @app.post("/v1/score", response_model=ScoreResponse, dependencies=[Depends(check_key)],
+    @app.post("/v1/score", response_model=ScoreResponse,
               summary="Score records with per-function breakdowns")
     async def v1_score(request: Request, body: ScoreRequest):
         samples = []
@@ -259,6 +263,3 @@ def create_app(settings: ServerSettings, pool: Optional[ScoringPool] = None) -> 
 
     return app
 
-
-class _Unauthorized(Exception):
-    pass

@@ -11,10 +11,13 @@ import os
 from paddle_rl.rewards.client import API_KEY_ENV
 
 LOOPBACK = ("localhost",)
+DEFAULT_MAX_CONNECTIONS = 128
 
 
 def add_reward_server_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    parser.add_argument("--host", default="127.0.0.1", help="Address to bind (default 127.0.0.1: this machine only).")
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="Address to bind (default 127.0.0.1: this machine only). Any other address needs an API "
+                             "key, or --allow-no-key.")
     parser.add_argument("--port", type=int, default=8731, help="Port (default 8731).")
     parser.add_argument("--reward", action="append", metavar="NAME[,NAME...]",
                         help="Reward functions to sum (repeatable or comma-separated; default: the config's "
@@ -41,6 +44,12 @@ def add_reward_server_arguments(parser: argparse.ArgumentParser) -> argparse.Arg
     parser.add_argument("--max-samples", type=int, default=16384, help="Most samples in one request.")
     parser.add_argument("--api-key", default=None,
                         help=f"Require this key (Authorization: Bearer KEY or X-API-Key: KEY); default ${API_KEY_ENV}.")
+    parser.add_argument("--allow-no-key", action="store_true",
+                        help="Serve a non-loopback --host without an API key (anyone who can reach the port can use "
+                             "the server and make it run its reward functions).")
+    parser.add_argument("--max-connections", type=int, default=DEFAULT_MAX_CONNECTIONS, metavar="N",
+                        help=f"Open connections served at once (default {DEFAULT_MAX_CONNECTIONS}); while more are "
+                             "open, requests get HTTP 503 at once (clients retry after a backoff).")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     parser.add_argument("--access-log", action="store_true", help="Log every request.")
     return parser
@@ -118,9 +127,21 @@ def settings_from_args(args):
         raise SystemExit("--workers: must be >= 1")
     if args.sample_timeout <= 0:
         raise SystemExit("--sample-timeout: must be > 0")
+    if args.max_connections < 1:
+        raise SystemExit("--max-connections: must be >= 1")
     return ServerSettings(config_values=values, workers=args.workers, sample_timeout=args.sample_timeout,
                           timeout_score=args.timeout_score, max_request_bytes=int(args.max_request_mb * 1024 * 1024),
                           max_samples=args.max_samples, api_key=api_key)
+
+
+def check_bind(host: str, api_key: str, allow_no_key: bool) -> None:
+    """A server reachable from other machines needs an API key unless --allow-no-key says otherwise (ConfigError)."""
+    from paddle_rl.config import ConfigError
+
+    if not _is_loopback(host) and not api_key and not allow_no_key:
+        raise ConfigError(f"--host {host} is reachable from other machines and no API key is set: anyone who can "
+                          f"reach the port could make the server run its reward functions. Set --api-key KEY (or "
+                          f"${API_KEY_ENV}), bind 127.0.0.1, or pass --allow-no-key to serve {host} without a key")
 
 
 def _is_loopback(host: str) -> bool:
@@ -141,12 +162,15 @@ def run_reward_server(args) -> int:
     log = logging.getLogger("reward_server")
     try:
         settings = settings_from_args(args)
+        check_bind(args.host, settings.api_key, args.allow_no_key)
         app = create_app(settings)
     except (ConfigError, ValueError) as e:
         log.error("%s", e)
         return 2
     if not _is_loopback(args.host) and not settings.api_key:
-        log.warning("binding %s without an API key: anyone who can reach this port can use the server "
-                    "(set --api-key or $%s)", args.host, API_KEY_ENV)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=args.access_log)
+        log.warning("serving %s without an API key (--allow-no-key): anyone who can reach this port can use the "
+                    "server", args.host)
+    # uvicorn answers 503 to a request while `limit_concurrency` or more connections are open, this one included
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=args.access_log,
+                limit_concurrency=args.max_connections + 1)
     return 0

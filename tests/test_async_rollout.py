@@ -102,7 +102,9 @@ def test_kill_9_and_resume_reproduces_an_asynchronous_run(micro, plugin, tmp_pat
     cfg = config_file(base, tmp_path / "cfg.yaml")
     ref = train_process(cfg)
     assert ref.returncode == 0, ref.stderr[-2000:]
-    assert (tmp_path / "a" / "checkpoint-2" / "pending_rollouts.pkl").is_file()
+    ckpt = tmp_path / "a" / "checkpoint-2"
+    assert (ckpt / "pending_rollouts.json").is_file() and (ckpt / "pending_rollouts.safetensors").is_file()
+    assert not list(ckpt.glob("*.pkl"))
     out_b = tmp_path / "b"
     kill_after_checkpoint(cfg, out_b)
     resumed = train_process(cfg, f"output_dir={out_b}", "resume_from_checkpoint=auto")

@@ -16,6 +16,7 @@ from paddle_rl.config import ConfigError, load_config
 from paddle_rl.models import LoraSettings, adapters_off, load_model, merged_weights, save_model
 from paddle_rl.models.lora import AdapterError, adapters
 from paddle_rl.monitor import TIMING_PREFIXES, read_metrics
+from paddle_rl.trainer.state_files import read_state
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LORA = dict(lora_rank=4, lora_alpha=8)
@@ -205,10 +206,10 @@ def test_kill_9_and_resume_is_exact_and_checkpoints_are_peft_adapters(micro, tmp
     expected = strip(read_metrics(str(tmp_path / "a" / "metrics.jsonl")))
     ckpt = tmp_path / "a" / "checkpoint-4"
     for name in ("adapter_config.json", "adapter_model.safetensors", "merged/config.json", "merged/model.safetensors",
-                 "merged/tokenizer.json", "optimizer.pdopt", "tokenizer.json"):
+                 "merged/tokenizer.json", "optimizer.json", "optimizer.safetensors", "tokenizer.json"):
         assert (ckpt / name).is_file(), name
     assert not (ckpt / "model.safetensors").exists()  # the frozen base is not copied into every checkpoint
-    moments = [k for k in paddle.load(str(ckpt / "optimizer.pdopt")) if "moment1" in str(k)]
+    moments = [k for k in read_state(str(ckpt), "optimizer") if "moment1" in str(k)]
     assert moments and all("adapter" in k for k in moments), moments[:3]
 
     out_b = tmp_path / "b"

@@ -231,9 +231,10 @@ def test_data_parallel_through_run_rl(setup, reference, tmp_path):
             *run_overrides(setup["micro"], out_dir, setup["plugin"], eval_datasets="", logging_dir="")]
     launch(args, str(tmp_path / "log"))
     assert_parity(reference["grpo"], out_dir)
-    assert not os.path.exists(os.path.join(out_dir, "checkpoint-3", "optimizer.pdopt"))
+    assert not os.path.exists(os.path.join(out_dir, "checkpoint-3", "optimizer.json"))
     assert sorted(f for f in os.listdir(os.path.join(out_dir, "checkpoint-3")) if f.startswith("optimizer")) == [
-        "optimizer.rank00000.pdopt", "optimizer.rank00001.pdopt"]
+        "optimizer.rank00000.json", "optimizer.rank00000.safetensors", "optimizer.rank00001.json",
+        "optimizer.rank00001.safetensors"]
 
 
 def test_data_parallel_reinforce_pp_global_whitening(setup, reference):

@@ -13,7 +13,7 @@ Per layout, three launches of `python -m paddle.distributed.launch --nproc_per_n
 metrics.jsonl of 3 equals that of 1 value for value, wall-clock keys (TIMING_PREFIXES: time/*, perf/*) left out,
 and model.safetensors of checkpoint-3 equals it bit for bit. The reward draws from Python's and NumPy's global
 generators, so the runs also depend on the seeding of `random` and on each rank getting its own generator states
-back (checkpoint.rng_file).
+back (checkpoint.rng_stem).
 """
 import os
 import re

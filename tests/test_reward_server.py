@@ -315,6 +315,97 @@ def test_api_key_and_timeout_score(servers):
             [RewardSample("q", KK_RIGHT, {"tgt": KK_TRUTH})])
 
 
+def _raw_request(port: int, head: bytes, body: bytes = b"", timeout: float = 20.0) -> socket.socket:
+    sock = socket.create_connection(("127.0.0.1", port), timeout=timeout)
+    sock.sendall(head + body)
+    return sock
+
+
+def _read_response(sock: socket.socket) -> bytes:
+    """Everything the server sends until it closes the connection (socket.timeout if it never answers)."""
+    data = b""
+    while True:
+        chunk = sock.recv(65536)
+        if not chunk:
+            return data
+        data += chunk
+
+
+@pytest.mark.parametrize("key_header", [b"", b"X-API-Key: wrong\r\n", b"Authorization: Bearer wrong\r\n"])
+def test_wrong_key_is_refused_before_the_body_is_read(servers, key_header):
+    """A request announcing a 30 MiB body but sending 12 bytes of it gets 401 at once: the key is checked from the
+    headers (reading the body first would wait for the missing bytes until the socket's timeout)."""
+    port = servers["keyed"].port
+
+    def head(key_line):
+        return (b"POST /v1/score HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                b"Content-Length: %d\r\n" % (30 * 1024 * 1024) + key_line + b"\r\n")
+    with _raw_request(port, head(key_header), b'{"samples": ') as sock:
+        answer = _read_response(sock)
+    status, _, rest = answer.partition(b"\r\n")
+    assert status == b"HTTP/1.1 401 Unauthorized", answer[:300]
+    body = json.loads(rest.split(b"\r\n\r\n", 1)[1])
+    assert body["error_code"] == 1003 and "API key" in body["error_msg"]
+    # the right key with the same partial body: the server waits for the rest (nothing comes back yet)
+    with _raw_request(port, head(b"X-API-Key: s3cret\r\n"), b'{"samples": ', timeout=1.0) as sock:
+        with pytest.raises(socket.timeout):
+            sock.recv(1)
+
+
+def test_max_connections_refuses_past_the_cap():
+    """--max-connections 2: while two connections are open (each with a request in flight), requests on further
+    connections get 503 without waiting; once one closes, requests are served again."""
+    server = Server("--reward", "kk", "--workers", "1", "--max-connections", "2").wait()
+    payload = {"src": ["q"], "tgt": [KK_TRUTH], "response": [KK_RIGHT]}
+    holders = []
+    try:
+        for _ in range(2):   # a served request first (the connection is the server's), then a body never finished
+            sock = socket.create_connection(("127.0.0.1", server.port), timeout=20.0)
+            sock.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+            assert sock.recv(65536).startswith(b"HTTP/1.1 200")
+            sock.sendall(b"POST / HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: 1000\r\n\r\n{")
+            holders.append(sock)
+        with ThreadPoolExecutor(max_workers=6) as pool:
+            answers = list(pool.map(lambda _: httpx.post(server.url + "/", json=payload, timeout=20.0), range(6)))
+        assert [r.status_code for r in answers] == [503] * 6, [r.text for r in answers]
+        assert httpx.get(server.url + "/health", timeout=20.0).status_code == 503
+        holders.pop().close()
+        deadline, status = time.monotonic() + 20, None
+        while time.monotonic() < deadline and status != 200:
+            r = post(server.url + "/", payload)
+            status = r.status_code
+            time.sleep(0.05)
+        assert status == 200 and r.json()["score"] == [3.0]
+        # the trainer's client retries a 503 and gets its scores once a connection is free
+        samples, expected = _kk_samples(4)
+        client = RewardServerClient(server.url, retries=20, backoff=0.05, batch_size=1, max_concurrency=4)
+        np.testing.assert_array_equal(client(samples).scores, expected)
+    finally:
+        for sock in holders:
+            sock.close()
+        server.stop()
+
+
+def test_non_loopback_bind_needs_a_key_or_allow_no_key():
+    from paddle_rl.config import ConfigError
+    from reward_server.cli import check_bind
+    env = {k: v for k, v in os.environ.items() if k != "PADDLE_RL_REWARD_API_KEY"}
+    proc = subprocess.run([sys.executable, "-m", "reward_server", "--host", "0.0.0.0", "--port", str(free_port()),
+                           "--reward", "kk", "--workers", "1"], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "--host 0.0.0.0" in proc.stderr and "--allow-no-key" in proc.stderr and "--api-key" in proc.stderr
+    assert "Uvicorn running" not in proc.stderr
+    for host in ("0.0.0.0", "::", "10.1.2.3", "myhost.example"):
+        with pytest.raises(ConfigError, match=rf"--host {re.escape(host)} .*--allow-no-key"):
+            check_bind(host, "", False)
+        check_bind(host, "s3cret", False)
+        check_bind(host, "", True)
+    for host in ("127.0.0.1", "127.0.0.2", "::1", "localhost"):
+        check_bind(host, "", False)
+
+
 @pytest.mark.parametrize("protocol", ["paddlenlp", "v1"])
 def test_client_warns_about_timed_out_samples(servers, protocol, caplog):
     """Samples the server gave its --timeout-score are named in a warning (by their index in the whole batch),

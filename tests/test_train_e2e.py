@@ -52,8 +52,8 @@ def test_grpo_run_writes_every_metric_checkpoint_and_dashboard(micro, tmp_path):
         assert row["actor/lr"] == pytest.approx(1e-3)
     assert "eval/accuracy" in rows[2] and "eval/accuracy" in rows[3]
     ckpt = out / "checkpoint-2"
-    for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "optimizer.pdopt",
-                 "trainer_state.json"):
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "optimizer.json",
+                 "optimizer.safetensors", "rng_state.json", "trainer_state.json"):
         assert (ckpt / name).is_file(), name
     state = json.loads((ckpt / "trainer_state.json").read_text())
     assert state["step"] == 2 and state["sampler"]["position"] == 8
@@ -80,13 +80,13 @@ def test_save_strategy_epoch_saves_at_each_epoch_end(micro, tmp_path):
 def test_resume_refuses_optimizer_state_of_other_parameters(micro, tmp_path):
     """Optimizer moments saved under other parameter names (another release's layout) stop the resume with a
     clear error instead of being skipped silently."""
-    import paddle
+    from paddle_rl.trainer.state_files import read_state, write_state
     out = tmp_path / "run"
     train_in_process(micro_overrides(micro, str(out), max_steps=2, do_eval=False))
-    path = out / "checkpoint-2" / "optimizer.pdopt"
-    saved = paddle.load(str(path))
-    paddle.save({k.replace("actor_", "old_", 1) if isinstance(k, str) else k: v for k, v in saved.items()},
-                str(path))
+    path = str(out / "checkpoint-2")
+    saved = read_state(path, "optimizer")
+    write_state(path, "optimizer", {k.replace("actor_", "old_", 1) if isinstance(k, str) else k: v
+                                    for k, v in saved.items()})
     with pytest.raises(ValueError, match="no optimizer state for .* parameter"):
         train_in_process(micro_overrides(micro, str(out), max_steps=3, do_eval=False,
                                          resume_from_checkpoint=str(out / "checkpoint-2")))

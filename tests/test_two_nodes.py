@@ -80,8 +80,9 @@ def test_two_nodes_train_like_one_process(micro, plugin, tmp_path, run_marker):
     print(f"two nodes: {time.time() - start:.1f} s")
     assert_parity(single, shared)
     files = sorted(os.listdir(os.path.join(shared, "checkpoint-3")))
-    assert {"model.safetensors", "trainer_state.json", "optimizer.rank00000.pdopt", "optimizer.rank00001.pdopt",
-            "rng_state.rank00000.pdstate", "rng_state.rank00001.pdstate"} <= set(files), files
+    assert {"model.safetensors", "trainer_state.json", "optimizer.rank00000.json", "optimizer.rank00001.json",
+            "optimizer.rank00000.safetensors", "optimizer.rank00001.safetensors", "rng_state.rank00000.json",
+            "rng_state.rank00001.json"} <= set(files), files
     assert not [f for f in os.listdir(shared) if f.startswith(".")]  # the check's file is gone
 
 
@@ -122,7 +123,7 @@ def test_checkpoint_needs_every_rank_part_in_one_folder(micro, tmp_path):
                                               r"rank \(is output_dir one folder that every node shares\?\) \(rank 1\)"):
         save_checkpoint(out, 1, *args, rank=1, world_size=2)
     with pytest.raises(CheckpointError, match=r"checkpoint-1 could not be written: FileNotFoundError: "
-                                              r"rng_state.rank00001.pdstate, optimizer.rank00001.pdopt missing from "
+                                              r"rng_state.rank00001.json, optimizer.rank00001.json missing from "
                                               r".*\.tmp-checkpoint-1 after every rank wrote its part"):
         save_checkpoint(out, 1, *args, rank=0, world_size=2)
     assert os.listdir(out) == []

@@ -4,14 +4,20 @@ Written into a temporary folder and renamed into place, so an interrupted save l
 previous checkpoints untouched and every checkpoint-N folder is complete.
 
 Under several processes every rank calls save_checkpoint: rank 0 writes the (gathered) model and the
-trainer state, every rank writes its own optimizer state (optimizer.rankNNNNN.pdopt: a shard under
-sharding / tensor / pipeline parallelism) and its random generators' states (rng_state.rankNNNNN.pdstate), and
+trainer state, every rank writes its own optimizer state (optimizer.rankNNNNN.json + .safetensors: a shard under
+sharding / tensor / pipeline parallelism) and its random generators' states (rng_state.rankNNNNN.json), and
 rank 0 renames the folder once all have written. So every rank needs the same output_dir (on several nodes: a
 file system they all mount); check_shared_folder verifies it at start-up.
+
+Nothing in a checkpoint is pickled (state_files: safetensors + JSON), so resuming one runs no code from it.
+Checkpoints written before that (optimizer*.pdopt, rng_state*.pdstate, pending_rollouts.pkl: paddle.save /
+pickle) still resume, with one warning that they are unpickled.
 """
 import contextlib
 import json
+import logging
 import os
+import pickle
 import random
 import re
 import secrets
@@ -27,10 +33,16 @@ from ..config import ConfigError
 from ..models.pretrained import checkpoint_state, save_model
 from . import faults
 from .nonfinite import NonFiniteError, first_nonfinite_array
+from .state_files import has_state, read_state, state_paths, write_state
 
+logger = logging.getLogger("paddle_rl")
 STATE_FILE = "trainer_state.json"
-OPTIMIZER_FILE = "optimizer.pdopt"
-RNG_FILE = "rng_state.pdstate"
+OPTIMIZER_STEM = "optimizer"             # optimizer.json + optimizer.safetensors (state_files)
+RNG_STEM = "rng_state"                   # rng_state.json
+PENDING_STEM = "pending_rollouts"        # the asynchronous rollout's requested batches
+LEGACY_OPTIMIZER_FILE = "optimizer.pdopt"  # older checkpoints: paddle.save (pickle)
+LEGACY_RNG_FILE = "rng_state.pdstate"
+LEGACY_PENDING_FILE = "pending_rollouts.pkl"
 PREFIX = "checkpoint-"
 
 
@@ -73,37 +85,110 @@ def rng_state() -> dict:
             "numpy": [name, keys.tolist(), int(pos), int(has_gauss), float(cached)]}
 
 
+def paddle_rng_state() -> list:
+    """Paddle's generators (one per device) as JSON: GeneratorState's own pickle state, (device, seed, offset,
+    the engine's text), which is what paddle.save stored."""
+    out = []
+    for generator in paddle.get_rng_state():
+        state = generator.__getstate__()
+        if not (isinstance(state, tuple) and len(state) == 4 and all(isinstance(v, int) for v in state[:3])
+                and isinstance(state[3], list)):
+            raise TypeError(f"Paddle {paddle.__version__}: unexpected GeneratorState layout "
+                            f"{[type(v).__name__ for v in state]}; cannot store the random generators")
+        out.append({"device": state[0], "seed": state[1], "offset": state[2], "engine": bytes(state[3]).decode()})
+    return out
+
+
+def set_paddle_rng_state(saved: list, where: str) -> None:
+    generator_type = type(paddle.get_rng_state()[0])
+    states = []
+    for entry in saved:
+        try:
+            state = generator_type.__new__(generator_type)
+            state.__setstate__((int(entry["device"]), int(entry["seed"]), int(entry["offset"]),
+                                list(entry["engine"].encode())))
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise ValueError(f"{where}: a Paddle generator state that cannot be restored ({e})") from None
+        states.append(state)
+    paddle.set_rng_state(states)
+
+
 def set_rng_state(rng: dict, path: str, rank: int = 0, world_size: int = 1) -> None:
-    """This rank's generators as its save left them, from its own rng_file (`rng`: trainer_state.json's, rank 0's
+    """This rank's generators as its save left them, from its own rng file (`rng`: trainer_state.json's, rank 0's
     Python and NumPy states, which a checkpoint written before the ranks kept their own states holds alone)."""
-    host, device = rng, None
-    for name in dict.fromkeys((rng_file(rank, world_size), RNG_FILE)):
-        if os.path.isfile(os.path.join(path, name)):
-            saved = paddle.load(os.path.join(path, name))
-            host, device = (saved["host"], saved["paddle"]) if isinstance(saved, dict) else (host, saved)
+    host, device, where = rng, None, None
+    for stem in dict.fromkeys((rng_stem(rank, world_size), RNG_STEM)):
+        if has_state(path, stem):
+            saved, where = read_state(path, stem), state_paths(path, stem)[0]
+            host, device = saved["host"], saved["paddle"]
             break
+    else:
+        for name in dict.fromkeys((legacy_rng_file(rank, world_size), LEGACY_RNG_FILE)):
+            if os.path.isfile(os.path.join(path, name)):
+                saved = paddle.load(os.path.join(path, name))  # pickle: warn_pickled named it
+                host, device = (saved["host"], saved["paddle"]) if isinstance(saved, dict) else (host, saved)
+                break
     version, internal, gauss = host["python"]
     random.setstate((version, tuple(internal), gauss))
     name, keys, pos, has_gauss, cached = host["numpy"]
     np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
-    if device is not None:
+    if where is not None:
+        set_paddle_rng_state(device, where)
+    elif device is not None:
         paddle.set_rng_state(device)
 
 
-def rng_file(rank: int = 0, world_size: int = 1) -> str:
+def rng_stem(rank: int = 0, world_size: int = 1) -> str:
     """Each rank's generators (Python, NumPy, Paddle): a reward function or sampler drawing from the global
     generators consumes them by its rank's data, so the ranks' states differ."""
-    return RNG_FILE if world_size == 1 else f"rng_state.rank{rank:05d}.pdstate"
+    return RNG_STEM if world_size == 1 else f"{RNG_STEM}.rank{rank:05d}"
 
 
-def optimizer_file(rank: int = 0, world_size: int = 1) -> str:
-    return OPTIMIZER_FILE if world_size == 1 else f"optimizer.rank{rank:05d}.pdopt"
+def optimizer_stem(rank: int = 0, world_size: int = 1) -> str:
+    return OPTIMIZER_STEM if world_size == 1 else f"{OPTIMIZER_STEM}.rank{rank:05d}"
+
+
+def legacy_rng_file(rank: int = 0, world_size: int = 1) -> str:
+    return LEGACY_RNG_FILE if world_size == 1 else f"rng_state.rank{rank:05d}.pdstate"
+
+
+def legacy_optimizer_file(rank: int = 0, world_size: int = 1) -> str:
+    return LEGACY_OPTIMIZER_FILE if world_size == 1 else f"optimizer.rank{rank:05d}.pdopt"
 
 
 def rank_files(world_size: int, save_optimizer: bool = True) -> list:
-    """The files each rank adds to a checkpoint folder."""
-    return [name for rank in range(world_size) for name in
-            (rng_file(rank, world_size), *((optimizer_file(rank, world_size),) if save_optimizer else ()))]
+    """The files each rank adds to a checkpoint folder (each JSON file is written after its safetensors file)."""
+    return [stem + ".json" for rank in range(world_size) for stem in
+            (rng_stem(rank, world_size), *((optimizer_stem(rank, world_size),) if save_optimizer else ()))]
+
+
+def pickled_files(path: str, rank: int = 0, world_size: int = 1) -> list:
+    """The files of an older checkpoint that resuming it on this rank unpickles (none for one written now)."""
+    found = []
+    if not has_state(path, optimizer_stem(rank, world_size)):
+        found.append(legacy_optimizer_file(rank, world_size))
+    if not any(has_state(path, stem) for stem in (rng_stem(rank, world_size), RNG_STEM)):
+        found += [n for n in dict.fromkeys((legacy_rng_file(rank, world_size), LEGACY_RNG_FILE))
+                  if os.path.isfile(os.path.join(path, n))][:1]
+    if not has_state(path, PENDING_STEM):
+        found.append(LEGACY_PENDING_FILE)
+    return [os.path.join(path, name) for name in found if os.path.isfile(os.path.join(path, name))]
+
+
+def warn_pickled(path: str, rank: int = 0, world_size: int = 1) -> list:
+    """One warning naming the files of `path` that resuming will unpickle (an older checkpoint's format)."""
+    files = pickled_files(path, rank, world_size)
+    if files:
+        logger.warning("%s: loaded through pickle (checkpoint written by an older paddle-rl). Unpickling a file can "
+                       "run code it carries: only resume checkpoints you trust. Checkpoints written from now on hold "
+                       "no pickle (safetensors + JSON).", ", ".join(files))
+    return files
+
+
+def load_pickle(path: str):
+    """An older checkpoint's pickle file (warn_pickled names it first)."""
+    with open(path, "rb") as f:
+        return pickle.load(f)
 
 
 # ---------------------------------------------------------------- one output_dir for every rank
@@ -202,21 +287,19 @@ def save_checkpoint(output_dir: str, step: int, model, tokenizer_folder: str, op
             os.makedirs(tmp)
 
     def write_parts():
-        if rank != 0 and not os.path.isdir(tmp):  # paddle.save would create it: a folder rank 0 never sees
+        if rank != 0 and not os.path.isdir(tmp):  # writing would create it: a folder rank 0 never sees
             raise FileNotFoundError(f"{tmp}, created by rank 0, is not visible to this rank ({NOT_SHARED_HINT})")
         if rank == 0:
             save_model(model, tmp, tokenizer_folder=tokenizer_folder, state=model_state)
-        paddle.save({"host": state["rng"], "paddle": paddle.get_rng_state()},
-                    os.path.join(tmp, rng_file(rank, world_size)))
+        write_state(tmp, rng_stem(rank, world_size), {"host": state["rng"], "paddle": paddle_rng_state()})
         if save_optimizer:
-            paddle.save(optimizer.state_dict(), os.path.join(tmp, optimizer_file(rank, world_size)))
+            write_state(tmp, optimizer_stem(rank, world_size), optimizer.state_dict())
             state["scheduler"] = scheduler.state_dict()
         faults.die("save", step, rank)
         faults.fail_save(step, rank, tmp)
         if rank == 0:
-            for name, data in (extra_files or {}).items():  # {file name: bytes} (the asynchronous rollout's batches)
-                with open(os.path.join(tmp, name), "wb") as f:
-                    f.write(data)
+            for stem, tree in (extra_files or {}).items():  # {stem: state} (the asynchronous rollout's batches)
+                write_state(tmp, stem, tree)
             with open(os.path.join(tmp, STATE_FILE), "w", encoding="utf-8") as f:
                 json.dump(state, f, indent=2, sort_keys=True, default=_json_default)
 
@@ -278,10 +361,15 @@ def load_optimizer(path: str, optimizer, scheduler, state: dict, rank: int = 0, 
     if saved_world != world_size:
         raise ValueError(f"{path}: optimizer state was saved by {saved_world} processes, this run has {world_size}; "
                          "resume with the same parallel layout (or set ignore_save_lr_and_optim and start fresh)")
-    opt_path = os.path.join(path, optimizer_file(rank, world_size))
-    if not os.path.isfile(opt_path):
-        raise FileNotFoundError(f"checkpoint file not found: {opt_path}")
-    saved = paddle.load(opt_path)
+    stem = optimizer_stem(rank, world_size)
+    if has_state(path, stem):
+        opt_path = state_paths(path, stem)[0]
+        saved = read_state(path, stem)
+    else:
+        opt_path = os.path.join(path, legacy_optimizer_file(rank, world_size))
+        if not os.path.isfile(opt_path):
+            raise FileNotFoundError(f"checkpoint file not found: {state_paths(path, stem)[0]}")
+        saved = paddle.load(opt_path)  # pickle: warn_pickled named it
     _check_optimizer_state(opt_path, optimizer, saved)
     optimizer.set_state_dict(saved)
     scheduler.set_state_dict(state["scheduler"])

@@ -17,15 +17,15 @@ the worker's own generation and weight-loading seconds and its peak RSS (`async/
 """
 import logging
 import os
-import pickle
 import time
 from typing import Callable, Dict
 
 from ..models.lora import merge_state
 from ..rollout.worker import RolloutWorker
+from .checkpoint import LEGACY_PENDING_FILE, PENDING_STEM, load_pickle
+from .state_files import has_state, read_state
 
 logger = logging.getLogger("paddle_rl")
-PENDING_FILE = "pending_rollouts.pkl"
 
 
 class InlineRollout:
@@ -153,15 +153,19 @@ class AsyncRollout(InlineRollout):
         return {"pending_steps": sorted(self.pending)}
 
     def extra_files(self) -> dict:
+        """{PENDING_STEM: the requested batches} (records, step batches, sampler points, worker stats), written as
+        safetensors + JSON."""
         self._settle()
-        return {PENDING_FILE: pickle.dumps({s: self.pending[s] for s in sorted(self.pending)})} if self.pending else {}
+        return {PENDING_STEM: {s: self.pending[s] for s in sorted(self.pending)}} if self.pending else {}
 
     def set_state_dict(self, state: dict, path: str) -> None:
         steps = state.get("pending_steps", [])
         if not steps:
             return
-        with open(os.path.join(path, PENDING_FILE), "rb") as f:
-            self.pending = pickle.load(f)
+        if has_state(path, PENDING_STEM):
+            self.pending = read_state(path, PENDING_STEM)
+        else:  # an older checkpoint's pickle (checkpoint.warn_pickled named it)
+            self.pending = load_pickle(os.path.join(path, LEGACY_PENDING_FILE))
 
     def close(self) -> None:
         self.worker.close()
@@ -171,4 +175,4 @@ def build_rollout(trainer) -> InlineRollout:
     return AsyncRollout(trainer) if trainer.config.async_rollout else InlineRollout(trainer)
 
 
-__all__ = ["InlineRollout", "AsyncRollout", "build_rollout", "PENDING_FILE"]
+__all__ = ["InlineRollout", "AsyncRollout", "build_rollout"]

@@ -29,7 +29,7 @@ from ..rewards import build_reward, check_reward_config
 from ..rollout import RolloutEngine, SamplingParams, sample_key
 from . import faults
 from .checkpoint import (CheckpointError, check_shared_folder, checkpoint_dirs, load_optimizer, load_trainer_state,
-                         resolve_resume, save_checkpoint, seed_rngs, set_rng_state)
+                         resolve_resume, save_checkpoint, seed_rngs, set_rng_state, warn_pickled)
 from .evaluate import episode_maker, evaluate
 from .logprobs import reuses_rollout_logprobs
 from .rollouts import build_rollout
@@ -122,6 +122,7 @@ class RLTrainer:
         if path is None:
             return
         state = load_trainer_state(path)
+        warn_pickled(path, **self.layout.resume_args())
         self.layout.load_weights(self.actor, path)
         load_optimizer(path, self.optimizer, self.scheduler, state, **self.layout.resume_args())
         self.sampler.set_state_dict(state["sampler"])
