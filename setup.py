@@ -36,6 +36,7 @@ setup(
         "fastapi-offline",      # the reward server's /docs and /redoc assets, served without a CDN
         "uvicorn",
         "visualdl",
+        "tensorboardX",         # report_to tensorboard: the event files (TFRecord framing, Event protobufs)
         "tokenizers",
         "safetensors",
         "gguf>=0.10",           # paddle-rl convert gguf / fetch: reads and dequantizes llama.cpp files
@@ -51,8 +52,9 @@ setup(
         # parity checks against Hugging Face transformers (PyTorch CPU); torch is pinned: an unpinned torch
         # pulls a multi-GB CUDA build
         # (accelerate: transformers needs it to read a GGUF file, the independent side of the GGUF parity tests;
-        # peft: the independent side of the LoRA adapter tests)
-        "test": ["pytest", "torch==2.13.0", "transformers", "accelerate", "peft"],
+        # peft: the independent side of the LoRA adapter tests; tensorboard: reads back the event files written
+        # for report_to tensorboard)
+        "test": ["pytest", "torch==2.13.0", "transformers", "accelerate", "peft", "tensorboard"],
     },
     entry_points={"console_scripts": ["paddle-rl=paddle_rl.cli:main"]},
 )

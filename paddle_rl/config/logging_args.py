@@ -16,9 +16,9 @@ def report_to_words(value) -> tuple:
 class LoggingArgs:
     logging_dir: Optional[str] = arg(None, "Dashboard log folder (default: <output_dir>/logs).")
     logging_steps: int = arg(1, "Print and write dashboard scalars every this many steps (metrics.jsonl gets every step).")
-    report_to: str = arg("visualdl", "Dashboards, comma separated: visualdl | tensorboard (event files written by "
-                                     "this package, no TensorFlow needed) | wandb (offline unless $WANDB_MODE says "
-                                     "otherwise; needs the wandb package) | all (every one whose package is "
+    report_to: str = arg("visualdl", "Dashboards, comma separated: visualdl | tensorboard (event files written "
+                                     "with tensorboardX, no TensorFlow needed) | wandb (offline unless $WANDB_MODE "
+                                     "says otherwise; needs the wandb package) | all (every one whose package is "
                                      "installed) | none (also an empty value or list). A named dashboard whose "
                                      "package is missing stops the run.")
     run_name: Optional[str] = arg(None, "Name of the run in dashboards.")

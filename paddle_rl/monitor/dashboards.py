@@ -1,26 +1,24 @@
-"""The dashboards `report_to` names: VisualDL, TensorBoard event files, Weights & Biases (offline).
+"""The dashboards `report_to` names: VisualDL, TensorBoard event files (tensorboardX), Weights & Biases (offline).
 
 A dashboard that is named but whose package cannot be imported stops the run with a ConfigError naming
 `report_to` and the package; nothing is replaced by another dashboard. `all` opens every dashboard whose
-package is installed (TensorBoard always: its event files are written by tb_events.py) and logs which.
+package is installed (visualdl and tensorboardX are install requirements, wandb is not) and logs which.
 """
 import importlib
 import logging
 import os
+import time
 from typing import Dict, List, Optional
 
 from ..config.loader import ConfigError
 from ..config.logging_args import DASHBOARDS, REPORT_TO_WORDS, report_to_words
-from .tb_events import EventFileWriter
 
 logger = logging.getLogger("paddle_rl")
 
-PACKAGES = {"visualdl": "visualdl", "tensorboard": None, "wandb": "wandb"}  # None: nothing to import
+PACKAGES = {"visualdl": "visualdl", "tensorboard": "tensorboardX", "wandb": "wandb"}
 
 
-def _importable(package: Optional[str]) -> bool:
-    if package is None:
-        return True
+def _importable(package: str) -> bool:
     try:
         importlib.import_module(package)
     except ImportError:
@@ -67,16 +65,31 @@ class VisualDLDashboard:
 
 
 class TensorBoardDashboard:
+    """One event file `events.out.tfevents.<time>.<host>.<pid>` in `logdir`, written with tensorboardX's
+    synchronous EventsWriter: a step's scalars are on disk (fsync) when add_scalars returns. (tensorboardX's
+    SummaryWriter hands events to a thread that writes them every flush_secs, and its flush() does not wait for
+    them: a rank ended by the watchdog's os._exit would lose its last steps.) Tags are written as given."""
+
     def __init__(self, logdir: str, run_name: Optional[str]):
-        self.writer = EventFileWriter(logdir)
+        # deferred like visualdl's: importing tensorboardX also imports torch when torch is installed (seconds)
+        from tensorboardX.event_file_writer import EventsWriter
+        from tensorboardX.proto.event_pb2 import Event, SessionLog
+        from tensorboardX.proto.summary_pb2 import Summary
+        self._event, self._session_log, self._summary = Event, SessionLog, Summary
+        self.writer = EventsWriter(os.path.join(logdir, "events"), filename_suffix=f".{os.getpid()}")
+        self.writer.flush()  # the file-version event
 
     def add_scalars(self, step: int, scalars: Dict[str, float]) -> None:
+        now = time.time()
         for key, value in scalars.items():
-            self.writer.add_scalar(key, value, step)
+            summary = self._summary(value=[self._summary.Value(tag=key, simple_value=float(value))])
+            self.writer.write_event(self._event(wall_time=now, step=step, summary=summary))
         self.writer.flush()
 
     def restart(self, step: int) -> None:
-        self.writer.add_session_start(step + 1)  # TensorBoard drops the interrupted run's steps after `step`
+        """A SessionLog START at step + 1: TensorBoard drops the interrupted run's events of later steps."""
+        start = self._session_log(status=self._session_log.START)
+        self.writer.write_event(self._event(wall_time=time.time(), step=step + 1, session_log=start))
         self.writer.flush()
 
     def close(self) -> None:
