@@ -42,7 +42,7 @@ class Rollout:
             raise ValueError("env_plugin: not with a rollout_tensor_parallel_degree wider than the training one")
         # a rollout group spanning several batch ranks decodes all of their prompts together
         shares = C.gather_objects((topo.batch_rank, prompts, keys), topo.group("rollout"))
-        seen, all_prompts, all_keys, start = [], [], [], None
+        seen, all_prompts, all_keys, all_groups, start = [], [], [], [], None
         for batch_rank, p, k in shares:
             if batch_rank in seen:
                 continue
@@ -50,6 +50,7 @@ class Rollout:
             if batch_rank == topo.batch_rank:
                 start = len(all_prompts)
             all_prompts += list(p)
+            all_groups += range(len(p))   # each share's own prompt index
             all_keys = None if k is None else all_keys + list(k)
-        out = engine.generate(all_prompts, n, params, all_keys)
+        out = engine.generate(all_prompts, n, params, all_keys, groups=all_groups)
         return out.select(np.arange(start * n, (start + len(prompts)) * n)).trim()

@@ -53,24 +53,26 @@ class RolloutEngine:
         return engine
 
     # ---------------------------------------------------------------- sequences
-    def _sequences(self, prompts, n: int, params: SamplingParams, keys):
+    def _sequences(self, prompts, n: int, params: SamplingParams, keys, groups):
         if not params.greedy and keys is None:
             raise ValueError("sampling needs one key per sample")
         uniforms = None if params.greedy else uniforms_for(keys, params.max_dec_len)
         targets = None if self.forced_lengths is None else np.asarray(self.forced_lengths(keys), dtype=np.int64)
         if targets is not None and (targets.min() < 1 or targets.max() > params.max_dec_len):
             raise ValueError(f"forced lengths must lie in [1, max_dec_len {params.max_dec_len}]")
+        ids = groups
         groups = []
         for i, prompt in enumerate(prompts):
-            groups.append([Sequence(i * n + j, i, j, list(prompt), None if uniforms is None else uniforms[i * n + j],
+            groups.append([Sequence(i * n + j, ids[i], j, list(prompt), None if uniforms is None else uniforms[i * n + j],
                                     None if targets is None else int(targets[i * n + j])) for j in range(n)])
         return groups
 
     # ---------------------------------------------------------------- the loop
     @paddle.no_grad()
     def generate(self, prompts: Seq[Seq[int]], n: int, params: SamplingParams,
-                 keys: Optional[Seq] = None, episodes=None) -> StepBatch:
-        """`keys[i * n + j]` seeds sample j of prompt i (required unless greedy). A model with LoRA adapters
+                 keys: Optional[Seq] = None, episodes=None, groups: Optional[Seq[int]] = None) -> StepBatch:
+        """`keys[i * n + j]` seeds sample j of prompt i (required unless greedy); `groups[i]` is prompt i's id in
+        the output's column `group` (default: i). A model with LoRA adapters
         decodes with its merged weights (one matmul per layer; dropped when the call returns).
 
         `episodes` (rollout/episodes.py EpisodeRunner) makes each sample a multi-turn episode: when a row stops,
@@ -81,17 +83,17 @@ class RolloutEngine:
             raise ValueError("repetition_penalty: not with a multi-turn environment (observation tokens would not "
                              "count as seen)")
         with merged_weights(self.model), self.model.packed_weights() as repack:
-            out = self._generate(prompts, n, params, keys, episodes, repack)
+            out = self._generate(prompts, n, params, keys, episodes, repack, groups)
         if episodes is not None:
             episodes.finish(out)
         return out
 
-    def _generate(self, prompts, n: int, params: SamplingParams, keys, episodes, repack) -> StepBatch:
+    def _generate(self, prompts, n: int, params: SamplingParams, keys, episodes, repack, ids) -> StepBatch:
         self._episodes = episodes
         model = self.model
         was_training = model.training
         model.eval()
-        groups = self._sequences(prompts, n, params, keys)
+        groups = self._sequences(prompts, n, params, keys, range(len(prompts)) if ids is None else list(ids))
         scheduler = Scheduler(groups, self.max_num_seqs, self.max_cache_tokens, params.max_dec_len)
         stop_ids = sorted(set(params.stop_token_ids) | set(self.eos_ids))
         stop_t = paddle.to_tensor(np.asarray(stop_ids, dtype=np.int64).reshape([-1]))
