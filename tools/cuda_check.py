@@ -90,7 +90,7 @@ def arch_flags(archs, nvcc: str):
     known = supported_archs(nvcc)
     flags, numbers = [], []
     for arch in archs:
-        m = re.fullmatch(r"sm_(\d+)([a-z]?)", arch)
+        m = re.fullmatch(r"sm_(\d+)([af]?)", arch)
         if not m:
             raise CheckError(f"--arch: {arch!r} is not of the form sm_XY (e.g. sm_80 for A100, sm_90 for H100 / H200)")
         compute = f"compute_{m.group(1)}{m.group(2)}"

@@ -62,7 +62,7 @@ std::vector<paddle::Tensor> DecodeAttentionCUDA(const paddle::Tensor& q, const p
   const auto& cs = cache_k.shape();
   const int64_t b = qs[0], heads = qs[2], d = qs[3], kv = cs[1], cap = cs[2];
   PD_CHECK(length >= 1 && length <= cap && heads % kv == 0, "prl_decode_attention: bad length or heads");
-  const KvDtype cache = prl_cuda::CacheDtype(cache_k, cache_v, op);
+  const prl_cuda::KvDtype cache = prl_cuda::CacheDtype(cache_k, cache_v, op);
   auto out = paddle::empty({b, 1, heads * d}, q.dtype(), q.place());
   auto scores = paddle::empty({static_cast<int64_t>(prl_cuda::DecodeAttentionScratch(b, heads, cap))},
                               paddle::DataType::FLOAT32, q.place());

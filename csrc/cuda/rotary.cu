@@ -108,7 +108,7 @@ std::vector<paddle::Tensor> RotaryQkvCacheCUDA(const paddle::Tensor& qkv, const 
   const int64_t b = s[0], l = s.size() == 3 ? s[1] : 1, d = cs[3], cap = cs[2];
   PD_CHECK(slot >= 0 && slot + l <= cap, "prl_rotary_qkv_cache: slots outside the cache");
   PD_CHECK((d + 31) / 32 * 32 <= 1024, "prl_rotary_qkv_cache: head_dim too large");
-  const KvDtype cache = prl_cuda::CacheDtype(cache_k, cache_v, op);
+  const prl_cuda::KvDtype cache = prl_cuda::CacheDtype(cache_k, cache_v, op);
   auto q = paddle::empty({b, l, num_heads, d}, qkv.dtype(), qkv.place());
   prl_cuda::CheckLaunch(
       prl_cuda::RotaryQkvCache(qkv.data<float>(), positions.data<int64_t>(), inv_freq.data<float>(), q.data<float>(),
