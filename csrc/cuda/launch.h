@@ -1,9 +1,8 @@
 // The CUDA kernels of csrc/cuda behind plain launchers: raw device pointers to contiguous row-major arrays, sizes,
 // the KV cache's dtype as an enum, and the stream to enqueue on. No Paddle here: the Paddle ops' CUDA entries
 // (csrc/cuda/*.cu) call these on their tensors' stream, and the standalone check (csrc/cuda/test/prl_cuda_check.cu)
-// calls them on buffers of its own. Shapes and index bounds are the callers' checks (the Paddle ops check them in
-// csrc/cpu/*.cc before dispatching). Each returns cudaGetLastError() after enqueueing (cudaSuccess when there is
-// nothing to do); none synchronizes.
+// calls them on buffers of its own. Shapes and index bounds are the callers' checks. Each returns
+// cudaGetLastError() after enqueueing (cudaSuccess when there is nothing to do); none synchronizes.
 #pragma once
 
 #include <cuda_runtime_api.h>
