@@ -353,7 +353,7 @@ void CheckKvPlace(KvDtype t) {
                                c.cd, c.cs, c.rs, dst_row, src_start, dst_start, c.width, nullptr),
              kernel.c_str());
     Equal(kernel, "d " + std::to_string(c.d) + ", " + std::to_string(c.n) + " rows x " + std::to_string(c.width) +
-                      " slots" + (c.offset ? ", unaligned" : ""),
+                      " slots" + (c.offset ? ", unaligned" : "") + " (bytes)",
           ddst.Host(), dst);
   }
 }
