@@ -4,6 +4,8 @@
 // built with OpenMP against the runtime Paddle's MKL uses (libiomp5: its worker threads, still spinning after
 // the last matmul, take the parts at once; separate threads would compete with them for the same cores),
 // else std::threads. The split depends only on the thread count, so results are reproducible.
+// With PRL_NO_PADDLE defined, the Paddle-facing helpers (tensor checks, dtype dispatch) are left out: the kernels'
+// launchers (cpu/kernels.h) then compile without Paddle, as the standalone CUDA check builds them.
 #pragma once
 
 #include <algorithm>
@@ -20,12 +22,16 @@
 #include <omp.h>
 #endif
 
+#include "prl_kv_dtype.h"
+#ifndef PRL_NO_PADDLE
 #include "paddle/extension.h"
+#endif
 
 namespace prl {
 
 constexpr float kNegInf = -1e9f;  // the additive "banned" logit of the pure-Paddle code
 
+#ifndef PRL_NO_PADDLE
 inline int64_t Rows(const paddle::Tensor& x) {
   const auto& s = x.shape();
   int64_t n = 1;
@@ -34,6 +40,7 @@ inline int64_t Rows(const paddle::Tensor& x) {
 }
 
 inline int64_t LastDim(const paddle::Tensor& x) { return x.shape().back(); }
+#endif
 
 // Threads for ParallelFor: PADDLE_RL_OP_THREADS, else OMP_NUM_THREADS (read once), else the hardware's.
 inline int NumThreads() {
@@ -77,10 +84,12 @@ void ParallelFor(int64_t n, int64_t elements_per_item, Fn fn) {
 #endif
 }
 
+#ifndef PRL_NO_PADDLE
 inline void CheckCpuFloat(const paddle::Tensor& x, const char* op, const char* name) {
   PD_CHECK(x.is_cpu(), op, ": ", name, " must be a CPU tensor");
   PD_CHECK(x.dtype() == paddle::DataType::FLOAT32, op, ": ", name, " must be float32");
 }
+#endif
 
 template <typename To, typename From>
 inline To BitCast(From v) {
@@ -195,25 +204,35 @@ inline float Dot8(const float* a, const float* b, int64_t n) {
 struct BF16 { uint16_t bits; };  // bfloat16 storage
 struct F16 { uint16_t bits; };   // float16 storage
 
-// Checks that t is a CPU tensor of float32, bfloat16 or float16 and calls fn(T{}) with T its element type.
+// fn(T{}) with T the element type of a KV cache of dtype t.
 template <typename Fn>
-void ForElementType(const paddle::Tensor& t, const char* op, const char* name, Fn&& fn) {
+void ForKvDtype(KvDtype t, Fn&& fn) {
+  switch (t) {
+    case KvDtype::kFloat32: return fn(float{});
+    case KvDtype::kBFloat16: return fn(BF16{});
+    case KvDtype::kFloat16: return fn(F16{});
+  }
+}
+
+#ifndef PRL_NO_PADDLE
+// Checks that t is a CPU tensor of float32, bfloat16 or float16 and returns its KvDtype.
+inline KvDtype CpuKvDtype(const paddle::Tensor& t, const char* op, const char* name) {
   PD_CHECK(t.is_cpu(), op, ": ", name, " must be a CPU tensor");
   switch (t.dtype()) {
-    case paddle::DataType::FLOAT32: return fn(float{});
-    case paddle::DataType::BFLOAT16: return fn(BF16{});
-    case paddle::DataType::FLOAT16: return fn(F16{});
+    case paddle::DataType::FLOAT32: return KvDtype::kFloat32;
+    case paddle::DataType::BFLOAT16: return KvDtype::kBFloat16;
+    case paddle::DataType::FLOAT16: return KvDtype::kFloat16;
     default: PD_THROW(op, ": ", name, " must be float32, bfloat16 or float16");
   }
 }
 
-// Checks that the caches k and v are CPU tensors of one KV-cache dtype and calls fn(T{}) with T its element type.
-template <typename Fn>
-void ForCacheType(const paddle::Tensor& k, const paddle::Tensor& v, const char* op, Fn&& fn) {
+// Checks that the caches k and v are CPU tensors of one KV-cache dtype and returns it.
+inline KvDtype CpuCacheDtype(const paddle::Tensor& k, const paddle::Tensor& v, const char* op) {
   PD_CHECK(k.is_cpu() && v.is_cpu(), op, ": cache_k and cache_v must be CPU tensors");
   PD_CHECK(v.dtype() == k.dtype(), op, ": cache_v must match cache_k's dtype");
-  ForElementType(k, op, "cache_k", fn);
+  return CpuKvDtype(k, op, "cache_k");
 }
+#endif
 
 // float16 bits -> float32, exact (normal, subnormal, inf, nan)
 inline float HalfToFloat(uint16_t h) {
@@ -229,10 +248,39 @@ inline float ToFloat(float x) { return x; }
 inline float ToFloat(BF16 x) { return BitCast<float>(static_cast<uint32_t>(x.bits) << 16); }
 inline float ToFloat(F16 x) { return HalfToFloat(x.bits); }
 
+// float32 -> bfloat16 bits, rounded to nearest even; any NaN becomes 0x7fff (as Paddle's CPU cast)
+inline uint16_t FloatToBFloat16(float v) {
+  const uint32_t u = BitCast<uint32_t>(v);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fff;
+  return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+// float32 -> float16 bits, IEEE round to nearest even (F16C's conversion; a NaN stays a quiet NaN)
+inline uint16_t FloatToHalf(float v) {
+#ifdef __F16C__
+  return static_cast<uint16_t>(_cvtss_sh(v, _MM_FROUND_TO_NEAREST_INT));
+#else
+  const uint32_t u = BitCast<uint32_t>(v), a = u & 0x7fffffffu;
+  const uint32_t sign = (u >> 16) & 0x8000u;
+  if (a > 0x7f800000u) return static_cast<uint16_t>(sign | 0x7e00u | ((a >> 13) & 0x3ffu));
+  if (a >= 0x477ff000u) return static_cast<uint16_t>(sign | 0x7c00u);  // 65520 and above round to inf
+  if (a >= 0x38800000u) {  // a normal half: rebias the exponent, drop 13 bits rounding to nearest even
+    const uint32_t x = a - 0x38000000u;
+    return static_cast<uint16_t>(sign | ((x + 0xfffu + ((x >> 13) & 1u)) >> 13));
+  }
+  if (a <= 0x33000000u) return static_cast<uint16_t>(sign);  // at most 2^-25: rounds to zero
+  const uint32_t e = a >> 23, m = (a & 0x7fffffu) | 0x800000u, shift = 126 - e;  // a subnormal half
+  uint32_t r = m >> shift;
+  const uint32_t rem = m & ((1u << shift) - 1u), halfway = 1u << (shift - 1u);
+  if (rem > halfway || (rem == halfway && (r & 1u))) ++r;
+  return static_cast<uint16_t>(sign | r);
+#endif
+}
+
 // Paddle's casts (round to nearest even), so a cache written here equals one written by astype
 inline void FromFloat(float v, float* out) { *out = v; }
-inline void FromFloat(float v, BF16* out) { out->bits = phi::dtype::bfloat16(v).x; }
-inline void FromFloat(float v, F16* out) { out->bits = phi::dtype::float16(v).x; }
+inline void FromFloat(float v, BF16* out) { out->bits = FloatToBFloat16(v); }
+inline void FromFloat(float v, F16* out) { out->bits = FloatToHalf(v); }
 
 // 8 consecutive elements of a 16-bit cache as float32
 inline V8 Load8(const BF16* p) {

@@ -9,6 +9,11 @@ paddle/extension.h includes Paddle's Python bindings, which need the cuBLAS head
 Paddle's headers dominate the time (about 25 s per file on 2 cores), so the default tests compile all CUDA files
 as one translation unit, beside the CPU unit (30-45 s together); the per-file compiles (what the build does;
 3-4 minutes on 2 cores, run in parallel) are marked slow.
+
+The standalone check (csrc/cuda/test/prl_cuda_check.cu, built by tools/cuda_check.py) runs every CUDA kernel through
+its launcher (csrc/cuda/launch.h) against the CPU kernel's launcher (csrc/cpu/kernels.h) without Paddle: it is built
+here for one architecture (sm_90, or the GPU's; about 30 s on 2 cores), which also proves the launchers and kernels
+compile without Paddle's headers, and run where nvidia-smi lists a GPU.
 """
 import os
 import re
@@ -20,6 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+import cuda_check  # tools/cuda_check.py (tests/conftest.py puts tools/ on the path)
 from paddle_rl.ops import build
 
 NVCC = shutil.which("nvcc") or next((p for p in ("/usr/local/cuda/bin/nvcc",) if os.access(p, os.X_OK)), None)
@@ -154,3 +160,84 @@ def compiled_each(request, tmp_path_factory):
 @pytest.mark.parametrize("source", SOURCES)
 def test_cuda_source_compiles(compiled_each, source):
     _check(*compiled_each[source], source)
+
+
+# ------------------------------------------------------------------------------------------------ standalone check
+
+def _declared(header: str, pattern: str):
+    with open(os.path.join(build.CSRC, header), encoding="utf-8") as f:
+        return re.findall(pattern, f.read(), flags=re.M)
+
+
+def test_standalone_check_calls_every_launcher():
+    """Every launcher of csrc/cuda/launch.h and csrc/cpu/kernels.h is called by the standalone check, and every
+    CUDA source's Paddle entry calls a launcher (no kernel launched around them)."""
+    with open(cuda_check.CHECK_SOURCE, encoding="utf-8") as f:
+        check = f.read()
+    cuda = _declared(os.path.join("cuda", "launch.h"), r"^cudaError_t (\w+)\(")
+    cpu = _declared(os.path.join("cpu", "kernels.h"), r"^void (\w+)\(")
+    assert len(cuda) >= 12 and len(cpu) >= 12, (cuda, cpu)  # 8 ops, 4 of them with a backward
+    assert not [n for n in cuda if f"prl_cuda::{n}(" not in check], "launchers the check never runs"
+    assert not [n for n in cpu if f"prl_cpu::{n}(" not in check], "CPU kernels the check never compares with"
+    assert sorted(cuda) == sorted(cpu), "a CUDA launcher without its CPU counterpart (or the reverse)"
+    for name in SOURCES:
+        with open(os.path.join(build.CSRC, "cuda", name), encoding="utf-8") as f:
+            entries = f.read().split("#ifndef PRL_NO_PADDLE", 1)
+        assert len(entries) == 2 and "<<<" not in entries[1], f"{name}: its Paddle entry must only call launchers"
+
+
+def test_cuda_check_arch_flags():
+    """--arch takes sm_XY names: native code for each, PTX of the newest; anything else is refused by name."""
+    nvcc = NVCC or "nvcc"
+    if NVCC is None:
+        pytest.skip("nvcc is not on PATH: the architectures nvcc supports cannot be listed")
+    assert cuda_check.arch_flags(["sm_80", "sm_90"], nvcc) == [
+        "-gencode=arch=compute_80,code=sm_80", "-gencode=arch=compute_90,code=sm_90",
+        "-gencode=arch=compute_90,code=compute_90"]
+    for bad, message in (("sm_9x", "not of the form sm_XY"), ("compute_90", "not of the form sm_XY"),
+                         ("sm_20", "not supported by")):
+        with pytest.raises(cuda_check.CheckError, match=message):
+            cuda_check.arch_flags([bad], nvcc)
+
+
+def _has_gpu():
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return False, "nvidia-smi is not on PATH: no GPU to run the standalone CUDA check on"
+    listed = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=60)
+    if listed.returncode != 0 or "GPU" not in listed.stdout:
+        return False, f"nvidia-smi lists no GPU ({(listed.stdout + listed.stderr).strip()[:200]})"
+    return True, ""
+
+
+@pytest.fixture(scope="module")
+def check_binary(tmp_path_factory):
+    """The standalone check, built for the visible GPUs (else sm_90) in a fresh folder."""
+    return cuda_check.build(cuda_check.gpu_archs() or ["sm_90"], str(tmp_path_factory.mktemp("cuda_check")),
+                            log=lambda *_: None)
+
+
+@needs_nvcc
+def test_standalone_check_builds_without_paddle(check_binary):
+    """Built with no Paddle include path: a Paddle include outside the PRL_NO_PADDLE parts fails this build."""
+    assert os.path.isfile(check_binary) and os.access(check_binary, os.X_OK)
+    with open(check_binary, "rb") as f:
+        image = f.read()
+    archs = cuda_check.gpu_archs() or ["sm_90"]
+    assert all(a.encode() in image for a in archs), f"no {archs} code in the binary"
+
+
+@needs_nvcc
+def test_standalone_check_passes_on_the_gpu(check_binary):
+    """Every CUDA kernel equals its CPU kernel within tests/test_ops.py's tolerances (run where a GPU exists)."""
+    has_gpu, reason = _has_gpu()
+    if not has_gpu:
+        pytest.skip(reason)
+    done = subprocess.run([check_binary], capture_output=True, text=True, timeout=600)
+    if done.returncode == cuda_check.NO_DEVICE:
+        pytest.skip(f"nvidia-smi lists a GPU but CUDA cannot use it: {done.stdout.strip()}")
+    lines = [line for line in done.stdout.splitlines() if re.search(r" (PASS|FAIL)$", line)]
+    assert done.returncode == 0 and not any(line.endswith("FAIL") for line in lines), done.stdout + done.stderr
+    kernels = {line.split()[0] for line in lines}
+    for dtype in ("float32", "bfloat16", "float16"):
+        assert {f"decode_attention[{dtype}]", f"rotary_qkv_cache[{dtype}]", f"kv_place[{dtype}]"} <= kernels

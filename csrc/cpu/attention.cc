@@ -7,12 +7,7 @@
 #include <utility>
 
 #include "../prl_common.h"
-
-#ifdef PRL_WITH_CUDA
-std::vector<paddle::Tensor> DecodeAttentionCUDA(const paddle::Tensor& q, const paddle::Tensor& cache_k,
-                                                const paddle::Tensor& cache_v, const paddle::Tensor& start,
-                                                int64_t length, float scale);
-#endif
+#include "kernels.h"
 
 namespace {
 
@@ -221,6 +216,27 @@ void Attend(const float* qp, const T* kp, const T* vp, const int64_t* st, float*
 
 }  // namespace
 
+void prl_cpu::DecodeAttention(const float* qp, const void* cache_k, const void* cache_v, KvDtype cache,
+                              const int64_t* st, float* o, int64_t b, int64_t heads, int64_t kv, int64_t cap,
+                              int64_t d, int64_t length, float scale) {
+  // (row, kv head) items in parallel, each part with its own scratch
+  prl::ForKvDtype(cache, [&](auto zero) {
+    using T = decltype(zero);
+    const T* kp = static_cast<const T*>(cache_k);
+    const T* vp = static_cast<const T*>(cache_v);
+    prl::ParallelFor(b * kv, 2 * heads / kv * length * d, [&](int, int64_t begin, int64_t end) {
+      Attend(qp, kp, vp, st, o, begin, end, heads, kv, cap, d, length, scale);
+    });
+  });
+}
+
+#ifndef PRL_NO_PADDLE
+#ifdef PRL_WITH_CUDA
+std::vector<paddle::Tensor> DecodeAttentionCUDA(const paddle::Tensor& q, const paddle::Tensor& cache_k,
+                                                const paddle::Tensor& cache_v, const paddle::Tensor& start,
+                                                int64_t length, float scale);
+#endif
+
 std::vector<paddle::Tensor> DecodeAttention(const paddle::Tensor& q, const paddle::Tensor& cache_k,
                                             const paddle::Tensor& cache_v, const paddle::Tensor& start, int64_t length,
                                             float scale) {
@@ -237,19 +253,10 @@ std::vector<paddle::Tensor> DecodeAttention(const paddle::Tensor& q, const paddl
   PD_CHECK(cs[0] == b && cs[3] == d && cache_v.shape() == cs && heads % kv == 0, op, ": shape mismatch");
   PD_CHECK(length >= 1 && length <= cap, op, ": length ", length, " outside the cache (", cap, ")");
   PD_CHECK(start.numel() == b, op, ": start must be [B]");
+  const prl::KvDtype cache = prl::CpuCacheDtype(cache_k, cache_v, op);
   auto out = paddle::empty({b, 1, heads * d}, q.dtype(), q.place());
-  const float* qp = q.data<float>();
-  const int64_t* st = start.data<int64_t>();
-  float* o = out.data<float>();
-  // (row, kv head) items in parallel, each part with its own scratch
-  prl::ForCacheType(cache_k, cache_v, op, [&](auto zero) {
-    using T = decltype(zero);
-    const T* kp = static_cast<const T*>(cache_k.data());
-    const T* vp = static_cast<const T*>(cache_v.data());
-    prl::ParallelFor(b * kv, 2 * heads / kv * length * d, [&](int, int64_t begin, int64_t end) {
-      Attend(qp, kp, vp, st, o, begin, end, heads, kv, cap, d, length, scale);
-    });
-  });
+  prl_cpu::DecodeAttention(q.data<float>(), cache_k.data(), cache_v.data(), cache, start.data<int64_t>(),
+                           out.data<float>(), b, heads, kv, cap, d, length, scale);
   return {out};
 }
 
@@ -273,3 +280,4 @@ PD_BUILD_OP(prl_decode_attention)
     .SetKernelFn(PD_KERNEL(DecodeAttention))
     .SetInferShapeFn(PD_INFER_SHAPE(DecodeAttentionInferShape))
     .SetInferDtypeFn(PD_INFER_DTYPE(DecodeAttentionInferDtype));
+#endif  // PRL_NO_PADDLE

@@ -5,7 +5,24 @@
 // The checks below run for both places; src_rows' values are checked on the CPU only (reading them on a GPU
 // would wait for the device): the CUDA kernel skips a row outside [0, Rs) and leaves its dst window as it was.
 #include "../prl_common.h"
+#include "kernels.h"
 
+void prl_cpu::KvPlace(void* dst, const void* src, const int64_t* rows, int64_t n, int64_t heads, int64_t d,
+                      int64_t es, int64_t dst_cap, int64_t src_cap, int64_t dst_row, int64_t src_start,
+                      int64_t dst_start, int64_t width) {
+  char* dp = static_cast<char*>(dst);
+  const char* sp = static_cast<const char*>(src);
+  const int64_t dst_stride = dst_cap * d * es, src_stride = src_cap * d * es, bytes = width * d * es;
+  prl::ParallelFor(n * heads, width * d, [&](int, int64_t begin, int64_t end) {
+    for (int64_t w = begin; w < end; ++w) {
+      const int64_t i = w / heads, h = w % heads;
+      std::memcpy(dp + ((dst_row + i) * heads + h) * dst_stride + dst_start * d * es,
+                  sp + (rows[i] * heads + h) * src_stride + src_start * d * es, static_cast<size_t>(bytes));
+    }
+  });
+}
+
+#ifndef PRL_NO_PADDLE
 #ifdef PRL_WITH_CUDA
 void KvPlaceCUDA(paddle::Tensor& dst, const paddle::Tensor& src, const paddle::Tensor& src_rows, int64_t dst_row,
                  int64_t src_start, int64_t dst_start, int64_t width);
@@ -57,16 +74,8 @@ void KvPlace(paddle::Tensor& dst, const paddle::Tensor& src, const paddle::Tenso
   const int64_t* rows = src_rows.data<int64_t>();
   for (int64_t i = 0; i < n; ++i)
     PD_CHECK(rows[i] >= 0 && rows[i] < rs, "prl_kv_place: src_rows[", i, "] = ", rows[i], " outside [0, ", rs, ")");
-  char* dp = static_cast<char*>(dst.data());
-  const char* sp = static_cast<const char*>(src.data());
-  const int64_t dst_stride = ds[2] * d * es, src_stride = ss[2] * d * es, bytes = width * d * es;
-  prl::ParallelFor(n * heads, width * d, [&](int, int64_t begin, int64_t end) {
-    for (int64_t w = begin; w < end; ++w) {
-      const int64_t i = w / heads, h = w % heads;
-      std::memcpy(dp + ((dst_row + i) * heads + h) * dst_stride + dst_start * d * es,
-                  sp + (rows[i] * heads + h) * src_stride + src_start * d * es, static_cast<size_t>(bytes));
-    }
-  });
+  prl_cpu::KvPlace(dst.data(), src.data(), rows, n, heads, d, es, ds[2], ss[2], dst_row, src_start, dst_start,
+                   width);
 }
 
 std::vector<std::vector<int64_t>> KvPlaceInferShape(const std::vector<int64_t>& dst, const std::vector<int64_t>& src,
@@ -87,3 +96,4 @@ PD_BUILD_OP(prl_kv_place)
     .SetKernelFn(PD_KERNEL(KvPlace))
     .SetInferShapeFn(PD_INFER_SHAPE(KvPlaceInferShape))
     .SetInferDtypeFn(PD_INFER_DTYPE(KvPlaceInferDtype));
+#endif  // PRL_NO_PADDLE

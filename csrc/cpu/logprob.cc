@@ -6,7 +6,56 @@
 #include <algorithm>
 
 #include "../prl_common.h"
+#include "kernels.h"
 
+void prl_cpu::LogprobForward(const float* xp, const int64_t* yp, float* lp, float* hp, float* sp, float* mp,
+                             int64_t n, int64_t v, float scale) {
+  prl::ParallelFor(n, v, [&](int, int64_t begin, int64_t end) {
+    std::vector<float> z(v);
+    for (int64_t r = begin; r < end; ++r) {
+      const float* x = xp + r * v;
+      float m = -3.0e38f;
+#pragma omp simd reduction(max : m)
+      for (int64_t i = 0; i < v; ++i) {
+        z[i] = x[i] * scale;
+        m = std::max(m, z[i]);
+      }
+      double s = 0.0, sz = 0.0;
+#pragma omp simd reduction(+ : s, sz)
+      for (int64_t i = 0; i < v; ++i) {
+        const float e = prl::ExpF(z[i] - m);
+        s += e;
+        sz += static_cast<double>(e) * z[i];
+      }
+      const double l = m + std::log(s);
+      const double mz = sz / s;
+      lp[r] = static_cast<float>(z[yp[r]] - l);
+      hp[r] = static_cast<float>(l - mz);
+      sp[r] = static_cast<float>(l);
+      mp[r] = static_cast<float>(mz);
+    }
+  });
+}
+
+void prl_cpu::LogprobBackward(const float* xp, const int64_t* yp, const float* sp, const float* mp, const float* gl,
+                              const float* ge, float* gp, int64_t n, int64_t v, float scale) {
+  prl::ParallelFor(n, v, [&](int, int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* x = xp + r * v;
+      float* g = gp + r * v;
+      const float l = sp[r], mz = mp[r], a = gl[r] * scale, c = (ge ? ge[r] : 0.0f) * scale;
+      for (int64_t i = 0; i < v; ++i) {
+        const float z = x[i] * scale;
+        const float p = prl::ExpF(z - l);
+        g[i] = -a * p - c * p * (z - mz);
+      }
+      const int64_t y = yp[r];
+      if (y >= 0 && y < v) g[y] += a;
+    }
+  });
+}
+
+#ifndef PRL_NO_PADDLE
 #ifdef PRL_WITH_CUDA
 std::vector<paddle::Tensor> LogprobForwardCUDA(const paddle::Tensor& logits, const paddle::Tensor& labels,
                                                float scale);
@@ -38,37 +87,12 @@ std::vector<paddle::Tensor> LogprobForward(const paddle::Tensor& logits, const p
   auto entropy = paddle::empty({n}, paddle::DataType::FLOAT32, logits.place());
   auto lse = paddle::empty({n}, paddle::DataType::FLOAT32, logits.place());
   auto mean_z = paddle::empty({n}, paddle::DataType::FLOAT32, logits.place());
-  const float* xp = logits.data<float>();
   const int64_t* yp = labels.data<int64_t>();
-  float *lp = logp.data<float>(), *hp = entropy.data<float>(), *sp = lse.data<float>(), *mp = mean_z.data<float>();
   for (int64_t r = 0; r < n; ++r) {
     PD_CHECK(yp[r] >= 0 && yp[r] < v, op, ": a label is outside [0, ", v, ")");
   }
-  prl::ParallelFor(n, v, [&](int, int64_t begin, int64_t end) {
-    std::vector<float> z(v);
-    for (int64_t r = begin; r < end; ++r) {
-      const float* x = xp + r * v;
-      float m = -3.0e38f;
-#pragma omp simd reduction(max : m)
-      for (int64_t i = 0; i < v; ++i) {
-        z[i] = x[i] * scale;
-        m = std::max(m, z[i]);
-      }
-      double s = 0.0, sz = 0.0;
-#pragma omp simd reduction(+ : s, sz)
-      for (int64_t i = 0; i < v; ++i) {
-        const float e = prl::ExpF(z[i] - m);
-        s += e;
-        sz += static_cast<double>(e) * z[i];
-      }
-      const double l = m + std::log(s);
-      const double mz = sz / s;
-      lp[r] = static_cast<float>(z[yp[r]] - l);
-      hp[r] = static_cast<float>(l - mz);
-      sp[r] = static_cast<float>(l);
-      mp[r] = static_cast<float>(mz);
-    }
-  });
+  prl_cpu::LogprobForward(logits.data<float>(), yp, logp.data<float>(), entropy.data<float>(), lse.data<float>(),
+                          mean_z.data<float>(), n, v, scale);
   return {logp, entropy, lse, mean_z};
 }
 
@@ -83,25 +107,9 @@ std::vector<paddle::Tensor> LogprobBackward(const paddle::Tensor& logits, const 
   CheckInputs(logits, labels, op);
   const int64_t n = logits.shape()[0], v = logits.shape()[1];
   auto grad = paddle::empty({n, v}, paddle::DataType::FLOAT32, logits.place());
-  const float* xp = logits.data<float>();
-  const int64_t* yp = labels.data<int64_t>();
-  const float *sp = lse.data<float>(), *mp = mean_z.data<float>(), *gl = grad_logp.data<float>();
-  const float* ge = grad_entropy ? grad_entropy->data<float>() : nullptr;
-  float* gp = grad.data<float>();
-  prl::ParallelFor(n, v, [&](int, int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const float* x = xp + r * v;
-      float* g = gp + r * v;
-      const float l = sp[r], mz = mp[r], a = gl[r] * scale, c = (ge ? ge[r] : 0.0f) * scale;
-      for (int64_t i = 0; i < v; ++i) {
-        const float z = x[i] * scale;
-        const float p = prl::ExpF(z - l);
-        g[i] = -a * p - c * p * (z - mz);
-      }
-      const int64_t y = yp[r];
-      if (y >= 0 && y < v) g[y] += a;
-    }
-  });
+  prl_cpu::LogprobBackward(logits.data<float>(), labels.data<int64_t>(), lse.data<float>(), mean_z.data<float>(),
+                           grad_logp.data<float>(), grad_entropy ? grad_entropy->data<float>() : nullptr,
+                           grad.data<float>(), n, v, scale);
   return {grad};
 }
 
@@ -143,3 +151,4 @@ PD_BUILD_OP(prl_logprob_backward)
     .SetKernelFn(PD_KERNEL(LogprobBackward))
     .SetInferShapeFn(PD_INFER_SHAPE(LogprobBackwardInferShape))
     .SetInferDtypeFn(PD_INFER_DTYPE(LogprobBackwardInferDtype));
+#endif  // PRL_NO_PADDLE

@@ -1,26 +1,9 @@
 // Fused RMSNorm over the last axis: y = (x * rsqrt(mean(x^2) + eps)) * w, with its backward.
 #include "../prl_common.h"
+#include "kernels.h"
 
-#ifdef PRL_WITH_CUDA
-std::vector<paddle::Tensor> RmsNormForwardCUDA(const paddle::Tensor& x, const paddle::Tensor& w, float eps);
-std::vector<paddle::Tensor> RmsNormBackwardCUDA(const paddle::Tensor& x, const paddle::Tensor& w,
-                                                const paddle::Tensor& rstd, const paddle::Tensor& grad_out);
-#endif
-
-std::vector<paddle::Tensor> RmsNormForward(const paddle::Tensor& x, const paddle::Tensor& w, float eps) {
-#ifdef PRL_WITH_CUDA
-  if (x.is_gpu()) return RmsNormForwardCUDA(x, w, eps);
-#endif
-  prl::CheckCpuFloat(x, "prl_rms_norm", "x");
-  prl::CheckCpuFloat(w, "prl_rms_norm", "weight");
-  const int64_t d = prl::LastDim(x), n = prl::Rows(x);
-  PD_CHECK(w.numel() == d, "prl_rms_norm: weight has ", w.numel(), " elements, the last axis of x has ", d);
-  auto out = paddle::empty(x.shape(), x.dtype(), x.place());
-  auto rstd = paddle::empty({n}, paddle::DataType::FLOAT32, x.place());
-  const float* xp = x.data<float>();
-  const float* wp = w.data<float>();
-  float* yp = out.data<float>();
-  float* rp = rstd.data<float>();
+void prl_cpu::RmsNormForward(const float* xp, const float* wp, float* yp, float* rp, int64_t n, int64_t d,
+                             float eps) {
   prl::ParallelFor(n, d, [&](int, int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const float* row = xp + i * d;
@@ -33,23 +16,11 @@ std::vector<paddle::Tensor> RmsNormForward(const paddle::Tensor& x, const paddle
       for (int64_t j = 0; j < d; ++j) y[j] = (row[j] * r) * wp[j];
     }
   });
-  return {out, rstd};
 }
 
 // dx = r * (g*w - xhat * mean(g*w*xhat)), dw = sum over rows of g*xhat, xhat = x*r.
-std::vector<paddle::Tensor> RmsNormBackward(const paddle::Tensor& x, const paddle::Tensor& w,
-                                            const paddle::Tensor& rstd, const paddle::Tensor& grad_out) {
-#ifdef PRL_WITH_CUDA
-  if (x.is_gpu()) return RmsNormBackwardCUDA(x, w, rstd, grad_out);
-#endif
-  const int64_t d = prl::LastDim(x), n = prl::Rows(x);
-  auto gx = paddle::empty(x.shape(), x.dtype(), x.place());
-  auto gw = paddle::empty(w.shape(), w.dtype(), w.place());
-  const float* xp = x.data<float>();
-  const float* wp = w.data<float>();
-  const float* rp = rstd.data<float>();
-  const float* gp = grad_out.data<float>();
-  float* gxp = gx.data<float>();
+void prl_cpu::RmsNormBackward(const float* xp, const float* wp, const float* rp, const float* gp, float* gxp,
+                              float* gwp, int64_t n, int64_t d) {
   // one dw accumulator per part, summed in part order afterwards
   std::vector<std::vector<double>> acc(prl::ParallelParts(n, d), std::vector<double>(d, 0.0));
   prl::ParallelFor(n, d, [&](int part, int64_t begin, int64_t end) {
@@ -67,12 +38,44 @@ std::vector<paddle::Tensor> RmsNormBackward(const paddle::Tensor& x, const paddl
       for (int64_t j = 0; j < d; ++j) out[j] = r * (g[j] * wp[j] - (row[j] * r) * mean);
     }
   });
-  float* gwp = gw.data<float>();
   for (int64_t j = 0; j < d; ++j) {
     double total = 0.0;
     for (const auto& a : acc) total += a[j];
     gwp[j] = static_cast<float>(total);
   }
+}
+
+#ifndef PRL_NO_PADDLE
+#ifdef PRL_WITH_CUDA
+std::vector<paddle::Tensor> RmsNormForwardCUDA(const paddle::Tensor& x, const paddle::Tensor& w, float eps);
+std::vector<paddle::Tensor> RmsNormBackwardCUDA(const paddle::Tensor& x, const paddle::Tensor& w,
+                                                const paddle::Tensor& rstd, const paddle::Tensor& grad_out);
+#endif
+
+std::vector<paddle::Tensor> RmsNormForward(const paddle::Tensor& x, const paddle::Tensor& w, float eps) {
+#ifdef PRL_WITH_CUDA
+  if (x.is_gpu()) return RmsNormForwardCUDA(x, w, eps);
+#endif
+  prl::CheckCpuFloat(x, "prl_rms_norm", "x");
+  prl::CheckCpuFloat(w, "prl_rms_norm", "weight");
+  const int64_t d = prl::LastDim(x), n = prl::Rows(x);
+  PD_CHECK(w.numel() == d, "prl_rms_norm: weight has ", w.numel(), " elements, the last axis of x has ", d);
+  auto out = paddle::empty(x.shape(), x.dtype(), x.place());
+  auto rstd = paddle::empty({n}, paddle::DataType::FLOAT32, x.place());
+  prl_cpu::RmsNormForward(x.data<float>(), w.data<float>(), out.data<float>(), rstd.data<float>(), n, d, eps);
+  return {out, rstd};
+}
+
+std::vector<paddle::Tensor> RmsNormBackward(const paddle::Tensor& x, const paddle::Tensor& w,
+                                            const paddle::Tensor& rstd, const paddle::Tensor& grad_out) {
+#ifdef PRL_WITH_CUDA
+  if (x.is_gpu()) return RmsNormBackwardCUDA(x, w, rstd, grad_out);
+#endif
+  const int64_t d = prl::LastDim(x), n = prl::Rows(x);
+  auto gx = paddle::empty(x.shape(), x.dtype(), x.place());
+  auto gw = paddle::empty(w.shape(), w.dtype(), w.place());
+  prl_cpu::RmsNormBackward(x.data<float>(), w.data<float>(), rstd.data<float>(), grad_out.data<float>(),
+                           gx.data<float>(), gw.data<float>(), n, d);
   return {gx, gw};
 }
 
@@ -96,3 +99,4 @@ PD_BUILD_GRAD_OP(prl_rms_norm)
     .Inputs({"X", "W", "Rstd", paddle::Grad("Out")})
     .Outputs({paddle::Grad("X"), paddle::Grad("W")})
     .SetKernelFn(PD_KERNEL(RmsNormBackward));
+#endif  // PRL_NO_PADDLE

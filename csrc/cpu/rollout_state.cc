@@ -3,7 +3,29 @@
 //   finished |= alive && token is a stop id; seen[row, token] = 1 for alive rows (in place, when given);
 //   ban = lengths < min_len (rows whose stop tokens are banned at the next step); done = all(finished).
 #include "../prl_common.h"
+#include "kernels.h"
 
+void prl_cpu::StepUpdate(const int64_t* tk, const float* lp, const bool* fin, const int64_t* len, const int64_t* stop,
+                         int64_t n_stop, float* sp, int64_t v, int64_t* tko, float* lpo, bool* fo, int64_t* lo,
+                         bool* bo, bool* done, int64_t b, int64_t pad_id, int64_t min_len) {
+  bool all = true;
+  for (int64_t r = 0; r < b; ++r) {
+    const bool alive = !fin[r];
+    const int64_t t = alive ? tk[r] : pad_id;
+    bool stopped = false;
+    for (int64_t k = 0; k < n_stop; ++k) stopped = stopped || (stop[k] == t);
+    tko[r] = t;
+    lpo[r] = alive ? lp[r] : 0.0f;
+    lo[r] = len[r] + (alive ? 1 : 0);
+    fo[r] = fin[r] || (alive && stopped);
+    bo[r] = lo[r] < min_len;
+    all = all && fo[r];
+    if (sp != nullptr && alive && t >= 0 && t < v) sp[r * v + t] = 1.0f;
+  }
+  done[0] = all;
+}
+
+#ifndef PRL_NO_PADDLE
 #ifdef PRL_WITH_CUDA
 std::vector<paddle::Tensor> StepUpdateCUDA(const paddle::Tensor& tokens, const paddle::Tensor& logprob,
                                            const paddle::Tensor& finished, const paddle::Tensor& lengths,
@@ -30,12 +52,6 @@ std::vector<paddle::Tensor> StepUpdate(const paddle::Tensor& tokens, const paddl
   auto lengths_out = paddle::empty({b}, paddle::DataType::INT64, tokens.place());
   auto ban = paddle::empty({b}, paddle::DataType::BOOL, tokens.place());
   auto done = paddle::empty({1}, paddle::DataType::BOOL, tokens.place());
-  const int64_t* tk = tokens.data<int64_t>();
-  const float* lp = logprob.data<float>();
-  const bool* fin = finished.data<bool>();
-  const int64_t* len = lengths.data<int64_t>();
-  const int64_t* stop = stop_ids.data<int64_t>();
-  const int64_t n_stop = stop_ids.numel();
   float* sp = nullptr;
   int64_t v = 0;
   if (seen) {
@@ -44,26 +60,10 @@ std::vector<paddle::Tensor> StepUpdate(const paddle::Tensor& tokens, const paddl
     PD_CHECK(seen->numel() == b * v, op, ": seen must be [B, V]");
     sp = seen->data<float>();
   }
-  int64_t* tko = tokens_out.data<int64_t>();
-  float* lpo = logprob_out.data<float>();
-  bool* fo = finished_out.data<bool>();
-  int64_t* lo = lengths_out.data<int64_t>();
-  bool* bo = ban.data<bool>();
-  bool all = true;
-  for (int64_t r = 0; r < b; ++r) {
-    const bool alive = !fin[r];
-    const int64_t t = alive ? tk[r] : pad_id;
-    bool stopped = false;
-    for (int64_t k = 0; k < n_stop; ++k) stopped = stopped || (stop[k] == t);
-    tko[r] = t;
-    lpo[r] = alive ? lp[r] : 0.0f;
-    lo[r] = len[r] + (alive ? 1 : 0);
-    fo[r] = fin[r] || (alive && stopped);
-    bo[r] = lo[r] < min_len;
-    all = all && fo[r];
-    if (sp != nullptr && alive && t >= 0 && t < v) sp[r * v + t] = 1.0f;
-  }
-  done.data<bool>()[0] = all;
+  prl_cpu::StepUpdate(tokens.data<int64_t>(), logprob.data<float>(), finished.data<bool>(), lengths.data<int64_t>(),
+                      stop_ids.data<int64_t>(), stop_ids.numel(), sp, v, tokens_out.data<int64_t>(),
+                      logprob_out.data<float>(), finished_out.data<bool>(), lengths_out.data<int64_t>(),
+                      ban.data<bool>(), done.data<bool>(), b, pad_id, min_len);
   return {tokens_out, logprob_out, finished_out, lengths_out, ban, done};
 }
 
@@ -94,3 +94,4 @@ PD_BUILD_OP(prl_step_update)
     .SetKernelFn(PD_KERNEL(StepUpdate))
     .SetInferShapeFn(PD_INFER_SHAPE(StepUpdateInferShape))
     .SetInferDtypeFn(PD_INFER_DTYPE(StepUpdateInferDtype));
+#endif  // PRL_NO_PADDLE

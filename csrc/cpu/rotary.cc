@@ -7,7 +7,86 @@
 //                         caches [B, KV, C, D] at slots slot .. slot + L - 1 (in place). The caches are float32,
 //                         bfloat16 or float16 (written rounded to nearest even, as Paddle's cast).
 #include "../prl_common.h"
+#include "kernels.h"
 
+namespace {
+
+inline void NormRotate(const float* src, float* dst, const float* norm_w, float eps, const float* c, const float* s,
+                       int64_t d, float* tmp) {
+  const int64_t half = d / 2;
+  const float* v = src;
+  if (norm_w != nullptr) {
+    double ss = 0.0;
+#pragma omp simd reduction(+ : ss)
+    for (int64_t i = 0; i < d; ++i) ss += static_cast<double>(src[i]) * src[i];
+    const float r = 1.0f / std::sqrt(static_cast<float>(ss / d) + eps);
+    for (int64_t i = 0; i < d; ++i) tmp[i] = (src[i] * r) * norm_w[i];
+    v = tmp;
+  }
+  for (int64_t i = 0; i < half; ++i) dst[i] = v[i] * c[i] + (-v[i + half]) * s[i];
+  for (int64_t i = half; i < d; ++i) dst[i] = v[i] * c[i] + v[i - half] * s[i];
+}
+
+}  // namespace
+
+// inverse = false: out_i = x_i c_i - x_{i+h} s_i (i < h), x_i c_i + x_{i-h} s_i (i >= h)
+// inverse = true (the backward): out_i = x_i c_i + x_{i+h} s_{i+h} (i < h), x_i c_i - x_{i-h} s_{i-h} (i >= h)
+void prl_cpu::Rotary(const float* xp, const float* cp, const float* sp, float* op, int64_t b, int64_t l,
+                     int64_t heads, int64_t d, int64_t cb, bool inverse) {
+  const int64_t half = d / 2;
+  for (int64_t row = 0; row < b * l; ++row) {
+    const int64_t bi = row / l, li = row % l;
+    const float* c = cp + ((cb == 1 ? 0 : bi) * l + li) * d;
+    const float* sn = sp + ((cb == 1 ? 0 : bi) * l + li) * d;
+    for (int64_t h = 0; h < heads; ++h) {
+      const float* xi = xp + (row * heads + h) * d;
+      float* o = op + (row * heads + h) * d;
+      if (!inverse) {
+        for (int64_t i = 0; i < half; ++i) o[i] = xi[i] * c[i] + (-xi[i + half]) * sn[i];
+        for (int64_t i = half; i < d; ++i) o[i] = xi[i] * c[i] + xi[i - half] * sn[i];
+      } else {
+        for (int64_t i = 0; i < half; ++i) o[i] = xi[i] * c[i] + xi[i + half] * sn[i + half];
+        for (int64_t i = half; i < d; ++i) o[i] = xi[i] * c[i] - xi[i - half] * sn[i - half];
+      }
+    }
+  }
+}
+
+void prl_cpu::RotaryQkvCache(const float* src, const int64_t* pos, const float* freq, float* qp, void* cache_k,
+                             void* cache_v, KvDtype cache, const float* qn, const float* kn, int64_t b, int64_t l,
+                             int num_heads, int num_kv_heads, int64_t d, int64_t cap, int64_t slot, float eps) {
+  const int64_t half = d / 2, width = (num_heads + 2 * num_kv_heads) * d;
+  prl::ForKvDtype(cache, [&](auto zero) {
+    using T = decltype(zero);
+    T* kp = static_cast<T*>(cache_k);
+    T* vp = static_cast<T*>(cache_v);
+    std::vector<float> c(d), sn(d), tmp(d), rotated(d);
+    for (int64_t row = 0; row < b * l; ++row) {
+      const int64_t bi = row / l, li = row % l;
+      const float p = static_cast<float>(pos[row]);
+      for (int64_t i = 0; i < half; ++i) {
+        const float angle = p * freq[i];
+        c[i] = c[i + half] = std::cos(angle);
+        sn[i] = sn[i + half] = std::sin(angle);
+      }
+      const float* in = src + row * width;
+      for (int64_t h = 0; h < num_heads; ++h)
+        NormRotate(in + h * d, qp + (row * num_heads + h) * d, qn, eps, c.data(), sn.data(), d, tmp.data());
+      const float* kin = in + num_heads * d;
+      const float* vin = kin + num_kv_heads * d;
+      for (int64_t g = 0; g < num_kv_heads; ++g) {
+        const int64_t at = ((bi * num_kv_heads + g) * cap + slot + li) * d;
+        NormRotate(kin + g * d, rotated.data(), kn, eps, c.data(), sn.data(), d, tmp.data());
+        for (int64_t i = 0; i < d; ++i) {  // rounded to the cache's dtype as Paddle's cast would
+          prl::FromFloat(rotated[i], kp + at + i);
+          prl::FromFloat(vin[g * d + i], vp + at + i);
+        }
+      }
+    }
+  });
+}
+
+#ifndef PRL_NO_PADDLE
 #ifdef PRL_WITH_CUDA
 std::vector<paddle::Tensor> RotaryForwardCUDA(const paddle::Tensor& x, const paddle::Tensor& cos,
                                               const paddle::Tensor& sin, bool inverse);
@@ -20,8 +99,6 @@ std::vector<paddle::Tensor> RotaryQkvCacheCUDA(const paddle::Tensor& qkv, const 
 
 namespace {
 
-// inverse = false: out_i = x_i c_i - x_{i+h} s_i (i < h), x_i c_i + x_{i-h} s_i (i >= h)
-// inverse = true (the backward): out_i = x_i c_i + x_{i+h} s_{i+h} (i < h), x_i c_i - x_{i-h} s_{i-h} (i >= h)
 std::vector<paddle::Tensor> Rotate(const paddle::Tensor& x, const paddle::Tensor& cos, const paddle::Tensor& sin,
                                    bool inverse) {
 #ifdef PRL_WITH_CUDA
@@ -32,34 +109,14 @@ std::vector<paddle::Tensor> Rotate(const paddle::Tensor& x, const paddle::Tensor
   prl::CheckCpuFloat(sin, "prl_rotary", "sin");
   const auto& s = x.shape();
   PD_CHECK(s.size() == 4, "prl_rotary: x must be [B, L, H, D]");
-  const int64_t b = s[0], l = s[1], heads = s[2], d = s[3], half = d / 2;
+  const int64_t b = s[0], l = s[1], heads = s[2], d = s[3];
   PD_CHECK(d % 2 == 0, "prl_rotary: head_dim must be even");
   const int64_t cb = cos.numel() / (l * d);
   PD_CHECK(cos.numel() == cb * l * d && (cb == 1 || cb == b) && sin.numel() == cos.numel(),
            "prl_rotary: cos/sin must be [B or 1, L, 1, D]");
   auto out = paddle::empty(s, x.dtype(), x.place());
-  const float* xp = x.data<float>();
-  const float* cp = cos.data<float>();
-  const float* sp = sin.data<float>();
-  float* op = out.data<float>();
-  {
-    for (int64_t row = 0; row < b * l; ++row) {
-      const int64_t bi = row / l, li = row % l;
-      const float* c = cp + ((cb == 1 ? 0 : bi) * l + li) * d;
-      const float* sn = sp + ((cb == 1 ? 0 : bi) * l + li) * d;
-      for (int64_t h = 0; h < heads; ++h) {
-        const float* xi = xp + (row * heads + h) * d;
-        float* o = op + (row * heads + h) * d;
-        if (!inverse) {
-          for (int64_t i = 0; i < half; ++i) o[i] = xi[i] * c[i] + (-xi[i + half]) * sn[i];
-          for (int64_t i = half; i < d; ++i) o[i] = xi[i] * c[i] + xi[i - half] * sn[i];
-        } else {
-          for (int64_t i = 0; i < half; ++i) o[i] = xi[i] * c[i] + xi[i + half] * sn[i + half];
-          for (int64_t i = half; i < d; ++i) o[i] = xi[i] * c[i] - xi[i - half] * sn[i - half];
-        }
-      }
-    }
-  }
+  prl_cpu::Rotary(x.data<float>(), cos.data<float>(), sin.data<float>(), out.data<float>(), b, l, heads, d, cb,
+                  inverse);
   return {out};
 }
 
@@ -96,26 +153,6 @@ PD_BUILD_GRAD_OP(prl_rotary)
     .Outputs({paddle::Grad("X")})
     .SetKernelFn(PD_KERNEL(RotaryBackward));
 
-namespace {
-
-inline void NormRotate(const float* src, float* dst, const float* norm_w, float eps, const float* c, const float* s,
-                       int64_t d, float* tmp) {
-  const int64_t half = d / 2;
-  const float* v = src;
-  if (norm_w != nullptr) {
-    double ss = 0.0;
-#pragma omp simd reduction(+ : ss)
-    for (int64_t i = 0; i < d; ++i) ss += static_cast<double>(src[i]) * src[i];
-    const float r = 1.0f / std::sqrt(static_cast<float>(ss / d) + eps);
-    for (int64_t i = 0; i < d; ++i) tmp[i] = (src[i] * r) * norm_w[i];
-    v = tmp;
-  }
-  for (int64_t i = 0; i < half; ++i) dst[i] = v[i] * c[i] + (-v[i + half]) * s[i];
-  for (int64_t i = half; i < d; ++i) dst[i] = v[i] * c[i] + v[i - half] * s[i];
-}
-
-}  // namespace
-
 std::vector<paddle::Tensor> RotaryQkvCache(const paddle::Tensor& qkv, const paddle::Tensor& positions,
                                            const paddle::Tensor& inv_freq, paddle::Tensor& cache_k,
                                            paddle::Tensor& cache_v, const paddle::optional<paddle::Tensor>& q_norm,
@@ -140,42 +177,11 @@ std::vector<paddle::Tensor> RotaryQkvCache(const paddle::Tensor& qkv, const padd
   PD_CHECK(slot >= 0 && slot + l <= cap, op, ": slots ", slot, "..", slot + l - 1, " outside the cache (", cap, ")");
   PD_CHECK(positions.numel() == b * l, op, ": positions must be [B, L]");
   PD_CHECK(inv_freq.numel() == half, op, ": inv_freq must have head_dim / 2 elements");
-  const float* qn = q_norm ? q_norm->data<float>() : nullptr;
-  const float* kn = k_norm ? k_norm->data<float>() : nullptr;
+  const prl::KvDtype cache = prl::CpuCacheDtype(cache_k, cache_v, op);
   auto q = paddle::empty({b, l, num_heads, d}, qkv.dtype(), qkv.place());
-  const float* src = qkv.data<float>();
-  const int64_t* pos = positions.data<int64_t>();
-  const float* freq = inv_freq.data<float>();
-  float* qp = q.data<float>();
-  const int64_t width = s[2];
-  prl::ForCacheType(cache_k, cache_v, op, [&](auto zero) {
-    using T = decltype(zero);
-    T* kp = static_cast<T*>(cache_k.data());
-    T* vp = static_cast<T*>(cache_v.data());
-    std::vector<float> c(d), sn(d), tmp(d), rotated(d);
-    for (int64_t row = 0; row < b * l; ++row) {
-      const int64_t bi = row / l, li = row % l;
-      const float p = static_cast<float>(pos[row]);
-      for (int64_t i = 0; i < half; ++i) {
-        const float angle = p * freq[i];
-        c[i] = c[i + half] = std::cos(angle);
-        sn[i] = sn[i + half] = std::sin(angle);
-      }
-      const float* in = src + row * width;
-      for (int64_t h = 0; h < num_heads; ++h)
-        NormRotate(in + h * d, qp + (row * num_heads + h) * d, qn, eps, c.data(), sn.data(), d, tmp.data());
-      const float* kin = in + num_heads * d;
-      const float* vin = kin + num_kv_heads * d;
-      for (int64_t g = 0; g < num_kv_heads; ++g) {
-        const int64_t at = ((bi * num_kv_heads + g) * cap + slot + li) * d;
-        NormRotate(kin + g * d, rotated.data(), kn, eps, c.data(), sn.data(), d, tmp.data());
-        for (int64_t i = 0; i < d; ++i) {  // rounded to the cache's dtype as Paddle's cast would
-          prl::FromFloat(rotated[i], kp + at + i);
-          prl::FromFloat(vin[g * d + i], vp + at + i);
-        }
-      }
-    }
-  });
+  prl_cpu::RotaryQkvCache(qkv.data<float>(), positions.data<int64_t>(), inv_freq.data<float>(), q.data<float>(),
+                          cache_k.data(), cache_v.data(), cache, q_norm ? q_norm->data<float>() : nullptr,
+                          k_norm ? k_norm->data<float>() : nullptr, b, l, num_heads, num_kv_heads, d, cap, slot, eps);
   return {q};
 }
 
@@ -203,3 +209,4 @@ PD_BUILD_OP(prl_rotary_qkv_cache)
     .SetKernelFn(PD_KERNEL(RotaryQkvCache))
     .SetInferShapeFn(PD_INFER_SHAPE(RotaryQkvCacheInferShape))
     .SetInferDtypeFn(PD_INFER_DTYPE(RotaryQkvCacheInferDtype));
+#endif  // PRL_NO_PADDLE

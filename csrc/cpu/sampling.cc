@@ -10,13 +10,7 @@
 #include <functional>
 
 #include "../prl_common.h"
-
-#ifdef PRL_WITH_CUDA
-std::vector<paddle::Tensor> SampleCUDA(const paddle::Tensor& logits, const paddle::optional<paddle::Tensor>& seen,
-                                       const paddle::optional<paddle::Tensor>& uniforms,
-                                       const paddle::optional<paddle::Tensor>& ban, const paddle::Tensor& stop_ids,
-                                       float temperature, int top_k, float top_p, float penalty);
-#endif
+#include "kernels.h"
 
 namespace {
 
@@ -68,33 +62,10 @@ inline int64_t InverseCdf(const double* e, double total, double u, int64_t v) {
 
 }  // namespace
 
-std::vector<paddle::Tensor> Sample(const paddle::Tensor& logits, const paddle::optional<paddle::Tensor>& seen,
-                                   const paddle::optional<paddle::Tensor>& uniforms,
-                                   const paddle::optional<paddle::Tensor>& ban, const paddle::Tensor& stop_ids,
-                                   float temperature, int top_k, float top_p, float penalty) {
-#ifdef PRL_WITH_CUDA
-  if (logits.is_gpu()) return SampleCUDA(logits, seen, uniforms, ban, stop_ids, temperature, top_k, top_p, penalty);
-#endif
-  const char* op = "prl_sample";
-  prl::CheckCpuFloat(logits, op, "logits");
-  PD_CHECK(logits.shape().size() == 2, op, ": logits must be [B, V]");
-  const int64_t b = logits.shape()[0], v = logits.shape()[1];
+void prl_cpu::Sample(const float* xp, const float* sp, const float* up, const bool* bp, const int64_t* stop,
+                     int64_t n_stop, int64_t* tp, float* lp, int64_t b, int64_t v, float temperature, int top_k,
+                     float top_p, float penalty) {
   const bool greedy = temperature <= 0.0f;
-  PD_CHECK(greedy || uniforms, op, ": sampling needs uniforms");
-  if (uniforms) PD_CHECK(uniforms->numel() == b, op, ": uniforms must be [B]");
-  if (seen) PD_CHECK(seen->numel() == b * v, op, ": seen must be [B, V]");
-  if (ban) PD_CHECK(ban->numel() == b && ban->dtype() == paddle::DataType::BOOL, op, ": ban must be bool [B]");
-  PD_CHECK(stop_ids.dtype() == paddle::DataType::INT64, op, ": stop_ids must be int64");
-  auto tokens = paddle::empty({b}, paddle::DataType::INT64, logits.place());
-  auto logprob = paddle::empty({b}, paddle::DataType::FLOAT32, logits.place());
-  const float* xp = logits.data<float>();
-  const float* sp = seen ? seen->data<float>() : nullptr;
-  const float* up = uniforms ? uniforms->data<float>() : nullptr;
-  const bool* bp = ban ? ban->data<bool>() : nullptr;
-  const int64_t* stop = stop_ids.data<int64_t>();
-  const int64_t n_stop = stop_ids.numel();
-  int64_t* tp = tokens.data<int64_t>();
-  float* lp = logprob.data<float>();
   const bool penalize = sp != nullptr && penalty != 1.0f;
   const bool use_top_k = !greedy && top_k > 0 && top_k < v;
   const bool use_top_p = !greedy && top_p < 1.0f;
@@ -181,6 +152,44 @@ std::vector<paddle::Tensor> Sample(const paddle::Tensor& logits, const paddle::o
       }
     }
   });
+}
+
+#ifndef PRL_NO_PADDLE
+#ifdef PRL_WITH_CUDA
+std::vector<paddle::Tensor> SampleCUDA(const paddle::Tensor& logits, const paddle::optional<paddle::Tensor>& seen,
+                                       const paddle::optional<paddle::Tensor>& uniforms,
+                                       const paddle::optional<paddle::Tensor>& ban, const paddle::Tensor& stop_ids,
+                                       float temperature, int top_k, float top_p, float penalty);
+#endif
+
+std::vector<paddle::Tensor> Sample(const paddle::Tensor& logits, const paddle::optional<paddle::Tensor>& seen,
+                                   const paddle::optional<paddle::Tensor>& uniforms,
+                                   const paddle::optional<paddle::Tensor>& ban, const paddle::Tensor& stop_ids,
+                                   float temperature, int top_k, float top_p, float penalty) {
+#ifdef PRL_WITH_CUDA
+  if (logits.is_gpu()) return SampleCUDA(logits, seen, uniforms, ban, stop_ids, temperature, top_k, top_p, penalty);
+#endif
+  const char* op = "prl_sample";
+  prl::CheckCpuFloat(logits, op, "logits");
+  PD_CHECK(logits.shape().size() == 2, op, ": logits must be [B, V]");
+  const int64_t b = logits.shape()[0], v = logits.shape()[1];
+  const bool greedy = temperature <= 0.0f;
+  PD_CHECK(greedy || uniforms, op, ": sampling needs uniforms");
+  if (uniforms) PD_CHECK(uniforms->numel() == b, op, ": uniforms must be [B]");
+  if (seen) PD_CHECK(seen->numel() == b * v, op, ": seen must be [B, V]");
+  if (ban) PD_CHECK(ban->numel() == b && ban->dtype() == paddle::DataType::BOOL, op, ": ban must be bool [B]");
+  PD_CHECK(stop_ids.dtype() == paddle::DataType::INT64, op, ": stop_ids must be int64");
+  auto tokens = paddle::empty({b}, paddle::DataType::INT64, logits.place());
+  auto logprob = paddle::empty({b}, paddle::DataType::FLOAT32, logits.place());
+  const float* xp = logits.data<float>();
+  const float* sp = seen ? seen->data<float>() : nullptr;
+  const float* up = uniforms ? uniforms->data<float>() : nullptr;
+  const bool* bp = ban ? ban->data<bool>() : nullptr;
+  const int64_t* stop = stop_ids.data<int64_t>();
+  const int64_t n_stop = stop_ids.numel();
+  int64_t* tp = tokens.data<int64_t>();
+  float* lp = logprob.data<float>();
+  prl_cpu::Sample(xp, sp, up, bp, stop, n_stop, tp, lp, b, v, temperature, top_k, top_p, penalty);
   return {tokens, logprob};
 }
 
@@ -207,3 +216,4 @@ PD_BUILD_OP(prl_sample)
     .SetKernelFn(PD_KERNEL(Sample))
     .SetInferShapeFn(PD_INFER_SHAPE(SampleInferShape))
     .SetInferDtypeFn(PD_INFER_DTYPE(SampleInferDtype));
+#endif  // PRL_NO_PADDLE

@@ -1,10 +1,6 @@
 // SwiGLU of a fused gate/up projection: x [..., 2F] = [gate | up] -> silu(gate) * up [..., F], with its backward.
 #include "../prl_common.h"
-
-#ifdef PRL_WITH_CUDA
-std::vector<paddle::Tensor> SwigluForwardCUDA(const paddle::Tensor& x);
-std::vector<paddle::Tensor> SwigluBackwardCUDA(const paddle::Tensor& x, const paddle::Tensor& grad_out);
-#endif
+#include "kernels.h"
 
 namespace {
 
@@ -12,18 +8,8 @@ inline float Sigmoid(float a) { return 1.0f / (1.0f + prl::ExpF(-a)); }
 
 }  // namespace
 
-std::vector<paddle::Tensor> SwigluForward(const paddle::Tensor& x) {
-#ifdef PRL_WITH_CUDA
-  if (x.is_gpu()) return SwigluForwardCUDA(x);
-#endif
-  prl::CheckCpuFloat(x, "prl_swiglu", "x");
-  const int64_t width = prl::LastDim(x), f = width / 2, n = prl::Rows(x);
-  PD_CHECK(width % 2 == 0, "prl_swiglu: the last axis must be even");
-  auto shape = x.shape();
-  shape.back() = f;
-  auto out = paddle::empty(shape, x.dtype(), x.place());
-  const float* xp = x.data<float>();
-  float* op = out.data<float>();
+void prl_cpu::SwigluForward(const float* xp, float* op, int64_t n, int64_t f) {
+  const int64_t width = 2 * f;
   prl::ParallelFor(n, width, [&](int, int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const float* gate = xp + r * width;
@@ -32,18 +18,10 @@ std::vector<paddle::Tensor> SwigluForward(const paddle::Tensor& x) {
       for (int64_t i = 0; i < f; ++i) o[i] = gate[i] * Sigmoid(gate[i]) * up[i];
     }
   });
-  return {out};
 }
 
-std::vector<paddle::Tensor> SwigluBackward(const paddle::Tensor& x, const paddle::Tensor& grad_out) {
-#ifdef PRL_WITH_CUDA
-  if (x.is_gpu()) return SwigluBackwardCUDA(x, grad_out);
-#endif
-  const int64_t width = prl::LastDim(x), f = width / 2, n = prl::Rows(x);
-  auto grad = paddle::empty(x.shape(), x.dtype(), x.place());
-  const float* xp = x.data<float>();
-  const float* gp = grad_out.data<float>();
-  float* dp = grad.data<float>();
+void prl_cpu::SwigluBackward(const float* xp, const float* gp, float* dp, int64_t n, int64_t f) {
+  const int64_t width = 2 * f;
   prl::ParallelFor(n, width, [&](int, int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const float* gate = xp + r * width;
@@ -58,6 +36,35 @@ std::vector<paddle::Tensor> SwigluBackward(const paddle::Tensor& x, const paddle
       }
     }
   });
+}
+
+#ifndef PRL_NO_PADDLE
+#ifdef PRL_WITH_CUDA
+std::vector<paddle::Tensor> SwigluForwardCUDA(const paddle::Tensor& x);
+std::vector<paddle::Tensor> SwigluBackwardCUDA(const paddle::Tensor& x, const paddle::Tensor& grad_out);
+#endif
+
+std::vector<paddle::Tensor> SwigluForward(const paddle::Tensor& x) {
+#ifdef PRL_WITH_CUDA
+  if (x.is_gpu()) return SwigluForwardCUDA(x);
+#endif
+  prl::CheckCpuFloat(x, "prl_swiglu", "x");
+  const int64_t width = prl::LastDim(x), f = width / 2, n = prl::Rows(x);
+  PD_CHECK(width % 2 == 0, "prl_swiglu: the last axis must be even");
+  auto shape = x.shape();
+  shape.back() = f;
+  auto out = paddle::empty(shape, x.dtype(), x.place());
+  prl_cpu::SwigluForward(x.data<float>(), out.data<float>(), n, f);
+  return {out};
+}
+
+std::vector<paddle::Tensor> SwigluBackward(const paddle::Tensor& x, const paddle::Tensor& grad_out) {
+#ifdef PRL_WITH_CUDA
+  if (x.is_gpu()) return SwigluBackwardCUDA(x, grad_out);
+#endif
+  const int64_t width = prl::LastDim(x), f = width / 2, n = prl::Rows(x);
+  auto grad = paddle::empty(x.shape(), x.dtype(), x.place());
+  prl_cpu::SwigluBackward(x.data<float>(), grad_out.data<float>(), grad.data<float>(), n, f);
   return {grad};
 }
 
@@ -80,3 +87,4 @@ PD_BUILD_GRAD_OP(prl_swiglu)
     .Inputs({"X", paddle::Grad("Out")})
     .Outputs({paddle::Grad("X")})
     .SetKernelFn(PD_KERNEL(SwigluBackward));
+#endif  // PRL_NO_PADDLE

@@ -38,23 +38,39 @@ __global__ void DecodeAttentionKernel(const float* q, const T* cache_k, const T*
 
 }  // namespace
 
+cudaError_t prl_cuda::DecodeAttention(const float* q, const void* cache_k, const void* cache_v, KvDtype cache,
+                                      const int64_t* start, float* scores, float* out, int64_t b, int64_t heads,
+                                      int64_t kv, int64_t cap, int64_t d, int64_t length, float scale,
+                                      cudaStream_t stream) {
+  if (b == 0 || heads == 0) return cudaGetLastError();
+  dim3 grid(static_cast<unsigned>(b), static_cast<unsigned>(heads));
+  ForKvDtype(cache, [&](auto zero) {
+    using T = decltype(zero);
+    DecodeAttentionKernel<T><<<grid, 128, 0, stream>>>(q, static_cast<const T*>(cache_k),
+                                                        static_cast<const T*>(cache_v), start, scores, out, heads, kv,
+                                                        cap, d, length, scale);
+  });
+  return cudaGetLastError();
+}
+
+#ifndef PRL_NO_PADDLE
 std::vector<paddle::Tensor> DecodeAttentionCUDA(const paddle::Tensor& q, const paddle::Tensor& cache_k,
                                                 const paddle::Tensor& cache_v, const paddle::Tensor& start,
                                                 int64_t length, float scale) {
+  const char* op = "prl_decode_attention";
   const auto& qs = q.shape();
   const auto& cs = cache_k.shape();
   const int64_t b = qs[0], heads = qs[2], d = qs[3], kv = cs[1], cap = cs[2];
   PD_CHECK(length >= 1 && length <= cap && heads % kv == 0, "prl_decode_attention: bad length or heads");
+  const prl_cuda::KvDtype cache = prl_cuda::CacheDtype(cache_k, cache_v, op);
   auto out = paddle::empty({b, 1, heads * d}, q.dtype(), q.place());
-  auto scores = paddle::empty({b * heads * cap}, paddle::DataType::FLOAT32, q.place());
-  dim3 grid(static_cast<unsigned>(b), static_cast<unsigned>(heads));
-  prl_cuda::ForCacheType(cache_k, cache_v, "prl_decode_attention", [&](auto zero) {
-    using T = decltype(zero);
-    if (b > 0)
-      DecodeAttentionKernel<T><<<grid, 128, 0, q.stream()>>>(
-          q.data<float>(), reinterpret_cast<const T*>(cache_k.data()), reinterpret_cast<const T*>(cache_v.data()),
-          start.data<int64_t>(), scores.data<float>(), out.data<float>(), heads, kv, cap, d, length, scale);
-  });
-  prl_cuda::CheckLaunch("prl_decode_attention");
+  auto scores = paddle::empty({static_cast<int64_t>(prl_cuda::DecodeAttentionScratch(b, heads, cap))},
+                              paddle::DataType::FLOAT32, q.place());
+  prl_cuda::CheckLaunch(
+      prl_cuda::DecodeAttention(q.data<float>(), cache_k.data(), cache_v.data(), cache, start.data<int64_t>(),
+                                scores.data<float>(), out.data<float>(), b, heads, kv, cap, d, length, scale,
+                                q.stream()),
+      op);
   return {out};
 }
+#endif  // PRL_NO_PADDLE

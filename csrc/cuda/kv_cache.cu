@@ -21,37 +21,55 @@ __global__ void KvPlaceKernel(Unit* dst, const Unit* src, const int64_t* src_row
 }
 
 template <typename Unit>
-void Launch(paddle::Tensor& dst, const paddle::Tensor& src, const paddle::Tensor& src_rows, int64_t unit_bytes,
-            int64_t dst_row, int64_t src_start, int64_t dst_start, int64_t width) {
-  const auto& ds = dst.shape();
-  const auto& ss = src.shape();
-  const int64_t n = src_rows.numel(), heads = ds[1];
-  const int64_t head = ds[3] * static_cast<int64_t>(phi::SizeOf(dst.dtype())) / unit_bytes;
+void LaunchKvPlace(void* dst, const void* src, const int64_t* rows, int64_t n, int64_t heads, int64_t slot_bytes,
+                   int64_t dst_cap, int64_t src_cap, int64_t src_count, int64_t dst_row, int64_t src_start,
+                   int64_t dst_start, int64_t width, cudaStream_t stream) {
+  const int64_t head = slot_bytes / static_cast<int64_t>(sizeof(Unit));
   const int64_t total = n * heads * width * head;
-  KvPlaceKernel<Unit><<<prl_cuda::Blocks(total), prl_cuda::kThreads, 0, dst.stream()>>>(
-      static_cast<Unit*>(dst.data()), static_cast<const Unit*>(src.data()), src_rows.data<int64_t>(), total, heads,
-      head, ds[2], ss[2], ss[0], dst_row, src_start, dst_start, width);
+  KvPlaceKernel<Unit><<<prl_cuda::Blocks(total), prl_cuda::kThreads, 0, stream>>>(
+      static_cast<Unit*>(dst), static_cast<const Unit*>(src), rows, total, heads, head, dst_cap, src_cap, src_count,
+      dst_row, src_start, dst_start, width);
 }
 
 }  // namespace
 
-void KvPlaceCUDA(paddle::Tensor& dst, const paddle::Tensor& src, const paddle::Tensor& src_rows, int64_t dst_row,
-                 int64_t src_start, int64_t dst_start, int64_t width) {
-  const int64_t slot_bytes = dst.shape()[3] * static_cast<int64_t>(phi::SizeOf(dst.dtype()));
+cudaError_t prl_cuda::KvPlace(void* dst, const void* src, const int64_t* rows, int64_t n, int64_t heads, int64_t d,
+                              int64_t elem_bytes, int64_t dst_cap, int64_t src_cap, int64_t src_count,
+                              int64_t dst_row, int64_t src_start, int64_t dst_start, int64_t width,
+                              cudaStream_t stream) {
+  if (n == 0 || heads == 0 || width == 0 || d == 0) return cudaGetLastError();
+  const int64_t slot_bytes = d * elem_bytes;
   const auto aligned = [&](int64_t unit) {
-    return slot_bytes % unit == 0 && reinterpret_cast<uintptr_t>(dst.data()) % unit == 0 &&
-           reinterpret_cast<uintptr_t>(src.data()) % unit == 0;
+    return slot_bytes % unit == 0 && reinterpret_cast<uintptr_t>(dst) % unit == 0 &&
+           reinterpret_cast<uintptr_t>(src) % unit == 0;
+  };
+  const auto launch = [&](auto unit) {
+    LaunchKvPlace<decltype(unit)>(dst, src, rows, n, heads, slot_bytes, dst_cap, src_cap, src_count, dst_row,
+                                  src_start, dst_start, width, stream);
   };
   if (aligned(16)) {
-    Launch<uint4>(dst, src, src_rows, 16, dst_row, src_start, dst_start, width);
+    launch(uint4{});
   } else if (aligned(8)) {
-    Launch<uint2>(dst, src, src_rows, 8, dst_row, src_start, dst_start, width);
+    launch(uint2{});
   } else if (aligned(4)) {
-    Launch<uint32_t>(dst, src, src_rows, 4, dst_row, src_start, dst_start, width);
+    launch(uint32_t{});
   } else if (aligned(2)) {
-    Launch<uint16_t>(dst, src, src_rows, 2, dst_row, src_start, dst_start, width);
+    launch(uint16_t{});
   } else {
-    Launch<uint8_t>(dst, src, src_rows, 1, dst_row, src_start, dst_start, width);
+    launch(uint8_t{});
   }
-  prl_cuda::CheckLaunch("prl_kv_place");
+  return cudaGetLastError();
 }
+
+#ifndef PRL_NO_PADDLE
+void KvPlaceCUDA(paddle::Tensor& dst, const paddle::Tensor& src, const paddle::Tensor& src_rows, int64_t dst_row,
+                 int64_t src_start, int64_t dst_start, int64_t width) {
+  const auto& ds = dst.shape();
+  const auto& ss = src.shape();
+  prl_cuda::CheckLaunch(
+      prl_cuda::KvPlace(dst.data(), src.data(), src_rows.data<int64_t>(), src_rows.numel(), ds[1], ds[3],
+                        static_cast<int64_t>(phi::SizeOf(dst.dtype())), ds[2], ss[2], ss[0], dst_row, src_start,
+                        dst_start, width, dst.stream()),
+      "prl_kv_place");
+}
+#endif  // PRL_NO_PADDLE

@@ -47,16 +47,32 @@ __global__ void LogprobBackwardKernel(const float* logits, const int64_t* labels
 
 }  // namespace
 
+cudaError_t prl_cuda::LogprobForward(const float* logits, const int64_t* labels, float* logp, float* entropy,
+                                     float* lse, float* mean_z, int64_t n, int64_t v, float scale,
+                                     cudaStream_t stream) {
+  if (n > 0) LogprobForwardKernel<<<n, kThreads, 0, stream>>>(logits, labels, logp, entropy, lse, mean_z, v, scale);
+  return cudaGetLastError();
+}
+
+cudaError_t prl_cuda::LogprobBackward(const float* logits, const int64_t* labels, const float* lse,
+                                      const float* mean_z, const float* grad_logp, const float* grad_entropy,
+                                      float* grad, int64_t n, int64_t v, float scale, cudaStream_t stream) {
+  if (n > 0)
+    LogprobBackwardKernel<<<n, kThreads, 0, stream>>>(logits, labels, lse, mean_z, grad_logp, grad_entropy, grad, v,
+                                                      scale);
+  return cudaGetLastError();
+}
+
+#ifndef PRL_NO_PADDLE
 std::vector<paddle::Tensor> LogprobForwardCUDA(const paddle::Tensor& logits, const paddle::Tensor& labels,
                                                float scale) {
   const int64_t n = logits.shape()[0], v = logits.shape()[1];
   std::vector<paddle::Tensor> outs;
   for (int k = 0; k < 4; ++k) outs.push_back(paddle::empty({n}, paddle::DataType::FLOAT32, logits.place()));
-  if (n > 0)
-    LogprobForwardKernel<<<n, prl_cuda::kThreads, 0, logits.stream()>>>(
-        logits.data<float>(), labels.data<int64_t>(), outs[0].data<float>(), outs[1].data<float>(),
-        outs[2].data<float>(), outs[3].data<float>(), v, scale);
-  prl_cuda::CheckLaunch("prl_logprob");
+  prl_cuda::CheckLaunch(prl_cuda::LogprobForward(logits.data<float>(), labels.data<int64_t>(), outs[0].data<float>(),
+                                                 outs[1].data<float>(), outs[2].data<float>(), outs[3].data<float>(),
+                                                 n, v, scale, logits.stream()),
+                        "prl_logprob");
   return outs;
 }
 
@@ -66,10 +82,11 @@ std::vector<paddle::Tensor> LogprobBackwardCUDA(const paddle::Tensor& logits, co
                                                 const paddle::optional<paddle::Tensor>& grad_entropy, float scale) {
   const int64_t n = logits.shape()[0], v = logits.shape()[1];
   auto grad = paddle::empty({n, v}, paddle::DataType::FLOAT32, logits.place());
-  if (n > 0)
-    LogprobBackwardKernel<<<n, prl_cuda::kThreads, 0, logits.stream()>>>(
-        logits.data<float>(), labels.data<int64_t>(), lse.data<float>(), mean_z.data<float>(),
-        grad_logp.data<float>(), grad_entropy ? grad_entropy->data<float>() : nullptr, grad.data<float>(), v, scale);
-  prl_cuda::CheckLaunch("prl_logprob_backward");
+  prl_cuda::CheckLaunch(
+      prl_cuda::LogprobBackward(logits.data<float>(), labels.data<int64_t>(), lse.data<float>(), mean_z.data<float>(),
+                                grad_logp.data<float>(), grad_entropy ? grad_entropy->data<float>() : nullptr,
+                                grad.data<float>(), n, v, scale, logits.stream()),
+      "prl_logprob_backward");
   return {grad};
 }
+#endif  // PRL_NO_PADDLE

@@ -1,4 +1,7 @@
-// Helpers of paddle_rl's CUDA kernels: block-wide reductions (blockDim.x a multiple of 32, at most 1024).
+// Helpers of paddle_rl's CUDA kernels: block-wide reductions (blockDim.x a multiple of 32, at most 1024), the KV
+// cache's element types. Each csrc/cuda/*.cu holds its kernels and their launchers (launch.h), which need no
+// Paddle, then its Paddle op's CUDA entry (tensors in, the launcher called on the tensors' stream) unless
+// PRL_NO_PADDLE is defined; the helpers of those entries are at the end of this file, under the same guard.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -7,7 +10,10 @@
 
 #include <cstdint>
 
+#include "launch.h"
+#ifndef PRL_NO_PADDLE
 #include "paddle/extension.h"
+#endif
 
 namespace prl_cuda {
 
@@ -63,11 +69,6 @@ __device__ T BlockMax(T v, T lowest) {
 
 inline int Blocks(int64_t n, int threads = kThreads) { return static_cast<int>((n + threads - 1) / threads); }
 
-inline void CheckLaunch(const char* op) {
-  cudaError_t err = cudaGetLastError();
-  PD_CHECK(err == cudaSuccess, op, ": CUDA launch failed: ", cudaGetErrorString(err));
-}
-
 // KV-cache elements (float32, bfloat16, float16): read as float32, written rounded to nearest even
 __device__ __forceinline__ float ToFloat(float x) { return x; }
 __device__ __forceinline__ float ToFloat(__nv_bfloat16 x) { return __bfloat162float(x); }
@@ -76,16 +77,32 @@ __device__ __forceinline__ void FromFloat(float v, float* out) { *out = v; }
 __device__ __forceinline__ void FromFloat(float v, __nv_bfloat16* out) { *out = __float2bfloat16_rn(v); }
 __device__ __forceinline__ void FromFloat(float v, __half* out) { *out = __float2half_rn(v); }
 
-// Checks that the caches k and v share one KV-cache dtype and calls fn(T{}) with T its element type.
+// fn(T{}) with T the device element type of a KV cache of dtype t.
 template <typename Fn>
-void ForCacheType(const paddle::Tensor& k, const paddle::Tensor& v, const char* op, Fn&& fn) {
+void ForKvDtype(KvDtype t, Fn&& fn) {
+  switch (t) {
+    case KvDtype::kFloat32: return fn(float{});
+    case KvDtype::kBFloat16: return fn(__nv_bfloat16{});
+    case KvDtype::kFloat16: return fn(__half{});
+  }
+}
+
+#ifndef PRL_NO_PADDLE
+// A launcher's result as the op's error.
+inline void CheckLaunch(cudaError_t err, const char* op) {
+  PD_CHECK(err == cudaSuccess, op, ": CUDA launch failed: ", cudaGetErrorString(err));
+}
+
+// The caches' KvDtype: k and v share one of float32, bfloat16, float16.
+inline KvDtype CacheDtype(const paddle::Tensor& k, const paddle::Tensor& v, const char* op) {
   PD_CHECK(v.dtype() == k.dtype(), op, ": cache_v must match cache_k's dtype");
   switch (k.dtype()) {
-    case paddle::DataType::FLOAT32: return fn(float{});
-    case paddle::DataType::BFLOAT16: return fn(__nv_bfloat16{});
-    case paddle::DataType::FLOAT16: return fn(__half{});
+    case paddle::DataType::FLOAT32: return KvDtype::kFloat32;
+    case paddle::DataType::BFLOAT16: return KvDtype::kBFloat16;
+    case paddle::DataType::FLOAT16: return KvDtype::kFloat16;
     default: PD_THROW(op, ": cache_k must be float32, bfloat16 or float16");
   }
 }
+#endif
 
 }  // namespace prl_cuda

@@ -29,6 +29,18 @@ __global__ void StepUpdateKernel(const int64_t* tokens, const float* logprob, co
 
 }  // namespace
 
+cudaError_t prl_cuda::StepUpdate(const int64_t* tokens, const float* logprob, const bool* finished,
+                                 const int64_t* lengths, const int64_t* stop, int64_t n_stop, float* seen, int64_t v,
+                                 int64_t* tokens_out, float* logprob_out, bool* finished_out, int64_t* lengths_out,
+                                 bool* ban, bool* done, int64_t b, int64_t pad_id, int64_t min_len,
+                                 cudaStream_t stream) {
+  StepUpdateKernel<<<1, 1024, 0, stream>>>(tokens, logprob, finished, lengths, n_stop ? stop : nullptr, n_stop, seen,
+                                           v, tokens_out, logprob_out, finished_out, lengths_out, ban, done, b,
+                                           pad_id, min_len);
+  return cudaGetLastError();
+}
+
+#ifndef PRL_NO_PADDLE
 std::vector<paddle::Tensor> StepUpdateCUDA(const paddle::Tensor& tokens, const paddle::Tensor& logprob,
                                            const paddle::Tensor& finished, const paddle::Tensor& lengths,
                                            const paddle::Tensor& stop_ids, paddle::optional<paddle::Tensor>& seen,
@@ -43,11 +55,13 @@ std::vector<paddle::Tensor> StepUpdateCUDA(const paddle::Tensor& tokens, const p
   auto done = paddle::empty({1}, paddle::DataType::BOOL, place);
   float* seen_ptr = seen ? seen->data<float>() : nullptr;
   const int64_t v = seen ? seen->shape().back() : 0;
-  StepUpdateKernel<<<1, 1024, 0, tokens.stream()>>>(
-      tokens.data<int64_t>(), logprob.data<float>(), finished.data<bool>(), lengths.data<int64_t>(),
-      stop_ids.numel() ? stop_ids.data<int64_t>() : nullptr, stop_ids.numel(), seen_ptr, v,
-      tokens_out.data<int64_t>(), logprob_out.data<float>(), finished_out.data<bool>(), lengths_out.data<int64_t>(),
-      ban.data<bool>(), done.data<bool>(), b, pad_id, min_len);
-  prl_cuda::CheckLaunch("prl_step_update");
+  prl_cuda::CheckLaunch(
+      prl_cuda::StepUpdate(tokens.data<int64_t>(), logprob.data<float>(), finished.data<bool>(),
+                           lengths.data<int64_t>(), stop_ids.numel() ? stop_ids.data<int64_t>() : nullptr,
+                           stop_ids.numel(), seen_ptr, v, tokens_out.data<int64_t>(), logprob_out.data<float>(),
+                           finished_out.data<bool>(), lengths_out.data<int64_t>(), ban.data<bool>(),
+                           done.data<bool>(), b, pad_id, min_len, tokens.stream()),
+      "prl_step_update");
   return {tokens_out, logprob_out, finished_out, lengths_out, ban, done};
 }
+#endif  // PRL_NO_PADDLE

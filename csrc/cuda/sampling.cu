@@ -157,6 +157,18 @@ __global__ void SampleKernel(const float* logits, const float* seen, const float
 
 }  // namespace
 
+cudaError_t prl_cuda::Sample(const float* logits, const float* seen, const float* uniforms, const bool* ban,
+                             const int64_t* stop, int64_t n_stop, double* scratch, int64_t* tokens, float* logprob,
+                             int64_t b, int64_t v, float temperature, int top_k, float top_p, float penalty,
+                             cudaStream_t stream) {
+  if (temperature > 0.0f && uniforms == nullptr) return cudaErrorInvalidValue;
+  if (b > 0)
+    SampleKernel<<<b, kThreads, 0, stream>>>(logits, seen, uniforms, ban, n_stop ? stop : nullptr, n_stop, scratch,
+                                             scratch + b * v, tokens, logprob, v, temperature, top_k, top_p, penalty);
+  return cudaGetLastError();
+}
+
+#ifndef PRL_NO_PADDLE
 std::vector<paddle::Tensor> SampleCUDA(const paddle::Tensor& logits, const paddle::optional<paddle::Tensor>& seen,
                                        const paddle::optional<paddle::Tensor>& uniforms,
                                        const paddle::optional<paddle::Tensor>& ban, const paddle::Tensor& stop_ids,
@@ -165,14 +177,15 @@ std::vector<paddle::Tensor> SampleCUDA(const paddle::Tensor& logits, const paddl
   PD_CHECK(temperature <= 0.0f || uniforms, "prl_sample: sampling needs uniforms");
   auto tokens = paddle::empty({b}, paddle::DataType::INT64, logits.place());
   auto logprob = paddle::empty({b}, paddle::DataType::FLOAT32, logits.place());
-  auto z = paddle::empty({b * v}, paddle::DataType::FLOAT64, logits.place());
-  auto e = paddle::empty({b * v}, paddle::DataType::FLOAT64, logits.place());
-  if (b > 0)
-    SampleKernel<<<b, prl_cuda::kThreads, 0, logits.stream()>>>(
-        logits.data<float>(), seen ? seen->data<float>() : nullptr, uniforms ? uniforms->data<float>() : nullptr,
-        ban ? ban->data<bool>() : nullptr, stop_ids.numel() ? stop_ids.data<int64_t>() : nullptr, stop_ids.numel(),
-        z.data<double>(), e.data<double>(), tokens.data<int64_t>(), logprob.data<float>(), v, temperature, top_k,
-        top_p, penalty);
-  prl_cuda::CheckLaunch("prl_sample");
+  auto scratch = paddle::empty({static_cast<int64_t>(prl_cuda::SampleScratch(b, v))}, paddle::DataType::FLOAT64,
+                               logits.place());
+  prl_cuda::CheckLaunch(
+      prl_cuda::Sample(logits.data<float>(), seen ? seen->data<float>() : nullptr,
+                       uniforms ? uniforms->data<float>() : nullptr, ban ? ban->data<bool>() : nullptr,
+                       stop_ids.numel() ? stop_ids.data<int64_t>() : nullptr, stop_ids.numel(), scratch.data<double>(),
+                       tokens.data<int64_t>(), logprob.data<float>(), b, v, temperature, top_k, top_p, penalty,
+                       logits.stream()),
+      "prl_sample");
   return {tokens, logprob};
 }
+#endif  // PRL_NO_PADDLE

@@ -23,24 +23,35 @@ __global__ void SwigluBackwardKernel(const float* x, const float* grad_out, floa
 
 }  // namespace
 
+cudaError_t prl_cuda::SwigluForward(const float* x, float* out, int64_t n, int64_t f, cudaStream_t stream) {
+  const int64_t total = n * f;
+  if (total > 0) SwigluForwardKernel<<<Blocks(total), kThreads, 0, stream>>>(x, out, total, f);
+  return cudaGetLastError();
+}
+
+cudaError_t prl_cuda::SwigluBackward(const float* x, const float* grad_out, float* grad, int64_t n, int64_t f,
+                                     cudaStream_t stream) {
+  const int64_t total = n * f;
+  if (total > 0) SwigluBackwardKernel<<<Blocks(total), kThreads, 0, stream>>>(x, grad_out, grad, total, f);
+  return cudaGetLastError();
+}
+
+#ifndef PRL_NO_PADDLE
 std::vector<paddle::Tensor> SwigluForwardCUDA(const paddle::Tensor& x) {
-  const int64_t f = x.shape().back() / 2, total = x.numel() / 2;
+  const int64_t f = x.shape().back() / 2, n = f > 0 ? x.numel() / (2 * f) : 0;
   auto shape = x.shape();
   shape.back() = f;
   auto out = paddle::empty(shape, x.dtype(), x.place());
-  if (total > 0)
-    SwigluForwardKernel<<<prl_cuda::Blocks(total), prl_cuda::kThreads, 0, x.stream()>>>(x.data<float>(),
-                                                                                       out.data<float>(), total, f);
-  prl_cuda::CheckLaunch("prl_swiglu");
+  prl_cuda::CheckLaunch(prl_cuda::SwigluForward(x.data<float>(), out.data<float>(), n, f, x.stream()), "prl_swiglu");
   return {out};
 }
 
 std::vector<paddle::Tensor> SwigluBackwardCUDA(const paddle::Tensor& x, const paddle::Tensor& grad_out) {
-  const int64_t f = x.shape().back() / 2, total = x.numel() / 2;
+  const int64_t f = x.shape().back() / 2, n = f > 0 ? x.numel() / (2 * f) : 0;
   auto grad = paddle::empty(x.shape(), x.dtype(), x.place());
-  if (total > 0)
-    SwigluBackwardKernel<<<prl_cuda::Blocks(total), prl_cuda::kThreads, 0, x.stream()>>>(
-        x.data<float>(), grad_out.data<float>(), grad.data<float>(), total, f);
-  prl_cuda::CheckLaunch("prl_swiglu_grad");
+  prl_cuda::CheckLaunch(
+      prl_cuda::SwigluBackward(x.data<float>(), grad_out.data<float>(), grad.data<float>(), n, f, x.stream()),
+      "prl_swiglu_grad");
   return {grad};
 }
+#endif  // PRL_NO_PADDLE

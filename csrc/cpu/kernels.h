@@ -1,0 +1,65 @@
+// The CPU kernels of csrc/cpu behind plain launchers: raw pointers to contiguous row-major arrays, sizes, the KV
+// cache's dtype as an enum. The Paddle ops (PD_BUILD_OP in each csrc/cpu/*.cc) check their tensors, allocate the
+// outputs and call these; the standalone CUDA check (csrc/cuda/test) calls them without Paddle, compiling the .cc
+// files with -DPRL_NO_PADDLE. Inputs are trusted here: shapes, dtypes and index bounds are the callers' checks.
+#pragma once
+
+#include <cstdint>
+
+#include "../prl_kv_dtype.h"
+
+namespace prl_cpu {
+
+using prl::KvDtype;
+
+// x, y [n, d]; rstd [n] (1 / rms of each row); y = (x * rstd) * w.
+void RmsNormForward(const float* x, const float* w, float* y, float* rstd, int64_t n, int64_t d, float eps);
+// grad, gx [n, d]; gw [d] (overwritten: the sum over rows).
+void RmsNormBackward(const float* x, const float* w, const float* rstd, const float* grad, float* gx, float* gw,
+                     int64_t n, int64_t d);
+
+// x [n, 2f] = [gate | up] -> out [n, f] = silu(gate) * up; the backward writes grad [n, 2f] from grad_out [n, f].
+void SwigluForward(const float* x, float* out, int64_t n, int64_t f);
+void SwigluBackward(const float* x, const float* grad_out, float* grad, int64_t n, int64_t f);
+
+// x, out [b, l, heads, d]; cos, sin [table_batch (1 or b), l, d]; inverse: the backward's rotation.
+void Rotary(const float* x, const float* cos, const float* sin, float* out, int64_t b, int64_t l, int64_t heads,
+            int64_t d, int64_t table_batch, bool inverse);
+
+// qkv [b, l, (num_heads + 2 num_kv_heads) d]; positions [b, l]; inv_freq [d / 2]; q [b, l, num_heads, d];
+// caches [b, num_kv_heads, cap, d] of `cache` dtype, written at slots slot .. slot + l - 1; q_norm, k_norm [d] or
+// null.
+void RotaryQkvCache(const float* qkv, const int64_t* positions, const float* inv_freq, float* q, void* cache_k,
+                    void* cache_v, KvDtype cache, const float* q_norm, const float* k_norm, int64_t b, int64_t l,
+                    int num_heads, int num_kv_heads, int64_t d, int64_t cap, int64_t slot, float eps);
+
+// q [b, heads, d]; caches [b, kv, cap, d] of `cache` dtype; start [b]; out [b, heads, d].
+void DecodeAttention(const float* q, const void* cache_k, const void* cache_v, KvDtype cache, const int64_t* start,
+                     float* out, int64_t b, int64_t heads, int64_t kv, int64_t cap, int64_t d, int64_t length,
+                     float scale);
+
+// dst [*, heads, dst_cap, d], src [*, heads, src_cap, d] of elements of elem_bytes bytes; rows [n] in range.
+void KvPlace(void* dst, const void* src, const int64_t* rows, int64_t n, int64_t heads, int64_t d,
+             int64_t elem_bytes, int64_t dst_cap, int64_t src_cap, int64_t dst_row, int64_t src_start,
+             int64_t dst_start, int64_t width);
+
+// logits [n, v]; labels [n] in [0, v); logp, entropy, lse, mean_z [n].
+void LogprobForward(const float* logits, const int64_t* labels, float* logp, float* entropy, float* lse,
+                    float* mean_z, int64_t n, int64_t v, float scale);
+// grad [n, v]; grad_entropy [n] or null.
+void LogprobBackward(const float* logits, const int64_t* labels, const float* lse, const float* mean_z,
+                     const float* grad_logp, const float* grad_entropy, float* grad, int64_t n, int64_t v,
+                     float scale);
+
+// Every array [b] but stop [n_stop], seen [b, v] (or null: v unused) and done [1].
+void StepUpdate(const int64_t* tokens, const float* logprob, const bool* finished, const int64_t* lengths,
+                const int64_t* stop, int64_t n_stop, float* seen, int64_t v, int64_t* tokens_out, float* logprob_out,
+                bool* finished_out, int64_t* lengths_out, bool* ban, bool* done, int64_t b, int64_t pad_id,
+                int64_t min_len);
+
+// logits, seen [b, v]; uniforms, ban, tokens, logprob [b]; seen, ban (and uniforms when greedy) may be null.
+void Sample(const float* logits, const float* seen, const float* uniforms, const bool* ban, const int64_t* stop,
+            int64_t n_stop, int64_t* tokens, float* logprob, int64_t b, int64_t v, float temperature, int top_k,
+            float top_p, float penalty);
+
+}  // namespace prl_cpu
