@@ -116,8 +116,6 @@ def test_cross_key_validation():
 
 def test_paddlenlp_yaml_still_loads():
     path = os.path.join(os.path.dirname(__file__), "fixtures", "paddlenlp_grpo_argument.yaml")
-    if not os.path.isfile(path):
-        pytest.skip("fixture not present")
     obj = Objective(load_config(path, BASE), reduce=None)
     # rl_algorithm grpo: PaddleNLP turns normalize_reward / normalize_advantage off
     assert obj.normalize_reward is False and obj.normalize_advantage is False

@@ -137,7 +137,6 @@ def test_math_explicit_answer_field(tmp_path, qwen_tok):
 
 
 def test_numina_parquet_to_verl_round_trip(tmp_path, qwen_tok):
-    pytest.importorskip("pyarrow")
     src = str(tmp_path / "numina.parquet")
     write_records(src, NUMINA)
     out = str(tmp_path / "numina.verl.parquet")

@@ -4,6 +4,8 @@ import json
 import logging
 import sys
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
 from paddle_rl.data.loader import DatasetError, PromptSampler, load_prompt_dataset, read_records
@@ -194,8 +196,6 @@ def test_verl_record(tmp_path, tok):
 
 
 def test_verl_parquet(tmp_path, tok):
-    pa = pytest.importorskip("pyarrow")
-    import pyarrow.parquet as pq
     rows = [{"data_source": "d", "prompt": [{"role": "user", "content": f"what is {w}"}],
              "reward_model": {"style": "rule", "ground_truth": w}, "extra_info": {"index": i}}
             for i, w in enumerate(["one", "two"])]

@@ -4,14 +4,16 @@ claims), converted by `paddle-rl convert gguf`, and checked against transformers
 import json
 import os
 
+import gguf
 import numpy as np
 import paddle
 import pytest
 
-pytest.importorskip("transformers")
-pytest.importorskip("accelerate")
-gguf = pytest.importorskip("gguf")
-import torch  # noqa: E402
+from extras import extra  # noqa: E402
+
+extra("transformers")
+extra("accelerate")
+torch = extra("torch")
 
 from gguf_files import CHAT_TEMPLATE, hf_model, tiny_bpe, write_gguf  # noqa: E402
 from paddle_rl.cli import main as cli_main  # noqa: E402

@@ -9,8 +9,10 @@ import numpy as np
 import paddle
 import pytest
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
+from extras import extra  # noqa: E402
+
+torch = extra("torch")
+transformers = extra("transformers")
 
 from gguf_files import CHAT_TEMPLATE, hf_model, tiny_bpe  # noqa: E402
 from paddle_rl.config import ConfigError, check_paths, load_config  # noqa: E402

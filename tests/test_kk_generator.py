@@ -20,6 +20,7 @@ from paddle_rl.data.kk import (
     write_dataset,
 )
 from paddle_rl.data.kk_cli import add_kk_subparser, run_kk
+from paddle_rl.rewards.kk import kk_score
 
 # ---------------------------------------------------------------------------
 # An independent reader: parse the English wording back into a formula and
@@ -297,7 +298,6 @@ def test_cli_preset_layout_is_disjoint_and_reproducible(tmp_path):
 
 
 def test_ground_truth_scores_full_marks_with_kk_reward():
-    kk = pytest.importorskip("paddle_rl.rewards.kk")
     for people in (2, 5, 8):
         tgt = generate_puzzles(people, 1, seed=9)[0].ground_truth()
-        assert kk.kk_score("reasoning</think>\n<answer>" + tgt + "</answer>", tgt) == 3.0
+        assert kk_score("reasoning</think>\n<answer>" + tgt + "</answer>", tgt) == 3.0

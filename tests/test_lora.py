@@ -11,6 +11,7 @@ import numpy as np
 import paddle
 import pytest
 
+from extras import extra
 from micro_model import kill_after_checkpoint, micro_overrides
 from paddle_rl.config import ConfigError, load_config
 from paddle_rl.models import LoraSettings, adapters_off, load_model, merged_weights, save_model
@@ -31,7 +32,7 @@ def _randomize_b(model, seed=0, scale=0.2):
 
 
 def _torch_logits(model, ids, mask):
-    import torch
+    torch = extra("torch")
     pos = np.clip(np.cumsum(mask, -1) - 1, 0, None)
     with torch.no_grad():
         return model(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask),
@@ -46,8 +47,8 @@ def _torch_logits(model, ids, mask):
 def test_adapters_equal_peft_on_the_unfused_modules(tmp_path, kind, tie, targets, rslora):
     """Our adapters on fused q/k/v and gate/up, saved in PEFT's layout, give transformers + peft our logits; an
     adapter peft made (random A and B) loads into paddle-rl and gives peft's logits."""
-    pytest.importorskip("torch")
-    peft = pytest.importorskip("peft")
+    extra("torch")
+    peft = extra("peft")
     from test_model_parity import _hf_model, _inputs
     hf = _hf_model(kind, tie)
     hf.save_pretrained(tmp_path / "base", safe_serialization=True)
@@ -193,9 +194,9 @@ def _run_cli(args):
 
 
 def test_kill_9_and_resume_is_exact_and_checkpoints_are_peft_adapters(micro, tmp_path):
-    pytest.importorskip("torch")
-    peft = pytest.importorskip("peft")
-    import transformers
+    extra("torch")
+    peft = extra("peft")
+    transformers = extra("transformers")
     base = micro_overrides(micro, str(tmp_path / "a"), max_steps=4, save_steps=2, eval_steps=2, kl_loss_coeff=0.05,
                            learning_rate=1e-2, merge_lora="true", lora_dropout=0.1, **LORA)
     cfg = tmp_path / "cfg.yaml"

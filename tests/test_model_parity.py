@@ -2,8 +2,10 @@
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
+from extras import extra  # noqa: E402
+
+torch = extra("torch")
+transformers = extra("transformers")
 
 from paddle_rl.models import load_model, save_model  # noqa: E402
 import paddle  # noqa: E402

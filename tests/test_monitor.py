@@ -8,6 +8,7 @@ import pytest
 
 from paddle_rl.config import ConfigError
 from paddle_rl.monitor import MetricsLog, read_metrics
+from extras import extra
 
 
 def _event_file(logdir) -> str:
@@ -18,9 +19,9 @@ def _event_file(logdir) -> str:
 
 def _scalars(path):
     """(step, tag, value) of every scalar TensorBoard reads from the event file or folder `path`, by step."""
-    accumulator = pytest.importorskip(  # the test extra installs it
-        "tensorboard.backend.event_processing.event_accumulator", reason="tensorboard (the reading side) not installed")
-    acc = accumulator.EventAccumulator(str(path))
+    extra("tensorboard")  # the reading side: in the test extra
+    from tensorboard.backend.event_processing import event_accumulator
+    acc = event_accumulator.EventAccumulator(str(path))
     acc.Reload()
     assert acc.file_version == 2.0  # "brain.Event:2", the first record of every file
     got = [(e.step, tag, e.value) for tag in acc.Tags()["scalars"] for e in acc.Scalars(tag)]

@@ -7,12 +7,13 @@ import shutil
 import numpy as np
 import pytest
 
+from extras import extra
 from paddle_rl.config import ConfigError, RLConfig, load_config
 from paddle_rl.rewards import RewardSample, build_local_reward, check_reward_config
 from paddle_rl.rewards.reward_model import NeuralReward
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
+torch = extra("torch")
+transformers = extra("transformers")
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen2"])

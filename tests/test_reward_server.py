@@ -14,6 +14,7 @@ from urllib.parse import urljoin
 
 import httpx
 import numpy as np
+import paddle
 import pytest
 
 from paddle_rl.config import RLConfig
@@ -540,7 +541,6 @@ BROADCAST_SCRIPT = textwrap.dedent('''
 
 
 def test_tensor_parallel_group_broadcasts_rank0_scores(servers, tmp_path):
-    paddle = pytest.importorskip("paddle")
     if paddle.is_compiled_with_cuda():
         pytest.skip("the two-process check runs on a CPU build (gloo)")
     script = tmp_path / "broadcast.py"

@@ -13,6 +13,7 @@ import pytest
 from make_tiny_model import sft_response
 from micro_model import micro_overrides
 from paddle_rl.config import ConfigError, load_config
+from paddle_rl.models.safetensors_io import load_state
 from paddle_rl.monitor import read_metrics
 
 
@@ -96,20 +97,25 @@ def _command(micro, tmp_path, out, data, **extra):
 
 def test_sft_learns_and_resumes_exactly(micro, tmp_path):
     data = _records(micro, tmp_path / "sft.jsonl", count=16)
+    # a constant learning rate: a run told max_steps=12 takes the same 12 steps as the first half of one told 24
     full = tmp_path / "full"
-    rows = _command(micro, tmp_path, full, data, max_steps=24, save_steps=12)
+    rows = _command(micro, tmp_path, full, data, max_steps=24, save_steps=12, lr_scheduler_type="constant")
     first, last = rows[0]["actor/sft_loss"], rows[-1]["actor/sft_loss"]
     assert last < 0.7 * first, (first, last)
-    # resume: the run cut after checkpoint-12 and started again reproduces steps 13-24 and the final weights
-    cut = tmp_path / "cut"
-    shutil.copytree(full, cut)
-    shutil.rmtree(cut / "checkpoint-24")
-    again = _command(micro, tmp_path, cut, data, max_steps=24, save_steps=12, resume_from_checkpoint="auto")
-    assert [r["step"] for r in again] == list(range(1, 25))
-    for a, b in zip(rows, again):
-        assert a["actor/sft_loss"] == b["actor/sft_loss"] and a["actor/grad_norm"] == b["actor/grad_norm"]
-    from paddle_rl.models.safetensors_io import load_state
-    w1, w2 = (load_state(str(d / "checkpoint-24")) for d in (full, cut))
+    # a run that stops after step 12 (its end-of-run checkpoint-12), then a fresh folder holding only that
+    # checkpoint resumed to step 24: together they reproduce the uninterrupted run's steps and final weights
+    stopped = tmp_path / "stopped"
+    head = _command(micro, tmp_path, stopped, data, max_steps=12, save_steps=12, lr_scheduler_type="constant")
+    resumed = tmp_path / "resumed"
+    resumed.mkdir()
+    shutil.copytree(stopped / "checkpoint-12", resumed / "checkpoint-12")
+    tail = _command(micro, tmp_path, resumed, data, max_steps=24, save_steps=12, lr_scheduler_type="constant",
+                    resume_from_checkpoint="auto")
+    assert [r["step"] for r in head] == list(range(1, 13)) and [r["step"] for r in tail] == list(range(13, 25))
+    assert [r["step"] for r in rows] == list(range(1, 25))
+    for a, b in zip(rows, head + tail):
+        assert a["actor/sft_loss"] == b["actor/sft_loss"] and a["actor/grad_norm"] == b["actor/grad_norm"], a["step"]
+    w1, w2 = (load_state(str(d / "checkpoint-24")) for d in (full, resumed))
     assert w1.keys() == w2.keys() and all(np.array_equal(w1[k], w2[k]) for k in w1)
 
 
@@ -153,7 +159,6 @@ def test_data_parallel_equals_one_process(micro, tmp_path):
     for a, b in zip(one, two):
         assert b["actor/sft_loss"] == pytest.approx(a["actor/sft_loss"], rel=1e-5)
         assert b["actor/grad_norm"] == pytest.approx(a["actor/grad_norm"], rel=1e-4)
-    from paddle_rl.models.safetensors_io import load_state
     w1, w2 = (load_state(str(tmp_path / d / "checkpoint-3")) for d in ("one", "dp"))
     assert max(rel_err(w1[k], w2[k]) for k in w1) < 1e-5
 

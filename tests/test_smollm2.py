@@ -11,10 +11,11 @@ import numpy as np
 import paddle
 import pytest
 
-pytest.importorskip("transformers")
-pytest.importorskip("accelerate")
-pytest.importorskip("gguf")
-import torch  # noqa: E402
+from extras import extra  # noqa: E402
+
+extra("transformers")
+extra("accelerate")
+torch = extra("torch")
 
 from paddle_rl.models import Tokenizer, load_model  # noqa: E402
 from paddle_rl.models.hub import fetch, find_source, gguf_of  # noqa: E402
