@@ -3,6 +3,9 @@
 //   weights adjacent (the last panel zero-padded); n: W's columns (<= 32 P); out [..., n] float32.
 // A panel is one contiguous stream, read from memory once per call and then from the L2 cache by each block of
 // rows; each row's sums run over k in order, so a row's result does not depend on the other rows.
+#include <cstdio>
+#include <type_traits>
+
 #include "../prl_common.h"
 
 namespace {
@@ -146,3 +149,474 @@ PD_BUILD_OP(prl_packed_linear)
     .SetKernelFn(PD_KERNEL(PackedLinear))
     .SetInferShapeFn(PD_INFER_SHAPE(PackedLinearInferShape))
     .SetInferDtypeFn(PD_INFER_DTYPE(PackedLinearInferDtype));
+
+// ------------------------------------------------------------------------------------------------------------------
+// The rollout's low-precision packed weights (rollout_dtype: bfloat16, rollout_quant_type: weight_only_int8 / int4).
+// The column panels are those above (32 columns each, the last zero-padded); what a panel holds per format:
+//   bfloat16 [P, ceil(K / 2), 64]: for each pair of rows (k = 2 kk, 2 kk + 1), column j's two weights adjacent
+//     (index 2 j: the even k, 2 j + 1: the odd k), as vdpbf16ps reads them; rounded to nearest even; an odd K
+//     ends with a zero row. The activations are rounded to bfloat16 (nearest even) and each column sums, pair by
+//     pair, acc += x[2 kk + 1] w[2 kk + 1], then acc += x[2 kk] w[2 kk] in float32 (exact products): vdpbf16ps's
+//     order, which the emulation keeps, so both paths give the same bits (the instruction also flushes subnormal
+//     inputs and results to zero, which the emulation does not).
+//   int8 [P, K, 32] with scales [P * 32]: q = round_even(w / s), s = max_k |w[:, j]| / 127 per output column;
+//     y = s_j * sum_k x[k] q[k, j] (sums over k in order, the scale applied once to the sum).
+//   int4 [P, ceil(K / 2), 32] uint8 with scales [P, ceil(K / 128), 32]: groups of 128 rows along K, q in [-7, 7]
+//     (s = max |w| / 7 over the group), the even k in the low nibble; w = q s dequantized in registers (float32),
+//     y = sum_k x[k] w[k, j] over k in order.
+// int8 / int4 take float32 activations, or activations rounded to bfloat16 (bf16_act). The bfloat16 products use
+// AVX512-BF16 where the build and the CPU have it, unless PADDLE_RL_BF16_EMULATE is set (non-empty, not 0);
+// elsewhere the emulation runs and says so once on stderr.
+
+namespace {
+
+constexpr int64_t kQuantGroup = 128;  // int4: rows of K per scale
+
+inline uint16_t RoundBF16(float v) {  // round to nearest even (NaN stays NaN)
+  const uint32_t u = prl::BitCast<uint32_t>(v);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40u);
+  return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+inline float BF16ToFloat(uint16_t b) { return prl::BitCast<float>(static_cast<uint32_t>(b) << 16); }
+
+bool EmulationForced() {
+  const char* env = std::getenv("PADDLE_RL_BF16_EMULATE");
+  return env && *env && std::strcmp(env, "0") != 0;
+}
+
+// Whether this call multiplies bfloat16 with vdpbf16ps; the first call that emulates says why, once.
+bool NativeBF16() {
+  const bool forced = EmulationForced();
+#ifdef __AVX512BF16__
+  static const bool cpu = __builtin_cpu_supports("avx512bf16");
+  const char* why = forced ? "PADDLE_RL_BF16_EMULATE is set" : "this CPU lacks avx512_bf16";
+  if (cpu && !forced) return true;
+#else
+  const char* why = forced ? "PADDLE_RL_BF16_EMULATE is set" : "the kernels were built without AVX512-BF16";
+#endif
+  static bool warned = false;
+  if (!warned) {
+    warned = true;
+    std::fprintf(stderr, "paddle_rl: the bfloat16 packed linear emulates vdpbf16ps in float32 (%s)\n", why);
+  }
+  return false;
+}
+
+// ---- bfloat16 weights x bfloat16 activations
+// xp: the activations' rows as bfloat16 pairs (uint32: the even k in the low half), k2 pairs per row
+template <int MR>
+inline void TileBF16Emulated(const uint32_t* xp, int64_t k2, const uint16_t* panel, float* out, int64_t ldo,
+                             int64_t cols) {
+  prl::V8 acc[MR][4] = {};
+  for (int64_t kk = 0; kk < k2; ++kk) {
+    prl::V8 even[4], odd[4];
+    for (int i = 0; i < 4; ++i) {
+      prl::U8 u;
+      std::memcpy(&u, panel + kk * 2 * kPanel + i * 16, sizeof(u));
+      even[i] = prl::BitCast<prl::V8>(u << 16);
+      odd[i] = prl::BitCast<prl::V8>(u & 0xffff0000u);
+    }
+    for (int m = 0; m < MR; ++m) {
+      const uint32_t x = xp[m * k2 + kk];
+      const float xe = prl::BitCast<float>(x << 16), xo = prl::BitCast<float>(x & 0xffff0000u);
+      for (int i = 0; i < 4; ++i) {
+        acc[m][i] += xo * odd[i];   // products of two bfloat16 are exact in float32: fused or not, the same
+        acc[m][i] += xe * even[i];
+      }
+    }
+  }
+  for (int m = 0; m < MR; ++m) {
+    float tmp[kPanel];
+    std::memcpy(tmp, acc[m], sizeof(tmp));
+    std::memcpy(out + m * ldo, tmp, cols * sizeof(float));
+  }
+}
+
+#ifdef __AVX512BF16__
+constexpr int kRowsBF16 = 12;  // 12 x 2 accumulators, 2 weight vectors and a broadcast of 32 registers
+
+template <int MR>
+inline void TileBF16Native(const uint32_t* xp, int64_t k2, const uint16_t* panel, float* out, int64_t ldo,
+                           int64_t cols) {
+  __m512 acc[MR][2];
+  for (int m = 0; m < MR; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
+  for (int64_t kk = 0; kk < k2; ++kk) {
+    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(panel + kk * 2 * kPanel);
+    const __m512bh w1 = (__m512bh)_mm512_loadu_si512(panel + kk * 2 * kPanel + 32);
+    for (int m = 0; m < MR; ++m) {
+      const __m512bh x = (__m512bh)_mm512_set1_epi32(static_cast<int>(xp[m * k2 + kk]));
+      acc[m][0] = _mm512_dpbf16_ps(acc[m][0], w0, x);
+      acc[m][1] = _mm512_dpbf16_ps(acc[m][1], w1, x);
+    }
+  }
+  const __mmask16 lo = cols >= 16 ? 0xffff : static_cast<__mmask16>((1u << cols) - 1);
+  const __mmask16 hi = cols >= 32 ? 0xffff : (cols <= 16 ? 0 : static_cast<__mmask16>((1u << (cols - 16)) - 1));
+  for (int m = 0; m < MR; ++m) {
+    _mm512_mask_storeu_ps(out + m * ldo, lo, acc[m][0]);
+    _mm512_mask_storeu_ps(out + m * ldo + 16, hi, acc[m][1]);
+  }
+}
+#else
+constexpr int kRowsBF16 = kRows;
+#endif
+
+// ---- int8 / int4 weights x float32 activations (bfloat16-rounded ones are float32 values too)
+typedef int8_t I8x8 __attribute__((vector_size(8)));
+
+inline prl::V8 LoadInt8(const int8_t* p) {
+  I8x8 q;
+  std::memcpy(&q, p, sizeof(q));
+  return __builtin_convertvector(q, prl::V8);
+}
+
+template <int MR>
+inline void TileInt8(const float* x, int64_t k_dim, const int8_t* panel, const float* scale, float* out, int64_t ldo,
+                     int64_t cols) {
+  prl::V8 acc[MR][4] = {};
+  for (int64_t k = 0; k < k_dim; ++k) {
+    const int8_t* w = panel + k * kPanel;
+    const prl::V8 w0 = LoadInt8(w), w1 = LoadInt8(w + 8), w2 = LoadInt8(w + 16), w3 = LoadInt8(w + 24);
+    for (int m = 0; m < MR; ++m) {
+      const float xv = x[m * k_dim + k];
+      acc[m][0] += xv * w0;
+      acc[m][1] += xv * w1;
+      acc[m][2] += xv * w2;
+      acc[m][3] += xv * w3;
+    }
+  }
+  const prl::V8 s[4] = {prl::Load8(scale), prl::Load8(scale + 8), prl::Load8(scale + 16), prl::Load8(scale + 24)};
+  for (int m = 0; m < MR; ++m) {
+    float tmp[kPanel];
+    for (int i = 0; i < 4; ++i) std::memcpy(tmp + 8 * i, &(acc[m][i] = acc[m][i] * s[i]), sizeof(prl::V8));
+    std::memcpy(out + m * ldo, tmp, cols * sizeof(float));
+  }
+}
+
+typedef uint8_t U8x8 __attribute__((vector_size(8)));
+
+template <int MR>
+inline void TileInt4(const float* x, int64_t k_dim, const uint8_t* panel, const float* scales, float* out,
+                     int64_t ldo, int64_t cols) {
+  prl::V8 acc[MR][4] = {};
+  for (int64_t k0 = 0; k0 < k_dim; k0 += kQuantGroup) {
+    const float* sg = scales + (k0 / kQuantGroup) * kPanel;
+    const prl::V8 s[4] = {prl::Load8(sg), prl::Load8(sg + 8), prl::Load8(sg + 16), prl::Load8(sg + 24)};
+    const int64_t k1 = std::min(k_dim, k0 + kQuantGroup);
+    for (int64_t k = k0; k < k1; k += 2) {
+      const uint8_t* b = panel + (k / 2) * kPanel;
+      prl::V8 we[4], wo[4];
+      for (int i = 0; i < 4; ++i) {
+        U8x8 v;
+        std::memcpy(&v, b + 8 * i, sizeof(v));
+        const I8x8 sv = prl::BitCast<I8x8>(v);
+        we[i] = __builtin_convertvector((I8x8)(sv << 4) >> 4, prl::V8) * s[i];  // low nibble, sign-extended
+        wo[i] = __builtin_convertvector(sv >> 4, prl::V8) * s[i];
+      }
+      for (int m = 0; m < MR; ++m) {
+        const float xe = x[m * k_dim + k];
+        for (int i = 0; i < 4; ++i) acc[m][i] += xe * we[i];
+      }
+      if (k + 1 < k1) {
+        for (int m = 0; m < MR; ++m) {
+          const float xo = x[m * k_dim + k + 1];
+          for (int i = 0; i < 4; ++i) acc[m][i] += xo * wo[i];
+        }
+      }
+    }
+  }
+  for (int m = 0; m < MR; ++m) {
+    float tmp[kPanel];
+    std::memcpy(tmp, acc[m], sizeof(tmp));
+    std::memcpy(out + m * ldo, tmp, cols * sizeof(float));
+  }
+}
+
+// Runs tile(MR, first row) over a panel's rows: tiles of MAX rows, then one tile of the rows left (MR a constant)
+template <int R, typename Tile>
+inline void LastRows(int64_t r, int64_t m, Tile& tile) {
+  if constexpr (R >= 1) {
+    if (r == R) return tile(std::integral_constant<int, R>{}, m);
+    LastRows<R - 1>(r, m, tile);
+  }
+}
+
+template <int MAX, typename Tile>
+inline void OverRows(int64_t rows, Tile&& tile) {
+  int64_t m = 0;
+  for (; m + MAX <= rows; m += MAX) tile(std::integral_constant<int, MAX>{}, m);
+  if (m < rows) LastRows<MAX - 1>(rows - m, m, tile);
+}
+
+enum class Format { kBF16, kInt8, kInt4 };
+
+Format FormatOf(const paddle::Tensor& packed, const char* op) {
+  PD_CHECK(packed.is_cpu(), op, ": packed must be a CPU tensor");
+  switch (packed.dtype()) {
+    case paddle::DataType::BFLOAT16: return Format::kBF16;
+    case paddle::DataType::INT8: return Format::kInt8;
+    case paddle::DataType::UINT8: return Format::kInt4;
+    default: PD_THROW(op, ": packed must be bfloat16 (bfloat16 weights), int8 (weight_only_int8) or uint8 ",
+                      "(weight_only_int4)");
+  }
+}
+
+// the source weight's element (k, col) of W [K, N] (or [N, K] transposed)
+struct Source {
+  const float* w;
+  int64_t k_dim, n;
+  bool transposed;
+  float operator()(int64_t k, int64_t col) const { return transposed ? w[col * k_dim + k] : w[k * n + col]; }
+};
+
+Source SourceOf(const paddle::Tensor& w, bool transposed, const char* op) {
+  prl::CheckCpuFloat(w, op, "weight");
+  PD_CHECK(w.shape().size() == 2, op, ": weight must be 2-D");
+  return {w.data<float>(), w.shape()[transposed ? 1 : 0], w.shape()[transposed ? 0 : 1], transposed};
+}
+
+}  // namespace
+
+std::vector<paddle::Tensor> PackWeightBF16(const paddle::Tensor& w, bool transposed) {
+  const Source src = SourceOf(w, transposed, "prl_pack_weight_bf16");
+  const int64_t panels = (src.n + kPanel - 1) / kPanel, k2 = (src.k_dim + 1) / 2;
+  auto out = paddle::empty({panels, k2, 2 * kPanel}, paddle::DataType::BFLOAT16, w.place());
+  uint16_t* dst = reinterpret_cast<uint16_t*>(out.data<phi::dtype::bfloat16>());
+  prl::ParallelFor(panels, src.k_dim * kPanel, [&](int, int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) {
+      for (int64_t k = 0; k < 2 * k2; ++k) {
+        for (int64_t j = 0; j < kPanel; ++j) {
+          const int64_t col = p * kPanel + j;
+          const float v = (k < src.k_dim && col < src.n) ? src(k, col) : 0.0f;
+          dst[(p * k2 + k / 2) * 2 * kPanel + 2 * j + (k & 1)] = RoundBF16(v);
+        }
+      }
+    }
+  });
+  return {out, paddle::zeros({1}, paddle::DataType::FLOAT32, w.place())};
+}
+
+std::vector<paddle::Tensor> PackWeightInt8(const paddle::Tensor& w, bool transposed) {
+  const Source src = SourceOf(w, transposed, "prl_pack_weight_int8");
+  const int64_t panels = (src.n + kPanel - 1) / kPanel;
+  auto out = paddle::empty({panels, src.k_dim, kPanel}, paddle::DataType::INT8, w.place());
+  auto scales = paddle::empty({panels * kPanel}, paddle::DataType::FLOAT32, w.place());
+  int8_t* dst = out.data<int8_t>();
+  float* sc = scales.data<float>();
+  prl::ParallelFor(panels, src.k_dim * kPanel, [&](int, int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) {
+      for (int64_t j = 0; j < kPanel; ++j) {
+        const int64_t col = p * kPanel + j;
+        float amax = 0.0f;
+        for (int64_t k = 0; col < src.n && k < src.k_dim; ++k) amax = std::max(amax, std::fabs(src(k, col)));
+        const float s = amax / 127.0f;
+        sc[col] = s;
+        for (int64_t k = 0; k < src.k_dim; ++k) {
+          const float q = (col < src.n && s > 0.0f) ? std::nearbyint(src(k, col) / s) : 0.0f;
+          dst[(p * src.k_dim + k) * kPanel + j] = static_cast<int8_t>(std::max(-127.0f, std::min(127.0f, q)));
+        }
+      }
+    }
+  });
+  return {out, scales};
+}
+
+std::vector<paddle::Tensor> PackWeightInt4(const paddle::Tensor& w, bool transposed) {
+  const Source src = SourceOf(w, transposed, "prl_pack_weight_int4");
+  const int64_t panels = (src.n + kPanel - 1) / kPanel, k2 = (src.k_dim + 1) / 2;
+  const int64_t groups = (src.k_dim + kQuantGroup - 1) / kQuantGroup;
+  auto out = paddle::empty({panels, k2, kPanel}, paddle::DataType::UINT8, w.place());
+  auto scales = paddle::empty({panels, groups, kPanel}, paddle::DataType::FLOAT32, w.place());
+  uint8_t* dst = out.data<uint8_t>();
+  float* sc = scales.data<float>();
+  prl::ParallelFor(panels, src.k_dim * kPanel, [&](int, int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) {
+      std::fill(dst + p * k2 * kPanel, dst + (p + 1) * k2 * kPanel, uint8_t{0});
+      for (int64_t j = 0; j < kPanel; ++j) {
+        const int64_t col = p * kPanel + j;
+        for (int64_t g = 0; g < groups; ++g) {
+          const int64_t k0 = g * kQuantGroup, k1 = std::min(src.k_dim, k0 + kQuantGroup);
+          float amax = 0.0f;
+          for (int64_t k = k0; col < src.n && k < k1; ++k) amax = std::max(amax, std::fabs(src(k, col)));
+          const float s = amax / 7.0f;
+          sc[(p * groups + g) * kPanel + j] = s;
+          for (int64_t k = k0; k < k1; ++k) {
+            const float q = (col < src.n && s > 0.0f) ? std::nearbyint(src(k, col) / s) : 0.0f;
+            const uint8_t nib = static_cast<uint8_t>(static_cast<int>(std::max(-7.0f, std::min(7.0f, q)))) & 0xfu;
+            dst[(p * k2 + k / 2) * kPanel + j] |= static_cast<uint8_t>(nib << (4 * (k & 1)));
+          }
+        }
+      }
+    }
+  });
+  return {out, scales};
+}
+
+std::vector<std::vector<int64_t>> PackWeightBF16InferShape(const std::vector<int64_t>& w, bool transposed) {
+  const int64_t k_dim = w[transposed ? 1 : 0], n = w[transposed ? 0 : 1];
+  return {{(n + kPanel - 1) / kPanel, (k_dim + 1) / 2, 2 * kPanel}, {1}};
+}
+std::vector<std::vector<int64_t>> PackWeightInt8InferShape(const std::vector<int64_t>& w, bool transposed) {
+  const int64_t k_dim = w[transposed ? 1 : 0], panels = (w[transposed ? 0 : 1] + kPanel - 1) / kPanel;
+  return {{panels, k_dim, kPanel}, {panels * kPanel}};
+}
+std::vector<std::vector<int64_t>> PackWeightInt4InferShape(const std::vector<int64_t>& w, bool transposed) {
+  const int64_t k_dim = w[transposed ? 1 : 0], panels = (w[transposed ? 0 : 1] + kPanel - 1) / kPanel;
+  return {{panels, (k_dim + 1) / 2, kPanel}, {panels, (k_dim + kQuantGroup - 1) / kQuantGroup, kPanel}};
+}
+std::vector<paddle::DataType> PackWeightBF16InferDtype(paddle::DataType) {
+  return {paddle::DataType::BFLOAT16, paddle::DataType::FLOAT32};
+}
+std::vector<paddle::DataType> PackWeightInt8InferDtype(paddle::DataType) {
+  return {paddle::DataType::INT8, paddle::DataType::FLOAT32};
+}
+std::vector<paddle::DataType> PackWeightInt4InferDtype(paddle::DataType) {
+  return {paddle::DataType::UINT8, paddle::DataType::FLOAT32};
+}
+
+PD_BUILD_OP(prl_pack_weight_bf16)
+    .Inputs({"W"})
+    .Outputs({"Out", "Scales"})
+    .Attrs({"transposed: bool"})
+    .SetKernelFn(PD_KERNEL(PackWeightBF16))
+    .SetInferShapeFn(PD_INFER_SHAPE(PackWeightBF16InferShape))
+    .SetInferDtypeFn(PD_INFER_DTYPE(PackWeightBF16InferDtype));
+
+PD_BUILD_OP(prl_pack_weight_int8)
+    .Inputs({"W"})
+    .Outputs({"Out", "Scales"})
+    .Attrs({"transposed: bool"})
+    .SetKernelFn(PD_KERNEL(PackWeightInt8))
+    .SetInferShapeFn(PD_INFER_SHAPE(PackWeightInt8InferShape))
+    .SetInferDtypeFn(PD_INFER_DTYPE(PackWeightInt8InferDtype));
+
+PD_BUILD_OP(prl_pack_weight_int4)
+    .Inputs({"W"})
+    .Outputs({"Out", "Scales"})
+    .Attrs({"transposed: bool"})
+    .SetKernelFn(PD_KERNEL(PackWeightInt4))
+    .SetInferShapeFn(PD_INFER_SHAPE(PackWeightInt4InferShape))
+    .SetInferDtypeFn(PD_INFER_DTYPE(PackWeightInt4InferDtype));
+
+// x [..., K] float32 times a low-precision packed weight -> [..., n] float32; bf16_act rounds x to bfloat16 first
+std::vector<paddle::Tensor> PackedLinearLowp(const paddle::Tensor& x, const paddle::Tensor& packed,
+                                             const paddle::Tensor& scales, int64_t n, bool bf16_act) {
+  const char* op = "prl_packed_linear_lowp";
+  prl::CheckCpuFloat(x, op, "x");
+  prl::CheckCpuFloat(scales, op, "scales");
+  const Format format = FormatOf(packed, op);
+  const auto& ps = packed.shape();
+  const int64_t k_dim = prl::LastDim(x), rows = prl::Rows(x), k2 = (k_dim + 1) / 2;
+  const int64_t panels = ps.size() == 3 ? ps[0] : 0;
+  const int64_t groups = (k_dim + kQuantGroup - 1) / kQuantGroup;
+  switch (format) {
+    case Format::kBF16:
+      PD_CHECK(ps.size() == 3 && ps[1] == k2 && ps[2] == 2 * kPanel, op, ": bfloat16 packed must be [P, ceil(K / 2), ",
+               "64] with K = x's last dim (", k_dim, ")");
+      PD_CHECK(bf16_act, op, ": bfloat16 weights multiply bfloat16 activations (bf16_act)");
+      break;
+    case Format::kInt8:
+      PD_CHECK(ps.size() == 3 && ps[1] == k_dim && ps[2] == kPanel, op, ": int8 packed must be [P, K, 32] with K = ",
+               "x's last dim (", k_dim, ")");
+      PD_CHECK(scales.numel() == panels * kPanel, op, ": int8 scales must hold P * 32 values");
+      break;
+    case Format::kInt4:
+      PD_CHECK(ps.size() == 3 && ps[1] == k2 && ps[2] == kPanel, op, ": int4 packed must be [P, ceil(K / 2), 32] ",
+               "with K = x's last dim (", k_dim, ")");
+      PD_CHECK(scales.numel() == panels * groups * kPanel, op, ": int4 scales must be [P, ceil(K / 128), 32]");
+      break;
+  }
+  PD_CHECK(n >= 1 && n <= panels * kPanel && n > (panels - 1) * kPanel, op, ": n ", n, " does not match ", panels,
+           " panels");
+  std::vector<int64_t> shape = x.shape();
+  shape.back() = n;
+  auto out = paddle::empty(shape, x.dtype(), x.place());
+  const float* xs = x.data<float>();
+  float* o = out.data<float>();
+  const float* sc = scales.data<float>();
+  const int64_t work = rows * k_dim * kPanel;
+
+  if (format == Format::kBF16) {
+    std::vector<uint32_t> xp(rows * k2);  // the rows as bfloat16 pairs, an odd K's last pair padded with 0
+    for (int64_t m = 0; m < rows; ++m) {
+      for (int64_t kk = 0; kk < k2; ++kk) {
+        const float hi = 2 * kk + 1 < k_dim ? xs[m * k_dim + 2 * kk + 1] : 0.0f;
+        xp[m * k2 + kk] = RoundBF16(xs[m * k_dim + 2 * kk]) | (static_cast<uint32_t>(RoundBF16(hi)) << 16);
+      }
+    }
+    const uint16_t* pw = reinterpret_cast<const uint16_t*>(packed.data<phi::dtype::bfloat16>());
+    const bool native = NativeBF16();
+    prl::ParallelFor(panels, work, [&](int, int64_t begin, int64_t end) {
+      for (int64_t p = begin; p < end; ++p) {
+        const uint16_t* panel = pw + p * k2 * 2 * kPanel;
+        const int64_t col = p * kPanel, cols = std::min(kPanel, n - col);
+#ifdef __AVX512BF16__
+        if (native) {
+          OverRows<kRowsBF16>(rows, [&](auto mr, int64_t m) {
+            TileBF16Native<decltype(mr)::value>(xp.data() + m * k2, k2, panel, o + m * n + col, n, cols);
+          });
+          continue;
+        }
+#endif
+        OverRows<kRows>(rows, [&](auto mr, int64_t m) {
+          TileBF16Emulated<decltype(mr)::value>(xp.data() + m * k2, k2, panel, o + m * n + col, n, cols);
+        });
+      }
+    });
+    (void)native;
+    return {out};
+  }
+
+  std::vector<float> rounded;
+  if (bf16_act) {
+    rounded.resize(rows * k_dim);
+    for (int64_t i = 0; i < rows * k_dim; ++i) rounded[i] = BF16ToFloat(RoundBF16(xs[i]));
+    xs = rounded.data();
+  }
+  if (format == Format::kInt8) {
+    const int8_t* pw = packed.data<int8_t>();
+    prl::ParallelFor(panels, work, [&](int, int64_t begin, int64_t end) {
+      for (int64_t p = begin; p < end; ++p) {
+        const int64_t col = p * kPanel, cols = std::min(kPanel, n - col);
+        OverRows<kRows>(rows, [&](auto mr, int64_t m) {
+          TileInt8<decltype(mr)::value>(xs + m * k_dim, k_dim, pw + p * k_dim * kPanel, sc + col, o + m * n + col,
+                                        n, cols);
+        });
+      }
+    });
+  } else {
+    const uint8_t* pw = packed.data<uint8_t>();
+    prl::ParallelFor(panels, work, [&](int, int64_t begin, int64_t end) {
+      for (int64_t p = begin; p < end; ++p) {
+        const int64_t col = p * kPanel, cols = std::min(kPanel, n - col);
+        OverRows<kRows>(rows, [&](auto mr, int64_t m) {
+          TileInt4<decltype(mr)::value>(xs + m * k_dim, k_dim, pw + p * k2 * kPanel, sc + p * groups * kPanel,
+                                        o + m * n + col, n, cols);
+        });
+      }
+    });
+  }
+  return {out};
+}
+
+std::vector<std::vector<int64_t>> PackedLinearLowpInferShape(const std::vector<int64_t>& x,
+                                                             const std::vector<int64_t>& packed,
+                                                             const std::vector<int64_t>& scales, int64_t n,
+                                                             bool bf16_act) {
+  std::vector<int64_t> out = x;
+  out.back() = n;
+  return {out};
+}
+
+std::vector<paddle::DataType> PackedLinearLowpInferDtype(paddle::DataType x, paddle::DataType packed,
+                                                         paddle::DataType scales) {
+  return {x};
+}
+
+PD_BUILD_OP(prl_packed_linear_lowp)
+    .Inputs({"X", "Packed", "Scales"})
+    .Outputs({"Out"})
+    .Attrs({"n: int64_t", "bf16_act: bool"})
+    .SetKernelFn(PD_KERNEL(PackedLinearLowp))
+    .SetInferShapeFn(PD_INFER_SHAPE(PackedLinearLowpInferShape))
+    .SetInferDtypeFn(PD_INFER_DTYPE(PackedLinearLowpInferDtype));
