@@ -264,10 +264,16 @@ constexpr int kRowsBF16 = kRows;
 // ---- int8 / int4 weights x float32 activations (bfloat16-rounded ones are float32 values too)
 typedef int8_t I8x8 __attribute__((vector_size(8)));
 
+// 8 signed bytes as float32 (vpmovsxbd where there is AVX2: the generic conversion compiles to scalar code)
 inline prl::V8 LoadInt8(const int8_t* p) {
+#ifdef __AVX2__
+  const __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  return prl::BitCast<prl::V8>(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)));
+#else
   I8x8 q;
   std::memcpy(&q, p, sizeof(q));
   return __builtin_convertvector(q, prl::V8);
+#endif
 }
 
 template <int MR>
@@ -331,6 +337,83 @@ inline void TileInt4(const float* x, int64_t k_dim, const uint8_t* panel, const 
     std::memcpy(out + m * ldo, tmp, cols * sizeof(float));
   }
 }
+
+#ifdef __AVX512F__
+// The AVX-512 tiles: a k-step's 32 weights are loaded and converted to float32 once (two 16-float registers) and
+// multiplied into all MR rows' accumulators (MR x 2 registers), the same arithmetic as the tiles above (a fused
+// multiply-add per k in order), in registers the compiler does not scalarize.
+constexpr int kRowsQuant = 12;  // 12 x 2 accumulators, 2 weight vectors, a broadcast and int4's scales: 32 registers
+
+inline __mmask16 HalfMask(int64_t cols, int half) {  // the columns of half (0: 0..15, 1: 16..31) that exist
+  const int64_t c = std::max<int64_t>(0, std::min<int64_t>(16, cols - 16 * half));
+  return c == 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << c) - 1);
+}
+
+inline __m512i LoadInt8x16(const void* p) {  // 16 signed bytes, sign-extended to int32
+  return _mm512_cvtepi8_epi32(_mm_loadu_si128(static_cast<const __m128i*>(p)));
+}
+
+template <int MR>
+inline void TileInt8Avx512(const float* x, int64_t k_dim, const int8_t* panel, const float* scale, float* out,
+                           int64_t ldo, int64_t cols) {
+  __m512 acc[MR][2];
+  for (int m = 0; m < MR; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < k_dim; ++k) {
+    const __m512 w0 = _mm512_cvtepi32_ps(LoadInt8x16(panel + k * kPanel));
+    const __m512 w1 = _mm512_cvtepi32_ps(LoadInt8x16(panel + k * kPanel + 16));
+    for (int m = 0; m < MR; ++m) {
+      const __m512 xv = _mm512_set1_ps(x[m * k_dim + k]);
+      acc[m][0] = _mm512_fmadd_ps(xv, w0, acc[m][0]);
+      acc[m][1] = _mm512_fmadd_ps(xv, w1, acc[m][1]);
+    }
+  }
+  const __m512 s0 = _mm512_loadu_ps(scale), s1 = _mm512_loadu_ps(scale + 16);
+  const __mmask16 lo = HalfMask(cols, 0), hi = HalfMask(cols, 1);
+  for (int m = 0; m < MR; ++m) {
+    _mm512_mask_storeu_ps(out + m * ldo, lo, _mm512_mul_ps(acc[m][0], s0));
+    _mm512_mask_storeu_ps(out + m * ldo + 16, hi, _mm512_mul_ps(acc[m][1], s1));
+  }
+}
+
+template <int MR>
+inline void TileInt4Avx512(const float* x, int64_t k_dim, const uint8_t* panel, const float* scales, float* out,
+                           int64_t ldo, int64_t cols) {
+  __m512 acc[MR][2];
+  for (int m = 0; m < MR; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
+  for (int64_t k0 = 0; k0 < k_dim; k0 += kQuantGroup) {
+    const float* sg = scales + (k0 / kQuantGroup) * kPanel;
+    const __m512 s0 = _mm512_loadu_ps(sg), s1 = _mm512_loadu_ps(sg + 16);
+    const int64_t k1 = std::min(k_dim, k0 + kQuantGroup);
+    for (int64_t k = k0; k < k1; k += 2) {
+      const uint8_t* b = panel + (k / 2) * kPanel;
+      const __m512i v0 = LoadInt8x16(b), v1 = LoadInt8x16(b + 16);  // a byte's high nibble keeps its sign
+      {  // even k: the low nibble, sign-extended
+        const __m512 w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(v0, 28), 28)), s0);
+        const __m512 w1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(v1, 28), 28)), s1);
+        for (int m = 0; m < MR; ++m) {
+          const __m512 xv = _mm512_set1_ps(x[m * k_dim + k]);
+          acc[m][0] = _mm512_fmadd_ps(xv, w0, acc[m][0]);
+          acc[m][1] = _mm512_fmadd_ps(xv, w1, acc[m][1]);
+        }
+      }
+      if (k + 1 < k1) {  // odd k: the high nibble
+        const __m512 w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srai_epi32(v0, 4)), s0);
+        const __m512 w1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srai_epi32(v1, 4)), s1);
+        for (int m = 0; m < MR; ++m) {
+          const __m512 xv = _mm512_set1_ps(x[m * k_dim + k + 1]);
+          acc[m][0] = _mm512_fmadd_ps(xv, w0, acc[m][0]);
+          acc[m][1] = _mm512_fmadd_ps(xv, w1, acc[m][1]);
+        }
+      }
+    }
+  }
+  const __mmask16 lo = HalfMask(cols, 0), hi = HalfMask(cols, 1);
+  for (int m = 0; m < MR; ++m) {
+    _mm512_mask_storeu_ps(out + m * ldo, lo, acc[m][0]);
+    _mm512_mask_storeu_ps(out + m * ldo + 16, hi, acc[m][1]);
+  }
+}
+#endif
 
 // Runs tile(MR, first row) over a panel's rows: tiles of MAX rows, then one tile of the rows left (MR a constant)
 template <int R, typename Tile>
@@ -578,10 +661,17 @@ std::vector<paddle::Tensor> PackedLinearLowp(const paddle::Tensor& x, const padd
     prl::ParallelFor(panels, work, [&](int, int64_t begin, int64_t end) {
       for (int64_t p = begin; p < end; ++p) {
         const int64_t col = p * kPanel, cols = std::min(kPanel, n - col);
+#ifdef __AVX512F__
+        OverRows<kRowsQuant>(rows, [&](auto mr, int64_t m) {
+          TileInt8Avx512<decltype(mr)::value>(xs + m * k_dim, k_dim, pw + p * k_dim * kPanel, sc + col,
+                                              o + m * n + col, n, cols);
+        });
+#else
         OverRows<kRows>(rows, [&](auto mr, int64_t m) {
           TileInt8<decltype(mr)::value>(xs + m * k_dim, k_dim, pw + p * k_dim * kPanel, sc + col, o + m * n + col,
                                         n, cols);
         });
+#endif
       }
     });
   } else {
@@ -589,10 +679,17 @@ std::vector<paddle::Tensor> PackedLinearLowp(const paddle::Tensor& x, const padd
     prl::ParallelFor(panels, work, [&](int, int64_t begin, int64_t end) {
       for (int64_t p = begin; p < end; ++p) {
         const int64_t col = p * kPanel, cols = std::min(kPanel, n - col);
+#ifdef __AVX512F__
+        OverRows<kRowsQuant>(rows, [&](auto mr, int64_t m) {
+          TileInt4Avx512<decltype(mr)::value>(xs + m * k_dim, k_dim, pw + p * k2 * kPanel, sc + p * groups * kPanel,
+                                              o + m * n + col, n, cols);
+        });
+#else
         OverRows<kRows>(rows, [&](auto mr, int64_t m) {
           TileInt4<decltype(mr)::value>(xs + m * k_dim, k_dim, pw + p * k2 * kPanel, sc + p * groups * kPanel,
                                         o + m * n + col, n, cols);
         });
+#endif
       }
     });
   }
