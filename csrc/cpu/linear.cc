@@ -66,6 +66,21 @@ void Panels(const float* x, const float* packed, float* out, int64_t rows, int64
   }
 }
 
+// panel[k, j] = W[k, 32 p + j] (0 past n) for k < k_dim: W [K, N], or [N, K] with transposed (then each source
+// row is read in order)
+inline void PanelOf(const float* w, int64_t k_dim, int64_t n, bool transposed, int64_t p, float* panel) {
+  const int64_t col = p * kPanel, cols = std::min(kPanel, n - col);
+  if (cols < kPanel) std::fill(panel, panel + k_dim * kPanel, 0.0f);
+  if (transposed) {
+    for (int64_t j = 0; j < cols; ++j) {
+      const float* row = w + (col + j) * k_dim;
+      for (int64_t k = 0; k < k_dim; ++k) panel[k * kPanel + j] = row[k];
+    }
+  } else {
+    for (int64_t k = 0; k < k_dim; ++k) std::memcpy(panel + k * kPanel, w + k * n + col, cols * sizeof(float));
+  }
+}
+
 }  // namespace
 
 // W [K, N] (or [N, K] with transposed) -> [P, K, 32], P = ceil(N / 32), the last panel zero-padded
@@ -79,19 +94,7 @@ std::vector<paddle::Tensor> PackWeight(const paddle::Tensor& w, bool transposed)
   const float* src = w.data<float>();
   float* dst = out.data<float>();
   prl::ParallelFor(panels, k_dim * kPanel, [&](int, int64_t begin, int64_t end) {
-    for (int64_t p = begin; p < end; ++p) {
-      float* panel = dst + p * k_dim * kPanel;
-      const int64_t col = p * kPanel, cols = std::min(kPanel, n - col);
-      if (cols < kPanel) std::fill(panel, panel + k_dim * kPanel, 0.0f);
-      if (transposed) {  // panel[k, j] = w[col + j, k]: each source row is read in order
-        for (int64_t j = 0; j < cols; ++j) {
-          const float* row = src + (col + j) * k_dim;
-          for (int64_t k = 0; k < k_dim; ++k) panel[k * kPanel + j] = row[k];
-        }
-      } else {  // panel[k, :] = w[k, col : col + 32]
-        for (int64_t k = 0; k < k_dim; ++k) std::memcpy(panel + k * kPanel, src + k * n + col, cols * sizeof(float));
-      }
-    }
+    for (int64_t p = begin; p < end; ++p) PanelOf(src, k_dim, n, transposed, p, dst + p * k_dim * kPanel);
   });
   return {out};
 }
@@ -444,12 +447,11 @@ Format FormatOf(const paddle::Tensor& packed, const char* op) {
   }
 }
 
-// the source weight's element (k, col) of W [K, N] (or [N, K] transposed)
+// a source weight W [K, N] (or [N, K] transposed)
 struct Source {
   const float* w;
   int64_t k_dim, n;
   bool transposed;
-  float operator()(int64_t k, int64_t col) const { return transposed ? w[col * k_dim + k] : w[k * n + col]; }
 };
 
 Source SourceOf(const paddle::Tensor& w, bool transposed, const char* op) {
@@ -460,24 +462,51 @@ Source SourceOf(const paddle::Tensor& w, bool transposed, const char* op) {
 
 }  // namespace
 
+// The low-precision packs first copy each panel to float32 [K, 32] (PanelOf), then convert it row by row: 32
+// adjacent columns per step, loops the compiler vectorizes, whichever layout the source has.
 std::vector<paddle::Tensor> PackWeightBF16(const paddle::Tensor& w, bool transposed) {
   const Source src = SourceOf(w, transposed, "prl_pack_weight_bf16");
   const int64_t panels = (src.n + kPanel - 1) / kPanel, k2 = (src.k_dim + 1) / 2;
   auto out = paddle::empty({panels, k2, 2 * kPanel}, paddle::DataType::BFLOAT16, w.place());
   uint16_t* dst = reinterpret_cast<uint16_t*>(out.data<phi::dtype::bfloat16>());
   prl::ParallelFor(panels, src.k_dim * kPanel, [&](int, int64_t begin, int64_t end) {
+    std::vector<float> buf(2 * k2 * kPanel, 0.0f);  // an odd K's last row stays 0
     for (int64_t p = begin; p < end; ++p) {
-      for (int64_t k = 0; k < 2 * k2; ++k) {
+      PanelOf(src.w, src.k_dim, src.n, src.transposed, p, buf.data());
+      for (int64_t kk = 0; kk < k2; ++kk) {
+        const float* even = buf.data() + 2 * kk * kPanel;
+        const float* odd = even + kPanel;
+        uint16_t* d = dst + (p * k2 + kk) * 2 * kPanel;
         for (int64_t j = 0; j < kPanel; ++j) {
-          const int64_t col = p * kPanel + j;
-          const float v = (k < src.k_dim && col < src.n) ? src(k, col) : 0.0f;
-          dst[(p * k2 + k / 2) * 2 * kPanel + 2 * j + (k & 1)] = RoundBF16(v);
+          d[2 * j] = RoundBF16(even[j]);
+          d[2 * j + 1] = RoundBF16(odd[j]);
         }
       }
     }
   });
   return {out, paddle::zeros({1}, paddle::DataType::FLOAT32, w.place())};
 }
+
+namespace {
+
+// q = round_even(v / s) clipped to [-lim, lim], 0 where s is 0, for a row of 32 columns
+inline void QuantizeRow(const float* v, const float* s, float lim, float* q) {
+  for (int64_t j = 0; j < kPanel; ++j) {
+    const float r = std::nearbyint(v[j] / (s[j] > 0.0f ? s[j] : 1.0f));
+    q[j] = s[j] > 0.0f ? std::max(-lim, std::min(lim, r)) : 0.0f;
+  }
+}
+
+// s[j] = max |panel[k, j]| / div over rows [k0, k1)
+inline void ColumnScales(const float* panel, int64_t k0, int64_t k1, float div, float* s) {
+  float amax[kPanel] = {};
+  for (int64_t k = k0; k < k1; ++k) {
+    for (int64_t j = 0; j < kPanel; ++j) amax[j] = std::max(amax[j], std::fabs(panel[k * kPanel + j]));
+  }
+  for (int64_t j = 0; j < kPanel; ++j) s[j] = amax[j] / div;
+}
+
+}  // namespace
 
 std::vector<paddle::Tensor> PackWeightInt8(const paddle::Tensor& w, bool transposed) {
   const Source src = SourceOf(w, transposed, "prl_pack_weight_int8");
@@ -487,17 +516,16 @@ std::vector<paddle::Tensor> PackWeightInt8(const paddle::Tensor& w, bool transpo
   int8_t* dst = out.data<int8_t>();
   float* sc = scales.data<float>();
   prl::ParallelFor(panels, src.k_dim * kPanel, [&](int, int64_t begin, int64_t end) {
+    std::vector<float> buf(src.k_dim * kPanel);
     for (int64_t p = begin; p < end; ++p) {
-      for (int64_t j = 0; j < kPanel; ++j) {
-        const int64_t col = p * kPanel + j;
-        float amax = 0.0f;
-        for (int64_t k = 0; col < src.n && k < src.k_dim; ++k) amax = std::max(amax, std::fabs(src(k, col)));
-        const float s = amax / 127.0f;
-        sc[col] = s;
-        for (int64_t k = 0; k < src.k_dim; ++k) {
-          const float q = (col < src.n && s > 0.0f) ? std::nearbyint(src(k, col) / s) : 0.0f;
-          dst[(p * src.k_dim + k) * kPanel + j] = static_cast<int8_t>(std::max(-127.0f, std::min(127.0f, q)));
-        }
+      PanelOf(src.w, src.k_dim, src.n, src.transposed, p, buf.data());
+      float* s = sc + p * kPanel;
+      ColumnScales(buf.data(), 0, src.k_dim, 127.0f, s);
+      for (int64_t k = 0; k < src.k_dim; ++k) {
+        float q[kPanel];
+        QuantizeRow(buf.data() + k * kPanel, s, 127.0f, q);
+        int8_t* d = dst + (p * src.k_dim + k) * kPanel;
+        for (int64_t j = 0; j < kPanel; ++j) d[j] = static_cast<int8_t>(q[j]);
       }
     }
   });
@@ -513,20 +541,21 @@ std::vector<paddle::Tensor> PackWeightInt4(const paddle::Tensor& w, bool transpo
   uint8_t* dst = out.data<uint8_t>();
   float* sc = scales.data<float>();
   prl::ParallelFor(panels, src.k_dim * kPanel, [&](int, int64_t begin, int64_t end) {
+    std::vector<float> buf(2 * k2 * kPanel, 0.0f);  // an odd K's last row stays 0 (its nibble 0)
     for (int64_t p = begin; p < end; ++p) {
-      std::fill(dst + p * k2 * kPanel, dst + (p + 1) * k2 * kPanel, uint8_t{0});
-      for (int64_t j = 0; j < kPanel; ++j) {
-        const int64_t col = p * kPanel + j;
-        for (int64_t g = 0; g < groups; ++g) {
-          const int64_t k0 = g * kQuantGroup, k1 = std::min(src.k_dim, k0 + kQuantGroup);
-          float amax = 0.0f;
-          for (int64_t k = k0; col < src.n && k < k1; ++k) amax = std::max(amax, std::fabs(src(k, col)));
-          const float s = amax / 7.0f;
-          sc[(p * groups + g) * kPanel + j] = s;
-          for (int64_t k = k0; k < k1; ++k) {
-            const float q = (col < src.n && s > 0.0f) ? std::nearbyint(src(k, col) / s) : 0.0f;
-            const uint8_t nib = static_cast<uint8_t>(static_cast<int>(std::max(-7.0f, std::min(7.0f, q)))) & 0xfu;
-            dst[(p * k2 + k / 2) * kPanel + j] |= static_cast<uint8_t>(nib << (4 * (k & 1)));
+      PanelOf(src.w, src.k_dim, src.n, src.transposed, p, buf.data());
+      for (int64_t g = 0; g < groups; ++g) {
+        const int64_t k0 = g * kQuantGroup, k1 = std::min(src.k_dim, k0 + kQuantGroup);
+        float* s = sc + (p * groups + g) * kPanel;
+        ColumnScales(buf.data(), k0, k1, 7.0f, s);
+        for (int64_t k = k0; k < k1; k += 2) {  // k0 is even: a byte's two rows share the group
+          float lo[kPanel], hi[kPanel] = {};
+          QuantizeRow(buf.data() + k * kPanel, s, 7.0f, lo);
+          if (k + 1 < k1) QuantizeRow(buf.data() + (k + 1) * kPanel, s, 7.0f, hi);
+          uint8_t* d = dst + (p * k2 + k / 2) * kPanel;
+          for (int64_t j = 0; j < kPanel; ++j) {
+            const int l = static_cast<int>(lo[j]) & 0xf, h = static_cast<int>(hi[j]) & 0xf;
+            d[j] = static_cast<uint8_t>(l | (h << 4));
           }
         }
       }
