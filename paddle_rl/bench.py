@@ -400,7 +400,7 @@ def rollout_precisions(args, spec, precisions) -> dict:
             "response_len": spec["response_len"], "mean_length": float(np.mean(lengths)), "runs": runs,
             "cpu_flags": cpu_flags(), "threads": os.environ.get("OMP_NUM_THREADS"),
             "load_avg": os.getloadavg()[0], "custom_ops": _custom_ops_status(),
-            "bf16_emulated": bool(os.environ.get("PADDLE_RL_BF16_EMULATE")) or "avx512_bf16" not in cpu_flags()}
+            "bf16_portable": bool(os.environ.get("PADDLE_RL_BF16_EMULATE")) or "avx512f" not in cpu_flags()}
 
 
 def _custom_ops_status() -> str:

@@ -31,8 +31,8 @@ class RolloutArgs:
                                            "kv_heads x head_dim x the bytes of kv_cache_dtype.")
     rollout_dtype: str = arg("float32", "The rollout's arithmetic: float32 | bfloat16. bfloat16 packs the rollout's "
                                         "weights in bfloat16 (half the bytes) and rounds the activations to bfloat16 "
-                                        "before each linear layer's product, summed in float32 (AVX512-BF16 where the "
-                                        "CPU has it, an exact emulation elsewhere); norms, attention and log-probs stay "
+                                        "before each linear layer's product, summed in float32 (exact products, "
+                                        "vdpbf16ps's order); norms, attention and log-probs stay "
                                         "float32, and the KV cache follows (kv_cache_dtype auto). Training and the "
                                         "reference pass stay float32. verl's rollout.dtype.")
     kv_cache_dtype: str = arg("auto", "What the rollout's KV cache stores: auto (rollout_dtype) | float32 | "
