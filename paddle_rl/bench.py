@@ -18,6 +18,12 @@ Workloads (docs/performance.md):
 W2-W4 train packed (use_remove_padding: true) in micro-batches of at most 8192 tokens (max_tokens_per_micro_batch),
 with the attention core recomputed in the backward (recompute: true, recompute_granularity: core_attn).
 
+`--rollout-precisions float32,bfloat16,weight_only_int8` times the workload's rollout alone (no training) in
+--steps rounds that run each rollout precision in turn (the best round of each counts: a shared machine's load
+drifts between runs), per rollout precision (rollout_dtype, or a rollout_quant_type with float32 activations; `bfloat16+weight_only_int8`
+both) on the same prompts, keys and forced lengths (W3: exactly response_len; W4: the 64 quantiles of a log-normal
+with median 270 cut at 512, mean 294), and reports each one's seconds and its speed-up over the first.
+
 Prints seconds per step and its split by stage, generated and trained tokens, rows processed by decode steps,
 effective GFLOP/s against a matmul peak measured in the same process, peak RSS; the last line is one JSON
 object.
@@ -34,6 +40,9 @@ import time
 MODELS = {
     "w1": dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=4,
                num_key_value_heads=2, vocab_size=4096, tie_word_embeddings=False),
+    # SmolLM2-135M's shapes (W3 / W4's model) at random init: a rollout's time depends on the shapes alone
+    "smollm2-135m": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                         num_key_value_heads=3, vocab_size=49152, tie_word_embeddings=True),
     "qwen2.5-0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
                          num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
 }
@@ -312,8 +321,93 @@ def run(args) -> dict:
         "cpu_s_per_step": cpu_s / max(len(records), 1), "load_avg": [load_before, os.getloadavg()[0]],
         "stride_kernel": os.environ.get("FLAGS_use_stride_kernel"),
         "custom_ops": _custom_ops_status(), "overrides": args.set or [],
+        "rollout_dtype": config.rollout_dtype, "rollout_quant_type": config.rollout_quant_type,
+        "cpu_flags": cpu_flags(),
     }
     return result
+
+
+def cpu_flags() -> list:
+    """The CPU's vector-extension flags that decide the kernels' paths."""
+    wanted = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8")
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        flags = []
+    return [w for w in wanted if w in flags]
+
+
+def _precision(name: str):
+    """`float32` | `bfloat16` | a quant type | `<dtype>+<quant type>` -> (rollout_dtype, rollout_quant_type)."""
+    from . import ops
+    parts = name.split("+")
+    quants = [q for q in ops.ROLLOUT_QUANT_TYPES if q]
+    if len(parts) == 1 and name in ops.ROLLOUT_DTYPES + tuple(quants):
+        return (name, "") if name in ops.ROLLOUT_DTYPES else ("float32", name)
+    if len(parts) == 2 and parts[0] in ops.ROLLOUT_DTYPES and parts[1] in quants:
+        return parts[0], parts[1]
+    raise SystemExit(f"bench: --rollout-precisions: {name!r} is not float32, bfloat16, {', '.join(quants)} or "
+                     "<dtype>+<quant type>")
+
+
+def rollout_precisions(args, spec, precisions) -> dict:
+    """The workload's rollout alone per precision (same prompts, keys and forced lengths), --steps interleaved
+    rounds; the best round's seconds each."""
+    os.environ.setdefault("FLAGS_use_stride_kernel", "0")
+    from .env import configure_threads
+    configure_threads()
+    import numpy as np
+    import paddle
+
+    from . import ops
+    from .models import CausalLM, ModelConfig
+    from .models.pretrained import load_model
+    from .rollout import RolloutEngine, SamplingParams, sample_key
+
+    settings = [_precision(p) for p in precisions]
+    rows = args.prompts * args.rollout_n
+    if spec["model"] == "path":
+        model = load_model(args.model_path)
+    else:
+        paddle.seed(args.seed)
+        model = CausalLM(ModelConfig(model_type="qwen2", max_position_embeddings=4096, eos_token_id=1,
+                                     pad_token_id=0, **MODELS[spec["model"]]))
+        model.init_weights()
+    model.eval()
+    rng = np.random.default_rng(args.seed)
+    prompts = [rng.integers(2, model.config.vocab_size, size=args.prompt_len).tolist() for _ in range(args.prompts)]
+    keys = [sample_key(args.seed, 0, i // args.rollout_n, i % args.rollout_n) for i in range(rows)]
+    if spec["exact"]:
+        lengths = [spec["response_len"]] * rows
+    elif spec.get("lengths") == "long_tail":
+        lengths = long_tail_lengths(rows, cap=spec["response_len"])
+    else:   # W4-like: median 270, sigma 0.8, cut at 512 (mean ~294, ~22% at the cut)
+        lengths = long_tail_lengths(rows, median=270.0, sigma=0.8, cap=spec["response_len"])
+    params = SamplingParams(max_dec_len=spec["response_len"], temperature=1.0)
+    # --steps rounds, the precisions in turn within each (a shared machine's load drifts between runs); the best
+    # round of each precision counts
+    runs = [{"rollout_dtype": dtype, "rollout_quant_type": quant, "generate_s": float("inf"), "rounds": []}
+            for dtype, quant in settings]
+    for _ in range(max(args.steps, 1)):
+        for r in runs:
+            engine = RolloutEngine(model, 0, [1], rollout_dtype=r["rollout_dtype"], quant_type=r["rollout_quant_type"])
+            engine.forced_lengths = keyed_schedule(lengths)
+            start = time.perf_counter()
+            out = engine.generate(prompts, args.rollout_n, params, keys)
+            seconds = time.perf_counter() - start
+            tokens = int(out.lengths.sum())
+            r["rounds"].append(seconds)
+            if seconds < r["generate_s"]:
+                r.update(generate_s=seconds, generated_tokens=tokens, s_per_generated_token=seconds / max(tokens, 1))
+    for r in runs:
+        r["speedup"] = runs[0]["generate_s"] / r["generate_s"]
+    return {"workload": args.workload, "model": spec["model"] if spec["model"] != "path" else args.model_path,
+            "prompts": args.prompts, "rollout_n": args.rollout_n, "prompt_len": args.prompt_len,
+            "response_len": spec["response_len"], "mean_length": float(np.mean(lengths)), "runs": runs,
+            "cpu_flags": cpu_flags(), "threads": os.environ.get("OMP_NUM_THREADS"),
+            "load_avg": os.getloadavg()[0], "custom_ops": _custom_ops_status(),
+            "bf16_portable": bool(os.environ.get("PADDLE_RL_BF16_EMULATE")) or "avx512f" not in cpu_flags()}
 
 
 def _custom_ops_status() -> str:
@@ -331,7 +425,8 @@ def report(result: dict) -> str:
              f"{result['rollout_n']}, prompt ~{result['prompt_len']:.0f}, response {exact} {result['response_len']} "
              f"tokens (mean {result['response_length_mean']:.1f}); "
              f"{result['steps_timed']} timed step(s), OMP_NUM_THREADS={result['threads']}, custom ops "
-             f"{result['custom_ops']}, load average {result['load_avg'][0]:.1f} -> {result['load_avg'][1]:.1f}",
+             f"{result['custom_ops']}, load average {result['load_avg'][0]:.1f} -> {result['load_avg'][1]:.1f}, "
+             f"rollout {result['rollout_dtype']}{' ' + result['rollout_quant_type'] if result['rollout_quant_type'] else ''}",
              f"  step          {result['step_s']:8.3f} s"]
     for stage in STAGES:
         lines.append(f"  {stage:<13} {result[f'{stage}_s']:8.3f} s")
@@ -350,6 +445,18 @@ def report(result: dict) -> str:
 
 
 def _bench(args) -> int:
+    if args.rollout_precisions:
+        result = rollout_precisions(args, resolve_args(args), [p.strip() for p in args.rollout_precisions.split(",")])
+        print(f"rollout of {result['workload']} ({result['model']}), {result['prompts']} x {result['rollout_n']} rows, "
+              f"mean length {result['mean_length']:.1f}, best of {len(result['runs'][0]['rounds'])} rounds; CPU {' '.join(result['cpu_flags'])}, custom ops "
+              f"{result['custom_ops']}, load average {result['load_avg']:.1f}")
+        for r in result["runs"]:
+            name = "+".join(x for x in (r["rollout_dtype"], r["rollout_quant_type"]) if x)
+            print(f"  {name:<28} {r['generate_s']:8.2f} s  {1e3 * r['s_per_generated_token']:7.2f} ms / token  "
+                  f"{r['speedup']:5.2f}x")
+        print(json.dumps(result, sort_keys=True))
+        sys.stdout.flush()
+        return 0
     result = run(args)
     print(report(result))
     print(json.dumps(result, sort_keys=True))
@@ -371,6 +478,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "and W3, the maximum for W2 and W4)")
     p.add_argument("--kl-loss-coeff", type=float, default=0.04, help="> 0 loads the reference model")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--rollout-precisions", default=None, metavar="LIST",
+                   help="time the rollout alone once per precision, e.g. float32,bfloat16,weight_only_int8")
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="any configuration override (repeatable)")
 
 

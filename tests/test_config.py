@@ -169,3 +169,18 @@ def test_recompute_granularity_reaches_the_model():
     assert load_config(None, [MODEL, "recompute=true", "recompute_granularity=core_attn"]).recompute_what == "core_attn"
     assert load_config(None, [MODEL, "recompute=true"]).recompute_what == "full"
     assert load_config(None, [MODEL]).recompute_what is None
+
+
+def test_rollout_precision_keys():
+    """rollout_dtype (float32 | bfloat16) and rollout_quant_type act: the KV cache follows rollout_dtype unless
+    kv_cache_dtype names one; unknown values name the key and what it allows."""
+    cfg = load_config(None, [MODEL, "rollout_dtype=bf16", "rollout_quant_type=weight_only_int8"])
+    assert cfg.rollout_dtype == "bfloat16" and cfg.rollout_quant_type == "weight_only_int8"
+    assert cfg.kv_cache_paddle_dtype == "bfloat16"
+    assert load_config(None, [MODEL, "rollout_dtype=bfloat16", "kv_cache_dtype=float32"]).kv_cache_paddle_dtype == "float32"
+    assert load_config(None, [MODEL]).rollout_dtype == "float32"
+    with pytest.raises(ConfigError, match="rollout_quant_type: must be '' .off., weight_only_int8 or weight_only_int4, "
+                                          "got 'a8w8'"):
+        load_config(None, [MODEL, "rollout_quant_type=a8w8"])
+    with pytest.raises(ConfigError, match="rollout_dtype: must be float32 or bfloat16, got 'float16'"):
+        load_config(None, [MODEL, "rollout_dtype=float16"])

@@ -267,3 +267,45 @@ def test_engine_repacks_weights_loaded_mid_generation():
     assert len(calls) >= 4
     np.testing.assert_array_equal(calls[3], calls[2] * 2.0)
     np.testing.assert_array_equal(calls[1], calls[2])
+
+
+# measured max gaps on this model (its weights ~N(0, 0.2), so its logits are large): bfloat16 0.072, int8 0.195,
+# both 0.204, int4 0.570
+@pytest.mark.parametrize("rollout_dtype,quant,bounds", [("bfloat16", "", (0.02, 0.2)),
+                                                        ("float32", "weight_only_int8", (0.05, 0.5)),
+                                                        ("bfloat16", "weight_only_int8", (0.05, 0.5)),
+                                                        ("float32", "weight_only_int4", (0.2, 2.0))])
+def test_low_precision_rollout(model, rollout_dtype, quant, bounds):
+    """rollout_dtype bfloat16 / rollout_quant_type: the rollout multiplies by rounded or quantized weights, so its
+    log-probs leave float32's by a bounded amount (max gap over the tokens both runs share, in `bounds`), and they
+    are the log-probs of that low-precision model: a full forward inside packed_weights(rollout_dtype, quant)
+    gives them to 2e-3 (the full forward's float32 attention rounds differently from the decode's before the
+    next layer rounds its activations to bfloat16). The layout changes no bit."""
+    keys = [sample_key(1, 0, i // 4, i % 4) for i in range(12)]
+    params = SamplingParams(max_dec_len=24, temperature=0.8)
+    full = RolloutEngine(model, 0, [1]).generate(PROMPTS, 4, params, keys)
+    engine = RolloutEngine(model, 0, [1], rollout_dtype=rollout_dtype, quant_type=quant)
+    low = engine.generate(PROMPTS, 4, params, keys)
+    same = np.cumprod(low.response_ids == full.response_ids, axis=1).astype(bool)
+    gap = np.abs(low.rollout_logp - full.rollout_logp)[same & (low.response_mask > 0)]
+    print(rollout_dtype, quant, "max log-prob gap to float32", gap.max(), "mean", gap.mean())
+    assert bounds[0] < gap.max() < bounds[1], gap.max()
+    with model.packed_weights(rollout_dtype, quant):
+        for r in range(0, 12, 3):
+            n = int(low.lengths[r])
+            seq = list(low.prompt_ids[r]) + low.response_ids[r, :n].tolist()
+            logp = paddle.nn.functional.log_softmax(full_logits(model, seq) / 0.8, -1).numpy()
+            p = len(low.prompt_ids[r])
+            np.testing.assert_allclose(low.rollout_logp[r, :n], [logp[p - 1 + t, seq[p + t]] for t in range(n)],
+                                       atol=2e-3)
+    layout = RolloutEngine(model, 0, [1], max_num_seqs=4, rollout_dtype=rollout_dtype,
+                           quant_type=quant).generate(PROMPTS, 4, params, keys)
+    np.testing.assert_array_equal(layout.rollout_logp, low.rollout_logp)
+
+
+def test_rollout_precision_is_checked(model):
+    with pytest.raises(ValueError, match="rollout_quant_type: must be '' .off., weight_only_int8 or weight_only_int4, "
+                                         "got 'int8'"):
+        RolloutEngine(model, 0, [1], quant_type="int8")
+    with pytest.raises(ValueError, match="rollout_dtype: must be one of float32, bfloat16, got 'float16'"):
+        RolloutEngine(model, 0, [1], rollout_dtype="float16")

@@ -503,3 +503,95 @@ def test_packed_linear_checks_its_inputs(rng):
         ops.packed_linear_fused(x, packed, 70)
     with pytest.raises(Exception, match="prl_packed_linear: packed must be float32"):
         ops.packed_linear_fused(x, packed.astype("bfloat16"), 40)
+
+
+# ------------------------------------------------------------------------------------------------ low-precision packed linear
+
+def bf16(a):
+    """float32 rounded to bfloat16 (nearest even), as float32."""
+    u = np.asarray(a, np.float32).view(np.uint32).astype(np.uint64)
+    return (((u + 0x7FFF + ((u >> 16) & 1)) >> 16) << 16).astype(np.uint32).view(np.float32)
+
+
+def lowp_numpy(x, w, fmt, bf16_act):
+    """The kernel's arithmetic in NumPy float32, k in the kernel's order: bfloat16 pairs odd k then even k (as
+    vdpbf16ps), int8 the integers summed and the column scale applied once, int4 the group-dequantized weights."""
+    f32 = np.float32
+    x = bf16(x) if bf16_act else x.astype(f32)
+    k = w.shape[0]
+    if fmt == "bfloat16":
+        order = [kk + e for kk in range(0, k, 2) for e in (1, 0) if kk + e < k]
+        wq, scale = bf16(w), None
+    elif fmt == "weight_only_int8":
+        scale = (np.abs(w).max(axis=0) / f32(127)).astype(f32)
+        wq = np.clip(np.rint(w / np.where(scale > 0, scale, f32(1))), -127, 127).astype(f32)
+        order = range(k)
+    else:
+        wq = np.empty_like(w)
+        for g in range(0, k, 128):
+            s = (np.abs(w[g:g + 128]).max(axis=0) / f32(7)).astype(f32)
+            wq[g:g + 128] = np.clip(np.rint(w[g:g + 128] / np.where(s > 0, s, f32(1))), -7, 7).astype(f32) * s
+        scale, order = None, range(k)
+    acc = np.zeros((x.shape[0], w.shape[1]), f32)
+    for i in order:
+        acc = acc + x[:, i:i + 1] * wq[i]
+    return acc if scale is None else acc * scale
+
+
+LOWP_CASES = [("bfloat16", True), ("weight_only_int8", False), ("weight_only_int8", True),
+              ("weight_only_int4", False), ("weight_only_int4", True)]
+
+
+@pytest.mark.parametrize("fmt,bf16_act", LOWP_CASES)
+@pytest.mark.parametrize("rows,k,n", [(1, 64, 40), (13, 130, 64), (7, 301, 33)])
+def test_packed_linear_low_precision(rng, monkeypatch, fmt, bf16_act, rows, k, n):
+    """rollout_dtype bfloat16 / rollout_quant_type: the kernel's packed bytes equal the pure-Paddle packing's, its
+    products equal NumPy's of the same arithmetic (bit for bit where every product is exact in float32: bfloat16
+    activations times bfloat16 or int8 weights; else to 2e-6 relative, the fused multiply-add's one rounding), the
+    AVX-512 tiles equal the portable ones (PADDLE_RL_BF16_EMULATE, for bfloat16) bit for bit, and the result is not
+    float32's."""
+    x = rng.standard_normal((rows, k)).astype(np.float32)
+    w = (rng.standard_normal((k, n)) * 0.1).astype(np.float32)
+    w[:, 3] = 0.0    # a zero column: scale 0, no division by it
+    packed = ops.pack_weight_lowp_fused(t(w), False, fmt)
+    ref_data, ref_scales = ops.pack_weight_lowp_reference(t(w), False, fmt)
+    view = (lambda a: a.astype("float32").numpy()) if fmt == "bfloat16" else (lambda a: a.numpy())
+    np.testing.assert_array_equal(view(packed[0]), view(ref_data))
+    np.testing.assert_array_equal(packed[1].numpy(), ref_scales.numpy())
+    p = ops.pack_weight_lowp(t(w), False, fmt, bf16_act)
+    out = ops.packed_linear_lowp_fused(t(x), p).numpy()
+    expected = lowp_numpy(x, w, fmt, bf16_act)
+    if bf16_act and fmt != "weight_only_int4":
+        np.testing.assert_array_equal(out, expected)
+    else:
+        close(out, expected, rel=2e-6, what=fmt)
+    close(ops.packed_linear_lowp_reference(t(x), p).numpy(), expected, rel=1e-5, what=f"{fmt} reference")
+    monkeypatch.setenv("PADDLE_RL_BF16_EMULATE", "1")
+    np.testing.assert_array_equal(ops.packed_linear_lowp_fused(t(x), p).numpy(), out)
+    monkeypatch.delenv("PADDLE_RL_BF16_EMULATE")
+    # each row alone gives the same bits (batch invariance), and the rounding shows against float32
+    np.testing.assert_array_equal(ops.packed_linear_lowp_fused(t(x[-1:]), p).numpy(), out[-1:])
+    gap = np.abs(out - x @ w).max() / np.abs(x @ w).max()
+    assert {"bfloat16": 2e-4, "weight_only_int8": 5e-4, "weight_only_int4": 5e-3}[fmt] < gap < 0.2, gap
+    # the dispatch (packed_linear) takes a LowpPacked, and a tied head packs its [N, K] table
+    np.testing.assert_array_equal(ops.packed_linear(t(x), p, n).numpy(), out)
+    table = ops.pack_weight_lowp(t(np.ascontiguousarray(w.T)), True, fmt, bf16_act)
+    np.testing.assert_array_equal(ops.packed_linear(t(x), table, n).numpy(), out)
+
+
+def test_packed_linear_low_precision_checks_its_inputs(rng):
+    x, w = t(rng.standard_normal((2, 16))), t(rng.standard_normal((16, 40)))
+    p = ops.pack_weight_lowp(w, False, "weight_only_int8", False)
+    with pytest.raises(Exception, match="prl_packed_linear_lowp: int8 packed must be"):
+        ops.packed_linear_lowp_fused(t(rng.standard_normal((2, 8))), p)
+    p.n = 70
+    with pytest.raises(Exception, match="prl_packed_linear_lowp: n 70 does not match 2 panels"):
+        ops.packed_linear_lowp_fused(x, p)
+    bf = ops.pack_weight_lowp(w, False, "bfloat16", True)
+    bf.bf16_act = False
+    with pytest.raises(Exception, match="bfloat16 weights multiply bfloat16 activations"):
+        ops.packed_linear_lowp_fused(x, bf)
+    with pytest.raises(ValueError, match="packed weight format: must be one of"):
+        ops.pack_weight_lowp(w, False, "int8")
+    with pytest.raises(ValueError, match="rollout_quant_type: must be '' .off., weight_only_int8 or weight_only_int4"):
+        ops.rollout_weight_format("float32", "a8w8")

@@ -3,6 +3,9 @@
 //   weights adjacent (the last panel zero-padded); n: W's columns (<= 32 P); out [..., n] float32.
 // A panel is one contiguous stream, read from memory once per call and then from the L2 cache by each block of
 // rows; each row's sums run over k in order, so a row's result does not depend on the other rows.
+#include <cstdio>
+#include <type_traits>
+
 #include "../prl_common.h"
 
 namespace {
@@ -63,6 +66,21 @@ void Panels(const float* x, const float* packed, float* out, int64_t rows, int64
   }
 }
 
+// panel[k, j] = W[k, 32 p + j] (0 past n) for k < k_dim: W [K, N], or [N, K] with transposed (then each source
+// row is read in order)
+inline void PanelOf(const float* w, int64_t k_dim, int64_t n, bool transposed, int64_t p, float* panel) {
+  const int64_t col = p * kPanel, cols = std::min(kPanel, n - col);
+  if (cols < kPanel) std::fill(panel, panel + k_dim * kPanel, 0.0f);
+  if (transposed) {
+    for (int64_t j = 0; j < cols; ++j) {
+      const float* row = w + (col + j) * k_dim;
+      for (int64_t k = 0; k < k_dim; ++k) panel[k * kPanel + j] = row[k];
+    }
+  } else {
+    for (int64_t k = 0; k < k_dim; ++k) std::memcpy(panel + k * kPanel, w + k * n + col, cols * sizeof(float));
+  }
+}
+
 }  // namespace
 
 // W [K, N] (or [N, K] with transposed) -> [P, K, 32], P = ceil(N / 32), the last panel zero-padded
@@ -76,19 +94,7 @@ std::vector<paddle::Tensor> PackWeight(const paddle::Tensor& w, bool transposed)
   const float* src = w.data<float>();
   float* dst = out.data<float>();
   prl::ParallelFor(panels, k_dim * kPanel, [&](int, int64_t begin, int64_t end) {
-    for (int64_t p = begin; p < end; ++p) {
-      float* panel = dst + p * k_dim * kPanel;
-      const int64_t col = p * kPanel, cols = std::min(kPanel, n - col);
-      if (cols < kPanel) std::fill(panel, panel + k_dim * kPanel, 0.0f);
-      if (transposed) {  // panel[k, j] = w[col + j, k]: each source row is read in order
-        for (int64_t j = 0; j < cols; ++j) {
-          const float* row = src + (col + j) * k_dim;
-          for (int64_t k = 0; k < k_dim; ++k) panel[k * kPanel + j] = row[k];
-        }
-      } else {  // panel[k, :] = w[k, col : col + 32]
-        for (int64_t k = 0; k < k_dim; ++k) std::memcpy(panel + k * kPanel, src + k * n + col, cols * sizeof(float));
-      }
-    }
+    for (int64_t p = begin; p < end; ++p) PanelOf(src, k_dim, n, transposed, p, dst + p * k_dim * kPanel);
   });
   return {out};
 }
@@ -146,3 +152,617 @@ PD_BUILD_OP(prl_packed_linear)
     .SetKernelFn(PD_KERNEL(PackedLinear))
     .SetInferShapeFn(PD_INFER_SHAPE(PackedLinearInferShape))
     .SetInferDtypeFn(PD_INFER_DTYPE(PackedLinearInferDtype));
+
+// ------------------------------------------------------------------------------------------------------------------
+// The rollout's low-precision packed weights (rollout_dtype: bfloat16, rollout_quant_type: weight_only_int8 / int4).
+// The column panels are those above (32 columns each, the last zero-padded); what a panel holds per format:
+//   bfloat16 [P, ceil(K / 2), 64]: for each pair of rows (k = 2 kk, 2 kk + 1), column j's two weights adjacent
+//     (index 2 j: the even k, 2 j + 1: the odd k), vdpbf16ps's layout; rounded to nearest even; an odd K ends
+//     with a zero row. The activations are rounded to bfloat16 (nearest even) and each column sums, pair by pair,
+//     acc += x[2 kk + 1] w[2 kk + 1], then acc += x[2 kk] w[2 kk] in float32 (exact products): vdpbf16ps's order
+//     (without its flushing of subnormals to zero). The kernel widens the weights to float32 in registers and
+//     uses fused multiply-adds (exact products: the same bits as separate adds); vdpbf16ps itself is not used:
+//     on the Sapphire Rapids this was measured on, 2 FMAs per pair ran ~1.5x faster than one vdpbf16ps with the
+//     weights in cache and as fast streaming them from memory.
+//   int8 [P, K, 32] with scales [P * 32]: q = round_even(w / s), s = max_k |w[:, j]| / 127 per output column;
+//     y = s_j * sum_k x[k] q[k, j] (sums over k in order, the scale applied once to the sum).
+//   int4 [P, ceil(K / 2), 32] uint8 with scales [P, ceil(K / 128), 32]: groups of 128 rows along K, q in [-7, 7]
+//     (s = max |w| / 7 over the group), the even k in the low nibble; w = q s dequantized in registers (float32),
+//     y = sum_k x[k] w[k, j] over k in order.
+// int8 / int4 take float32 activations, or activations rounded to bfloat16 (bf16_act). Each format has an AVX-512
+// tile (12 rows x 32 columns in registers, a k-step's weights converted once per tile) and a portable 8-wide one
+// with the same arithmetic and bits; bfloat16 runs the portable one where the build lacks AVX-512 or
+// PADDLE_RL_BF16_EMULATE is set (non-empty, not 0), and says so once on stderr.
+
+namespace {
+
+constexpr int64_t kQuantGroup = 128;  // int4: rows of K per scale
+
+inline uint16_t RoundBF16(float v) {  // round to nearest even (NaN stays NaN)
+  const uint32_t u = prl::BitCast<uint32_t>(v);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40u);
+  return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+inline float BF16ToFloat(uint16_t b) { return prl::BitCast<float>(static_cast<uint32_t>(b) << 16); }
+
+bool EmulationForced() {
+  const char* env = std::getenv("PADDLE_RL_BF16_EMULATE");
+  return env && *env && std::strcmp(env, "0") != 0;
+}
+
+// Whether this call runs the AVX-512 bfloat16 tile; the first call that runs the portable one says why, once.
+bool WideBF16() {
+  const bool forced = EmulationForced();
+#ifdef __AVX512F__
+  if (!forced) return true;
+  const char* why = "PADDLE_RL_BF16_EMULATE is set";
+#else
+  const char* why = forced ? "PADDLE_RL_BF16_EMULATE is set" : "the kernels were built without AVX-512";
+#endif
+  static bool warned = false;
+  if (!warned) {
+    warned = true;
+    std::fprintf(stderr, "paddle_rl: the bfloat16 packed linear runs its portable 8-wide tile (%s)\n", why);
+  }
+  return false;
+}
+
+#ifdef __AVX512F__
+// rows per AVX-512 tile: 12 x 2 accumulators, up to 4 weight vectors, a broadcast and int4's scales of 32 registers
+constexpr int kRowsWide = 12;
+
+inline __mmask16 HalfMask(int64_t cols, int half) {  // the columns of half (0: 0..15, 1: 16..31) that exist
+  const int64_t c = std::max<int64_t>(0, std::min<int64_t>(16, cols - 16 * half));
+  return c == 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << c) - 1);
+}
+#endif
+
+// ---- bfloat16 weights x bfloat16 activations
+// xp: the activations' rows as bfloat16 pairs (uint32: the even k in the low half), k2 pairs per row
+template <int MR>
+inline void TileBF16Portable(const uint32_t* xp, int64_t k2, const uint16_t* panel, float* out, int64_t ldo,
+                             int64_t cols) {
+  prl::V8 acc[MR][4] = {};
+  for (int64_t kk = 0; kk < k2; ++kk) {
+    prl::V8 even[4], odd[4];
+    for (int i = 0; i < 4; ++i) {
+      prl::U8 u;
+      std::memcpy(&u, panel + kk * 2 * kPanel + i * 16, sizeof(u));
+      even[i] = prl::BitCast<prl::V8>(u << 16);
+      odd[i] = prl::BitCast<prl::V8>(u & 0xffff0000u);
+    }
+    for (int m = 0; m < MR; ++m) {
+      const uint32_t x = xp[m * k2 + kk];
+      const float xe = prl::BitCast<float>(x << 16), xo = prl::BitCast<float>(x & 0xffff0000u);
+      for (int i = 0; i < 4; ++i) {
+        acc[m][i] += xo * odd[i];   // products of two bfloat16 are exact in float32: fused or not, the same
+        acc[m][i] += xe * even[i];
+      }
+    }
+  }
+  for (int m = 0; m < MR; ++m) {
+    float tmp[kPanel];
+    std::memcpy(tmp, acc[m], sizeof(tmp));
+    std::memcpy(out + m * ldo, tmp, cols * sizeof(float));
+  }
+}
+
+
+#ifdef __AVX512F__
+// xf: the activations' rows as float32 (bfloat16 values), 2 k2 per row (an odd K's last one 0). A pair-row's 64
+// weights widen to float32 in registers (the even k: the low half shifted up, the odd k: the high half masked) and
+// each row sums acc += x[2 kk + 1] w[2 kk + 1], then acc += x[2 kk] w[2 kk]: exact products, so a fused
+// multiply-add rounds as vdpbf16ps's separate add does, the same bits.
+template <int MR>
+inline void TileBF16Avx512(const float* xf, int64_t k2, const uint16_t* panel, float* out, int64_t ldo, int64_t cols) {
+  __m512 acc[MR][2];
+  for (int m = 0; m < MR; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
+  const __m512i high = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
+  for (int64_t kk = 0; kk < k2; ++kk) {
+    const __m512i u0 = _mm512_loadu_si512(panel + kk * 2 * kPanel);
+    const __m512i u1 = _mm512_loadu_si512(panel + kk * 2 * kPanel + 32);
+    const __m512 e0 = _mm512_castsi512_ps(_mm512_slli_epi32(u0, 16));
+    const __m512 e1 = _mm512_castsi512_ps(_mm512_slli_epi32(u1, 16));
+    const __m512 o0 = _mm512_castsi512_ps(_mm512_and_si512(u0, high));
+    const __m512 o1 = _mm512_castsi512_ps(_mm512_and_si512(u1, high));
+    for (int m = 0; m < MR; ++m) {
+      const __m512 xo = _mm512_set1_ps(xf[m * 2 * k2 + 2 * kk + 1]);
+      const __m512 xe = _mm512_set1_ps(xf[m * 2 * k2 + 2 * kk]);
+      acc[m][0] = _mm512_fmadd_ps(xe, e0, _mm512_fmadd_ps(xo, o0, acc[m][0]));
+      acc[m][1] = _mm512_fmadd_ps(xe, e1, _mm512_fmadd_ps(xo, o1, acc[m][1]));
+    }
+  }
+  const __mmask16 lo = HalfMask(cols, 0), hi = HalfMask(cols, 1);
+  for (int m = 0; m < MR; ++m) {
+    _mm512_mask_storeu_ps(out + m * ldo, lo, acc[m][0]);
+    _mm512_mask_storeu_ps(out + m * ldo + 16, hi, acc[m][1]);
+  }
+}
+#endif
+
+// ---- int8 / int4 weights x float32 activations (bfloat16-rounded ones are float32 values too)
+typedef int8_t I8x8 __attribute__((vector_size(8)));
+
+// 8 signed bytes as float32 (vpmovsxbd where there is AVX2: the generic conversion compiles to scalar code)
+inline prl::V8 LoadInt8(const int8_t* p) {
+#ifdef __AVX2__
+  const __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  return prl::BitCast<prl::V8>(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)));
+#else
+  I8x8 q;
+  std::memcpy(&q, p, sizeof(q));
+  return __builtin_convertvector(q, prl::V8);
+#endif
+}
+
+template <int MR>
+inline void TileInt8(const float* x, int64_t k_dim, const int8_t* panel, const float* scale, float* out, int64_t ldo,
+                     int64_t cols) {
+  prl::V8 acc[MR][4] = {};
+  for (int64_t k = 0; k < k_dim; ++k) {
+    const int8_t* w = panel + k * kPanel;
+    const prl::V8 w0 = LoadInt8(w), w1 = LoadInt8(w + 8), w2 = LoadInt8(w + 16), w3 = LoadInt8(w + 24);
+    for (int m = 0; m < MR; ++m) {
+      const float xv = x[m * k_dim + k];
+      acc[m][0] += xv * w0;
+      acc[m][1] += xv * w1;
+      acc[m][2] += xv * w2;
+      acc[m][3] += xv * w3;
+    }
+  }
+  const prl::V8 s[4] = {prl::Load8(scale), prl::Load8(scale + 8), prl::Load8(scale + 16), prl::Load8(scale + 24)};
+  for (int m = 0; m < MR; ++m) {
+    float tmp[kPanel];
+    for (int i = 0; i < 4; ++i) std::memcpy(tmp + 8 * i, &(acc[m][i] = acc[m][i] * s[i]), sizeof(prl::V8));
+    std::memcpy(out + m * ldo, tmp, cols * sizeof(float));
+  }
+}
+
+typedef uint8_t U8x8 __attribute__((vector_size(8)));
+
+template <int MR>
+inline void TileInt4(const float* x, int64_t k_dim, const uint8_t* panel, const float* scales, float* out,
+                     int64_t ldo, int64_t cols) {
+  prl::V8 acc[MR][4] = {};
+  for (int64_t k0 = 0; k0 < k_dim; k0 += kQuantGroup) {
+    const float* sg = scales + (k0 / kQuantGroup) * kPanel;
+    const prl::V8 s[4] = {prl::Load8(sg), prl::Load8(sg + 8), prl::Load8(sg + 16), prl::Load8(sg + 24)};
+    const int64_t k1 = std::min(k_dim, k0 + kQuantGroup);
+    for (int64_t k = k0; k < k1; k += 2) {
+      const uint8_t* b = panel + (k / 2) * kPanel;
+      prl::V8 we[4], wo[4];
+      for (int i = 0; i < 4; ++i) {
+        U8x8 v;
+        std::memcpy(&v, b + 8 * i, sizeof(v));
+        const I8x8 sv = prl::BitCast<I8x8>(v);
+        we[i] = __builtin_convertvector((I8x8)(sv << 4) >> 4, prl::V8) * s[i];  // low nibble, sign-extended
+        wo[i] = __builtin_convertvector(sv >> 4, prl::V8) * s[i];
+      }
+      for (int m = 0; m < MR; ++m) {
+        const float xe = x[m * k_dim + k];
+        for (int i = 0; i < 4; ++i) acc[m][i] += xe * we[i];
+      }
+      if (k + 1 < k1) {
+        for (int m = 0; m < MR; ++m) {
+          const float xo = x[m * k_dim + k + 1];
+          for (int i = 0; i < 4; ++i) acc[m][i] += xo * wo[i];
+        }
+      }
+    }
+  }
+  for (int m = 0; m < MR; ++m) {
+    float tmp[kPanel];
+    std::memcpy(tmp, acc[m], sizeof(tmp));
+    std::memcpy(out + m * ldo, tmp, cols * sizeof(float));
+  }
+}
+
+#ifdef __AVX512F__
+// The AVX-512 tiles: a k-step's 32 weights are loaded and converted to float32 once (two 16-float registers) and
+// multiplied into all MR rows' accumulators (MR x 2 registers), the same arithmetic as the tiles above (a fused
+// multiply-add per k in order), in registers the compiler does not scalarize.
+inline __m512i LoadInt8x16(const void* p) {  // 16 signed bytes, sign-extended to int32
+  return _mm512_cvtepi8_epi32(_mm_loadu_si128(static_cast<const __m128i*>(p)));
+}
+
+template <int MR>
+inline void TileInt8Avx512(const float* x, int64_t k_dim, const int8_t* panel, const float* scale, float* out,
+                           int64_t ldo, int64_t cols) {
+  __m512 acc[MR][2];
+  for (int m = 0; m < MR; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < k_dim; ++k) {
+    const __m512 w0 = _mm512_cvtepi32_ps(LoadInt8x16(panel + k * kPanel));
+    const __m512 w1 = _mm512_cvtepi32_ps(LoadInt8x16(panel + k * kPanel + 16));
+    for (int m = 0; m < MR; ++m) {
+      const __m512 xv = _mm512_set1_ps(x[m * k_dim + k]);
+      acc[m][0] = _mm512_fmadd_ps(xv, w0, acc[m][0]);
+      acc[m][1] = _mm512_fmadd_ps(xv, w1, acc[m][1]);
+    }
+  }
+  const __m512 s0 = _mm512_loadu_ps(scale), s1 = _mm512_loadu_ps(scale + 16);
+  const __mmask16 lo = HalfMask(cols, 0), hi = HalfMask(cols, 1);
+  for (int m = 0; m < MR; ++m) {
+    _mm512_mask_storeu_ps(out + m * ldo, lo, _mm512_mul_ps(acc[m][0], s0));
+    _mm512_mask_storeu_ps(out + m * ldo + 16, hi, _mm512_mul_ps(acc[m][1], s1));
+  }
+}
+
+template <int MR>
+inline void TileInt4Avx512(const float* x, int64_t k_dim, const uint8_t* panel, const float* scales, float* out,
+                           int64_t ldo, int64_t cols) {
+  __m512 acc[MR][2];
+  for (int m = 0; m < MR; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
+  for (int64_t k0 = 0; k0 < k_dim; k0 += kQuantGroup) {
+    const float* sg = scales + (k0 / kQuantGroup) * kPanel;
+    const __m512 s0 = _mm512_loadu_ps(sg), s1 = _mm512_loadu_ps(sg + 16);
+    const int64_t k1 = std::min(k_dim, k0 + kQuantGroup);
+    for (int64_t k = k0; k < k1; k += 2) {
+      const uint8_t* b = panel + (k / 2) * kPanel;
+      const __m512i v0 = LoadInt8x16(b), v1 = LoadInt8x16(b + 16);  // a byte's high nibble keeps its sign
+      {  // even k: the low nibble, sign-extended
+        const __m512 w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(v0, 28), 28)), s0);
+        const __m512 w1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(v1, 28), 28)), s1);
+        for (int m = 0; m < MR; ++m) {
+          const __m512 xv = _mm512_set1_ps(x[m * k_dim + k]);
+          acc[m][0] = _mm512_fmadd_ps(xv, w0, acc[m][0]);
+          acc[m][1] = _mm512_fmadd_ps(xv, w1, acc[m][1]);
+        }
+      }
+      if (k + 1 < k1) {  // odd k: the high nibble
+        const __m512 w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srai_epi32(v0, 4)), s0);
+        const __m512 w1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srai_epi32(v1, 4)), s1);
+        for (int m = 0; m < MR; ++m) {
+          const __m512 xv = _mm512_set1_ps(x[m * k_dim + k + 1]);
+          acc[m][0] = _mm512_fmadd_ps(xv, w0, acc[m][0]);
+          acc[m][1] = _mm512_fmadd_ps(xv, w1, acc[m][1]);
+        }
+      }
+    }
+  }
+  const __mmask16 lo = HalfMask(cols, 0), hi = HalfMask(cols, 1);
+  for (int m = 0; m < MR; ++m) {
+    _mm512_mask_storeu_ps(out + m * ldo, lo, acc[m][0]);
+    _mm512_mask_storeu_ps(out + m * ldo + 16, hi, acc[m][1]);
+  }
+}
+#endif
+
+// Runs tile(MR, first row) over a panel's rows: tiles of MAX rows, then one tile of the rows left (MR a constant)
+template <int R, typename Tile>
+inline void LastRows(int64_t r, int64_t m, Tile& tile) {
+  if constexpr (R >= 1) {
+    if (r == R) return tile(std::integral_constant<int, R>{}, m);
+    LastRows<R - 1>(r, m, tile);
+  }
+}
+
+template <int MAX, typename Tile>
+inline void OverRows(int64_t rows, Tile&& tile) {
+  int64_t m = 0;
+  for (; m + MAX <= rows; m += MAX) tile(std::integral_constant<int, MAX>{}, m);
+  if (m < rows) LastRows<MAX - 1>(rows - m, m, tile);
+}
+
+enum class Format { kBF16, kInt8, kInt4 };
+
+Format FormatOf(const paddle::Tensor& packed, const char* op) {
+  PD_CHECK(packed.is_cpu(), op, ": packed must be a CPU tensor");
+  switch (packed.dtype()) {
+    case paddle::DataType::BFLOAT16: return Format::kBF16;
+    case paddle::DataType::INT8: return Format::kInt8;
+    case paddle::DataType::UINT8: return Format::kInt4;
+    default: PD_THROW(op, ": packed must be bfloat16 (bfloat16 weights), int8 (weight_only_int8) or uint8 ",
+                      "(weight_only_int4)");
+  }
+}
+
+// a source weight W [K, N] (or [N, K] transposed)
+struct Source {
+  const float* w;
+  int64_t k_dim, n;
+  bool transposed;
+};
+
+Source SourceOf(const paddle::Tensor& w, bool transposed, const char* op) {
+  prl::CheckCpuFloat(w, op, "weight");
+  PD_CHECK(w.shape().size() == 2, op, ": weight must be 2-D");
+  return {w.data<float>(), w.shape()[transposed ? 1 : 0], w.shape()[transposed ? 0 : 1], transposed};
+}
+
+}  // namespace
+
+// The low-precision packs first copy each panel to float32 [K, 32] (PanelOf), then convert it row by row: 32
+// adjacent columns per step, loops the compiler vectorizes, whichever layout the source has.
+std::vector<paddle::Tensor> PackWeightBF16(const paddle::Tensor& w, bool transposed) {
+  const Source src = SourceOf(w, transposed, "prl_pack_weight_bf16");
+  const int64_t panels = (src.n + kPanel - 1) / kPanel, k2 = (src.k_dim + 1) / 2;
+  auto out = paddle::empty({panels, k2, 2 * kPanel}, paddle::DataType::BFLOAT16, w.place());
+  uint16_t* dst = reinterpret_cast<uint16_t*>(out.data<phi::dtype::bfloat16>());
+  prl::ParallelFor(panels, src.k_dim * kPanel, [&](int, int64_t begin, int64_t end) {
+    std::vector<float> buf(2 * k2 * kPanel, 0.0f);  // an odd K's last row stays 0
+    for (int64_t p = begin; p < end; ++p) {
+      PanelOf(src.w, src.k_dim, src.n, src.transposed, p, buf.data());
+      for (int64_t kk = 0; kk < k2; ++kk) {
+        const float* even = buf.data() + 2 * kk * kPanel;
+        const float* odd = even + kPanel;
+        uint16_t* d = dst + (p * k2 + kk) * 2 * kPanel;
+        for (int64_t j = 0; j < kPanel; ++j) {
+          d[2 * j] = RoundBF16(even[j]);
+          d[2 * j + 1] = RoundBF16(odd[j]);
+        }
+      }
+    }
+  });
+  return {out, paddle::zeros({1}, paddle::DataType::FLOAT32, w.place())};
+}
+
+namespace {
+
+// q = round_even(v / s) clipped to [-lim, lim], 0 where s is 0, for a row of 32 columns
+inline void QuantizeRow(const float* v, const float* s, float lim, float* q) {
+  for (int64_t j = 0; j < kPanel; ++j) {
+    const float r = std::nearbyint(v[j] / (s[j] > 0.0f ? s[j] : 1.0f));
+    q[j] = s[j] > 0.0f ? std::max(-lim, std::min(lim, r)) : 0.0f;
+  }
+}
+
+// s[j] = max |panel[k, j]| / div over rows [k0, k1)
+inline void ColumnScales(const float* panel, int64_t k0, int64_t k1, float div, float* s) {
+  float amax[kPanel] = {};
+  for (int64_t k = k0; k < k1; ++k) {
+    for (int64_t j = 0; j < kPanel; ++j) amax[j] = std::max(amax[j], std::fabs(panel[k * kPanel + j]));
+  }
+  for (int64_t j = 0; j < kPanel; ++j) s[j] = amax[j] / div;
+}
+
+}  // namespace
+
+std::vector<paddle::Tensor> PackWeightInt8(const paddle::Tensor& w, bool transposed) {
+  const Source src = SourceOf(w, transposed, "prl_pack_weight_int8");
+  const int64_t panels = (src.n + kPanel - 1) / kPanel;
+  auto out = paddle::empty({panels, src.k_dim, kPanel}, paddle::DataType::INT8, w.place());
+  auto scales = paddle::empty({panels * kPanel}, paddle::DataType::FLOAT32, w.place());
+  int8_t* dst = out.data<int8_t>();
+  float* sc = scales.data<float>();
+  prl::ParallelFor(panels, src.k_dim * kPanel, [&](int, int64_t begin, int64_t end) {
+    std::vector<float> buf(src.k_dim * kPanel);
+    for (int64_t p = begin; p < end; ++p) {
+      PanelOf(src.w, src.k_dim, src.n, src.transposed, p, buf.data());
+      float* s = sc + p * kPanel;
+      ColumnScales(buf.data(), 0, src.k_dim, 127.0f, s);
+      for (int64_t k = 0; k < src.k_dim; ++k) {
+        float q[kPanel];
+        QuantizeRow(buf.data() + k * kPanel, s, 127.0f, q);
+        int8_t* d = dst + (p * src.k_dim + k) * kPanel;
+        for (int64_t j = 0; j < kPanel; ++j) d[j] = static_cast<int8_t>(q[j]);
+      }
+    }
+  });
+  return {out, scales};
+}
+
+std::vector<paddle::Tensor> PackWeightInt4(const paddle::Tensor& w, bool transposed) {
+  const Source src = SourceOf(w, transposed, "prl_pack_weight_int4");
+  const int64_t panels = (src.n + kPanel - 1) / kPanel, k2 = (src.k_dim + 1) / 2;
+  const int64_t groups = (src.k_dim + kQuantGroup - 1) / kQuantGroup;
+  auto out = paddle::empty({panels, k2, kPanel}, paddle::DataType::UINT8, w.place());
+  auto scales = paddle::empty({panels, groups, kPanel}, paddle::DataType::FLOAT32, w.place());
+  uint8_t* dst = out.data<uint8_t>();
+  float* sc = scales.data<float>();
+  prl::ParallelFor(panels, src.k_dim * kPanel, [&](int, int64_t begin, int64_t end) {
+    std::vector<float> buf(2 * k2 * kPanel, 0.0f);  // an odd K's last row stays 0 (its nibble 0)
+    for (int64_t p = begin; p < end; ++p) {
+      PanelOf(src.w, src.k_dim, src.n, src.transposed, p, buf.data());
+      for (int64_t g = 0; g < groups; ++g) {
+        const int64_t k0 = g * kQuantGroup, k1 = std::min(src.k_dim, k0 + kQuantGroup);
+        float* s = sc + (p * groups + g) * kPanel;
+        ColumnScales(buf.data(), k0, k1, 7.0f, s);
+        for (int64_t k = k0; k < k1; k += 2) {  // k0 is even: a byte's two rows share the group
+          float lo[kPanel], hi[kPanel] = {};
+          QuantizeRow(buf.data() + k * kPanel, s, 7.0f, lo);
+          if (k + 1 < k1) QuantizeRow(buf.data() + (k + 1) * kPanel, s, 7.0f, hi);
+          uint8_t* d = dst + (p * k2 + k / 2) * kPanel;
+          for (int64_t j = 0; j < kPanel; ++j) {
+            const int l = static_cast<int>(lo[j]) & 0xf, h = static_cast<int>(hi[j]) & 0xf;
+            d[j] = static_cast<uint8_t>(l | (h << 4));
+          }
+        }
+      }
+    }
+  });
+  return {out, scales};
+}
+
+std::vector<std::vector<int64_t>> PackWeightBF16InferShape(const std::vector<int64_t>& w, bool transposed) {
+  const int64_t k_dim = w[transposed ? 1 : 0], n = w[transposed ? 0 : 1];
+  return {{(n + kPanel - 1) / kPanel, (k_dim + 1) / 2, 2 * kPanel}, {1}};
+}
+std::vector<std::vector<int64_t>> PackWeightInt8InferShape(const std::vector<int64_t>& w, bool transposed) {
+  const int64_t k_dim = w[transposed ? 1 : 0], panels = (w[transposed ? 0 : 1] + kPanel - 1) / kPanel;
+  return {{panels, k_dim, kPanel}, {panels * kPanel}};
+}
+std::vector<std::vector<int64_t>> PackWeightInt4InferShape(const std::vector<int64_t>& w, bool transposed) {
+  const int64_t k_dim = w[transposed ? 1 : 0], panels = (w[transposed ? 0 : 1] + kPanel - 1) / kPanel;
+  return {{panels, (k_dim + 1) / 2, kPanel}, {panels, (k_dim + kQuantGroup - 1) / kQuantGroup, kPanel}};
+}
+std::vector<paddle::DataType> PackWeightBF16InferDtype(paddle::DataType) {
+  return {paddle::DataType::BFLOAT16, paddle::DataType::FLOAT32};
+}
+std::vector<paddle::DataType> PackWeightInt8InferDtype(paddle::DataType) {
+  return {paddle::DataType::INT8, paddle::DataType::FLOAT32};
+}
+std::vector<paddle::DataType> PackWeightInt4InferDtype(paddle::DataType) {
+  return {paddle::DataType::UINT8, paddle::DataType::FLOAT32};
+}
+
+PD_BUILD_OP(prl_pack_weight_bf16)
+    .Inputs({"W"})
+    .Outputs({"Out", "Scales"})
+    .Attrs({"transposed: bool"})
+    .SetKernelFn(PD_KERNEL(PackWeightBF16))
+    .SetInferShapeFn(PD_INFER_SHAPE(PackWeightBF16InferShape))
+    .SetInferDtypeFn(PD_INFER_DTYPE(PackWeightBF16InferDtype));
+
+PD_BUILD_OP(prl_pack_weight_int8)
+    .Inputs({"W"})
+    .Outputs({"Out", "Scales"})
+    .Attrs({"transposed: bool"})
+    .SetKernelFn(PD_KERNEL(PackWeightInt8))
+    .SetInferShapeFn(PD_INFER_SHAPE(PackWeightInt8InferShape))
+    .SetInferDtypeFn(PD_INFER_DTYPE(PackWeightInt8InferDtype));
+
+PD_BUILD_OP(prl_pack_weight_int4)
+    .Inputs({"W"})
+    .Outputs({"Out", "Scales"})
+    .Attrs({"transposed: bool"})
+    .SetKernelFn(PD_KERNEL(PackWeightInt4))
+    .SetInferShapeFn(PD_INFER_SHAPE(PackWeightInt4InferShape))
+    .SetInferDtypeFn(PD_INFER_DTYPE(PackWeightInt4InferDtype));
+
+// x [..., K] float32 times a low-precision packed weight -> [..., n] float32; bf16_act rounds x to bfloat16 first
+std::vector<paddle::Tensor> PackedLinearLowp(const paddle::Tensor& x, const paddle::Tensor& packed,
+                                             const paddle::Tensor& scales, int64_t n, bool bf16_act) {
+  const char* op = "prl_packed_linear_lowp";
+  prl::CheckCpuFloat(x, op, "x");
+  prl::CheckCpuFloat(scales, op, "scales");
+  const Format format = FormatOf(packed, op);
+  const auto& ps = packed.shape();
+  const int64_t k_dim = prl::LastDim(x), rows = prl::Rows(x), k2 = (k_dim + 1) / 2;
+  const int64_t panels = ps.size() == 3 ? ps[0] : 0;
+  const int64_t groups = (k_dim + kQuantGroup - 1) / kQuantGroup;
+  switch (format) {
+    case Format::kBF16:
+      PD_CHECK(ps.size() == 3 && ps[1] == k2 && ps[2] == 2 * kPanel, op, ": bfloat16 packed must be [P, ceil(K / 2), ",
+               "64] with K = x's last dim (", k_dim, ")");
+      PD_CHECK(bf16_act, op, ": bfloat16 weights multiply bfloat16 activations (bf16_act)");
+      break;
+    case Format::kInt8:
+      PD_CHECK(ps.size() == 3 && ps[1] == k_dim && ps[2] == kPanel, op, ": int8 packed must be [P, K, 32] with K = ",
+               "x's last dim (", k_dim, ")");
+      PD_CHECK(scales.numel() == panels * kPanel, op, ": int8 scales must hold P * 32 values");
+      break;
+    case Format::kInt4:
+      PD_CHECK(ps.size() == 3 && ps[1] == k2 && ps[2] == kPanel, op, ": int4 packed must be [P, ceil(K / 2), 32] ",
+               "with K = x's last dim (", k_dim, ")");
+      PD_CHECK(scales.numel() == panels * groups * kPanel, op, ": int4 scales must be [P, ceil(K / 128), 32]");
+      break;
+  }
+  PD_CHECK(n >= 1 && n <= panels * kPanel && n > (panels - 1) * kPanel, op, ": n ", n, " does not match ", panels,
+           " panels");
+  std::vector<int64_t> shape = x.shape();
+  shape.back() = n;
+  auto out = paddle::empty(shape, x.dtype(), x.place());
+  const float* xs = x.data<float>();
+  float* o = out.data<float>();
+  const float* sc = scales.data<float>();
+  const int64_t work = rows * k_dim * kPanel;
+
+  if (format == Format::kBF16) {
+    std::vector<uint32_t> xp(rows * k2);  // the rows as bfloat16 pairs, an odd K's last pair padded with 0
+    for (int64_t m = 0; m < rows; ++m) {
+      for (int64_t kk = 0; kk < k2; ++kk) {
+        const float hi = 2 * kk + 1 < k_dim ? xs[m * k_dim + 2 * kk + 1] : 0.0f;
+        xp[m * k2 + kk] = RoundBF16(xs[m * k_dim + 2 * kk]) | (static_cast<uint32_t>(RoundBF16(hi)) << 16);
+      }
+    }
+    const uint16_t* pw = reinterpret_cast<const uint16_t*>(packed.data<phi::dtype::bfloat16>());
+    const bool wide = WideBF16();
+#ifdef __AVX512F__
+    std::vector<float> xf;  // the pairs as float32: what the AVX-512 tile broadcasts
+    if (wide) {
+      xf.resize(rows * 2 * k2);
+      for (int64_t i = 0; i < rows * k2; ++i) {
+        xf[2 * i] = prl::BitCast<float>(xp[i] << 16);
+        xf[2 * i + 1] = prl::BitCast<float>(xp[i] & 0xffff0000u);
+      }
+    }
+#endif
+    prl::ParallelFor(panels, work, [&](int, int64_t begin, int64_t end) {
+      for (int64_t p = begin; p < end; ++p) {
+        const uint16_t* panel = pw + p * k2 * 2 * kPanel;
+        const int64_t col = p * kPanel, cols = std::min(kPanel, n - col);
+#ifdef __AVX512F__
+        if (wide) {
+          OverRows<kRowsWide>(rows, [&](auto mr, int64_t m) {
+            TileBF16Avx512<decltype(mr)::value>(xf.data() + m * 2 * k2, k2, panel, o + m * n + col, n, cols);
+          });
+          continue;
+        }
+#endif
+        OverRows<kRows>(rows, [&](auto mr, int64_t m) {
+          TileBF16Portable<decltype(mr)::value>(xp.data() + m * k2, k2, panel, o + m * n + col, n, cols);
+        });
+      }
+    });
+    (void)wide;
+    return {out};
+  }
+
+  std::vector<float> rounded;
+  if (bf16_act) {
+    rounded.resize(rows * k_dim);
+    for (int64_t i = 0; i < rows * k_dim; ++i) rounded[i] = BF16ToFloat(RoundBF16(xs[i]));
+    xs = rounded.data();
+  }
+  if (format == Format::kInt8) {
+    const int8_t* pw = packed.data<int8_t>();
+    prl::ParallelFor(panels, work, [&](int, int64_t begin, int64_t end) {
+      for (int64_t p = begin; p < end; ++p) {
+        const int64_t col = p * kPanel, cols = std::min(kPanel, n - col);
+#ifdef __AVX512F__
+        OverRows<kRowsWide>(rows, [&](auto mr, int64_t m) {
+          TileInt8Avx512<decltype(mr)::value>(xs + m * k_dim, k_dim, pw + p * k_dim * kPanel, sc + col,
+                                              o + m * n + col, n, cols);
+        });
+#else
+        OverRows<kRows>(rows, [&](auto mr, int64_t m) {
+          TileInt8<decltype(mr)::value>(xs + m * k_dim, k_dim, pw + p * k_dim * kPanel, sc + col, o + m * n + col,
+                                        n, cols);
+        });
+#endif
+      }
+    });
+  } else {
+    const uint8_t* pw = packed.data<uint8_t>();
+    prl::ParallelFor(panels, work, [&](int, int64_t begin, int64_t end) {
+      for (int64_t p = begin; p < end; ++p) {
+        const int64_t col = p * kPanel, cols = std::min(kPanel, n - col);
+#ifdef __AVX512F__
+        OverRows<kRowsWide>(rows, [&](auto mr, int64_t m) {
+          TileInt4Avx512<decltype(mr)::value>(xs + m * k_dim, k_dim, pw + p * k2 * kPanel, sc + p * groups * kPanel,
+                                              o + m * n + col, n, cols);
+        });
+#else
+        OverRows<kRows>(rows, [&](auto mr, int64_t m) {
+          TileInt4<decltype(mr)::value>(xs + m * k_dim, k_dim, pw + p * k2 * kPanel, sc + p * groups * kPanel,
+                                        o + m * n + col, n, cols);
+        });
+#endif
+      }
+    });
+  }
+  return {out};
+}
+
+std::vector<std::vector<int64_t>> PackedLinearLowpInferShape(const std::vector<int64_t>& x,
+                                                             const std::vector<int64_t>& packed,
+                                                             const std::vector<int64_t>& scales, int64_t n,
+                                                             bool bf16_act) {
+  std::vector<int64_t> out = x;
+  out.back() = n;
+  return {out};
+}
+
+std::vector<paddle::DataType> PackedLinearLowpInferDtype(paddle::DataType x, paddle::DataType packed,
+                                                         paddle::DataType scales) {
+  return {x};
+}
+
+PD_BUILD_OP(prl_packed_linear_lowp)
+    .Inputs({"X", "Packed", "Scales"})
+    .Outputs({"Out"})
+    .Attrs({"n: int64_t", "bf16_act: bool"})
+    .SetKernelFn(PD_KERNEL(PackedLinearLowp))
+    .SetInferShapeFn(PD_INFER_SHAPE(PackedLinearLowpInferShape))
+    .SetInferDtypeFn(PD_INFER_DTYPE(PackedLinearLowpInferDtype));

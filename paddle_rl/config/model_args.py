@@ -5,6 +5,8 @@ from .fields import arg
 
 # what recompute_granularity may name (models/decoder.py: CausalLM.recompute)
 RECOMPUTE_GRANULARITIES = ("full", "full_attn", "core_attn")
+# what rollout_quant_type may name (ops/linear.py: ROLLOUT_QUANT_TYPES)
+ROLLOUT_QUANT_TYPES = ("", "weight_only_int8", "weight_only_int4")
 
 
 @dataclass
@@ -56,9 +58,17 @@ class ModelArgs:
     release_grads: bool = arg(False, acted=False)
     offload_optim: bool = arg(False, acted=False)
     quant_type: str = arg("", acted=False)
-    rollout_quant_type: str = arg("", acted=False)
+    rollout_quant_type: str = arg("", "Quantize the rollout's packed weights: '' (off) | weight_only_int8 (per "
+                                      "output channel) | weight_only_int4 (groups of 128 along the input, per "
+                                      "output channel); dequantized in registers by the packed kernel, with "
+                                      "rollout_dtype's activations. The reference and training passes keep the "
+                                      "float32 weights.")
 
     def _validate_model(self, errors):
+        self.rollout_quant_type = "" if self.rollout_quant_type is None else str(self.rollout_quant_type).lower()
+        if self.rollout_quant_type not in ROLLOUT_QUANT_TYPES:
+            errors.append(f"rollout_quant_type: must be '' (off), weight_only_int8 or weight_only_int4, got "
+                          f"{self.rollout_quant_type!r}")
         # YAML reads a bare on / off as true / false
         self.use_custom_ops = {"true": "on", "false": "off", "yes": "on", "no": "off"}.get(str(self.use_custom_ops).lower(), str(self.use_custom_ops).lower())
         if self.use_custom_ops not in ("auto", "on", "off"):

@@ -8,6 +8,9 @@ from .fields import arg
 KV_CACHE_DTYPES = {"auto": "auto", "float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
                    "float16": "float16", "fp16": "float16", "half": "float16"}
 
+# accepted spellings of rollout_dtype -> the name used
+ROLLOUT_DTYPE_NAMES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16"}
+
 
 @dataclass
 class RolloutArgs:
@@ -26,7 +29,13 @@ class RolloutArgs:
                                            "(-1: unlimited): a prompt's samples join only while rows x (longest "
                                            "prompt + max_dec_len) stays within it. Bytes = slots x 2 x layers x "
                                            "kv_heads x head_dim x the bytes of kv_cache_dtype.")
-    kv_cache_dtype: str = arg("auto", "What the rollout's KV cache stores: auto (the model's compute dtype) | float32 | "
+    rollout_dtype: str = arg("float32", "The rollout's arithmetic: float32 | bfloat16. bfloat16 packs the rollout's "
+                                        "weights in bfloat16 (half the bytes) and rounds the activations to bfloat16 "
+                                        "before each linear layer's product, summed in float32 (exact products, "
+                                        "vdpbf16ps's order); norms, attention and log-probs stay "
+                                        "float32, and the KV cache follows (kv_cache_dtype auto). Training and the "
+                                        "reference pass stay float32. verl's rollout.dtype.")
+    kv_cache_dtype: str = arg("auto", "What the rollout's KV cache stores: auto (rollout_dtype) | float32 | "
                                       "bfloat16 | float16. A 16-bit cache halves the cache's memory and the bytes "
                                       "each decode step reads; keys and values are rounded to it, so the rollout's "
                                       "log-probs drift from the trainer's (reuse_rollout_logprobs: auto then "
@@ -56,14 +65,20 @@ class RolloutArgs:
 
     @property
     def kv_cache_paddle_dtype(self) -> Optional[str]:
-        """The KV cache's dtype for the engine (None: the compute dtype)."""
-        return None if self.kv_cache_dtype == "auto" else self.kv_cache_dtype
+        """The KV cache's dtype for the engine (None: the compute dtype); auto follows rollout_dtype."""
+        if self.kv_cache_dtype == "auto":
+            return "bfloat16" if self.rollout_dtype == "bfloat16" else None
+        return self.kv_cache_dtype
 
     def _validate_rollout(self, errors):
         dtype = str(self.kv_cache_dtype).lower()
         self.kv_cache_dtype = KV_CACHE_DTYPES.get(dtype, dtype)
         if self.kv_cache_dtype not in KV_CACHE_DTYPES.values():
             errors.append(f"kv_cache_dtype: must be auto, float32, bfloat16 or float16, got {self.kv_cache_dtype!r}")
+        dtype = str(self.rollout_dtype).lower()
+        self.rollout_dtype = ROLLOUT_DTYPE_NAMES.get(dtype, dtype)
+        if self.rollout_dtype not in ROLLOUT_DTYPE_NAMES.values():
+            errors.append(f"rollout_dtype: must be float32 or bfloat16, got {self.rollout_dtype!r}")
         # YAML reads a bare on / off as true / false
         self.reuse_rollout_logprobs = {"true": "on", "false": "off", "yes": "on", "no": "off"}.get(str(self.reuse_rollout_logprobs).lower(), str(self.reuse_rollout_logprobs).lower())
         if self.reuse_rollout_logprobs not in ("auto", "on", "off"):

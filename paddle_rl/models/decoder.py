@@ -59,6 +59,12 @@ def scaled_inv_freq(inv_freq, scaling: dict):
     return paddle.where(medium, blended, scaled)
 
 
+def _hold(layer, name: str, copy) -> None:
+    """layer.name = copy as a plain attribute (a packed Tensor or ops.LowpPacked): Layer.__setattr__ would make a
+    Tensor a buffer of the layer, and then refuse anything else but a Tensor or None in its place."""
+    layer.__dict__[name] = copy
+
+
 def _recompute(fn, *args):
     """fn(*args) whose activations are recomputed in the backward instead of kept (Paddle's non-reentrant
     recompute, which runs on CPU)."""
@@ -484,27 +490,35 @@ class CausalLM(nn.Layer):
         return paddle.matmul(hidden, weight, transpose_y=True)
 
     @contextlib.contextmanager
-    def packed_weights(self):
+    def packed_weights(self, rollout_dtype: str = "float32", quant_type: str = ""):
         """While on, the linear layers and the LM head multiply by packed copies of their weights (ops/linear.py:
         one contiguous stream per 32 output columns, read once per call; faster than a matmul for the few rows of
         a decode step, and a row's result does not depend on the other rows). The rollout's; the copies (made from
         the weights as they are now, LoRA merged) are dropped on exit, and `repack()` remakes them after the
-        weights change. Nothing is packed where the kernel does not run (ops.packing_helps)."""
+        weights change. In float32 nothing is packed where the kernel does not run (ops.packing_helps); a
+        `rollout_dtype` bfloat16 or a `quant_type` (weight_only_int8 / int4) always packs its format (the pure-Paddle
+        reference computes the same products where the kernel does not run)."""
+        fmt, bf16_act = ops.rollout_weight_format(rollout_dtype, quant_type)
         linears = [m for m in self.sublayers() if isinstance(m, (ColumnLinear, RowLinear))]
         head, transposed = self.head_weight if self.is_last and not self.config.sequence_classifier else (None, False)
 
+        def pack(weight, transposed=False):
+            if fmt != "float32":
+                return ops.pack_weight_lowp(weight, transposed, fmt, bf16_act)
+            return ops.pack_weight(weight, transposed) if ops.packing_helps(weight) else None
+
         def repack():
             for m in linears:
-                m.packed = ops.pack_weight(m.effective_weight) if ops.packing_helps(m.weight) else None
-            if transposed and ops.packing_helps(head):
-                self._packed_head = ops.pack_weight(head, transposed=True)
+                _hold(m, "packed", pack(m.effective_weight))
+            if transposed:
+                _hold(self, "_packed_head", pack(head, transposed=True))
         try:
             repack()
             yield repack
         finally:
             for m in linears:
-                m.packed = None
-            self._packed_head = None
+                _hold(m, "packed", None)
+            _hold(self, "_packed_head", None)
 
     def logits(self, hidden):
         """Full-vocabulary logits (gathered over the tensor-parallel group, padding cut off)."""

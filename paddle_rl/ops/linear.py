@@ -42,7 +42,127 @@ def packing_helps(weight) -> bool:
 
 
 def packed_linear(x, packed, n: int):
-    """x [..., K] @ W[:, :n] from pack_weight's copy. Each row's sums run over k in order whatever the other rows
-    are, so a row's output does not depend on the batch it is in."""
+    """x [..., K] @ W[:, :n] from pack_weight's copy (or pack_weight_lowp's LowpPacked). Each row's sums run over
+    k in order whatever the other rows are, so a row's output does not depend on the batch it is in."""
+    if isinstance(packed, LowpPacked):
+        return packed_linear_lowp(x, packed)
     fused = packing_helps(x) and packed.place.is_cpu_place()
     return (packed_linear_fused if fused else packed_linear_reference)(x, packed, n)
+
+
+# ---------------------------------------------------------------------------------------------- low precision
+# The rollout's weights in fewer bits (rollout_dtype: bfloat16, rollout_quant_type): csrc/cpu/linear.cc describes
+# each format's layout and arithmetic; the references below compute the same products from the same packed bytes.
+ROLLOUT_DTYPES = ("float32", "bfloat16")
+ROLLOUT_QUANT_TYPES = ("", "weight_only_int8", "weight_only_int4")
+QUANT_GROUP = 128   # weight_only_int4: rows of K per scale
+_PACK_OPS = {"bfloat16": "prl_pack_weight_bf16", "weight_only_int8": "prl_pack_weight_int8",
+             "weight_only_int4": "prl_pack_weight_int4"}
+
+
+class LowpPacked:
+    """A weight packed in a low-precision format: `data` and `scales` (what the kernel reads), `format`
+    (bfloat16 | weight_only_int8 | weight_only_int4), `n` its real columns, `bf16_act` whether the activations
+    are rounded to bfloat16 before the product."""
+
+    def __init__(self, data, scales, format: str, n: int, bf16_act: bool):
+        self.data, self.scales, self.format, self.n, self.bf16_act = data, scales, format, n, bf16_act
+
+
+def rollout_weight_format(rollout_dtype: str, quant_type: str):
+    """(packed format, bf16 activations) of a rollout: float32 | bfloat16 | the quantization, the activations
+    rounded to bfloat16 under rollout_dtype bfloat16."""
+    if rollout_dtype not in ROLLOUT_DTYPES:
+        raise ValueError(f"rollout_dtype: must be one of {', '.join(ROLLOUT_DTYPES)}, got {rollout_dtype!r}")
+    if quant_type not in ROLLOUT_QUANT_TYPES:
+        raise ValueError(f"rollout_quant_type: must be '' (off), weight_only_int8 or weight_only_int4, got "
+                         f"{quant_type!r}")
+    return (quant_type or rollout_dtype), rollout_dtype == "bfloat16"
+
+
+def _round_even(x):
+    """Round float32 to the nearest integer, ties to even (exact for |x| < 2^22)."""
+    shifter = 12582912.0  # 1.5 * 2^23
+    return (x + shifter) - shifter
+
+
+def pack_weight_lowp_reference(weight, transposed: bool, format: str):
+    """(data, scales) of `format` in pure Paddle, byte for byte the kernel's."""
+    w = weight.T if transposed else weight            # [K, N]
+    k, n = w.shape
+    panels = -(-n // PANEL)
+    w = paddle.concat([w, paddle.zeros([k, panels * PANEL - n], w.dtype)], axis=1) if n % PANEL else w
+    if format == "bfloat16":
+        w = paddle.concat([w, paddle.zeros([1, w.shape[1]], w.dtype)]) if k % 2 else w
+        data = w.astype("bfloat16").reshape([-1, 2, panels, PANEL]).transpose([2, 0, 3, 1])
+        return contiguous(data.reshape([panels, -1, 2 * PANEL])), paddle.zeros([1], "float32")
+    if format == "weight_only_int8":
+        scales = w.abs().max(axis=0) / 127.0
+        q = paddle.where(scales > 0, _round_even(w / paddle.where(scales > 0, scales, paddle.ones_like(scales))),
+                         paddle.zeros_like(w)).clip(-127, 127)
+        data = q.astype("int8").reshape([k, panels, PANEL]).transpose([1, 0, 2])
+        return contiguous(data), scales
+    groups = -(-k // QUANT_GROUP)
+    pad = groups * QUANT_GROUP - k
+    wg = paddle.concat([w, paddle.zeros([pad, w.shape[1]], w.dtype)]) if pad else w
+    wg = wg.reshape([groups, QUANT_GROUP, -1])
+    scales = wg.abs().max(axis=1, keepdim=True) / 7.0
+    safe = paddle.where(scales > 0, scales, paddle.ones_like(scales))
+    q = paddle.where(scales > 0, _round_even(wg / safe), paddle.zeros_like(wg)).clip(-7, 7).astype("int32")
+    q = q.reshape([groups * QUANT_GROUP, -1])[:k + k % 2]
+    nib = paddle.bitwise_and(q, paddle.full_like(q, 15)).reshape([-1, 2, q.shape[1]])
+    data = (nib[:, 0] + nib[:, 1] * 16).astype("uint8").reshape([-1, panels, PANEL]).transpose([1, 0, 2])
+    return contiguous(data), contiguous(scales.reshape([groups, panels, PANEL]).transpose([1, 0, 2]))
+
+
+def pack_weight_lowp_fused(weight, transposed: bool, format: str):
+    data, scales = build.run(_PACK_OPS[format], contiguous(weight), bool(transposed))
+    return data, scales
+
+
+def pack_weight_lowp(weight, transposed: bool = False, format: str = "bfloat16", bf16_act: bool = True):
+    """The rollout's copy of weight [K, N] (or [N, K] with `transposed`) in `format` (bfloat16 | weight_only_int8 |
+    weight_only_int4): always made (its numbers differ from float32's), by the kernel where it runs."""
+    if format not in _PACK_OPS:
+        raise ValueError(f"packed weight format: must be one of {', '.join(_PACK_OPS)}, got {format!r}")
+    fn = pack_weight_lowp_fused if packing_helps(weight) else pack_weight_lowp_reference
+    n = weight.shape[0 if transposed else 1]
+    return LowpPacked(*fn(weight, transposed, format), format, n, bool(bf16_act))
+
+
+def round_bf16(x):
+    """float32 rounded to bfloat16 (nearest even) and back."""
+    return x.astype("bfloat16").astype("float32")
+
+
+def dequantized(packed: LowpPacked, k: int):
+    """The float32 [K, n] weight a LowpPacked stands for (int8: the integers, its scale applied after the sum)."""
+    data, n = packed.data, packed.n
+    panels = data.shape[0]
+    if packed.format == "bfloat16":
+        w = data.astype("float32").reshape([panels, -1, PANEL, 2]).transpose([1, 3, 0, 2])
+        return w.reshape([-1, panels * PANEL])[:k, :n]
+    if packed.format == "weight_only_int8":
+        return data.astype("float32").transpose([1, 0, 2]).reshape([k, -1])[:, :n]
+    b = data.astype("int32")
+    low, high = paddle.bitwise_and(b, paddle.full_like(b, 15)), paddle.floor_divide(b, paddle.full_like(b, 16))
+    q = paddle.stack([low, high], axis=2).astype("float32")          # [P, K2, 2, 32]
+    q = paddle.where(q > 7, q - 16, q).reshape([panels, -1, PANEL])[:, :k]   # [P, K, 32]
+    scales = paddle.repeat_interleave(packed.scales, QUANT_GROUP, axis=1)[:, :k]
+    return (q * scales).transpose([1, 0, 2]).reshape([k, -1])[:, :n]
+
+
+def packed_linear_lowp_reference(x, packed: LowpPacked):
+    x = round_bf16(x) if packed.bf16_act else x
+    y = paddle.matmul(x, dequantized(packed, x.shape[-1]))
+    return y * packed.scales[:packed.n] if packed.format == "weight_only_int8" else y
+
+
+def packed_linear_lowp_fused(x, packed: LowpPacked):
+    return build.run("prl_packed_linear_lowp", contiguous(x), packed.data, packed.scales, int(packed.n),
+                     bool(packed.bf16_act))[0]
+
+
+def packed_linear_lowp(x, packed: LowpPacked):
+    fused = packing_helps(x) and packed.data.place.is_cpu_place()
+    return (packed_linear_lowp_fused if fused else packed_linear_lowp_reference)(x, packed)

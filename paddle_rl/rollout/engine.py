@@ -29,13 +29,17 @@ from .sequence import Scheduler, Sequence
 
 class RolloutEngine:
     def __init__(self, model: CausalLM, pad_id: int, eos_ids: Seq[int], max_num_seqs: int = -1,
-                 max_cache_tokens: int = -1, kv_cache_dtype: Optional[str] = None):
+                 max_cache_tokens: int = -1, kv_cache_dtype: Optional[str] = None, rollout_dtype: str = "float32",
+                 quant_type: str = ""):
         self.model = model
         self.pad_id = pad_id
         self.eos_ids = list(eos_ids)
         self.max_num_seqs = max_num_seqs
         self.max_cache_tokens = max_cache_tokens
         self.kv_cache_dtype = kv_cache_dtype   # what the KV cache stores (None: the model's compute dtype)
+        ops.rollout_weight_format(rollout_dtype, quant_type)  # checks both
+        self.rollout_dtype = rollout_dtype     # the packed weights' and activations' precision (bfloat16 | float32)
+        self.quant_type = quant_type           # the packed weights' quantization ('' | weight_only_int8 | int4)
         self.forced_lengths = None   # benchmark only: keys -> response lengths (an EOS schedule)
         self._episodes = None
         # partial rollouts: `between_steps()` runs between decode steps and may load new weights into the model
@@ -48,7 +52,7 @@ class RolloutEngine:
     def bind(self, model: CausalLM) -> "RolloutEngine":
         """The same settings, decoding with another model (a resharded rollout copy)."""
         engine = RolloutEngine(model, self.pad_id, self.eos_ids, self.max_num_seqs, self.max_cache_tokens,
-                               self.kv_cache_dtype)
+                               self.kv_cache_dtype, self.rollout_dtype, self.quant_type)
         engine.forced_lengths = self.forced_lengths
         return engine
 
@@ -72,8 +76,8 @@ class RolloutEngine:
     def generate(self, prompts: Seq[Seq[int]], n: int, params: SamplingParams,
                  keys: Optional[Seq] = None, episodes=None, groups: Optional[Seq[int]] = None) -> StepBatch:
         """`keys[i * n + j]` seeds sample j of prompt i (required unless greedy); `groups[i]` is prompt i's id in
-        the output's column `group` (default: i). A model with LoRA adapters
-        decodes with its merged weights (one matmul per layer; dropped when the call returns).
+        the output's column `group` (default: i). A model with LoRA adapters decodes with its merged weights (one
+        matmul per layer; dropped when the call returns), packed in the engine's rollout_dtype / quant_type.
 
         `episodes` (rollout/episodes.py EpisodeRunner) makes each sample a multi-turn episode: when a row stops,
         `episodes.turn_ended(seq)` returns the tokens of the environment's observation (fed in one per decode
@@ -82,7 +86,7 @@ class RolloutEngine:
         if episodes is not None and params.repetition_penalty != 1.0:
             raise ValueError("repetition_penalty: not with a multi-turn environment (observation tokens would not "
                              "count as seen)")
-        with merged_weights(self.model), self.model.packed_weights() as repack:
+        with merged_weights(self.model), self.model.packed_weights(self.rollout_dtype, self.quant_type) as repack:
             out = self._generate(prompts, n, params, keys, episodes, repack, groups)
         if episodes is not None:
             episodes.finish(out)

@@ -36,7 +36,8 @@ class RolloutWorkerError(RuntimeError):
 class RolloutWorker:
     def __init__(self, model_dir: str, pad_id: int, stop_ids, max_num_seqs: int, max_cache_tokens: int,
                  threads: int = 0, log_path: Optional[str] = None, start_timeout: float = 300.0,
-                 partial: bool = False, kv_cache_dtype: Optional[str] = None):
+                 partial: bool = False, kv_cache_dtype: Optional[str] = None, rollout_dtype: str = "float32",
+                 quant_type: str = ""):
         self.log_path = log_path or os.path.join(tempfile.gettempdir(), f"paddle_rl_rollout_worker_{os.getpid()}.log")
         self.weights_dir = tempfile.mkdtemp(prefix="paddle_rl_weights_",
                                             dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
@@ -54,7 +55,8 @@ class RolloutWorker:
         self._conn.send(("init", {"model_dir": model_dir, "weights_dir": self.weights_dir,
                                   "pad_id": pad_id, "stop_ids": list(stop_ids),
                                   "max_num_seqs": max_num_seqs, "max_cache_tokens": max_cache_tokens,
-                                  "kv_cache_dtype": kv_cache_dtype, "partial": partial}))
+                                  "kv_cache_dtype": kv_cache_dtype, "partial": partial,
+                                  "rollout_dtype": rollout_dtype, "quant_type": quant_type}))
         self.version = None
 
     @property
@@ -200,7 +202,8 @@ class _Server:
         for p in model.parameters():
             p.stop_gradient = True
         self.engine = RolloutEngine(model, spec["pad_id"], spec["stop_ids"], spec["max_num_seqs"],
-                                    spec["max_cache_tokens"], spec["kv_cache_dtype"])
+                                    spec["max_cache_tokens"], spec["kv_cache_dtype"], spec["rollout_dtype"],
+                                    spec["quant_type"])
         if spec.get("partial"):
             self.engine.between_steps = self._between_steps
 

@@ -77,7 +77,8 @@ def run_eval(config) -> dict:
                                   config.max_prompt_len, config.prompt_overflow, limit=config.max_eval_samples)
     stop_ids = sorted(set(tokenizer.eos_token_ids) | set(model.config.eos_token_ids))
     engine = RolloutEngine(model, tokenizer.pad_token_id, stop_ids, config.rollout_max_num_seqs,
-                           config.rollout_kv_cache_tokens, config.kv_cache_paddle_dtype)
+                           config.rollout_kv_cache_tokens, config.kv_cache_paddle_dtype,
+                           config.rollout_dtype, config.rollout_quant_type)
     return evaluate(engine, tokenizer, dataset, build_reward(config), config, stop_ids,
                     episode_maker(config, tokenizer, stop_ids))  # multi-turn, as in training
 

@@ -99,7 +99,8 @@ class RLTrainer:
             raise ValueError(f"{self.tokenizer_dir}: no EOS token (tokenizer_config.json eos_token or "
                              "generation_config.json eos_token_id)")
         self.engine = RolloutEngine(self.actor, self.pad_id, self.stop_ids, config.rollout_max_num_seqs,
-                                     config.rollout_kv_cache_tokens, config.kv_cache_paddle_dtype)
+                                     config.rollout_kv_cache_tokens, config.kv_cache_paddle_dtype,
+                                     config.rollout_dtype, config.rollout_quant_type)
         self.reward_fn = build_reward(config, broadcast_group=self.layout.reward_group)
         self.mini_batches_per_step = config.global_batch_size // config.mini_batch_prompts
         self.optimizer, self.scheduler = self.layout.build_optimizer(
