@@ -1,7 +1,7 @@
 """The rollout engine: continuous batching over sequences, each finished row leaving the running batch at once.
 
-`generate(prompts, n, params, keys)` makes one `Sequence` per sample (row r = sample r % n of prompt r // n) and
-runs the loop
+`generate(prompts, n, params, keys)` makes one `Sequence` per sample (sample j of prompt i, in output row i * n + j)
+and runs the loop
     admit waiting prompt groups (Scheduler: rollout_max_num_seqs rows, rollout_kv_cache_tokens slots)
       -> prefill them together, fan each prompt's keys and values out to its n samples (RunningBatch.relayout)
     sample one token for every running row (the fused sampling kernel; row r draws uniform number
@@ -9,7 +9,8 @@ runs the loop
     drop the rows that stopped or reached max_dec_len (relayout)
     one decode step of the model for the rows left
 until nothing waits or runs. The output is a StepBatch with the rollout's columns (prompt_ids, response_ids,
-response_mask, rollout_logp, lengths, truncated, decode_steps: how many decode steps processed the row).
+response_mask, rollout_logp, lengths, truncated, group and sample: who each row is, decode_steps: how many decode
+steps processed the row).
 """
 from typing import Optional, Sequence as Seq
 
