@@ -10,8 +10,9 @@ instead of 17). PADDLE_RL_MALLOC=heap makes `configure_allocator` keep freed mem
 instead, as a caching allocator would (W1 ~5% faster; peak RSS stays at its high-water mark, +1.9 GB on a
 0.5B model). It is off by default for that memory.
 
-`import_paddle` imports Paddle once, for the whole package: without a Paddle build it stops with one line that
-says what to install (the suite does not install Paddle itself: the CPU and GPU builds are different
+`quiet_paddle_import` (called when the package is imported; it imports nothing itself, so reward-server workers and
+`--help` stay without Paddle) arranges Paddle's first import, by whatever module: without a Paddle build it stops
+with one line that says what to install (the suite does not install Paddle itself: the CPU and GPU builds are different
 distributions that both provide `paddle`), and it keeps two import-time notices of Paddle's out of the output:
 - "WARNING: OMP_NUM_THREADS set to N, not 1 ... PLEASE USE OMP_NUM_THREADS WISELY.", printed to stderr when
   OMP_NUM_THREADS > 1. `configure_threads` sets it on purpose (the cores divided among the local processes); the
@@ -21,6 +22,7 @@ distributions that both provide `paddle`), and it keeps two import-time notices 
 Every other line Paddle writes while it is imported passes through.
 """
 import ctypes
+import importlib.abc
 import importlib.util
 import io
 import os
@@ -93,18 +95,53 @@ class _DropLines(io.TextIOBase):
         self.target.flush()
 
 
-def import_paddle():
-    """Import Paddle without its import-time notices; ImportError with PADDLE_MISSING when no build is installed."""
+class _QuietPaddleFinder(importlib.abc.MetaPathFinder):
+    """Finds `paddle` as the other finders do and wraps its loader so that Paddle's import-time notices
+    (PADDLE_IMPORT_NOTICES on stderr) are dropped whenever, wherever it is first imported."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name != "paddle":
+            return None
+        sys.meta_path.remove(self)   # the real finders answer; this one is needed once
+        spec = importlib.util.find_spec("paddle")
+        if spec is None:
+            raise ImportError(PADDLE_MISSING, name="paddle")
+        if spec.loader is not None and hasattr(spec.loader, "exec_module"):
+            spec.loader = _QuietLoader(spec.loader)
+        return spec
+
+
+class _QuietLoader(importlib.abc.Loader):
+    def __init__(self, loader):
+        self.loader = loader
+
+    def create_module(self, spec):
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module):
+        stderr = sys.stderr
+        sys.stderr = _DropLines(stderr, PADDLE_IMPORT_NOTICES)
+        try:
+            self.loader.exec_module(module)
+        finally:
+            sys.stderr.flush()
+            sys.stderr = stderr
+
+
+def quiet_paddle_import() -> None:
+    """Arranges for Paddle's first import (by any module, later) to drop its notices and, without a Paddle build,
+    to stop with PADDLE_MISSING's one line; imports nothing itself (reward-server workers and `--help` stay without
+    Paddle)."""
     warnings.filterwarnings("ignore", message="No ccache found", category=UserWarning)
-    if "paddle" in sys.modules:
-        return sys.modules["paddle"]
+    if "paddle" in sys.modules or any(isinstance(f, _QuietPaddleFinder) for f in sys.meta_path):
+        return
     if importlib.util.find_spec("paddle") is None:
         raise ImportError(PADDLE_MISSING, name="paddle")
-    stderr = sys.stderr
-    sys.stderr = _DropLines(stderr, PADDLE_IMPORT_NOTICES)
-    try:
-        import paddle
-    finally:
-        sys.stderr.flush()
-        sys.stderr = stderr
+    sys.meta_path.insert(0, _QuietPaddleFinder())
+
+
+def import_paddle():
+    """Import Paddle without its import-time notices; ImportError with PADDLE_MISSING when no build is installed."""
+    quiet_paddle_import()
+    import paddle
     return paddle

@@ -124,6 +124,10 @@ def main():
     spec = json.loads(_read_fd(spec_fd).decode())
     out, err, write, exit_now = sys.stdout, sys.stderr, os.write, os._exit
     safe_builtins = dict(builtins.__dict__)
+    # what the harness itself needs after the program ran, taken before (a program may rebind builtins)
+    assertion, system_exit, memory_error, base_exception, is_callable, dict_, run, get, type_ = (
+        AssertionError, SystemExit, MemoryError, BaseException, callable, dict, exec, getattr, type)
+    dumps, loads = json.dumps, json.loads
     plain, truth = _checker()
     drop = spec.get("drop_to")
     if drop is not None:
@@ -143,7 +147,7 @@ def main():
             out.flush()
         except Exception:  # noqa: BLE001
             pass
-        write(verdict_fd, (marker + " " + json.dumps({"outcome": outcome, **extra}) + "\n").encode())
+        write(verdict_fd, (marker + " " + dumps({"outcome": outcome, **extra}) + "\n").encode())
         exit_now(0)
 
     program = spec["program"]
@@ -167,31 +171,31 @@ def main():
     sys.settrace(None)
     sys.setprofile(None)
     sys.stdout, sys.stderr = out, err
-    env = dict(namespace)
+    env = dict_(namespace)
     for name, value in namespace.items():  # the program's own functions answer only in builtin types
-        if getattr(value, "__globals__", None) is namespace:
+        if get(value, "__globals__", None) is namespace:
             env[name] = _returns_plain(value, plain)
     env.update(__builtins__=safe_builtins, __prl_plain__=plain, __prl_truth__=truth, __name__="__test__")
     try:
         if "call" in test:
             fn = env.get(test["call"])
-            if not callable(fn):
+            if not is_callable(fn):
                 verdict("runtime_error", error=f"no function {test['call']}")
             value = fn(*test["args"])
-            verdict("returned", value=json.loads(json.dumps(value)))
-        exec(test_code, env)
+            verdict("returned", value=loads(dumps(value)))
+        run(test_code, env)
         verdict("pass")
     except BadType as e:
         verdict("bad_type", error=str(e))
-    except AssertionError:
+    except assertion:
         verdict("wrong_answer")
-    except SystemExit:
+    except system_exit:
         verdict("early_exit")
-    except MemoryError:
+    except memory_error:
         verdict("memory")
-    except BaseException as e:  # noqa: BLE001
+    except base_exception as e:  # noqa: BLE001
         traceback.print_exc(file=err)
-        verdict("runtime_error", error=type(e).__name__)
+        verdict("runtime_error", error=type_(e).__name__)
 
 
 if __name__ == "__main__":
