@@ -13,15 +13,18 @@ from .stats import global_sum
 
 def clipped_value_loss(values, old_values, returns, mask, clip_range_value: float):
     """(per-token loss [B, T] in values' dtype, metrics as scalar tensors: vf_loss, vpred_mean, vf_clipfrac).
-    vf_clipfrac: the share of tokens where the clipped term is the larger one (the clip decided the loss)."""
+    vf_clipfrac: the share of tokens where the value left the clip range and the clipped term is the larger one
+    (the clip decided the loss)."""
     values = as_tensor(values)
     old_values, returns, mask = (as_tensor(x, like=values) for x in (old_values, returns, mask))
     clipped = old_values + paddle.clip(values - old_values, -clip_range_value, clip_range_value)
     plain_sq, clipped_sq = (values - returns).square(), (clipped - returns).square()
     loss = 0.5 * paddle.maximum(plain_sq, clipped_sq)
     with paddle.no_grad():
+        # where the clip is not active the two terms differ by rounding only (old + (V - old) vs V): not counted
+        decided = ((values - old_values).abs() > clip_range_value) & (clipped_sq > plain_sq)
         metrics = {"vf_loss": masked_mean(loss, mask), "vpred_mean": masked_mean(values, mask),
-                   "vf_clipfrac": masked_mean((clipped_sq > plain_sq).astype(values.dtype), mask)}
+                   "vf_clipfrac": masked_mean(decided.astype(values.dtype), mask)}
     return loss, metrics
 
 
