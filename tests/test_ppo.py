@@ -83,3 +83,21 @@ def test_unsupported_layouts_are_refused(key, value, message):
     config = load_config(None, ["actor_model_name_or_path=x", "rl_algorithm=ppo", f"{key}={value}"])
     with pytest.raises(ConfigError, match=message):
         check_critic_config(config, True)
+
+
+def test_paddlenlp_ppo_argument_file_loads(caplog):
+    import logging
+    from paddle_rl.trainer.critic import check_critic_config
+    fixture = os.path.join(os.path.dirname(__file__), "fixtures", "paddlenlp_ppo_argument.yaml")
+    with caplog.at_level(logging.WARNING, logger="paddle_rl"):
+        cfg = load_config(fixture)
+    assert cfg.rl_algorithm == "ppo" and cfg.resolved_estimator == "gae"
+    assert cfg.clip_range_value == 0.5 and cfg.per_device_value_batch_size == 2
+    settings = cfg.critic_optimizer_settings()
+    assert settings["learning_rate"] == 1e-5 and settings["weight_decay"] == 0.01 and settings["min_lr_ratio"] == 1.0
+    assert cfg.min_lr_ratio == 1.0            # min_learning_rate 1e-6 of learning_rate 1e-6
+    message = " ".join(r.getMessage() for r in caplog.records if "not acted on" in r.getMessage())
+    assert "use_rule_reward" in message and "clip_range_value" not in message and "critic" not in message
+    # its tensor_parallel_degree 2 is named (the critic runs replicated: data parallelism only, for now)
+    with pytest.raises(ConfigError, match="tensor_parallel_degree > 1"):
+        check_critic_config(cfg, True)
