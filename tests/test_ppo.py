@@ -101,3 +101,21 @@ def test_paddlenlp_ppo_argument_file_loads(caplog):
     # its tensor_parallel_degree 2 is named (the critic runs replicated: data parallelism only, for now)
     with pytest.raises(ConfigError, match="tensor_parallel_degree > 1"):
         check_critic_config(cfg, True)
+
+
+def test_critic_from_a_reward_model_folder(micro, tmp_path):
+    # a checkpoint's critic/ is a one-label *ForSequenceClassification folder (a reward model's layout): a critic
+    # started from it takes its decoder and its trained value head, not a zero head
+    from paddle_rl.models.critic import load_critic
+    from paddle_rl.models.config import ModelConfig
+    from paddle_rl.models.safetensors_io import load_state
+    run(micro, tmp_path / "a", max_steps=1, do_eval=False, save_steps=1)
+    folder = str(tmp_path / "a" / "checkpoint-1" / "critic")
+    config = ModelConfig.from_pretrained(folder)
+    assert config.sequence_classifier and config.num_labels == 1
+    saved = load_state(folder)["score.weight"]
+    assert np.abs(saved).max() > 0
+    np.testing.assert_array_equal(load_critic(folder).score.weight.numpy().T, saved)
+    trainer, rows = run(micro, tmp_path / "b", max_steps=1, do_eval=False, save_steps=100,
+                        critic_model_name_or_path=folder)
+    assert rows[0]["critic/values_mean"] != 0.0    # the trained head values the first rollout
