@@ -16,7 +16,7 @@ import numpy as np
 import paddle
 
 RESPONSE_COLUMNS = ("response_ids", "response_mask", "rollout_logp", "old_logp", "ref_logp", "advantages",
-                    "is_weight")
+                    "is_weight", "values", "returns")
 
 
 def object_column(values: Iterable) -> np.ndarray:

@@ -275,3 +275,59 @@ def test_whitening_is_global_across_real_ranks(tmp_path):
     # ... and not what each rank's own rows give (the reduction changed the numbers)
     local = np.array([r["local"][0] for r in ranks])
     assert np.abs(local - whole).max() > 0.1, local
+
+
+# --- GAE (rl_algorithm ppo) ----------------------------------------------------------------------
+
+def gae(scores, mask, values, **options):
+    options.setdefault("whiten", False)
+    adv_t, returns = compute_advantages("gae", np.asarray(scores, np.float64), np.asarray(mask, np.float32), None,
+                                        values=np.asarray(values, np.float64), **options)
+    return adv_t.numpy().astype(np.float64), returns
+
+
+def test_gae_gamma_lam_one_is_return_minus_value():
+    # score 1 on the last token, gamma = lam = 1: A_t = (sum of later rewards) - V_t = 1 - V_t, R_t = 1
+    adv, returns = gae([1.0], [[1, 1, 1]], [[0.5, 0.2, -0.1]])
+    np.testing.assert_allclose(adv, [[0.5, 0.8, 1.1]], atol=1e-6)
+    np.testing.assert_allclose(returns, [[1.0, 1.0, 1.0]], atol=1e-12)
+
+
+def test_gae_discounted_by_hand():
+    # V = [1, 2], r = [0, 1], gamma 0.9, lam 0.5:
+    # t=1: delta = 1 + 0.9*0 - 2 = -1, A1 = -1;  t=0: delta = 0 + 0.9*2 - 1 = 0.8, A0 = 0.8 + 0.45*(-1) = 0.35
+    adv, returns = gae([1.0], [[1, 1]], [[1.0, 2.0]], gamma=0.9, lam=0.5)
+    np.testing.assert_allclose(adv, [[0.35, -1.0]], atol=1e-6)
+    np.testing.assert_allclose(returns, [[1.35, 1.0]], atol=1e-6)
+
+
+def test_gae_skips_tokens_outside_the_mask():
+    # padding after the response and an observation token inside it (multi-turn) are not steps of the recursion:
+    # [1, hole, 1] with V [1, 99, 2] gives the same numbers as the two-token case above, 0 on the hole
+    adv, returns = gae([1.0, 1.0], [[1, 0, 1], [1, 1, 0]], [[1.0, 99.0, 2.0], [1.0, 2.0, 7.0]], gamma=0.9, lam=0.5)
+    np.testing.assert_allclose(adv, [[0.35, 0.0, -1.0], [0.35, -1.0, 0.0]], atol=1e-6)
+    np.testing.assert_allclose(returns, [[1.35, 0.0, 1.0], [1.35, 1.0, 0.0]], atol=1e-6)
+
+
+def test_gae_reward_kl_and_score_clip():
+    # k1 reward KL: old - ref = [0.5, 0] -> r = [-0.1*0.5, clip(20, 10)] = [-0.05, 10]; V = 0, gamma = lam = 1
+    adv, returns = gae([20.0], [[1, 1]], [[0.0, 0.0]], old_logp=np.array([[-1.0, -1.0]]),
+                       ref_logp=np.array([[-1.5, -1.0]]), kl_coeff=0.1, clip_range_score=10.0)
+    np.testing.assert_allclose(adv, [[9.95, 10.0]], atol=1e-5)
+    np.testing.assert_allclose(returns, [[9.95, 10.0]], atol=1e-6)
+
+
+def test_gae_whitening_is_an_option_and_leaves_returns():
+    mask = np.array([[1, 1, 1], [1, 1, 0]], np.float32)
+    values = np.array([[0.1, 0.3, -0.2], [0.4, 0.0, 5.0]])
+    raw, r_raw = gae([1.0, -1.0], mask, values, gamma=0.95, lam=0.9)
+    white, r_white = gae([1.0, -1.0], mask, values, gamma=0.95, lam=0.9, whiten=True)
+    np.testing.assert_allclose(white, masked_whiten(raw, mask), atol=1e-6)
+    assert abs(white[mask > 0].mean()) < 1e-6 and not np.allclose(white, raw)
+    np.testing.assert_array_equal(r_raw, r_white)
+    np.testing.assert_allclose(r_raw, (raw + values) * mask, atol=1e-6)
+
+
+def test_gae_needs_values():
+    with pytest.raises(ValueError, match="critic's values"):
+        compute_advantages("gae", np.ones(1), np.ones((1, 2), np.float32), None)

@@ -259,3 +259,19 @@ def test_micro_batch_invariance(mode, loss_name):
     assert np.abs(whole).max() > 1e-3
     for splits in (2, 4):
         np.testing.assert_allclose(_grad_for_split(objective, problem, splits), whole, rtol=1e-6, atol=1e-12)
+
+
+def test_clipped_value_loss_by_hand():
+    from paddle_rl.algorithms.value import clipped_value_loss
+    # V_old = 0, eps = 0.5, R = 1: V = 2 -> clipped 0.5: max((2-1)^2, (0.5-1)^2) = 1 -> 0.5 (plain term);
+    # V = -1 -> clipped -0.5: max(4, 2.25) = 4 -> 2 (plain); V = 0.2 -> inside: 0.5 * 0.64 = 0.32;
+    # R = -1, V = 2 -> clipped 0.5: max(9, 2.25) -> 4.5; R = 3, V = 2.0 (old 0) -> clipped 0.5: max(1, 6.25) -> 3.125
+    values = paddle.to_tensor([[2.0, -1.0, 0.2, 2.0, 2.0]])
+    old = np.zeros((1, 5))
+    returns = np.array([[1.0, 1.0, 1.0, -1.0, 3.0]])
+    mask = np.array([[1, 1, 1, 1, 1]], np.float32)
+    loss, metrics = clipped_value_loss(values, old, returns, mask, 0.5)
+    np.testing.assert_allclose(loss.numpy(), [[0.5, 2.0, 0.32, 4.5, 3.125]], rtol=1e-6)
+    assert float(metrics["vf_clipfrac"]) == pytest.approx(0.2)   # only the last token's loss is the clipped term
+    assert float(metrics["vpred_mean"]) == pytest.approx(1.04)
+    assert float(metrics["vf_loss"]) == pytest.approx((0.5 + 2 + 0.32 + 4.5 + 3.125) / 5, rel=1e-6)

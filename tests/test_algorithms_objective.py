@@ -33,7 +33,8 @@ def test_config_does_not_copy_the_registries():
     # the registries are the one list of names; the config no longer keeps its own copy
     for name in ("ADVANTAGE_ESTIMATORS", "POLICY_LOSSES", "KL_ESTIMATORS", "LOSS_AGG_MODES"):
         assert not hasattr(algorithm_args, name), name
-    assert set(algorithm_args.RL_ALGORITHMS) <= set(ADVANTAGE_ESTIMATORS)   # each preset names an estimator
+    presets = {algorithm_args.PRESET_ESTIMATORS.get(a, a) for a in algorithm_args.RL_ALGORITHMS}
+    assert presets <= set(ADVANTAGE_ESTIMATORS)   # each preset names an estimator
 
 
 CHOICES = ([("advantage_estimator", n) for n in ADVANTAGE_ESTIMATORS]
@@ -52,7 +53,8 @@ def test_every_choice_builds_and_runs(key, value, tmp_path):
     path.write_text(f"actor_model_name_or_path: x\n{key}: {value}\nkl_coeff: 0.05\nkl_loss_coeff: 0.1\n")
     obj = Objective(load_config(str(path)), reduce=None)
     scores, mask, groups, old, ref = tiny_batch()
-    adv = obj.advantages(scores, mask, groups, old, ref)
+    values = np.full(mask.shape, 0.1) if obj.uses_critic else None   # gae: the critic's values
+    adv = obj.advantages(scores, mask, groups, old, ref, values=values)
     assert adv.shape == [4, 3] and adv.dtype == paddle.float32 and np.isfinite(adv.numpy()).all()
     logp = paddle.to_tensor(old + 0.05, stop_gradient=False)
     out = obj.loss(logp, old, ref, adv, mask, paddle.full([4, 3], 0.7), *obj.loss_normalizers(mask))
@@ -62,7 +64,7 @@ def test_every_choice_builds_and_runs(key, value, tmp_path):
 
 
 @pytest.mark.parametrize("key, value", [
-    ("advantage_estimator", "gae"), ("rl_algorithm", "ppo"), ("policy_loss", "trpo"), ("loss_agg_mode", "sum"),
+    ("advantage_estimator", "vtrace"), ("rl_algorithm", "a2c"), ("policy_loss", "trpo"), ("loss_agg_mode", "sum"),
     ("kl_loss_type", "k3"), ("kl_penalty", "full"), ("algorithm_preset", "openrlhf"), ("scale_rewards", "global"),
     ("dynamic_sampling_fallback", "skip"), ("clip_ratio_c", "0.5"), ("tau_neg", "0"), ("gamma", "1.5"),
     ("kl_horizon", "0"), ("max_gen_batches", "0"), ("loss_scale_factor", "0"), ("grpo_eps", "-1"),
@@ -75,7 +77,7 @@ def test_bad_value_names_the_key(key, value):
 
 
 @pytest.mark.parametrize("key, value, registry", [
-    ("advantage_estimator", "gae", ADVANTAGE_ESTIMATORS), ("policy_loss", "trpo", POLICY_LOSSES),
+    ("advantage_estimator", "vtrace", ADVANTAGE_ESTIMATORS), ("policy_loss", "trpo", POLICY_LOSSES),
     ("loss_agg_mode", "sum", LOSS_AGG_MODES), ("kl_loss_type", "k3", KL_ESTIMATORS),
     ("kl_penalty", "full", KL_ESTIMATORS),
 ])

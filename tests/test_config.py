@@ -44,7 +44,7 @@ def test_unknown_key_suggests_the_closest_name(tmp_path):
     ("max_prompt_len=-1", "max_prompt_len: must be > 0"),
     ("top_p=1.5", "top_p: must be in (0, 1]"),
     ("lr_scheduler_type=warmup_cosine", "lr_scheduler_type: 'warmup_cosine' is not one of"),
-    ("rl_algorithm=ppo", "rl_algorithm: 'ppo' is not one of"),
+    ("rl_algorithm=a2c", "rl_algorithm: 'a2c' is not one of"),
     ("rollout_n=four", "rollout_n: expected an integer"),
     ("do_eval=maybe", "do_eval: expected true or false"),
     ("kv_cache_dtype=int8", "kv_cache_dtype: must be auto, float32, bfloat16 or float16, got 'int8'"),

@@ -75,3 +75,11 @@ def test_tiny_kk_gains_10_points(config, tmp_path):
               if "eval/test_4p/accuracy" in r]
     print(f"{config}: 4 people (not trained on) by evaluation {unseen}")
     assert len(unseen) == len(curve)
+
+
+@pytest.mark.slow
+def test_tiny_arith_ppo_learns_in_50_steps(tmp_path):
+    """rl_algorithm ppo (a critic from the actor, GAE) over 50 steps of configs/tiny_arith_ppo.yaml (cosine over 50)."""
+    curve = held_out_curve("configs/tiny_arith_ppo.yaml", tmp_path, "max_steps=50")
+    assert curve[0][0] == 0 and curve[-1][0] == 50
+    assert curve[-1][1] - curve[0][1] >= 0.10, curve

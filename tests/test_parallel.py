@@ -242,6 +242,29 @@ def test_data_parallel_reinforce_pp_global_whitening(setup, reference):
     check_parity(setup, reference, out_dir, algo="reinforce_plus_plus")
 
 
+PPO_CRITIC = dict(kl_coeff=0.02, kl_loss_coeff=0.0, critic_learning_rate=3e-3, clip_range_value=0.2, lam=0.9,
+                  critic_warmup_steps=1, per_device_value_batch_size=3)
+
+
+def test_data_parallel_ppo_with_a_critic(setup):
+    """rl_algorithm ppo under DP=2 equals one process: the critic's values, value loss and gradient (summed over the
+    batch group with global normalizers), GAE whitening over the global batch, the critic's weights."""
+    from paddle_rl.models.safetensors_io import load_state
+    single = str(setup["root"] / "single-ppo")
+    os.makedirs(single, exist_ok=True)
+    train_and_probe(run_overrides(setup["micro"], single, setup["plugin"], rl_algorithm="ppo", **PPO_CRITIC),
+                    single, setup["prompts"])
+    out_dir, _ = run_layout(setup, "dp-ppo", algo="ppo", **PPO_CRITIC)
+    rows = read_rows(out_dir)
+    assert rows[0]["actor/critic_warmup"] == 1.0 and rows[2]["critic/vf_loss"] > 0
+    check_parity(setup, {"ppo": single}, out_dir, algo="ppo")
+    critic_a, critic_b = (load_state(os.path.join(d, "checkpoint-3", "critic")) for d in (single, out_dir))
+    assert set(critic_a) == set(critic_b) and "score.weight" in critic_a
+    worst = max(rel_err(critic_a[k], critic_b[k]) for k in critic_a)
+    print(f"dp-ppo: max critic weight rel err {worst:.2e}")
+    assert worst <= REL_TOL
+
+
 def test_data_parallel_adaptive_kl_counts_the_global_batch(setup):
     """adaptive_kl under DP=2: the controller moves by the sequences of the global batch, as one process does
     (counting a rank's own share would move it batch_degree times slower)."""

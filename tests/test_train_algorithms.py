@@ -25,6 +25,7 @@ CASES = [
     {"rl_algorithm": "reinforce_plus_plus", "kl_coeff": 0.02, "adaptive_kl": True, "kl_target": 0.01},
     {"enable_overlong_reward_buffer": True, "overlong_reward_buffer": 4, "overlong_filter": True},
     {"normalize_reward": True, "normalize_advantage": True, "rl_algorithm": "reinforce_plus_plus"},
+    {"rl_algorithm": "ppo", "kl_coeff": 0.01, "lam": 0.95, "use_remove_padding": True},
 ]
 
 

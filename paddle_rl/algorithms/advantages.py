@@ -206,9 +206,10 @@ def gdpo_advantages(scores, response_mask, group_ids, per_function_scores=None, 
 
 # --- token-level estimators -------------------------------------------------------------------
 
-def reinforce_returns(scores, response_mask, old_logp=None, ref_logp=None, kl_coeff: float = 0.0,
-                      kl_penalty_kind: str = "kl", gamma: float = 1.0, clip_range_score: float = 10.0):
-    """Token rewards (-kl_coeff * KL on every token, clipped score on the last) -> discounted returns."""
+def token_rewards(scores, response_mask, old_logp=None, ref_logp=None, kl_coeff: float = 0.0,
+                  kl_penalty_kind: str = "kl", clip_range_score: float = 10.0) -> np.ndarray:
+    """Per-token rewards, float64 [B, T]: -kl_coeff * KL(old || ref) on every token of the mask, plus the clipped
+    score on the last token of the mask (zero elsewhere)."""
     m = to_numpy(response_mask)
     rewards = np.zeros_like(m)
     if kl_coeff:
@@ -217,7 +218,35 @@ def reinforce_returns(scores, response_mask, old_logp=None, ref_logp=None, kl_co
     has_tokens = m.sum(-1) > 0
     rows = np.arange(m.shape[0])[has_tokens]
     rewards[rows, last_token_index(m)[has_tokens]] += s[has_tokens]
-    return discounted_returns(rewards, m, gamma)
+    return rewards
+
+
+def reinforce_returns(scores, response_mask, old_logp=None, ref_logp=None, kl_coeff: float = 0.0,
+                      kl_penalty_kind: str = "kl", gamma: float = 1.0, clip_range_score: float = 10.0):
+    """Token rewards (-kl_coeff * KL on every token, clipped score on the last) -> discounted returns."""
+    rewards = token_rewards(scores, response_mask, old_logp, ref_logp, kl_coeff, kl_penalty_kind, clip_range_score)
+    return discounted_returns(rewards, to_numpy(response_mask), gamma)
+
+
+def generalized_advantages(rewards, values, mask, gamma: float = 1.0, lam: float = 1.0):
+    """GAE over the tokens of the mask: (advantages, returns), float64 [B, T], zero outside the mask.
+
+    delta_t = r_t + gamma * V_next - V_t, A_t = delta_t + gamma * lam * A_next, R_t = A_t + V_t, where "next" is the
+    next token of the mask in the same row (V after the last one = 0). Tokens outside the mask (padding, or a
+    multi-turn episode's observation tokens inside a response) are not steps of the recursion: they get 0 and
+    the recursion passes over them, so an observation between two turns is part of the environment's transition
+    from the last token of one turn to the first of the next (one discount step, its reward and value unused)."""
+    r, v, m = to_numpy(rewards), to_numpy(values), to_numpy(mask) > 0
+    adv = np.zeros_like(r)
+    next_value = np.zeros(r.shape[0], dtype=np.float64)
+    running = np.zeros(r.shape[0], dtype=np.float64)
+    for t in range(r.shape[1] - 1, -1, -1):
+        on = m[:, t]
+        current = r[:, t] + gamma * next_value - v[:, t] + gamma * lam * running
+        adv[:, t] = np.where(on, current, 0.0)
+        running = np.where(on, current, running)
+        next_value = np.where(on, v[:, t], next_value)
+    return adv, np.where(m, adv + v, 0.0)
 
 
 REINFORCE_OPTIONS = REWARD_KL_OPTIONS + ("gamma", "clip_range_score", "reduce")
@@ -243,3 +272,24 @@ def reinforce_pp_baseline_advantages(scores, response_mask, group_ids, old_logp=
     return reinforce_pp_advantages(clipped - mean, response_mask, None, old_logp=old_logp, ref_logp=ref_logp,
                                    kl_coeff=kl_coeff, kl_penalty_kind=kl_penalty_kind, gamma=gamma,
                                    clip_range_score=np.inf, reduce=reduce)
+
+
+# --- estimators with a critic -----------------------------------------------------------------
+
+@register_advantage("gae", REWARD_KL_OPTIONS + ("values", "gamma", "lam", "clip_range_score", "whiten", "reduce"),
+                    critic=True)
+def gae_advantages(scores, response_mask, group_ids=None, values=None, old_logp=None, ref_logp=None,
+                   kl_coeff: float = 0.0, kl_penalty_kind: str = "kl", gamma: float = 1.0, lam: float = 1.0,
+                   clip_range_score: float = 10.0, whiten: bool = True, reduce=None):
+    """PPO with a critic: token rewards (-kl_coeff * KL on every token, clipped score on the last), GAE against
+    the critic's rollout-time `values` [B, T]. Returns (advantages as a float32 Paddle tensor, whitened over every
+    token of the global batch when `whiten`; returns R = A + V before whitening, float64 numpy: the critic's
+    targets). The trait critic=True tells the Objective that this estimator needs values and gives returns."""
+    if values is None:
+        raise ValueError("advantage estimator 'gae' needs the critic's values of the rollout")
+    m = to_numpy(response_mask)
+    rewards = token_rewards(scores, m, old_logp, ref_logp, kl_coeff, kl_penalty_kind, clip_range_score)
+    adv, returns = generalized_advantages(rewards, to_numpy(values) * m, m, gamma, lam)
+    if whiten:
+        adv = masked_whiten(adv, m, reduce=reduce)
+    return paddle.to_tensor(adv.astype(np.float32)), returns

@@ -26,13 +26,14 @@ from .dapo import overlong_filtered_mask, select_groups, soft_overlong_penalty, 
 from .kl import KL_ESTIMATORS, AdaptiveKLController, FixedKLController, kl_penalty
 from .losses import POLICY_LOSSES, masked_mean, policy_loss_tensors
 from .stats import RunningMoments, global_sum, masked_whiten
+from .value import clipped_value_loss, value_statistics
 
 logger = logging.getLogger("paddle_rl")
 
 REWARD_NORM_EPS = 1e-8
 # Estimator options that change with every call (the step's data and the current reward KL coefficient);
 # every other declared option is bound once from the config.
-STEP_INPUTS = ("old_logp", "ref_logp", "per_function_scores", "kl_coeff")
+STEP_INPUTS = ("old_logp", "ref_logp", "per_function_scores", "kl_coeff", "values")
 
 
 def check_names(config) -> None:
@@ -90,7 +91,8 @@ class Objective:
         self.reward_moments = RunningMoments()
         # every option a registered function may declare, resolved from the config once
         settings = {"eps": self.grpo_eps, "scale_rewards": config.scale_rewards,
-                    "norm_adv_by_std": config.norm_adv_by_std, "gamma": config.gamma,
+                    "norm_adv_by_std": config.norm_adv_by_std, "gamma": config.gamma, "lam": config.lam,
+                    "whiten": config.whiten_advantages,
                     "clip_range_score": config.clip_range_score, "kl_penalty_kind": config.kl_penalty,
                     "reward_weights": self._reward_weights(), "reduce": reduce,
                     "clip_low": self.clip_low, "clip_high": self.clip_high, "clip_ratio_c": config.clip_ratio_c,
@@ -115,6 +117,11 @@ class Objective:
     @property
     def needs_reference(self) -> bool:
         return self.config.kl_coeff > 0 or self.kl_loss_coeff > 0
+
+    @property
+    def uses_critic(self) -> bool:
+        """Whether the estimator needs the critic's values (and gives the returns it trains on): gae."""
+        return bool(self._estimator.traits.get("critic"))
 
     @property
     def kl_coeff(self) -> float:
@@ -199,43 +206,60 @@ class Objective:
         return weight, keep, metrics
 
     def advantages(self, scores, response_mask, group_ids, old_logp=None, ref_logp=None,
-                   per_function_scores=None):
+                   per_function_scores=None, values=None):
         """Advantages, float32 Paddle tensor [B, T] (zero outside the mask). No side effects."""
         return self.advantages_and_metrics(scores, response_mask, group_ids, old_logp, ref_logp,
-                                           per_function_scores)[0]
+                                           per_function_scores, values)[0]
 
     def advantages_and_metrics(self, scores, response_mask, group_ids, old_logp=None, ref_logp=None,
-                               per_function_scores=None):
+                               per_function_scores=None, values=None):
         """(advantages, metrics), no side effects. With kl_coeff > 0 the metrics hold reward_kl, the global
-        mean over sequences of each sequence's token-mean KL(old || ref), and reward_kl_num_seqs."""
-        adv, metrics = self._advantages(scores, response_mask, group_ids, old_logp, ref_logp, per_function_scores)
+        mean over sequences of each sequence's token-mean KL(old || ref), and reward_kl_num_seqs. `values`: the
+        critic's (gae)."""
+        adv, _, metrics = self._advantages(scores, response_mask, group_ids, old_logp, ref_logp, per_function_scores,
+                                           values)
         kl_metrics, _ = self._kl_statistics(to_numpy(response_mask), old_logp, ref_logp, token_kl=False)
         metrics.update(kl_metrics)
         return adv, metrics
 
     def step_advantages(self, scores, response_mask, group_ids, old_logp=None, ref_logp=None,
                         per_function_scores=None):
+        """`step_advantages_and_returns` without the returns: (advantages, metrics)."""
+        adv, _, metrics = self.step_advantages_and_returns(scores, response_mask, group_ids, old_logp, ref_logp,
+                                                           per_function_scores)
+        return adv, metrics
+
+    def step_advantages_and_returns(self, scores, response_mask, group_ids, old_logp=None, ref_logp=None,
+                                    per_function_scores=None, values=None):
         """Once per RL step: (advantages, metrics) as `advantages_and_metrics`, and then
         - metrics["kl"]: the token mean of old_logp - ref_logp (k1) over the global batch (when ref_logp is given);
         - the reward KL controller moves (adaptive_kl) by this step's reward_kl over the number of sequences
           in the global batch; metrics["kl_coeff"] is the coefficient after the move (the next step's).
         per_function_scores may hold NaN where a reward function does not apply (gdpo leaves those out).
-        Every rank of the batch group calls this once per step (it sums over the group)."""
+        Every rank of the batch group calls this once per step (it sums over the group).
+        `values` [B, T]: the critic's values of the rollout (a critic estimator, `uses_critic`); returns: the
+        critic's targets [B, T] (float32 numpy), None for an estimator without a critic."""
         mask = to_numpy(response_mask)
-        adv, metrics = self._advantages(scores, mask, group_ids, old_logp, ref_logp, per_function_scores)
+        adv, returns, metrics = self._advantages(scores, mask, group_ids, old_logp, ref_logp, per_function_scores,
+                                                 values)
         kl_metrics, num_seqs = self._kl_statistics(mask, old_logp, ref_logp,
                                                    token_kl=old_logp is not None and ref_logp is not None)
         metrics.update(kl_metrics)
         if "reward_kl" in kl_metrics:
             metrics["kl_coeff"] = self.kl_controller.update(kl_metrics["reward_kl"], num_seqs)
-        return adv, metrics
+        if returns is not None:
+            metrics.update(value_statistics(values, returns, mask, self.reduce))
+            returns = returns.astype(np.float32)
+        return adv, returns, metrics
 
-    def _advantages(self, scores, response_mask, group_ids, old_logp, ref_logp, per_function_scores):
+    def _advantages(self, scores, response_mask, group_ids, old_logp, ref_logp, per_function_scores, values=None):
         mask = to_numpy(response_mask)
         step = {"old_logp": old_logp, "ref_logp": ref_logp, "per_function_scores": per_function_scores,
-                "kl_coeff": self.kl_coeff}
+                "kl_coeff": self.kl_coeff, "values": values}
         options = dict(self._estimator_options, **{k: step[k] for k in self._estimator.options if k in step})
-        adv = self._estimator(scores, mask, group_ids, **options)
+        adv, returns = self._estimator(scores, mask, group_ids, **options), None
+        if self.uses_critic:
+            adv, returns = adv
         if self.normalize_advantage:
             adv = masked_whiten(adv, mask, reduce=self.reduce)
         values = to_numpy(adv)[mask > 0]
@@ -244,7 +268,7 @@ class Objective:
                    "advantage/max": float(values.max()) if values.size else 0.0,
                    "advantage/min": float(values.min()) if values.size else 0.0,
                    "kl_coeff": self.kl_coeff}
-        return adv, metrics
+        return adv, returns, metrics
 
     def _kl_statistics(self, mask, old_logp, ref_logp, token_kl: bool):
         """(metrics, global sequence count) from one reduction over the batch group: the reward KL (kl_coeff
@@ -330,6 +354,16 @@ class Objective:
         out = metrics_to_floats(metrics)
         out["kl_coeff"] = self.kl_coeff
         return LossOutput(loss, out, float(to_numpy(mask).sum()))
+
+    def value_loss(self, values, old_values, returns, response_mask, num_tokens, num_seqs) -> LossOutput:
+        """The critic's share of the mini-batch value loss for one micro-batch: clipped_value_loss (clip_range_value)
+        aggregated like the policy loss (loss_agg_mode, mini-batch-wide num_tokens / num_seqs)."""
+        values = as_tensor(values)
+        mask = as_tensor(response_mask, like=values)
+        per_token, metrics = clipped_value_loss(values, old_values, returns, mask, self.config.clip_range_value)
+        loss = aggregate_loss(per_token, mask, self.loss_agg_mode, num_tokens=num_tokens, num_seqs=num_seqs,
+                              loss_scale_factor=self.loss_scale_factor)
+        return LossOutput(loss, metrics_to_floats(metrics), float(to_numpy(mask).sum()))
 
     # --- resume ------------------------------------------------------------------------------
     def state_dict(self) -> dict:

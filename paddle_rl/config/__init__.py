@@ -2,6 +2,7 @@
 from dataclasses import dataclass
 
 from .algorithm_args import AlgorithmArgs
+from .critic_args import CriticArgs
 from .data_args import DataArgs
 from .logging_args import LoggingArgs
 from .model_args import ModelArgs
@@ -12,7 +13,8 @@ from .training_args import TrainingArgs
 
 
 @dataclass
-class RLConfig(ModelArgs, DataArgs, RolloutArgs, AlgorithmArgs, RewardArgs, TrainingArgs, ParallelArgs, LoggingArgs):
+class RLConfig(ModelArgs, DataArgs, RolloutArgs, AlgorithmArgs, CriticArgs, RewardArgs, TrainingArgs, ParallelArgs,
+               LoggingArgs):
     """Every key of a run. Groups live in *_args.py; each group validates its own keys in `_validate_<group>`."""
 
 

@@ -7,7 +7,8 @@ from .fields import arg
 # registries of paddle_rl/algorithms are the one list, and building the Objective (before any model loads)
 # checks advantage_estimator / rl_algorithm, policy_loss, kl_penalty, kl_loss_type and loss_agg_mode against
 # them. This file checks types, ranges and its own presets.
-RL_ALGORITHMS = ("grpo", "reinforce_plus_plus")   # PaddleNLP's presets (their meaning is below), not a registry
+RL_ALGORITHMS = ("grpo", "reinforce_plus_plus", "ppo")   # PaddleNLP's presets (their meaning is below), not a registry
+PRESET_ESTIMATORS = {"ppo": "gae"}   # rl_algorithm -> its advantage estimator where the names differ
 SCALE_REWARDS = ("group", "batch", "none")
 DYNAMIC_SAMPLING_FALLBACKS = ("error", "keep")
 
@@ -22,7 +23,7 @@ ALGORITHM_PRESETS = {
 @dataclass
 class AlgorithmArgs:
     rl_algorithm: str = arg("grpo", "Preset: grpo (KL in the loss) | reinforce_plus_plus (KL in the reward, "
-                            "none in the loss).")
+                            "none in the loss) | ppo (a critic: GAE advantages, clipped value loss; critic_* keys).")
     advantage_estimator: Optional[str] = arg(None, "Overrides the preset's estimator (names: docs/algorithms.md).")
     algorithm_preset: str = arg("paddlenlp", "Conventions for keys left unset: paddlenlp | verl | trl "
                                 "(grpo_eps, loss_agg_mode; see docs/algorithms.md).")
@@ -31,7 +32,11 @@ class AlgorithmArgs:
                                     "(default from algorithm_preset: 1e-6, trl 1e-4).")
     scale_rewards: str = arg("group", "GRPO std: group (group std) | batch (batch std) | none (no division).")
     norm_adv_by_std: bool = arg(True, "GRPO divides by the std (false: Dr.GRPO-style, like scale_rewards: none).")
-    gamma: float = arg(1.0, "Discount of the REINFORCE++ token return.")
+    gamma: float = arg(1.0, "Discount of the REINFORCE++ token return and of GAE (rl_algorithm ppo).")
+    lam: float = arg(1.0, "GAE lambda (rl_algorithm ppo / advantage_estimator gae; verl's algorithm.lam).",
+                     aliases=("gae_lambda",))
+    whiten_advantages: bool = arg(True, "GAE: whiten the advantages over every response token of the global batch "
+                                  "(masked mean / std).")
     normalize_reward: bool = arg(False, "Running mean/std normalization of scores (REINFORCE++; ignored by the "
                                  "rl_algorithm grpo preset, as in PaddleNLP).")
     normalize_advantage: bool = arg(False, "Global masked mean/std normalization of advantages (REINFORCE++; "
@@ -58,7 +63,9 @@ class AlgorithmArgs:
     loss_agg_mode: Optional[str] = arg(None, "Loss aggregation (names and defaults: docs/algorithms.md; unset: the "
                                        "estimator's or policy loss's own, else the preset's).")
     loss_scale_factor: Optional[float] = arg(None, "Divisor of seq-mean-token-sum-norm (default max_dec_len).")
-    clip_range_value: float = arg(5.0, acted=False)
+    clip_range_value: float = arg(5.0, "Value clip of the critic's loss (rl_algorithm ppo): the new value is kept "
+                                  "within clip_range_value of the rollout-time value in the clipped term.",
+                                  aliases=("cliprange_value",))
     # DAPO
     enable_overlong_reward_buffer: bool = arg(False, "DAPO soft overlong penalty.")
     overlong_reward_buffer: int = arg(256, "DAPO overlong buffer length L_buf.")
@@ -107,6 +114,10 @@ class AlgorithmArgs:
                 errors.append(f"{key}: must be > 0, got {getattr(self, key)}")
         if not 0 <= self.gamma <= 1:
             errors.append(f"gamma: must be in [0, 1], got {self.gamma}")
+        if not 0 <= self.lam <= 1:
+            errors.append(f"lam: must be in [0, 1], got {self.lam}")
+        if self.clip_range_value <= 0:
+            errors.append(f"clip_range_value: must be > 0, got {self.clip_range_value}")
         if self.loss_scale_factor is not None and self.loss_scale_factor <= 0:
             errors.append(f"loss_scale_factor: must be > 0, got {self.loss_scale_factor}")
         if self.adaptive_kl and self.kl_coeff <= 0:
@@ -159,7 +170,7 @@ class AlgorithmArgs:
     # --- resolved settings (what the run actually uses) --------------------------------------
     @property
     def resolved_estimator(self) -> str:
-        return self.advantage_estimator or self.rl_algorithm
+        return self.advantage_estimator or PRESET_ESTIMATORS.get(self.rl_algorithm, self.rl_algorithm)
 
     @property
     def uses_rl_algorithm_preset(self) -> bool:

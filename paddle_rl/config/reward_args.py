@@ -32,6 +32,8 @@ class RewardArgs:
     repetition_n_grams: int = arg(3, "n of the repetition reward's word n-grams.")
     repetition_max_penalty: float = arg(1.0, "Magnitude of the repetition penalty (its sign is ignored).")
     use_rm_server: bool = arg(False, "Score through the HTTP reward server at reward_server.")
+    use_rule_reward: bool = arg(False, "PaddleNLP's switch to its built-in gsm8k rule; here reward_funcs names the rules.",
+                                acted=False)
     reward_server: str = arg("http://127.0.0.1:8731", "URL of the reward server.")
     reward_server_protocol: str = arg("auto", "v1 (POST /v1/score, per-function scores) | paddlenlp (POST src/tgt/"
                                               "response to the URL) | auto (v1, else paddlenlp).")

@@ -27,7 +27,8 @@ class TrainingArgs:
                                              "per_device_*_batch_size row counts are then not used. Same loss and "
                                              "gradients as the row split. 0: off.")
     per_device_reward_batch_size: int = arg(8, "Responses per reward call.")
-    per_device_value_batch_size: int = arg(8, acted=False)
+    per_device_value_batch_size: int = arg(8, "Sequences per forward pass of the critic's rollout values "
+                                              "(rl_algorithm ppo).")
     num_train_epochs: float = arg(1.0, "Epochs over the training prompts (max_steps wins when > 0).")
     max_steps: int = arg(-1, "RL steps to run (-1: from num_train_epochs).")
     max_length: int = arg(-1, "Longest training sequence, prompt + response, in tokens (PaddleNLP): checked to be "

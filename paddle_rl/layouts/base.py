@@ -285,6 +285,11 @@ class Layout(abc.ABC):
         self.grad_sync = GradientSync(self._topo, model.parameters())
         return build_sharded_optimizer(model, config, total_steps, self.grad_sync)
 
+    def gradient_sync(self, model) -> GradientSync:
+        """A gradient sync of its own for a second trained model (the critic) on this grid: its gradients summed over
+        the batch group, its norm, its sharded optimizer (parallel/sharding.py)."""
+        return GradientSync(self._topo, model.parameters())
+
     def clip_grad_norm_(self, model, max_norm: float) -> float:
         """Sum gradients over ranks, clip to max_norm; the norm before clipping."""
         return self.grad_sync.clip_(max_norm)

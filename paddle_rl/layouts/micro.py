@@ -18,6 +18,7 @@ from typing import List
 import numpy as np
 
 from ..batch import StepBatch
+from ..models.critic import packed_token_values, token_values
 from ..models.logprobs import packed_token_logprobs, token_logprobs
 from ..models.packing import Packing
 
@@ -89,6 +90,16 @@ class MicroBatching:
         shared = part.shared_prompts() if self.share_prompts else None
         return token_logprobs(model, t["input_ids"], t["attention_mask"], part.prompt_width, t["response_ids"],
                               temperature, with_entropy, shared)
+
+    def values(self, model, part: StepBatch):
+        """A critic's values [b, W] of a micro-batch made by StepBatch.micro (a Paddle tensor, with its graph when
+        gradients are on): the same positions, padding and packing as `logprobs`."""
+        if self.remove_padding:
+            return packed_token_values(model, self.packing(part))
+        t = part.tensors()
+        shared = part.shared_prompts() if self.share_prompts else None
+        return token_values(model, t["input_ids"], t["attention_mask"], part.prompt_width, t["response_ids"].shape[1],
+                            shared)
 
     def packing(self, part: StepBatch) -> Packing:
         """The micro-batch packed into one row: each distinct prompt once (with prompt sharing), then its rows'

@@ -260,10 +260,11 @@ class CheckpointError(RuntimeError):
 def save_checkpoint(output_dir: str, step: int, model, tokenizer_folder: str, optimizer, scheduler,
                     trainer_state: dict, save_optimizer: bool = True, total_limit: int = -1,
                     model_state: Optional[dict] = None, rank: int = 0, world_size: int = 1, barrier=None,
-                    first_error=None, extra_files: Optional[dict] = None) -> str:
+                    first_error=None, extra_files: Optional[dict] = None, extra_parts=None) -> str:
     """model_state: the full (gathered) model state when `model` holds only a shard; rank / world_size /
     barrier / first_error: the calling process among several (all of them call this; first_error(value) is the
-    first non-None value over the ranks, so every rank takes the same branch).
+    first non-None value over the ranks, so every rank takes the same branch). extra_parts(folder): every rank
+    writes its part of a second trained model (the critic) into the temporary folder.
 
     Refuses (NonFiniteError, nothing written) a model with a NaN or inf weight. A failed write (a full disk, an
     I/O error on any rank) removes the temporary folder and raises CheckpointError on every rank; earlier
@@ -295,6 +296,8 @@ def save_checkpoint(output_dir: str, step: int, model, tokenizer_folder: str, op
         if save_optimizer:
             write_state(tmp, optimizer_stem(rank, world_size), optimizer.state_dict())
             state["scheduler"] = scheduler.state_dict()
+        if extra_parts is not None:
+            extra_parts(tmp)
         faults.die("save", step, rank)
         faults.fail_save(step, rank, tmp)
         if rank == 0:

@@ -28,6 +28,7 @@ from ..parallel.device import select_device
 from ..rewards import build_reward, check_reward_config
 from ..rollout import RolloutEngine, SamplingParams, sample_key
 from . import faults
+from .critic import build_critic, check_critic_config
 from .checkpoint import (CheckpointError, check_shared_folder, checkpoint_dirs, load_optimizer, load_trainer_state,
                          resolve_resume, save_checkpoint, seed_rngs, set_rng_state, warn_pickled)
 from .evaluate import episode_maker, evaluate
@@ -62,6 +63,7 @@ class RLTrainer:
         self.tokenizer_dir = config.tokenizer_name_or_path or model_dir
         self.tokenizer = Tokenizer.from_pretrained(self.tokenizer_dir)
         self.objective = Objective(config, reduce=self.layout.stats_reduce)
+        check_critic_config(config, self.objective.uses_critic)  # the layouts a critic runs on, before models load
         self.train_data = self._load_train_data()
         self.eval_data = None
         if config.do_eval and config.eval_datasets:
@@ -105,6 +107,8 @@ class RLTrainer:
         self.mini_batches_per_step = config.global_batch_size // config.mini_batch_prompts
         self.optimizer, self.scheduler = self.layout.build_optimizer(
             self.actor, config, self.total_steps * self.mini_batches_per_step * config.update_iters)
+        self.critic = build_critic(config, self.layout, self.objective.uses_critic,
+                                   self.total_steps * self.mini_batches_per_step * config.update_iters)
         self.step = 0
         self.nonfinite = NonFiniteGuard(config.max_nonfinite_skips)
         self.log = MetricsLog(config.output_dir, config.logging_dir or os.path.join(config.output_dir, "logs"),
@@ -130,6 +134,8 @@ class RLTrainer:
         self.objective.set_state_dict(state.get("objective", {}))
         self.rollout.set_state_dict(state.get("rollout", {}), path)
         self.nonfinite.set_state_dict(state.get("nonfinite", {}))
+        if self.critic is not None:
+            self.critic.resume(path, state, **self.layout.resume_args())
         set_rng_state(state["rng"], path, **self.layout.resume_args())
         self.step = int(state["step"])
         self.log.truncate_after(self.step)
@@ -141,11 +147,17 @@ class RLTrainer:
         state = {"sampler": self.sampler.state_dict(), "objective": self.objective.state_dict(),
                  "total_steps": self.total_steps, "nonfinite": self.nonfinite.state_dict(),
                  "rollout": self.rollout.state_dict()}
+        extra_parts = None
+        if self.critic is not None:
+            state["critic"] = self.critic.state_dict()
+            extra_parts = lambda folder: self.critic.save_parts(  # noqa: E731
+                folder, save_optimizer=not self.config.ignore_save_lr_and_optim, **self.layout.resume_args())
         try:
             return save_checkpoint(self.config.output_dir, self.step, self.actor, self.tokenizer_dir, self.optimizer,
                                    self.scheduler, state, save_optimizer=not self.config.ignore_save_lr_and_optim,
                                    total_limit=self.config.save_total_limit,
-                                   extra_files=self.rollout.extra_files(), **self.layout.checkpoint_args(self.actor))
+                                   extra_files=self.rollout.extra_files(), extra_parts=extra_parts,
+                                   **self.layout.checkpoint_args(self.actor))
         except CheckpointError as e:
             if self.config.save_error != "continue":
                 raise
@@ -385,13 +397,23 @@ class RLTrainer:
             if self.layout.batch.sum([mask.sum()])[0] == 0:  # every token rejected on every rank: no update
                 metrics["actor/skipped_update"] = 1.0
                 return metrics
+        if self.critic is not None:
+            with timer.stage("values"):
+                batch["values"] = self.critic.values(batch)
         with timer.stage("advantage"):
-            adv, adv_metrics = self.objective.step_advantages(
+            adv, returns, adv_metrics = self.objective.step_advantages_and_returns(
                 batch["scores"], mask, batch["group"], batch["old_logp"], batch.get("ref_logp"),
-                per_function_scores=per_function_scores(batch))
+                per_function_scores=per_function_scores(batch), values=batch.get("values"))
             batch["advantages"] = adv.numpy().astype(np.float32) if isinstance(adv, paddle.Tensor) else adv
         metrics.update(self.layout.batch.reduce_metrics(adv_metrics))
         metrics.update(self.layout.batch.value_stats("advantage", batch["advantages"][mask > 0]))
+        if self.critic is not None:
+            batch["returns"] = returns
+            with timer.stage("critic_update"):
+                metrics.update(self.critic.update(batch, self.objective))
+            if self.step < self.config.critic_warmup_steps:  # the critic's warm-up: no actor update yet
+                metrics["actor/critic_warmup"] = 1.0
+                return metrics
         metrics.update(self._update(batch, timer))
         return metrics
 

@@ -1,0 +1,60 @@
+"""The critic of PPO: the decoder with a scalar head (`layers.ScoreHead`, one label), read at every response
+position, where the reward model reads only the last token.
+
+A critic starts from a `*ForSequenceClassification` folder with one label (a reward model: decoder and score head)
+or from any decoder folder (the actor's, by default: its decoder and a new value head of zeros, so every value
+starts at 0). It is saved as a one-label sequence classifier, so a checkpoint's critic loads back as either.
+"""
+import numpy as np
+import paddle
+
+from .config import ModelConfig
+from .decoder import CausalLM
+from .logprobs import response_hidden
+from .pretrained import load_model, load_weights
+from .safetensors_io import load_state
+
+SEQUENCE_CLASSIFIER = "ForSequenceClassification"
+
+
+def critic_config(folder: str) -> ModelConfig:
+    """The critic's config of a folder: its own when it is a one-label sequence classifier, else the decoder's as
+    a one-label sequence classifier of its family."""
+    config = ModelConfig.from_pretrained(folder)
+    if config.sequence_classifier:
+        if config.num_labels != 1:
+            raise ValueError(f"{folder}/config.json has {config.num_labels} labels; a critic has one (num_labels 1)")
+        return config
+    architecture = config.family.architecture
+    base = architecture[:-len("ForCausalLM")] if architecture.endswith("ForCausalLM") else architecture
+    config.extra["architectures"] = [base + SEQUENCE_CLASSIFIER]
+    config.extra["num_labels"] = 1
+    for key in ("id2label", "label2id"):
+        config.extra.pop(key, None)
+    return config
+
+
+def load_critic(folder: str) -> CausalLM:
+    """The critic (replicated: no tensor or pipeline split) from a folder, as `critic_config` reads it."""
+    config = critic_config(folder)
+    if ModelConfig.from_pretrained(folder).sequence_classifier:
+        return load_model(folder, config)
+    model = CausalLM(config)
+    state = load_state(folder)
+    state["score.weight"] = np.zeros([1, config.hidden_size], dtype=np.float32)  # HF orientation [labels, hidden]
+    load_weights(model, state)
+    model.base_folder = folder
+    return model
+
+
+def token_values(model: CausalLM, input_ids, attention_mask, prompt_width: int, length: int, shared_prompts=None):
+    """V_t of each response position t [b, length]: the head on the hidden state that predicts response token t
+    (the state before the token is chosen), as `models.logprobs.token_logprobs` reads the LM head."""
+    hidden = response_hidden(model, input_ids, attention_mask, prompt_width, length, shared_prompts)
+    return model.score(hidden)[..., 0]
+
+
+def packed_token_values(model: CausalLM, packing):
+    """token_values of a packed micro-batch (packing.Packing): [b, W], 0 where nothing is predicted."""
+    hidden = paddle.gather(model.packed_hidden_states(packing)[0], packing.select).unsqueeze(0)
+    return packing.place(model.score(hidden)[..., 0])

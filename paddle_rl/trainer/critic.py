@@ -1,0 +1,157 @@
+"""The critic of PPO (rl_algorithm ppo / advantage_estimator gae): its model, optimizer and checkpoint part, the
+value pass on the rollout and the value update. The trainer asks it for values next to the old / reference
+log-probs, passes them to the Objective (GAE), and runs `update` before the actor's update.
+
+The critic runs replicated in each process of the batch group (data parallelism: its gradients are summed over
+the group like the actor's, with a GradientSync of its own); tensor / pipeline parallelism, sharding and LoRA are
+refused with an error naming the key."""
+import copy
+import logging
+import math
+import os
+from typing import Optional
+
+import numpy as np
+import paddle
+from paddle.utils import unique_name
+
+from ..config import ConfigError
+from ..config.critic_args import CRITIC_OPTIMIZER_KEYS
+from ..models import hf_state, load_weights, save_model
+from ..models.critic import load_critic
+from ..models.lora import lora_settings
+from ..parallel.sharding import build_sharded_optimizer
+from .checkpoint import load_optimizer, optimizer_stem
+from .state_files import write_state
+
+logger = logging.getLogger("paddle_rl")
+
+FOLDER = "critic"   # the critic's part of a checkpoint-N folder: a one-label sequence classifier + optimizer state
+
+
+def check_critic_config(config, uses_critic: bool) -> None:
+    """Refuse the layouts the critic does not run on (before any model loads); warn about critic keys set for an
+    estimator without a critic."""
+    if not uses_critic:
+        given = [k for k in CRITIC_OPTIMIZER_KEYS + ("critic_model_name_or_path",) if getattr(config, k)]
+        if config.critic_warmup_steps:
+            given.append("critic_warmup_steps")
+        if given:
+            logger.warning("%s: not applied: advantage estimator %r has no critic (rl_algorithm: ppo has one)",
+                           ", ".join(given), config.resolved_estimator)
+        return
+    what = f"rl_algorithm: ppo (advantage estimator {config.resolved_estimator!r}) with a critic"
+    for key in ("tensor_parallel_degree", "pipeline_parallel_degree", "sharding_parallel_degree"):
+        if getattr(config, key) > 1:
+            raise ConfigError(f"{what} is not supported with {key} > 1 yet (data parallelism is)")
+    if lora_settings(config) is not None:
+        raise ConfigError(f"{what} is not supported with LoRA (lora_rank / lora_path) yet: train the actor's full "
+                          "weights, or use an estimator without a critic")
+    folder = config.critic_model_name_or_path
+    if folder and not os.path.isfile(os.path.join(folder, "config.json")):
+        raise ConfigError(f"critic_model_name_or_path: {os.path.join(folder, 'config.json')} not found")
+
+
+class Critic:
+    def __init__(self, config, layout, total_updates: int):
+        self.config = config
+        self.layout = layout
+        folder = config.critic_model_name_or_path or config.actor_model_name_or_path
+        with unique_name.guard("critic_"):
+            try:
+                self.model = load_critic(folder)
+            except (KeyError, ValueError) as e:
+                key = "critic_model_name_or_path" if config.critic_model_name_or_path else "actor_model_name_or_path"
+                raise ConfigError(f"{key}: {e.args[0]}") from None
+        self.model.recompute = config.recompute_what
+        settings = config.critic_optimizer_settings()
+        self.max_grad_norm = settings.pop("max_grad_norm")
+        optimizer_config = copy.copy(config)
+        for key, value in settings.items():
+            setattr(optimizer_config, key, value)
+        self.sync = layout.gradient_sync(self.model)
+        self.optimizer, self.scheduler = build_sharded_optimizer(self.model, optimizer_config, total_updates, self.sync)
+        logger.info("critic from %s (lr %g)", folder, settings["learning_rate"])
+
+    # ---------------------------------------------------------------- the value pass
+    @paddle.no_grad()
+    def values(self, batch) -> np.ndarray:
+        """The critic's values of the rollout, numpy [B, T] float32, zero outside response_mask, in the batch's
+        order (micro-batches of per_device_value_batch_size rows, or the token budget)."""
+        micro = self.layout.micro
+        self.model.eval()
+        mask = batch["response_mask"]
+        out = np.zeros(mask.shape, dtype=np.float32)
+        for rows in micro.plan(batch, self.config.per_device_value_batch_size):
+            value = micro.values(self.model, batch.micro(rows)).numpy()
+            out[rows, :value.shape[1]] = value
+        return out * mask
+
+    # ---------------------------------------------------------------- the update
+    def update(self, batch, objective) -> dict:
+        """The value loss over the batch's mini-batches (update_iters passes), one optimizer step per mini-batch;
+        metrics critic/vf_loss, vpred_mean, vf_clipfrac (token means), grad_norm, lr."""
+        cfg, layout = self.config, self.layout
+        minis = [np.flatnonzero(batch["mini_batch"] == m) for m in np.unique(batch["mini_batch"])]
+        collected, weights, norms, skipped = {}, [], [], 0
+        self.model.train()
+        for _ in range(cfg.update_iters):
+            for rows in minis:
+                mini = batch.select(rows)
+                num_tokens, num_seqs = (float(v) for v in layout.batch.sum(
+                    objective.loss_normalizers(mini["response_mask"])))
+                finite = True
+                for part_rows in layout.micro.plan(mini, cfg.per_device_train_batch_size):
+                    part = mini.micro(part_rows)
+                    values = layout.micro.values(self.model, part)
+                    t = part.tensors(keys=["values", "returns"])
+                    out = objective.value_loss(values, t["values"], t["returns"], t["response_mask"], num_tokens,
+                                               num_seqs)
+                    out.loss.backward()
+                    finite = finite and math.isfinite(float(out.loss))
+                    for k, v in out.metrics.items():
+                        collected.setdefault(k, []).append(v)
+                    weights.append(out.num_tokens)
+                norm = self.sync.clip_(self.max_grad_norm)
+                if layout.any_rank(not (finite and math.isfinite(norm))):
+                    self.optimizer.clear_grad(set_to_zero=False)
+                    skipped += 1
+                    continue
+                norms.append(norm)
+                self.optimizer.step()
+                self.optimizer.clear_grad(set_to_zero=False)
+                self.scheduler.step()
+        metrics = {f"critic/{k}": v for k, v in layout.weighted_means(collected, weights).items()}
+        metrics["critic/grad_norm"] = float(np.mean(norms)) if norms else float("nan")
+        metrics["critic/lr"] = float(self.optimizer.get_lr())
+        metrics["critic/nonfinite_skipped"] = float(skipped)
+        return metrics
+
+    # ---------------------------------------------------------------- checkpoints
+    def state_dict(self) -> dict:
+        """What trainer_state.json keeps of the critic (its scheduler; the optimizer moments are files)."""
+        return {"scheduler": self.scheduler.state_dict()}
+
+    def save_parts(self, folder: str, rank: int = 0, world_size: int = 1, save_optimizer: bool = True) -> None:
+        """Write the critic into `folder`/critic (every rank calls it: rank 0 the weights, each its optimizer)."""
+        target = os.path.join(folder, FOLDER)
+        os.makedirs(target, exist_ok=True)
+        if rank == 0:
+            save_model(self.model, target, state=hf_state(self.model))
+        if save_optimizer:
+            write_state(target, optimizer_stem(rank, world_size), self.optimizer.state_dict())
+
+    def resume(self, path: str, state: dict, rank: int = 0, world_size: int = 1) -> None:
+        """Weights, optimizer and scheduler as `save_parts` and `state_dict` left them in checkpoint `path`."""
+        target = os.path.join(path, FOLDER)
+        if not os.path.isdir(target) or "critic" not in state:
+            raise FileNotFoundError(f"{path}: no critic in this checkpoint ({FOLDER}/ and trainer_state.json "
+                                    "'critic'); it was written by a run without rl_algorithm: ppo")
+        load_weights(self.model, target)
+        load_optimizer(target, self.optimizer, self.scheduler,
+                       dict(state, scheduler=state["critic"]["scheduler"]), rank=rank, world_size=world_size)
+
+
+def build_critic(config, layout, uses_critic: bool, total_updates: int) -> Optional[Critic]:
+    """The critic when the estimator needs one (check_critic_config has passed), else None."""
+    return Critic(config, layout, total_updates) if uses_critic else None
