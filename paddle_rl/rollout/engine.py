@@ -26,21 +26,24 @@ from .keys import uniforms_for
 from .running import RunningBatch
 from .sampling import SamplingParams, force_lengths
 from .sequence import Scheduler, Sequence
+from .settings import EngineSettings
 
 
 class RolloutEngine:
-    def __init__(self, model: CausalLM, pad_id: int, eos_ids: Seq[int], max_num_seqs: int = -1,
-                 max_cache_tokens: int = -1, kv_cache_dtype: Optional[str] = None, rollout_dtype: str = "float32",
-                 quant_type: str = ""):
+    def __init__(self, model: CausalLM, *args, settings: Optional[EngineSettings] = None, **kwargs):
+        """RolloutEngine(model, settings=EngineSettings(...)), or the settings' fields directly
+        (RolloutEngine(model, pad_id, eos_ids, ...))."""
+        settings = settings if settings is not None else EngineSettings(*args, **kwargs)
+        ops.rollout_weight_format(settings.rollout_dtype, settings.quant_type)  # checks both
         self.model = model
-        self.pad_id = pad_id
-        self.eos_ids = list(eos_ids)
-        self.max_num_seqs = max_num_seqs
-        self.max_cache_tokens = max_cache_tokens
-        self.kv_cache_dtype = kv_cache_dtype   # what the KV cache stores (None: the model's compute dtype)
-        ops.rollout_weight_format(rollout_dtype, quant_type)  # checks both
-        self.rollout_dtype = rollout_dtype     # the packed weights' and activations' precision (bfloat16 | float32)
-        self.quant_type = quant_type           # the packed weights' quantization ('' | weight_only_int8 | int4)
+        self.settings = settings
+        self.pad_id = settings.pad_id
+        self.eos_ids = list(settings.eos_ids)
+        self.max_num_seqs = settings.max_num_seqs
+        self.max_cache_tokens = settings.max_cache_tokens
+        self.kv_cache_dtype = settings.kv_cache_dtype   # what the KV cache stores (None: the model's compute dtype)
+        self.rollout_dtype = settings.rollout_dtype     # the packed weights' and activations' precision
+        self.quant_type = settings.quant_type           # the packed weights' quantization ('' | weight_only_int8 | int4)
         self.forced_lengths = None   # benchmark only: keys -> response lengths (an EOS schedule)
         self._episodes = None
         # partial rollouts: `between_steps()` runs between decode steps and may load new weights into the model
@@ -52,8 +55,7 @@ class RolloutEngine:
 
     def bind(self, model: CausalLM) -> "RolloutEngine":
         """The same settings, decoding with another model (a resharded rollout copy)."""
-        engine = RolloutEngine(model, self.pad_id, self.eos_ids, self.max_num_seqs, self.max_cache_tokens,
-                               self.kv_cache_dtype, self.rollout_dtype, self.quant_type)
+        engine = RolloutEngine(model, settings=self.settings)
         engine.forced_lengths = self.forced_lengths
         return engine
 

@@ -16,6 +16,7 @@ The worker holds a plain model (a LoRA trainer sends its merged weights) and exi
 (the trainer ended or died). A worker that dies is reported by `result` within `poll` seconds, with its exit code
 and the end of its log.
 """
+import dataclasses
 import os
 import resource
 import subprocess
@@ -28,16 +29,16 @@ from typing import Dict, Optional
 
 import numpy as np
 
+from .settings import EngineSettings
+
 
 class RolloutWorkerError(RuntimeError):
     """The rollout worker died or stopped answering."""
 
 
 class RolloutWorker:
-    def __init__(self, model_dir: str, pad_id: int, stop_ids, max_num_seqs: int, max_cache_tokens: int,
-                 threads: int = 0, log_path: Optional[str] = None, start_timeout: float = 300.0,
-                 partial: bool = False, kv_cache_dtype: Optional[str] = None, rollout_dtype: str = "float32",
-                 quant_type: str = ""):
+    def __init__(self, model_dir: str, settings: EngineSettings, threads: int = 0, log_path: Optional[str] = None,
+                 start_timeout: float = 300.0, partial: bool = False):
         self.log_path = log_path or os.path.join(tempfile.gettempdir(), f"paddle_rl_rollout_worker_{os.getpid()}.log")
         self.weights_dir = tempfile.mkdtemp(prefix="paddle_rl_weights_",
                                             dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
@@ -53,10 +54,7 @@ class RolloutWorker:
                                         env=env, stdout=self._log, stderr=subprocess.STDOUT)
         self._conn = self._accept(start_timeout)
         self._conn.send(("init", {"model_dir": model_dir, "weights_dir": self.weights_dir,
-                                  "pad_id": pad_id, "stop_ids": list(stop_ids),
-                                  "max_num_seqs": max_num_seqs, "max_cache_tokens": max_cache_tokens,
-                                  "kv_cache_dtype": kv_cache_dtype, "partial": partial,
-                                  "rollout_dtype": rollout_dtype, "quant_type": quant_type}))
+                                  "settings": dataclasses.asdict(settings), "partial": partial}))
         self.version = None
 
     @property
@@ -201,9 +199,7 @@ class _Server:
         model.eval()
         for p in model.parameters():
             p.stop_gradient = True
-        self.engine = RolloutEngine(model, spec["pad_id"], spec["stop_ids"], spec["max_num_seqs"],
-                                    spec["max_cache_tokens"], spec["kv_cache_dtype"], spec["rollout_dtype"],
-                                    spec["quant_type"])
+        self.engine = RolloutEngine(model, settings=EngineSettings(**spec["settings"]))
         if spec.get("partial"):
             self.engine.between_steps = self._between_steps
 

@@ -62,7 +62,7 @@ def run_eval(config) -> dict:
     from ..data.loader import load_prompt_dataset
     from ..models import Tokenizer, load_model
     from ..rewards import build_reward, check_reward_config
-    from ..rollout import RolloutEngine
+    from ..rollout import EngineSettings, RolloutEngine
 
     from ..models.hub import resolve_model
     model_dir = config.actor_model_name_or_path = resolve_model(config.actor_model_name_or_path)
@@ -76,9 +76,7 @@ def run_eval(config) -> dict:
     dataset = load_prompt_dataset(config.eval_datasets, tokenizer, config.prompt_key, config.response_key,
                                   config.max_prompt_len, config.prompt_overflow, limit=config.max_eval_samples)
     stop_ids = sorted(set(tokenizer.eos_token_ids) | set(model.config.eos_token_ids))
-    engine = RolloutEngine(model, tokenizer.pad_token_id, stop_ids, config.rollout_max_num_seqs,
-                           config.rollout_kv_cache_tokens, config.kv_cache_paddle_dtype,
-                           config.rollout_dtype, config.rollout_quant_type)
+    engine = RolloutEngine(model, settings=EngineSettings.from_config(config, tokenizer.pad_token_id, stop_ids))
     return evaluate(engine, tokenizer, dataset, build_reward(config), config, stop_ids,
                     episode_maker(config, tokenizer, stop_ids))  # multi-turn, as in training
 

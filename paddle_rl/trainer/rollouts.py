@@ -71,10 +71,7 @@ class AsyncRollout(InlineRollout):
                              "process); launch without data / sharding / tensor / pipeline parallelism")
         self.k = cfg.max_staleness
         os.makedirs(cfg.output_dir, exist_ok=True)
-        self.worker = RolloutWorker(trainer.actor.base_folder, trainer.pad_id, trainer.stop_ids,
-                                    cfg.rollout_max_num_seqs, cfg.rollout_kv_cache_tokens, cfg.async_rollout_threads,
-                                    kv_cache_dtype=cfg.kv_cache_paddle_dtype, rollout_dtype=cfg.rollout_dtype,
-                                    quant_type=cfg.rollout_quant_type,
+        self.worker = RolloutWorker(trainer.actor.base_folder, trainer.engine.settings, cfg.async_rollout_threads,
                                     log_path=os.path.join(cfg.output_dir, "rollout_worker.log"),
                                     partial=cfg.partial_rollout)
         self.partial = cfg.partial_rollout

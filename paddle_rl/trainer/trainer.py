@@ -26,7 +26,7 @@ from ..monitor import MetricsLog, StageTimer, run_summary
 from ..parallel import watchdog
 from ..parallel.device import select_device
 from ..rewards import build_reward, check_reward_config
-from ..rollout import RolloutEngine, SamplingParams, sample_key
+from ..rollout import EngineSettings, RolloutEngine, SamplingParams, sample_key
 from . import faults
 from .critic import build_critic, check_critic_config
 from .checkpoint import (CheckpointError, check_shared_folder, checkpoint_dirs, load_optimizer, load_trainer_state,
@@ -100,9 +100,7 @@ class RLTrainer:
         if not self.stop_ids:
             raise ValueError(f"{self.tokenizer_dir}: no EOS token (tokenizer_config.json eos_token or "
                              "generation_config.json eos_token_id)")
-        self.engine = RolloutEngine(self.actor, self.pad_id, self.stop_ids, config.rollout_max_num_seqs,
-                                     config.rollout_kv_cache_tokens, config.kv_cache_paddle_dtype,
-                                     config.rollout_dtype, config.rollout_quant_type)
+        self.engine = RolloutEngine(self.actor, settings=EngineSettings.from_config(config, self.pad_id, self.stop_ids))
         self.reward_fn = build_reward(config, broadcast_group=self.layout.reward_group)
         self.mini_batches_per_step = config.global_batch_size // config.mini_batch_prompts
         self.optimizer, self.scheduler = self.layout.build_optimizer(
