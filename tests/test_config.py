@@ -4,7 +4,8 @@ import os
 
 import pytest
 
-from paddle_rl.config import ConfigError, check_paths, load_config, parse_overrides
+from paddle_rl.config import ConfigError, load_config, parse_overrides
+from paddle_rl.trainer.preflight import check_paths
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "paddlenlp_grpo_argument.yaml")
 MODEL = "actor_model_name_or_path=some/model"

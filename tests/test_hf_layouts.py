@@ -15,7 +15,8 @@ torch = extra("torch")
 transformers = extra("transformers")
 
 from gguf_files import CHAT_TEMPLATE, hf_model, tiny_bpe  # noqa: E402
-from paddle_rl.config import ConfigError, check_paths, load_config  # noqa: E402
+from paddle_rl.config import ConfigError, load_config  # noqa: E402
+from paddle_rl.trainer.preflight import check_paths
 from paddle_rl.models import Tokenizer, load_model, save_model  # noqa: E402
 
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 12 + 34?"}]

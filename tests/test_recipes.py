@@ -6,7 +6,8 @@ import os
 import pytest
 
 from paddle_rl.cli import main as cli_main
-from paddle_rl.config import ConfigError, check_paths, load_config
+from paddle_rl.config import ConfigError, load_config
+from paddle_rl.trainer.preflight import check_paths
 from paddle_rl.data.kk_cli import main as kk_main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

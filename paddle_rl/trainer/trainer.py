@@ -17,7 +17,6 @@ from paddle.utils import unique_name
 from .. import ops
 from ..algorithms import Objective
 from ..batch import StepBatch, object_column
-from ..config import check_paths
 from ..data.loader import PromptSampler, load_prompt_dataset
 from ..layouts import build_layout
 from ..models import Tokenizer, adapters_off
@@ -33,6 +32,7 @@ from .checkpoint import (CheckpointError, check_shared_folder, checkpoint_dirs, 
                          resolve_resume, save_checkpoint, seed_rngs, set_rng_state, warn_pickled)
 from .evaluate import episode_maker, evaluate
 from .logprobs import reuses_rollout_logprobs
+from .preflight import check_paths
 from .rollouts import build_rollout
 from .nonfinite import NonFiniteGuard, first_nonfinite_grad
 from .scoring import metric_columns, per_function_scores, reward_result, score
