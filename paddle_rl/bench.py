@@ -75,6 +75,7 @@ CHAT_PROMPTS = [
 def _register_bench_rule():
     """A reward defined on any text: the share of distinct characters (varies between samples)."""
     import numpy as np
+    # each workload imports what it runs (the CLI parser and --help stay without Paddle and the model code)
     from .rewards.rules import RULE_REWARDS, register_rule
     if "bench_distinct_chars" in RULE_REWARDS:
         return

@@ -71,6 +71,7 @@ def _train(args) -> int:
                "--log_dir", args.log_dir, script, *words]
         return subprocess.call(cmd)
     configure_threads()
+    # each subcommand imports what it runs: `paddle-rl --help` stays without Paddle and the model code
     from .run_rl import main
     return main(words)
 
@@ -91,6 +92,7 @@ def _eval(args) -> int:
     configure_threads()
     import json
 
+    # imported when the subcommand runs (see train above)
     from .config import ConfigError, load_config
     from .errors import setup_error_types
     from .trainer.evaluate import run_eval

@@ -8,6 +8,7 @@ message to the user.
 
 
 def setup_error_types() -> tuple:
+    # each command imports what it runs; this list must not import every package for `paddle-rl --help`
     from .config import ConfigError
     from .data.loader import DatasetError
     from .ops.build import CustomOpsError

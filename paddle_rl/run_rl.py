@@ -13,6 +13,7 @@ configure_threads()
 def build_trainer(config_path, overrides, sft: bool = False):
     """Config -> RLTrainer (SFTTrainer with `sft`): every check that can fail before the first step (config,
     dashboards, paths, data, process grid, models)."""
+    # after the thread settings of the launcher's process (paddle_rl/env.py), before Paddle loads
     from paddle_rl.config import load_config
     from paddle_rl.monitor import resolve_dashboards
 

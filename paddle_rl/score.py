@@ -23,6 +23,7 @@ from .env import configure_threads
 
 def load_scoring_records(path: str, config, tokenizer):
     """(location, RewardSample) per line of `path`: the prompt as the trainer renders it, the record's response."""
+    # `paddle-rl score` imports what it runs when it runs: the CLI parser stays without Paddle
     from .data.loader import DatasetError, iter_records
     from .data.records import RecordError, to_prompt_record
     from .rewards import RewardSample

@@ -9,6 +9,7 @@ __all__ = ["ServerSettings", "create_app"]
 
 def __getattr__(name):
     if name in __all__:
+        # FastAPI loads only when the application is asked for (the CLI parser stays light)
         from . import app
         return getattr(app, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

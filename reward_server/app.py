@@ -162,6 +162,7 @@ class RequestGate:
 
 def create_app(settings: ServerSettings, pool: Optional[ScoringPool] = None) -> FastAPI:
     """The application; its lifespan starts and stops the scoring pool."""
+    # the rewards load with the application, not with the parser
     from paddle_rl.config import RLConfig
     from paddle_rl.rewards import build_local_reward
 

@@ -78,6 +78,7 @@ def reward_config_values(config_path=None, overrides=None) -> dict:
     Keys of other groups are read (max_dec_len, overlong_* matter to some rewards) but only the reward group is
     validated, so a training config without model paths serves as well.
     """
+    # `paddle-rl --help` registers this parser: the config and rewards load only when the server starts
     from paddle_rl.config import ConfigError, RLConfig
     from paddle_rl.config.loader import read_values
     from paddle_rl.rewards.check import reward_config_errors

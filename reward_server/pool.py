@@ -79,6 +79,7 @@ class Task:
 def _worker_main(conn, config_values: dict):
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
+        # in the worker process, after it started (the rewards load there, not in the server's process)
         from paddle_rl.config import RLConfig
         from paddle_rl.rewards import RewardSample, build_local_reward
         scorer = build_local_reward(RLConfig(**config_values))

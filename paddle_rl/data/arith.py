@@ -83,6 +83,7 @@ def _arith_cli(args) -> int:
     import os
     import sys
 
+    # the tokenizer (models/, Paddle) only for writing a tokenized dataset; the generator itself needs neither
     from ..models import Tokenizer
     from ..models.hub import resolve_model
     from .kk.dataset import write_jsonl

@@ -219,6 +219,7 @@ class PromptRenderer:
 
 
 def load_tokenizer(folder: str):
+    # models/ imports Paddle: only when a conversion needs the tokenizer (`paddle-rl data convert` runs without)
     from ..models.tokenizer import Tokenizer
     try:
         return Tokenizer.from_pretrained(folder)

@@ -19,6 +19,8 @@ from typing import Dict, List, Tuple
 
 import numpy as np
 
+from .safetensors_io import save_state
+
 # llama.cpp architecture -> (Hugging Face model_type, architecture class, q/k rows permuted by llama.cpp)
 ARCHITECTURES = {
     "llama": ("llama", "LlamaForCausalLM", True),
@@ -272,7 +274,6 @@ def tokenizer_files(meta: dict, tokens: List[str]) -> Tuple[dict, dict]:
 def convert_gguf(path: str, out: str, dtype: str = "float32") -> dict:
     """Write the Hugging Face folder of a GGUF file; returns its config. The folder appears complete or not
     at all (written beside it, then renamed)."""
-    from .safetensors_io import save_state
     if dtype not in ("float32", "float16"):
         raise GGUFError(f"--dtype {dtype!r}: expected float32 or float16")
     reader = _open(path)

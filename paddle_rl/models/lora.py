@@ -36,6 +36,7 @@ import paddle.nn.functional as F
 
 from ..parallel.collectives import copy_to_group, group_size, reduce_from_group
 from .layers import ColumnLinear, ParamSpec, RowLinear, _param
+from .safetensors_io import read_file
 
 ALL_LINEAR = "all-linear"
 PEFT_PREFIX = "base_model.model."
@@ -355,7 +356,6 @@ def read_adapter(folder: str) -> Dict[str, np.ndarray]:
     path = os.path.join(folder, WEIGHTS_FILE)
     if not os.path.isfile(path):
         raise AdapterError(f"{folder}: no {WEIGHTS_FILE} (not a PEFT adapter folder)")
-    from .safetensors_io import read_file
     out = {}
     for key, value in read_file(path).items():
         name = key[len(PEFT_PREFIX):] if key.startswith(PEFT_PREFIX) else key

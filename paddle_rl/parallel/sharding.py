@@ -17,7 +17,8 @@ import numpy as np
 import paddle
 import paddle.distributed as dist
 
-from .collectives import is_distributed
+from .. import optim
+from .collectives import is_distributed, sum_numpy
 from .watchdog import watched
 
 BUCKET_BYTES = 32 * 1024**2
@@ -120,7 +121,6 @@ class GradientSync:
                  and not getattr(p, "pp_duplicate", False)]
         split = sum(float(paddle.sum(p.grad.astype("float32").square())) for p in local if is_distributed(p))
         whole = sum(float(paddle.sum(p.grad.astype("float32").square())) for p in local if not is_distributed(p))
-        from .collectives import sum_numpy
         if topo.tp_degree > 1:
             split = float(sum_numpy([split], topo.group("tp"))[0])
         total = split + whole
@@ -203,7 +203,7 @@ def build_sharded_optimizer(model, config, total_steps: int, sync: GradientSync,
                             build_optimizer=None):
     """(optimizer, scheduler): AdamW over every parameter, or over this rank's shard under sharding."""
     if build_optimizer is None:
-        from ..optim import build_optimizer
+        build_optimizer = optim.build_optimizer
     if sync.stage == 0:
         return build_optimizer(model, config, total_steps)
     inner, scheduler = build_optimizer(model, config, total_steps, parameters=sync.owned_params)

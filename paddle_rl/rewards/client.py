@@ -326,6 +326,7 @@ def broadcast_result(result: Optional[RewardResult], failure: Optional[str], gro
     Every rank of the group must call it; the arguments of the other ranks are ignored."""
     import paddle.distributed as dist
 
+    # the watchdog (and Paddle) only where the trainer calls: reward-server workers import rewards without them
     from ..parallel.watchdog import watched
     src = group.ranks[0]
     payload = [pack_result(result, failure) if dist.get_rank() == src else None]

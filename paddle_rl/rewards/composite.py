@@ -4,9 +4,11 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from ..config import RLConfig
 from .base import RewardResult, RewardSample
-from .check import named_functions, overlong_errors, raise_errors, unknown_function_errors
-from .plugins import PluginError, PluginFunction
+from .check import (MODEL_REWARD, named_functions, overlong_errors, raise_errors, reward_model_errors,
+                    unknown_function_errors)
+from .plugins import PluginError, PluginFunction, load_plugins_cached
 from .rules import RULE_REWARDS, SampleError
 
 logger = logging.getLogger("paddle_rl")
@@ -62,7 +64,6 @@ class RuleReward:
     def __init__(self, names, weights=None, config=None, plugins: Optional[Dict[str, PluginFunction]] = None,
                  routes: Optional[dict] = None):
         if config is None:
-            from ..config import RLConfig
             config = RLConfig()
         plugins = dict(plugins or {})
         self.default = _weighted(names, weights)
@@ -182,12 +183,10 @@ class RuleReward:
 def build_local_reward(config) -> RuleReward:
     """The in-process reward of a config (rules and plugins; ignores use_rm_server). Makes the checks of
     `check_reward_config` (RuleReward does), with the plugins that check loaded."""
-    from .check import MODEL_REWARD, named_functions, raise_errors, reward_model_errors
-    from .plugins import load_plugins_cached
     plugins = dict(load_plugins_cached(list(config.reward_plugins)) if config.reward_plugins else {})
     raise_errors(reward_model_errors(config, named_functions(config.reward_funcs, config.reward_routes)))
     if config.reward_model_name_or_path:
-        from .reward_model import NeuralReward
+        from .reward_model import NeuralReward  # loads Paddle: reward-server workers without a model never do
         plugins[MODEL_REWARD] = NeuralReward(config.reward_model_name_or_path, config.per_device_reward_batch_size)
     return RuleReward(config.reward_funcs, config.reward_weights, config, plugins, config.reward_routes)
 

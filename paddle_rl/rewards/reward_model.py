@@ -22,6 +22,7 @@ class NeuralReward:
     def __init__(self, folder: str, batch_size: int = 8):
         import paddle
 
+        # Paddle and the model code load only when a reward model is configured (reward-server workers run without)
         from ..models import Tokenizer, load_model
         from ..models.config import ModelConfig
         config = ModelConfig.from_pretrained(folder)

@@ -324,6 +324,7 @@ def soft_overlong_rule(config):
     # The penalty's one implementation is paddle_rl.algorithms.dapo.soft_overlong_penalty, which the objective
     # applies under enable_overlong_reward_buffer (check_reward_config refuses both at once). Imported here, when
     # the rule is built, so rewards that do not use it (and reward-server workers) do not import Paddle.
+    # algorithms/ imports Paddle: only when the overlong penalty is configured (reward-server workers run without)
     from ..algorithms.dapo import soft_overlong_penalty
     max_len, buffer, factor = config.max_dec_len, config.overlong_reward_buffer, config.overlong_penalty_factor
 

@@ -174,6 +174,7 @@ class _Server:
         return self.inbox.popleft() if self.inbox else self.conn.recv()
 
     def _load(self, path: str, version: int) -> None:
+        # the worker process loads models only when its parent says so (its module is imported by the parent too)
         from ..models import load_weights
         from ..models.safetensors_io import read_file
         start = time.perf_counter()

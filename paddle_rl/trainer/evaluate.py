@@ -1,11 +1,16 @@
 """Greedy evaluation on held-out prompts: accuracy and mean reward."""
 
 import dataclasses
+import os
 
 import numpy as np
 
 from ..batch import StepBatch, object_column
-from ..rollout import SamplingParams
+from ..data.loader import load_prompt_dataset
+from ..models import Tokenizer, load_model
+from ..models.hub import resolve_model
+from ..rewards import build_reward, check_reward_config
+from ..rollout import EngineSettings, RolloutEngine, SamplingParams
 from ..rollout.episodes import PYTHON_TOOL_LIMITS, EpisodeRunner, load_environment
 from .scoring import reward_record, reward_result, score
 
@@ -57,14 +62,6 @@ def file_label(name: str) -> str:
 
 def run_eval(config) -> dict:
     """Greedy evaluation of config.actor_model_name_or_path on config.eval_datasets (no training data needed)."""
-    import os
-
-    from ..data.loader import load_prompt_dataset
-    from ..models import Tokenizer, load_model
-    from ..rewards import build_reward, check_reward_config
-    from ..rollout import EngineSettings, RolloutEngine
-
-    from ..models.hub import resolve_model
     model_dir = config.actor_model_name_or_path = resolve_model(config.actor_model_name_or_path)
     if not os.path.isdir(model_dir):
         raise FileNotFoundError(f"actor_model_name_or_path: folder not found: {model_dir}")

@@ -22,19 +22,21 @@ from ..layouts import build_layout
 from ..models import Tokenizer, adapters_off
 from ..models.lora import lora_settings
 from ..monitor import MetricsLog, StageTimer, run_summary
+from ..monitor.progress import progress_bar
 from ..parallel import watchdog
 from ..parallel.device import select_device
+from ..parallel.topology import topology_from_config, world_size_from_env
 from ..rewards import build_reward, check_reward_config
 from ..rollout import EngineSettings, RolloutEngine, SamplingParams, sample_key
 from . import faults
-from .critic import build_critic, check_critic_config
 from .checkpoint import (CheckpointError, check_shared_folder, checkpoint_dirs, load_optimizer, load_trainer_state,
                          resolve_resume, save_checkpoint, seed_rngs, set_rng_state, warn_pickled)
+from .critic import build_critic, check_critic_config
 from .evaluate import episode_maker, evaluate
 from .logprobs import reuses_rollout_logprobs
+from .nonfinite import NonFiniteGuard, first_nonfinite_grad
 from .preflight import check_paths
 from .rollouts import build_rollout
-from .nonfinite import NonFiniteGuard, first_nonfinite_grad
 from .scoring import metric_columns, per_function_scores, reward_result, score
 
 logger = logging.getLogger("paddle_rl")
@@ -515,7 +517,6 @@ class RLTrainer:
 
 
 def _topology(config):
-    from ..parallel.topology import topology_from_config, world_size_from_env
     degrees = (config.tensor_parallel_degree, config.pipeline_parallel_degree, config.sharding_parallel_degree,
                max(config.data_parallel_degree, 1))
     if world_size_from_env() == 1 and all(d == 1 for d in degrees):
@@ -537,5 +538,4 @@ def _summary(metrics: dict, short: bool = False) -> str:
 
 def _progress(total: int, done: int, disabled: bool):
     """The step bar (a context manager yielding an object with update(summary)); logging goes through it."""
-    from ..monitor.progress import progress_bar
     return progress_bar(total, initial=done, disabled=disabled)
