@@ -63,19 +63,16 @@ def sandbox_processes(programs_only=False):
     return found
 
 
-# the names the hostile programs below write (/tmp is shared with the rest of the machine: only these are watched
-# there; /var/tmp and /dev/shm are watched whole)
+# the names the hostile programs below write: /tmp, /var/tmp and /dev/shm are shared with the rest of the machine
+# (an asynchronous rollout worker keeps its weights in /dev/shm), so only these names are watched there
 WRITTEN = ("paddle_rl_left_behind", "x", "big", "mine.txt")
 
 
 def host_traces():
-    """What a program could leave on the host: files in /tmp, /var/tmp, /dev/shm, System V segments, our cgroups."""
-    files = {os.path.join("/tmp", name) for name in WRITTEN if os.path.lexists(os.path.join("/tmp", name))}
-    for folder in ("/var/tmp", "/dev/shm"):
-        try:
-            files.update(os.path.join(folder, name) for name in os.listdir(folder))
-        except OSError:
-            pass
+    """What a program could leave on the host: its files in /tmp, /var/tmp, /dev/shm, System V segments, our
+    cgroups."""
+    files = {os.path.join(folder, name) for folder in ("/tmp", "/var/tmp", "/dev/shm") for name in WRITTEN
+             if os.path.lexists(os.path.join(folder, name))}
     try:
         with open("/proc/sysvipc/shm") as f:
             segments = len(f.readlines())
@@ -88,20 +85,17 @@ def host_traces():
                 cgroups.update(n for n in os.listdir(parent) if n.startswith(sandbox.CGROUP_PREFIX))
             except OSError:
                 pass
-    shm = os.statvfs("/dev/shm")
-    return files, segments, cgroups, (shm.f_blocks - shm.f_bfree) * shm.f_frsize
+    return files, segments, cgroups
 
 
 def nothing_left(before, timeout=10.0):
-    """No sandbox process, and the host's traces as `before` (shm use within 1 MB)."""
+    """No sandbox process, and the host's traces as `before`."""
     deadline = time.time() + timeout
     while time.time() < deadline:
-        after = host_traces()
-        if not sandbox_processes() and after[:3] == before[:3] and abs(after[3] - before[3]) < (1 << 20):
+        if not sandbox_processes() and host_traces() == before:
             return True
         time.sleep(0.1)
-    after = host_traces()
-    print("left:", sandbox_processes(), after[0] ^ before[0], after[1:3], before[1:3], after[3] - before[3])
+    print("left:", sandbox_processes(), host_traces(), before)
     return False
 
 

@@ -371,7 +371,9 @@ def _status(returncode, timed_out: bool, stderr: str, cpu: float, limits: Sandbo
     "File too large"; past the CPU limit the kernel stops it (SIGXCPU, then SIGKILL)."""
     if over_memory:
         return "memory"
-    if timed_out or cpu >= limits.cpu_seconds - 0.05:
+    # the CPU limit: SIGXCPU (bwrap reports a child's signal as 128 + its number; the rusage of a grandchild that
+    # bwrap's init reaped does not always reach this process)
+    if timed_out or cpu >= limits.cpu_seconds - 0.05 or returncode in (-signal.SIGXCPU, 128 + signal.SIGXCPU):
         return "timeout"
     if returncode == 0:
         return "ok"
