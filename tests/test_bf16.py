@@ -95,6 +95,26 @@ def test_use_fp32_compute_keeps_the_lm_head_in_float32(micro):
     assert isinstance(precision_for(load_config(None, [f"actor_model_name_or_path={micro['model']}"])), Float32)
 
 
+@pytest.mark.parametrize("custom_ops", ["off", "auto"])
+def test_a_float32_rollout_of_a_bf16_model_decodes_in_float32(micro, custom_ops):
+    """rollout_dtype float32 with bf16: inside packed_weights("float32") the model computes float32 products (packed
+    copies where the kernel runs, plain matmuls where it does not), and bf16 again afterwards."""
+    previous = ops.mode()
+    ops.configure(custom_ops)
+    try:
+        model = load_model(micro["model"])
+        ids = paddle.to_tensor([[3, 7, 11, 2, 5]])
+        base = model(ids).numpy()
+        model.set_bf16(True, True)
+        bf16 = model(ids).numpy()
+        with model.packed_weights("float32"):
+            rollout = model(ids).numpy()
+        assert model.bf16 == (True, True)
+        assert np.abs(rollout - base).max() < 1e-5 < np.abs(bf16 - base).max()
+    finally:
+        ops.configure(previous)
+
+
 def test_bf16_follows_into_rollout_dtype_and_save_dtype(micro):
     model = f"actor_model_name_or_path={micro['model']}"
     cfg = load_config(None, [model, "bf16=true"])
@@ -167,7 +187,12 @@ def test_bf16_training_differs_from_float32_and_resumes_exactly(micro, tmp_path)
 
 
 def test_save_dtype_float32_with_bf16(micro, tmp_path):
-    _run(micro, tmp_path, max_steps=1, save_steps=1, bf16="true", save_dtype="float32")
+    """save_dtype float32 with bf16: float32 HF weights (they are the masters: no second copy); the rollout decodes in
+    bfloat16 (rollout_dtype auto), and in float32 when rollout_dtype says so."""
+    trainer = _run(micro, tmp_path, max_steps=1, save_steps=1, bf16="true", save_dtype="float32")
+    assert trainer.engine.rollout_dtype == "bfloat16" and trainer.actor.bf16 == (True, True)
     folder = tmp_path / "checkpoint-1"
     assert json.loads((folder / "config.json").read_text())["torch_dtype"] == "float32"
     assert not (folder / "master_weights.safetensors").exists()
+    trainer = _run(micro, tmp_path / "fp32-rollout", max_steps=1, bf16="true", rollout_dtype="float32")
+    assert trainer.engine.rollout_dtype == "float32" and trainer.actor.bf16 == (True, True)
