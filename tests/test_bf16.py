@@ -176,6 +176,12 @@ def test_bf16_training_differs_from_float32_and_resumes_exactly(micro, tmp_path)
     header = json.loads((folder / "model.safetensors").read_bytes()[8:8 + header_len])
     assert {v["dtype"] for k, v in header.items() if k != "__metadata__"} == {"BF16"}
     assert all(np.array_equal(b[k], bf16_round(masters[k])) for k in b)  # the HF weights: the masters, rounded
+    torch = pytest.importorskip("torch")
+    from safetensors import safe_open
+    with safe_open(str(folder / "model.safetensors"), framework="pt") as f:  # the reader transformers uses
+        for k in f.keys():
+            t = f.get_tensor(k)
+            assert t.dtype == torch.bfloat16 and np.array_equal(t.float().numpy(), b[k])
     assert any(not np.array_equal(b[k], masters[k]) for k in b)
 
     _run_process(micro, tmp_path / "resumed", max_steps=4, save_steps=2, bf16="true",

@@ -556,6 +556,8 @@ class CausalLM(nn.Layer):
         parallel: from vocabulary-sharded logits."""
         batch, length = targets.shape[0], targets.shape[1]
         weight, transposed = self.head_weight
+        if hidden.dtype != paddle.float32:  # AMP's bfloat16 (trainer/precision.py): log-probs from float32 copies
+            hidden, weight = hidden.astype("float32"), weight.astype("float32")
         if self.tp_group is None:
             logp, entropy = ops.lm_head_logprobs(hidden.reshape([batch * length, hidden.shape[-1]]), weight,
                                                  targets.reshape([-1]), temperature, with_entropy,
