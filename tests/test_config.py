@@ -21,9 +21,10 @@ def test_paddlenlp_grpo_argument_file_loads_with_one_warning(caplog):
     warnings = [r for r in caplog.records if "not acted on" in r.getMessage()]
     assert len(warnings) == 1
     message = warnings[0].getMessage()
-    for key in ("use_flash_attention", "bf16", "offload_level", "wandb_http_proxy"):
+    for key in ("use_flash_attention", "fp16_opt_level", "offload_level", "wandb_http_proxy"):
         assert key in message
-    assert "rollout_n" not in message
+    listed = message.split(": ", 1)[1].split(", ")
+    assert "rollout_n" not in listed and "bf16" not in listed and "use_fp32_compute" not in listed
 
 
 def test_unknown_key_suggests_the_closest_name(tmp_path):
@@ -183,5 +184,5 @@ def test_rollout_precision_keys():
     with pytest.raises(ConfigError, match="rollout_quant_type: must be '' .off., weight_only_int8 or weight_only_int4, "
                                           "got 'a8w8'"):
         load_config(None, [MODEL, "rollout_quant_type=a8w8"])
-    with pytest.raises(ConfigError, match="rollout_dtype: must be float32 or bfloat16, got 'float16'"):
+    with pytest.raises(ConfigError, match="rollout_dtype: must be auto, float32 or bfloat16, got 'float16'"):
         load_config(None, [MODEL, "rollout_dtype=float16"])

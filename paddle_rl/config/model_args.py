@@ -16,8 +16,15 @@ class ModelArgs:
     tokenizer_name_or_path: Optional[str] = arg(None, "Tokenizer folder; defaults to the actor's.")
     reward_model_name_or_path: str = arg("", "Neural reward model: a *ForSequenceClassification folder, scored as the "
                                              "function `reward_model` of reward_funcs (docs/rewards.md).")
-    use_fp32_compute: bool = arg(False, "Compute log-probs, rewards and losses in fp32.", acted=False)
-    bf16: bool = arg(False, "bf16 mixed precision (this CPU build computes in fp32).", acted=False)
+    use_fp32_compute: bool = arg(False, "With bf16: the LM head's products stay float32 (otherwise they take bfloat16 "
+                                        "operands like the other linear layers); the log-softmax, log-probs, "
+                                        "advantages and losses are float32 either way.")
+    bf16: bool = arg(False, "bfloat16 for training and inference (PaddleNLP's bf16): the linear layers' products "
+                            "(forward and both gradients) take bfloat16-rounded operands with float32 sums, the "
+                            "parameters stay float32 master weights (optimizer moments float32); norms, attention, "
+                            "log-probs and losses float32. On a CPU build emulated (the numbers of bf16 training, "
+                            "not its speed); on a GPU, Paddle's AMP O2 with master weights. The rollout follows "
+                            "(rollout_dtype auto), checkpoints are written in save_dtype (docs/performance.md, bf16).")
     fp16_opt_level: str = arg("O1", acted=False)
     amp_master_grad: bool = arg(False, acted=False)
     amp_custom_black_list: str = arg("", acted=False)

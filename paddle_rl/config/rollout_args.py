@@ -1,3 +1,4 @@
+import logging
 from dataclasses import dataclass
 from typing import Optional
 
@@ -10,6 +11,8 @@ KV_CACHE_DTYPES = {"auto": "auto", "float32": "float32", "fp32": "float32", "bfl
 
 # accepted spellings of rollout_dtype -> the name used
 ROLLOUT_DTYPE_NAMES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16"}
+
+logger = logging.getLogger("paddle_rl")
 
 
 @dataclass
@@ -29,12 +32,13 @@ class RolloutArgs:
                                            "(-1: unlimited): a prompt's samples join only while rows x (longest "
                                            "prompt + max_dec_len) stays within it. Bytes = slots x 2 x layers x "
                                            "kv_heads x head_dim x the bytes of kv_cache_dtype.")
-    rollout_dtype: str = arg("float32", "The rollout's arithmetic: float32 | bfloat16. bfloat16 packs the rollout's "
+    rollout_dtype: str = arg("auto", "The rollout's arithmetic: auto (bfloat16 with bf16: true, else float32) | "
+                                     "float32 | bfloat16. bfloat16 packs the rollout's "
                                         "weights in bfloat16 (half the bytes) and rounds the activations to bfloat16 "
                                         "before each linear layer's product, summed in float32 (exact products, "
                                         "vdpbf16ps's order); norms, attention and log-probs stay "
                                         "float32, and the KV cache follows (kv_cache_dtype auto). Training and the "
-                                        "reference pass stay float32. verl's rollout.dtype.")
+                                        "reference pass follow bf16. verl's rollout.dtype.")
     kv_cache_dtype: str = arg("auto", "What the rollout's KV cache stores: auto (rollout_dtype) | float32 | "
                                       "bfloat16 | float16. A 16-bit cache halves the cache's memory and the bytes "
                                       "each decode step reads; keys and values are rounded to it, so the rollout's "
@@ -76,9 +80,16 @@ class RolloutArgs:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES.values():
             errors.append(f"kv_cache_dtype: must be auto, float32, bfloat16 or float16, got {self.kv_cache_dtype!r}")
         dtype = str(self.rollout_dtype).lower()
-        self.rollout_dtype = ROLLOUT_DTYPE_NAMES.get(dtype, dtype)
-        if self.rollout_dtype not in ROLLOUT_DTYPE_NAMES.values():
-            errors.append(f"rollout_dtype: must be float32 or bfloat16, got {self.rollout_dtype!r}")
+        bf16 = bool(getattr(self, "bf16", False))
+        if dtype == "auto":
+            self.rollout_dtype = "bfloat16" if bf16 else "float32"
+        else:
+            self.rollout_dtype = ROLLOUT_DTYPE_NAMES.get(dtype, dtype)
+            if self.rollout_dtype not in ROLLOUT_DTYPE_NAMES.values():
+                errors.append(f"rollout_dtype: must be auto, float32 or bfloat16, got {self.rollout_dtype!r}")
+            elif bf16 and self.rollout_dtype == "float32":
+                logger.info("rollout_dtype: float32 with bf16: true: the rollout decodes in float32, training runs "
+                            "in bf16 (the rollout's log-probs then differ from the trainer's by the bf16 rounding)")
         # YAML reads a bare on / off as true / false
         self.reuse_rollout_logprobs = {"true": "on", "false": "off", "yes": "on", "no": "off"}.get(str(self.reuse_rollout_logprobs).lower(), str(self.reuse_rollout_logprobs).lower())
         if self.reuse_rollout_logprobs not in ("auto", "on", "off"):

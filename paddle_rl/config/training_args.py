@@ -56,6 +56,10 @@ class TrainingArgs:
     save_error: str = arg("stop", "A checkpoint that cannot be written (full disk, I/O error; its partial folder is "
                                   "removed, earlier checkpoints are untouched): stop (the run ends with the error) | "
                                   "continue (logged as an error; training goes on and saves again when due).")
+    save_dtype: str = arg("auto", "The dtype of a checkpoint's Hugging Face weights (model.safetensors; config.json's "
+                                  "torch_dtype says it): auto (bfloat16 with bf16: true, else float32) | float32 | "
+                                  "bfloat16. A bfloat16 checkpoint of a run also holds the float32 master weights "
+                                  "(master_weights.safetensors), so resuming from it is exact.")
     ignore_save_lr_and_optim: bool = arg(False, "Save only model weights (such a checkpoint cannot resume exactly).")
     resume_from_checkpoint: Optional[str] = arg(None, "auto (latest in output_dir) | PATH.")
     do_train: bool = arg(True, "false: no update; the run evaluates the starting model once (step 0, as with "
@@ -77,6 +81,12 @@ class TrainingArgs:
                                           "pipeline_parallel_degree > 1.")
 
     def _validate_training(self, errors):
+        dtype = {"fp32": "float32", "bf16": "bfloat16"}.get(str(self.save_dtype).lower(), str(self.save_dtype).lower())
+        if dtype == "auto":
+            dtype = "bfloat16" if getattr(self, "bf16", False) else "float32"
+        self.save_dtype = dtype
+        if dtype not in ("float32", "bfloat16"):
+            errors.append(f"save_dtype: must be auto, float32 or bfloat16, got {dtype!r}")
         positive = ("global_batch_size", "update_iters", "per_device_train_batch_size",
                     "per_device_logprob_batch_size", "per_device_reward_batch_size", "per_device_eval_batch_size")
         for key in positive:

@@ -145,16 +145,17 @@ class ModelConfig:
             except (ValueError, TypeError) as e:  # an unsupported rope type, family, activation ...: name the file
                 raise ValueError(f"{path}: {e}") from None
 
-    def to_hf_dict(self) -> dict:
+    def to_hf_dict(self, dtype: str = "float32") -> dict:
         data = {k: v for k, v in asdict(self).items() if k != "extra" and v is not None}
         data.update(self.extra)
         data["architectures"] = (list(self.extra["architectures"]) if self.sequence_classifier
                                  else [self.family.architecture])
         for key, value in self.family.extra_config:
             data.setdefault(key, value)
-        data["dtype"] = data["torch_dtype"] = "float32"  # what save_model writes (transformers 5 reads "dtype")
+        data["dtype"] = data["torch_dtype"] = dtype  # what save_model writes (transformers 5 reads "dtype")
         return data
 
-    def save(self, folder: str) -> None:
+    def save(self, folder: str, dtype: str = "float32") -> None:
+        """config.json; `dtype`: the weights' dtype on disk (torch_dtype)."""
         with open(os.path.join(folder, "config.json"), "w", encoding="utf-8") as f:
-            json.dump(self.to_hf_dict(), f, indent=2, sort_keys=True)
+            json.dump(self.to_hf_dict(dtype), f, indent=2, sort_keys=True)

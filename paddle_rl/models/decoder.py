@@ -350,6 +350,7 @@ class CausalLM(nn.Layer):
         self._router = None
         self.lora = None  # LoraSettings once adapters are on the model (models/lora.py)
         self._packed_head = None  # the tied head's packed table while packed_weights is on
+        self.head_bf16 = False  # the LM head's products in bfloat16 (trainer/precision.py; the linears: _Linear.bf16)
 
     def init_weights(self, std: Optional[float] = None):
         std = self.config.initializer_range if std is None else std
@@ -360,6 +361,24 @@ class CausalLM(nn.Layer):
                 param.set_value(paddle.zeros_like(param))
             else:
                 param.set_value(paddle.normal(0.0, std, param.shape).astype(param.dtype))
+
+    def set_bf16(self, linears: bool, head: bool) -> None:
+        """The compute precision of the products: the decoder's linear layers (`linears`) and the LM head (`head`) in
+        bfloat16 operands with float32 sums (ops.bf16_linear), the parameters kept float32. trainer/precision.py
+        sets it from `bf16` / `use_fp32_compute`."""
+        for m in self.sublayers():
+            if isinstance(m, (ColumnLinear, RowLinear)):
+                m.bf16 = bool(linears)
+        if getattr(self, "lm_head", None) is not None:
+            self.lm_head.bf16 = bool(head)
+        self.head_bf16 = bool(head)
+
+    @property
+    def bf16(self):
+        """(linear layers, LM head) computing with bfloat16 operands (set_bf16)."""
+        linears = [m.bf16 for m in self.sublayers() if isinstance(m, (ColumnLinear, RowLinear))
+                   and m is not getattr(self, "lm_head", None)]
+        return any(linears), self.head_bf16
 
     @property
     def recomputes_layers(self) -> bool:
@@ -487,6 +506,8 @@ class CausalLM(nn.Layer):
         hidden = copy_to_group(hidden, self.tp_group)
         if self._packed_head is not None:
             return ops.packed_linear(hidden, self._packed_head, weight.shape[0])
+        if self.head_bf16:
+            return ops.bf16_linear(hidden, weight.T)
         return paddle.matmul(hidden, weight, transpose_y=True)
 
     @contextlib.contextmanager
@@ -497,8 +518,10 @@ class CausalLM(nn.Layer):
         the weights as they are now, LoRA merged) are dropped on exit, and `repack()` remakes them after the
         weights change. In float32 nothing is packed where the kernel does not run (ops.packing_helps); a
         `rollout_dtype` bfloat16 or a `quant_type` (weight_only_int8 / int4) always packs its format (the pure-Paddle
-        reference computes the same products where the kernel does not run)."""
+        reference computes the same products where the kernel does not run). A model training in bf16 (set_bf16)
+        decodes in the rollout's precision: float32 products under rollout_dtype float32."""
         fmt, bf16_act = ops.rollout_weight_format(rollout_dtype, quant_type)
+        trained_bf16 = self.bf16
         linears = [m for m in self.sublayers() if isinstance(m, (ColumnLinear, RowLinear))]
         head, transposed = self.head_weight if self.is_last and not self.config.sequence_classifier else (None, False)
 
@@ -513,12 +536,14 @@ class CausalLM(nn.Layer):
             if transposed:
                 _hold(self, "_packed_head", pack(head, transposed=True))
         try:
+            self.set_bf16(False, False)
             repack()
             yield repack
         finally:
             for m in linears:
                 _hold(m, "packed", None)
             _hold(self, "_packed_head", None)
+            self.set_bf16(*trained_bf16)
 
     def logits(self, hidden):
         """Full-vocabulary logits (gathered over the tensor-parallel group, padding cut off)."""
@@ -531,10 +556,12 @@ class CausalLM(nn.Layer):
         parallel: from vocabulary-sharded logits."""
         batch, length = targets.shape[0], targets.shape[1]
         weight, transposed = self.head_weight
+        if hidden.dtype != paddle.float32:  # AMP's bfloat16 (trainer/precision.py): log-probs from float32 copies
+            hidden, weight = hidden.astype("float32"), weight.astype("float32")
         if self.tp_group is None:
             logp, entropy = ops.lm_head_logprobs(hidden.reshape([batch * length, hidden.shape[-1]]), weight,
                                                  targets.reshape([-1]), temperature, with_entropy,
-                                                 transpose_weight=transposed)
+                                                 transpose_weight=transposed, bf16=self.head_bf16)
             return logp.reshape([batch, length]), None if entropy is None else entropy.reshape([batch, length])
         logits = self.local_logits(hidden)[..., :self.vocab_width]
         if temperature > 0:

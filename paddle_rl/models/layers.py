@@ -122,12 +122,14 @@ class RMSNorm(nn.Layer):
 
 
 class _Linear(nn.Layer):
-    """What ColumnLinear and RowLinear share: a LoRA adapter and the rollout's packed copy of the weight."""
+    """What ColumnLinear and RowLinear share: a LoRA adapter, the rollout's packed copy of the weight and the
+    compute precision (`bf16`: the products take bfloat16-rounded operands, ops.bf16_linear; trainer/precision.py)."""
 
     def __init__(self):
         super().__init__()
         self.lora = None    # a LoRA adapter (models/lora.py) when one is put on this layer
         self.packed = None  # the rollout's packed copy of effective_weight (CausalLM.packed_weights)
+        self.bf16 = False   # bf16 products (set by trainer/precision.py; the packed copy wins while it exists)
 
     @property
     def effective_weight(self):
@@ -138,7 +140,7 @@ class _Linear(nn.Layer):
         """x @ weight: from the packed copy while the rollout holds one, else a matmul."""
         if self.packed is not None:
             return ops.packed_linear(x, self.packed, weight.shape[1])
-        return paddle.matmul(x, weight)
+        return ops.bf16_linear(x, weight) if self.bf16 else paddle.matmul(x, weight)
 
 
 class ColumnLinear(_Linear):
@@ -161,7 +163,7 @@ class ColumnLinear(_Linear):
 
     def forward(self, x):
         weight = self.effective_weight
-        if self.group is None and self.packed is None:
+        if self.group is None and self.packed is None and not self.bf16:
             y = F.linear(x, weight, self.bias)
         else:
             y = self.project(copy_to_group(x, self.group), weight)
@@ -182,7 +184,7 @@ class RowLinear(_Linear):
 
     def forward(self, x):
         weight = self.effective_weight
-        if self.group is None and self.packed is None:
+        if self.group is None and self.packed is None and not self.bf16:
             y = F.linear(x, weight, self.bias)
         else:
             y = reduce_from_group(self.project(x, weight), self.group)

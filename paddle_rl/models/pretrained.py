@@ -75,7 +75,7 @@ def hf_state(model: CausalLM, frozen: bool = True) -> dict:
     out = {}
     for _, param in specs_of(model, frozen):
         if group is None or not param.is_distributed:
-            full = param.numpy()
+            full = param.numpy() if param.dtype == paddle.float32 else param.astype("float32").numpy()
         else:
             shards: list = []
             dist.all_gather(shards, param.detach(), group=group)
@@ -96,12 +96,13 @@ def checkpoint_state(model: CausalLM) -> dict:
 
 
 def save_model(model: CausalLM, folder: str, tokenizer_folder: Optional[str] = None,
-               max_shard_bytes: int = 5 * 1024**3, state: Optional[dict] = None) -> None:
+               max_shard_bytes: int = 5 * 1024**3, state: Optional[dict] = None, dtype: str = "float32") -> None:
     """One ordinary checkpoint. A tensor-parallel model is gathered (every rank of its group calls this) and
     written by the group's first rank; `state` passes an already gathered state (checkpoint_state) instead.
     A LoRA model writes its adapter in PEFT's layout, and with `save_merged` the merged weights as an ordinary
     Hugging Face model in the subfolder `merged/` (not beside the adapter: transformers would read
-    adapter_config.json there and add the adapter a second time)."""
+    adapter_config.json there and add the adapter a second time). `dtype` (float32 | bfloat16): the Hugging Face
+    weights' dtype on disk (config.json's torch_dtype); a LoRA adapter stays float32."""
     if state is None:
         state = checkpoint_state(model)
         if model.tp_group is not None and model.tp_group.rank != 0:
@@ -111,17 +112,18 @@ def save_model(model: CausalLM, folder: str, tokenizer_folder: Optional[str] = N
         save_adapter(folder, state, model.lora, base=getattr(model, "base_folder", ""))
         if model.lora.save_merged:
             _save_plain(model, os.path.join(folder, MERGED_FOLDER), merge_state(state, model.lora), tokenizer_folder,
-                        max_shard_bytes)
+                        max_shard_bytes, dtype)
         if tokenizer_folder:
             copy_tokenizer_files(tokenizer_folder, folder)
         return
-    _save_plain(model, folder, state, tokenizer_folder, max_shard_bytes)
+    _save_plain(model, folder, state, tokenizer_folder, max_shard_bytes, dtype)
 
 
-def _save_plain(model: CausalLM, folder: str, state: dict, tokenizer_folder: Optional[str], max_shard_bytes: int):
+def _save_plain(model: CausalLM, folder: str, state: dict, tokenizer_folder: Optional[str], max_shard_bytes: int,
+                dtype: str = "float32"):
     os.makedirs(folder, exist_ok=True)
-    model.config.save(folder)
-    save_state(folder, state, max_shard_bytes=max_shard_bytes)
+    model.config.save(folder, dtype)
+    save_state(folder, state, max_shard_bytes=max_shard_bytes, dtype=dtype)
     if tokenizer_folder:
         copy_tokenizer_files(tokenizer_folder, folder)
 

@@ -5,7 +5,7 @@ from typing import Dict
 
 import numpy as np
 from safetensors import safe_open
-from safetensors.numpy import save_file
+from safetensors.numpy import save_file as _save_f32_file
 
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
@@ -13,6 +13,31 @@ INDEX = "model.safetensors.index.json"
 
 def _bf16_to_f32(raw: np.ndarray) -> np.ndarray:
     return (raw.astype(np.uint32) << 16).view(np.float32)
+
+
+def f32_to_bf16(array: np.ndarray) -> np.ndarray:
+    """float32 -> bfloat16 bits (uint16), rounded to nearest even (NaN stays NaN)."""
+    bits = np.ascontiguousarray(array, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+    return np.where(np.isnan(array), np.uint16(0x7FC0), rounded)
+
+
+def _save_bf16_file(tensors: Dict[str, np.ndarray], path: str, metadata: dict) -> None:
+    """A safetensors file of BF16 tensors (safetensors' numpy backend has no bfloat16: the layout written by
+    hand, a little-endian u64 header length, the JSON header padded to 8 bytes, then the raw data)."""
+    header, blobs, offset = {"__metadata__": metadata}, [], 0
+    for name in sorted(tensors):
+        blob = f32_to_bf16(tensors[name]).astype("<u2").tobytes()
+        header[name] = {"dtype": "BF16", "shape": list(tensors[name].shape), "data_offsets": [offset, offset + len(blob)]}
+        blobs.append(blob)
+        offset += len(blob)
+    text = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    text += b" " * (-len(text) % 8)
+    with open(path, "wb") as f:
+        f.write(len(text).to_bytes(8, "little"))
+        f.write(text)
+        for blob in blobs:
+            f.write(blob)
 
 
 def _read_bf16_tensors(path: str, names) -> Dict[str, np.ndarray]:
@@ -68,13 +93,22 @@ def load_state(folder: str) -> Dict[str, np.ndarray]:
     return read_file(single)
 
 
-def save_state(folder: str, state: Dict[str, np.ndarray], max_shard_bytes: int = 5 * 1024**3) -> None:
-    """Write one model.safetensors, or shards plus an index when larger than max_shard_bytes."""
+SAVE_DTYPES = ("float32", "bfloat16")
+
+
+def save_state(folder: str, state: Dict[str, np.ndarray], max_shard_bytes: int = 5 * 1024**3,
+               dtype: str = "float32") -> None:
+    """Write one model.safetensors, or shards plus an index when larger than max_shard_bytes; `dtype` float32 or
+    bfloat16 (rounded to nearest even)."""
+    if dtype not in SAVE_DTYPES:
+        raise ValueError(f"save_dtype: must be float32 or bfloat16, got {dtype!r}")
     os.makedirs(folder, exist_ok=True)
     names = sorted(state)
+    itemsize = 2 if dtype == "bfloat16" else 4
+    save_file = _save_f32_file if dtype == "float32" else _save_bf16_file
     shards, current, size = [], {}, 0
     for name in names:
-        nbytes = state[name].nbytes
+        nbytes = state[name].size * itemsize
         if current and size + nbytes > max_shard_bytes:
             shards.append(current)
             current, size = {}, 0
@@ -90,6 +124,6 @@ def save_state(folder: str, state: Dict[str, np.ndarray], max_shard_bytes: int =
         fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
         save_file(shard, os.path.join(folder, fname), metadata=meta)
         weight_map.update({name: fname for name in shard})
-    total = sum(v.nbytes for v in state.values())
+    total = sum(v.size * itemsize for v in state.values())
     with open(os.path.join(folder, INDEX), "w", encoding="utf-8") as f:
         json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2, sort_keys=True)

@@ -1,8 +1,14 @@
-"""y = x W from a packed copy of W: the rollout's linear layers (few rows per decode step)."""
+"""y = x W from a packed copy of W: the rollout's linear layers (few rows per decode step); the bf16 training
+linear layer (bf16_linear)."""
+import logging
+
 import paddle
+from paddle.autograd import PyLayer
 
 from . import build
 from ._util import contiguous, fusable
+
+logger = logging.getLogger("paddle_rl")
 
 PANEL = 32   # columns per panel (csrc/cpu/linear.cc)
 
@@ -166,3 +172,49 @@ def packed_linear_lowp_fused(x, packed: LowpPacked):
 def packed_linear_lowp(x, packed: LowpPacked):
     fused = packing_helps(x) and packed.data.place.is_cpu_place()
     return (packed_linear_lowp_fused if fused else packed_linear_lowp_reference)(x, packed)
+
+
+# ---------------------------------------------------------------------------------------------- bf16 training
+# `bf16: true` on a CPU: a linear layer's three products (y = x W, dx = dy W^T, dW = x^T dy) take operands rounded
+# to bfloat16 (nearest even) and sum in float32, the parameters staying float32 (the master weights). A bf16 x bf16
+# product is exact in float32, so this is a bf16 matmul with float32 accumulation up to the order of the sums.
+# Paddle's CPU build has no bfloat16 matmul: the reference rounds and multiplies in float32 (no fused kernel yet,
+# so `bf16_linear` is the reference and says once that it emulates).
+
+class _Bf16Linear(PyLayer):
+    @staticmethod
+    def forward(ctx, x, weight):
+        xr, wr = round_bf16(x), round_bf16(weight)
+        ctx.save_for_backward(xr, wr)
+        ctx.needs = (not x.stop_gradient, not weight.stop_gradient)
+        return paddle.matmul(xr, wr)
+
+    @staticmethod
+    def backward(ctx, dy):
+        xr, wr = ctx.saved_tensor()
+        dyr = round_bf16(dy)
+        dx = paddle.matmul(dyr, wr, transpose_y=True) if ctx.needs[0] else None
+        k, n = wr.shape
+        dw = paddle.matmul(xr.reshape([-1, k]), dyr.reshape([-1, n]), transpose_x=True) if ctx.needs[1] else None
+        return dx, dw
+
+
+def bf16_linear_reference(x, weight):
+    """x [..., K] @ weight [K, N] with bfloat16-rounded operands and float32 sums, forward and backward (the input's
+    gradient from the rounded dy and W, the weight's from the rounded x and dy); float32 in and out."""
+    if not paddle.is_grad_enabled() or (x.stop_gradient and weight.stop_gradient):
+        return paddle.matmul(round_bf16(x), round_bf16(weight))
+    return _Bf16Linear.apply(x, weight)
+
+
+_warned_emulation = []
+
+
+def bf16_linear(x, weight):
+    """The bf16 training linear layer (bf16_linear_reference: no fused kernel yet; one warning that it emulates)."""
+    if not _warned_emulation:
+        _warned_emulation.append(True)
+        logger.warning("bf16: the linear layers' bfloat16 products are emulated (operands rounded to bfloat16, "
+                       "multiplied in float32): numerics of bf16 training, not its speed (this build has no "
+                       "bfloat16 matmul kernel on the CPU)")
+    return bf16_linear_reference(x, weight)

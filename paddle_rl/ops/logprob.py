@@ -7,6 +7,8 @@ SAVE_LOGITS_BYTES in all (a small vocabulary or few rows); beyond that each chun
 extra LM-head matmul) so memory stays at one chunk. The per-chunk softmax work is a fused kernel when
 available, else the same formulas in Paddle.
 `lm_head_logprobs_reference` is plain autograd over the full logits (the definition the tests hold it to).
+With `bf16` (bf16 training with the LM head in bfloat16) the head's three products take bfloat16-rounded operands
+(hidden, weight, d logits) with float32 sums, as ops.bf16_linear; the softmax and log-probs stay float32.
 """
 from typing import Optional, Tuple
 
@@ -16,6 +18,7 @@ from paddle.autograd import PyLayer
 
 from . import build
 from ._util import contiguous, fusable
+from .linear import bf16_linear_reference, round_bf16
 
 CHUNK_ELEMENTS = 1 << 24       # logits per chunk (64 MB of float32)
 SAVE_LOGITS_BYTES = 256 << 20  # keep the logits for the backward up to this size, else recompute them
@@ -26,9 +29,13 @@ def _head(hidden, weight, transpose_weight: bool):
 
 
 def lm_head_logprobs_reference(hidden, weight, labels, temperature: float, with_entropy: bool = False,
-                               transpose_weight: bool = False):
+                               transpose_weight: bool = False, bf16: bool = False):
     """hidden [N, H]; weight [H, V] ([V, H] with transpose_weight); labels [N] -> (logp [N], entropy [N] or None)."""
-    return logprobs_from_logits(_head(hidden, weight, transpose_weight), labels, temperature, with_entropy)
+    if bf16:
+        logits = bf16_linear_reference(hidden, weight.T if transpose_weight else weight)
+    else:
+        logits = _head(hidden, weight, transpose_weight)
+    return logprobs_from_logits(logits, labels, temperature, with_entropy)
 
 
 def logprobs_from_logits(logits, labels, temperature: float, with_entropy: bool = False):
@@ -107,20 +114,23 @@ def _forward_chunks(hidden, weight, labels, scale, transpose, rows_per_chunk, fu
 
 class _ChunkedLMHead(PyLayer):
     @staticmethod
-    def forward(ctx, hidden, weight, labels, scale, transpose, rows_per_chunk, fused):
+    def forward(ctx, hidden, weight, labels, scale, transpose, rows_per_chunk, fused, bf16=False):
+        ctx.needs = (not hidden.stop_gradient, not weight.stop_gradient)
+        if bf16:  # the products' operands in bfloat16 (d logits rounded in the backward)
+            hidden, weight = round_bf16(hidden), round_bf16(weight)
         vocab = weight.shape[0] if transpose else weight.shape[1]
         keep = hidden.shape[0] * vocab * 4 <= SAVE_LOGITS_BYTES
         (logp, entropy, lse, mean_z), kept = _forward_chunks(hidden, weight, labels, scale, transpose,
                                                              rows_per_chunk, fused, keep_logits=keep)
         ctx.save_for_backward(hidden, weight, labels, lse, mean_z)
         ctx.kept_logits = kept
-        ctx.config = (scale, transpose, rows_per_chunk, fused)
+        ctx.config = (scale, transpose, rows_per_chunk, fused, bf16)
         return logp, entropy
 
     @staticmethod
     def backward(ctx, grad_logp, grad_entropy):
         hidden, weight, labels, lse, mean_z = ctx.saved_tensor()
-        scale, transpose, rows_per_chunk, fused = ctx.config
+        scale, transpose, rows_per_chunk, fused, bf16 = ctx.config
         _, backward = _kernels(fused)
         kept, ctx.kept_logits = ctx.kept_logits, None
         grad_hidden, grad_weight = [], None
@@ -131,6 +141,7 @@ class _ChunkedLMHead(PyLayer):
             g_ent = None if grad_entropy is None else grad_entropy[start:stop]
             g = backward(logits, labels[start:stop], lse[start:stop], mean_z[start:stop], grad_logp[start:stop],
                          g_ent, scale)
+            g = round_bf16(g) if bf16 else g
             if kept:
                 kept[index] = None
             grad_hidden.append(paddle.matmul(g, weight, transpose_y=not transpose))
@@ -138,20 +149,20 @@ class _ChunkedLMHead(PyLayer):
             grad_weight = part if grad_weight is None else grad_weight + part
         grad_hidden = grad_hidden[0] if len(grad_hidden) == 1 else paddle.concat(grad_hidden)
         grads = []
-        if not hidden.stop_gradient:
+        if ctx.needs[0]:
             grads.append(grad_hidden)
-        if not weight.stop_gradient:
+        if ctx.needs[1]:
             grads.append(grad_weight)
         return tuple(grads) if len(grads) != 1 else grads[0]
 
 
 def lm_head_logprobs(hidden, weight, labels, temperature: float, with_entropy: bool = False,
                      transpose_weight: bool = False, chunk_rows: Optional[int] = None,
-                     fused: Optional[bool] = None) -> Tuple[paddle.Tensor, Optional[paddle.Tensor]]:
+                     fused: Optional[bool] = None, bf16: bool = False) -> Tuple[paddle.Tensor, Optional[paddle.Tensor]]:
     """Chunked (logp [N], entropy [N] or None) of labels under softmax(hidden @ weight / temperature).
 
     Differentiable in hidden and weight. `fused` forces the kernel choice (default: the fused kernels when
-    available)."""
+    available); `bf16`: the head's products from bfloat16-rounded operands."""
     scale = 1.0 / temperature if temperature > 0 else 1.0
     if fused is None:
         fused = fusable(hidden, weight)
@@ -159,7 +170,9 @@ def lm_head_logprobs(hidden, weight, labels, temperature: float, with_entropy: b
     rows = _chunk_rows(hidden.shape[0], vocab, chunk_rows)
     needs_grad = paddle.is_grad_enabled() and not (hidden.stop_gradient and weight.stop_gradient)
     if needs_grad:
-        logp, entropy = _ChunkedLMHead.apply(hidden, weight, labels, scale, transpose_weight, rows, fused)
+        logp, entropy = _ChunkedLMHead.apply(hidden, weight, labels, scale, transpose_weight, rows, fused, bf16)
     else:
+        if bf16:
+            hidden, weight = round_bf16(hidden), round_bf16(weight)
         (logp, entropy, _, _), _ = _forward_chunks(hidden, weight, labels, scale, transpose_weight, rows, fused)
     return logp, (entropy if with_entropy else None)

@@ -9,6 +9,9 @@ sharding / tensor / pipeline parallelism) and its random generators' states (rng
 rank 0 renames the folder once all have written. So every rank needs the same output_dir (on several nodes: a
 file system they all mount); check_shared_folder verifies it at start-up.
 
+The Hugging Face weights are written in save_dtype; a bfloat16 checkpoint also holds the float32 weights
+(master_weights.json + .safetensors) that a resumed run continues from, so resuming is exact either way.
+
 Nothing in a checkpoint is pickled (state_files: safetensors + JSON), so resuming one runs no code from it.
 Checkpoints written before that (optimizer*.pdopt, rng_state*.pdstate, pending_rollouts.pkl: paddle.save /
 pickle) still resume, with one warning that they are unpickled.
@@ -40,6 +43,7 @@ STATE_FILE = "trainer_state.json"
 OPTIMIZER_STEM = "optimizer"             # optimizer.json + optimizer.safetensors (state_files)
 RNG_STEM = "rng_state"                   # rng_state.json
 PENDING_STEM = "pending_rollouts"        # the asynchronous rollout's requested batches
+MASTER_STEM = "master_weights"           # a bfloat16 checkpoint's float32 weights (master_weights.safetensors)
 LEGACY_OPTIMIZER_FILE = "optimizer.pdopt"  # older checkpoints: paddle.save (pickle)
 LEGACY_RNG_FILE = "rng_state.pdstate"
 LEGACY_PENDING_FILE = "pending_rollouts.pkl"
@@ -260,8 +264,11 @@ class CheckpointError(RuntimeError):
 def save_checkpoint(output_dir: str, step: int, model, tokenizer_folder: str, optimizer, scheduler,
                     trainer_state: dict, save_optimizer: bool = True, total_limit: int = -1,
                     model_state: Optional[dict] = None, rank: int = 0, world_size: int = 1, barrier=None,
-                    first_error=None, extra_files: Optional[dict] = None, extra_parts=None) -> str:
-    """model_state: the full (gathered) model state when `model` holds only a shard; rank / world_size /
+                    first_error=None, extra_files: Optional[dict] = None, extra_parts=None,
+                    save_dtype: str = "float32") -> str:
+    """save_dtype (float32 | bfloat16): the Hugging Face weights' dtype; a bfloat16 checkpoint of a model whose
+    full weights it holds also holds them in float32 (master_weights, read back by master_state), so a run
+    resumes exactly from it. model_state: the full (gathered) model state when `model` holds only a shard; rank / world_size /
     barrier / first_error: the calling process among several (all of them call this; first_error(value) is the
     first non-None value over the ranks, so every rank takes the same branch). extra_parts(folder): every rank
     writes its part of a second trained model (the critic) into the temporary folder.
@@ -291,7 +298,9 @@ def save_checkpoint(output_dir: str, step: int, model, tokenizer_folder: str, op
         if rank != 0 and not os.path.isdir(tmp):  # writing would create it: a folder rank 0 never sees
             raise FileNotFoundError(f"{tmp}, created by rank 0, is not visible to this rank ({NOT_SHARED_HINT})")
         if rank == 0:
-            save_model(model, tmp, tokenizer_folder=tokenizer_folder, state=model_state)
+            save_model(model, tmp, tokenizer_folder=tokenizer_folder, state=model_state, dtype=save_dtype)
+            if save_dtype != "float32" and model.lora is None:
+                write_state(tmp, MASTER_STEM, model_state)
         write_state(tmp, rng_stem(rank, world_size), {"host": state["rng"], "paddle": paddle_rng_state()})
         if save_optimizer:
             write_state(tmp, optimizer_stem(rank, world_size), optimizer.state_dict())
@@ -350,6 +359,12 @@ def _json_default(value):
     if isinstance(value, (np.floating, np.integer)):
         return value.item()
     raise TypeError(f"not JSON serializable: {type(value).__name__}")
+
+
+def master_state(path: str):
+    """The float32 weights a bfloat16 checkpoint holds beside its Hugging Face weights ({HF name: array}), or the
+    folder itself when its Hugging Face weights are the float32 ones (load_weights takes either)."""
+    return read_state(path, MASTER_STEM) if has_state(path, MASTER_STEM) else path
 
 
 def load_trainer_state(path: str) -> dict:

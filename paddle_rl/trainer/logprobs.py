@@ -10,7 +10,7 @@ def reuses_rollout_logprobs(config, mini_batches_per_step: int) -> bool:
     PPO ratio is 1 up to that rounding; `on` always; `off` never. With rollout correction on (rollout_is,
     rollout_rs, the veto) never: the correction needs both; nor with an asynchronous rollout that may lag. With a
     16-bit KV cache (kv_cache_dtype) the rollout attends to rounded keys and values, and with rollout_dtype bfloat16
-    or a rollout_quant_type it multiplies by rounded weights, so `auto` recomputes."""
+    or a rollout_quant_type it multiplies by rounded weights, and with bf16 the trainer does, so `auto` recomputes."""
     mode = str(getattr(config, "reuse_rollout_logprobs", "off")).lower()
     if getattr(config, "rollout_correction", False):
         return False  # the correction compares the rollout's log-probs with recomputed ones (config refuses "on")
@@ -21,6 +21,7 @@ def reuses_rollout_logprobs(config, mini_batches_per_step: int) -> bool:
     if mode == "auto":
         exact = (str(getattr(config, "kv_cache_dtype", "auto")) in ("auto", "float32")
                  and str(getattr(config, "rollout_dtype", "float32")) == "float32"
+                 and not getattr(config, "bf16", False)  # bf16 training against a float32 rollout
                  and not getattr(config, "rollout_quant_type", ""))
         return exact and mini_batches_per_step == 1 and config.update_iters == 1
     return False

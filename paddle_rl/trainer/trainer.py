@@ -30,11 +30,12 @@ from ..rewards import build_reward, check_reward_config
 from ..rollout import EngineSettings, RolloutEngine, SamplingParams, sample_key
 from . import faults
 from .checkpoint import (CheckpointError, check_shared_folder, checkpoint_dirs, load_optimizer, load_trainer_state,
-                         resolve_resume, save_checkpoint, seed_rngs, set_rng_state, warn_pickled)
+                         master_state, resolve_resume, save_checkpoint, seed_rngs, set_rng_state, warn_pickled)
 from .critic import build_critic, check_critic_config
 from .evaluate import episode_maker, evaluate
 from .logprobs import reuses_rollout_logprobs
 from .nonfinite import NonFiniteGuard, first_nonfinite_grad
+from .precision import precision_for
 from .preflight import check_paths
 from .rollouts import build_rollout
 from .scoring import metric_columns, per_function_scores, reward_result, score
@@ -79,6 +80,8 @@ class RLTrainer:
         with unique_name.guard("actor_"):
             self.actor = self.layout.load_model(model_dir, lora=lora_settings(config), adapter=config.lora_path or None)
         self.actor.recompute = config.recompute_what
+        self.precision = precision_for(config)  # bf16 / use_fp32_compute (trainer/precision.py)
+        self.precision.prepare_model(self.actor)
         if self.actor.router_aux_loss_coef and config.pipeline_parallel_degree > 1:
             raise ValueError("the MoE load-balancing loss (config.json output_router_logits: true, "
                              f"router_aux_loss_coef {self.actor.router_aux_loss_coef}) needs the routers of every "
@@ -96,6 +99,7 @@ class RLTrainer:
                 self.reference.eval()
                 for p in self.reference.parameters():
                     p.stop_gradient = True
+                self.precision.prepare_model(self.reference)
         self.pad_id = self.tokenizer.pad_token_id
         self.stop_ids = sorted(set(self.tokenizer.eos_token_ids) | set(self.actor.config.eos_token_ids))
         self.make_episodes = episode_maker(config, self.tokenizer, self.stop_ids)
@@ -109,6 +113,11 @@ class RLTrainer:
             self.actor, config, self.total_steps * self.mini_batches_per_step * config.update_iters)
         self.critic = build_critic(config, self.layout, self.objective.uses_critic,
                                    self.total_steps * self.mini_batches_per_step * config.update_iters)
+        self.actor, self.optimizer = self.precision.prepare_training(self.actor, self.optimizer)
+        if self.critic is not None:
+            self.precision.prepare_model(self.critic.model)
+            self.critic.model, self.critic.optimizer = self.precision.prepare_training(self.critic.model,
+                                                                                       self.critic.optimizer)
         self.step = 0
         self.nonfinite = NonFiniteGuard(config.max_nonfinite_skips)
         self.log = MetricsLog(config.output_dir, config.logging_dir or os.path.join(config.output_dir, "logs"),
@@ -128,7 +137,7 @@ class RLTrainer:
             return
         state = load_trainer_state(path)
         warn_pickled(path, **self.layout.resume_args())
-        self.layout.load_weights(self.actor, path)
+        self.layout.load_weights(self.actor, master_state(path))
         load_optimizer(path, self.optimizer, self.scheduler, state, **self.layout.resume_args())
         self.sampler.set_state_dict(state["sampler"])
         self.objective.set_state_dict(state.get("objective", {}))
@@ -157,6 +166,7 @@ class RLTrainer:
                                    self.scheduler, state, save_optimizer=not self.config.ignore_save_lr_and_optim,
                                    total_limit=self.config.save_total_limit,
                                    extra_files=self.rollout.extra_files(), extra_parts=extra_parts,
+                                   save_dtype=self.config.save_dtype,
                                    **self.layout.checkpoint_args(self.actor))
         except CheckpointError as e:
             if self.config.save_error != "continue":
@@ -262,8 +272,10 @@ class RLTrainer:
                         return out
 
                     finite_loss = True
-                    for out in self.layout.forward_backward(self.actor, mini, keys, micro, self.loss_temperature,
-                                                            loss_fn):
+                    with self.precision.autocast():
+                        outs = self.layout.forward_backward(self.actor, mini, keys, micro, self.loss_temperature,
+                                                            loss_fn)
+                    for out in outs:
                         for k, v in out.metrics.items():
                             collected.setdefault(k, []).append(v)
                         weights.append(out.num_tokens)
@@ -378,15 +390,17 @@ class RLTrainer:
         mask = batch["response_mask"]
         metrics = {}
         if self.reference is not None:
-            with timer.stage("ref_logprob"), self._reference_view(self.reference) as reference:
+            with timer.stage("ref_logprob"), self._reference_view(self.reference) as reference, \
+                    self.precision.autocast():
                 batch["ref_logp"] = self.layout.logprobs(reference, batch, cfg.temperature,
                                                          cfg.per_device_logprob_batch_size)
         with timer.stage("old_logprob"):
             if "rollout_logp" in batch and reuses_rollout_logprobs(cfg, self.mini_batches_per_step):
                 batch["old_logp"] = batch.pop("rollout_logp") * mask
             else:
-                batch["old_logp"] = self.layout.logprobs(self.actor, batch, cfg.temperature,
-                                                         cfg.per_device_logprob_batch_size)
+                with self.precision.autocast():
+                    batch["old_logp"] = self.layout.logprobs(self.actor, batch, cfg.temperature,
+                                                             cfg.per_device_logprob_batch_size)
         if "rollout_logp" in batch:  # the gap between the rollout's log-probs and the trainer's, every step
             is_weight, keep, corr_metrics = self.objective.rollout_correction(
                 batch["old_logp"], batch.pop("rollout_logp"), mask)

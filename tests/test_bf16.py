@@ -1,0 +1,204 @@
+"""bf16: true: the linear layers' three products from bfloat16-rounded operands with float32 sums (ops.bf16_linear),
+float32 master weights, the LM head's precision under use_fp32_compute, the rollout following, and checkpoints
+written in save_dtype that resume exactly."""
+import json
+import os
+
+import numpy as np
+import paddle
+import pytest
+
+from micro_model import config_file, micro_overrides, train_process
+from paddle_rl import ops
+from paddle_rl.config import load_config
+from paddle_rl.models import load_model
+from paddle_rl.models.decoder import attention_bias_from_mask
+from paddle_rl.models.safetensors_io import load_state
+from paddle_rl.monitor import TIMING_PREFIXES, read_metrics
+from paddle_rl.trainer import RLTrainer
+from paddle_rl.trainer.state_files import read_state
+from paddle_rl.trainer.precision import EmulatedBf16, Float32, precision_for
+
+
+def bf16_round(a: np.ndarray) -> np.ndarray:
+    """REFERENCE.md: round to nearest even on the float's bits, back to float32 (bits << 16)."""
+    bits = a.astype(np.float32).view(np.uint32).astype(np.uint64)
+    return (((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16).astype(np.uint32).view(np.float32)
+
+
+def test_bf16_linear_products_are_bf16_operands_with_fp32_sums():
+    """y = x W, dx = dy W^T, dW = x^T dy equal NumPy's products of bf16-rounded operands summed in float64 (within
+    float32 summation-order rounding), and differ from float32's by a bounded, nonzero amount."""
+    rng = np.random.default_rng(0)
+    x, w, dy = (rng.standard_normal(s).astype(np.float32) for s in ([3, 5, 64], [64, 48], [3, 5, 48]))
+    xt, wt = paddle.to_tensor(x, stop_gradient=False), paddle.to_tensor(w, stop_gradient=False)
+    y = ops.bf16_linear(xt, wt)
+    y.backward(paddle.to_tensor(dy))
+    xr, wr, dyr = bf16_round(x).astype(np.float64), bf16_round(w).astype(np.float64), bf16_round(dy).astype(np.float64)
+    expected = {"y": xr @ wr, "dx": dyr @ wr.T, "dw": xr.reshape(-1, 64).T @ dyr.reshape(-1, 48)}
+    fp32 = {"y": x @ w, "dx": dy @ w.T, "dw": x.reshape(-1, 64).T @ dy.reshape(-1, 48)}
+    got = {"y": y.numpy(), "dx": xt.grad.numpy(), "dw": wt.grad.numpy()}
+    for name in got:
+        scale = np.abs(expected[name]).max()
+        exact_gap = np.abs(got[name] - expected[name]).max() / scale
+        fp32_gap = np.abs(got[name] - fp32[name]).max() / scale
+        print(name, "gap to bf16 reference", exact_gap, "to float32", fp32_gap)
+        assert exact_gap < 1e-6, name          # float32 sums of exact products: summation order only
+        assert 1e-4 < fp32_gap < 3e-2, name     # bf16 operands: 8 significant bits, not float32's
+
+
+def test_lm_head_logprobs_bf16_matches_its_definition():
+    """The chunked LM-head log-probs with bf16 (forward and both gradients) equal plain autograd over the
+    bf16-rounded products, and differ from the float32 head."""
+    rng = np.random.default_rng(1)
+    h, w = rng.standard_normal([6, 32]).astype(np.float32), rng.standard_normal([40, 32]).astype(np.float32) * 0.3
+    labels = paddle.to_tensor(rng.integers(0, 40, 6))
+    out = {}
+    for name, fn in (("chunked", lambda a, b, bf: ops.lm_head_logprobs(a, b, labels, 1.0, transpose_weight=True,
+                                                                       chunk_rows=4, bf16=bf)),
+                     ("reference", lambda a, b, bf: ops.lm_head_logprobs_reference(a, b, labels, 1.0,
+                                                                                   transpose_weight=True, bf16=bf))):
+        for bf in (True, False):
+            a, b = paddle.to_tensor(h, stop_gradient=False), paddle.to_tensor(w, stop_gradient=False)
+            logp, _ = fn(a, b, bf)
+            logp.sum().backward()
+            out[name, bf] = (logp.numpy(), a.grad.numpy(), b.grad.numpy())
+    for i in range(3):
+        np.testing.assert_allclose(out["chunked", True][i], out["reference", True][i], rtol=1e-5, atol=1e-5)
+        assert np.abs(out["chunked", True][i] - out["chunked", False][i]).max() > 1e-4
+
+
+def test_use_fp32_compute_keeps_the_lm_head_in_float32(micro):
+    """bf16 puts every linear layer on bf16 products; the LM head too unless use_fp32_compute, and the logits say
+    so: with the head in bf16 they equal the product of the rounded operands, in float32 they do not."""
+    model = load_model(micro["model"])
+    ids = paddle.to_tensor([[3, 7, 11, 2, 5]])
+    base = model(ids).numpy()
+    for fp32_head in (False, True):
+        strategy = precision_for(load_config(None, [f"actor_model_name_or_path={micro['model']}", "bf16=true",
+                                                    f"use_fp32_compute={str(fp32_head).lower()}"]))
+        assert isinstance(strategy, EmulatedBf16)
+        strategy.prepare_model(model)
+        assert model.bf16 == (True, not fp32_head)
+        weight, transposed = model.head_weight
+        hidden = model.hidden_states(ids, paddle.arange(5).unsqueeze(0),
+                                     attention_bias_from_mask(paddle.ones_like(ids), 5, causal=True))
+        w = weight.numpy().T if transposed else weight.numpy()
+        logits = model.logits(hidden).numpy()
+        head_bf16 = (bf16_round(hidden.numpy()).astype(np.float64) @ bf16_round(w).astype(np.float64))
+        head_fp32 = hidden.numpy().astype(np.float64) @ w.astype(np.float64)
+        gap_bf16, gap_fp32 = np.abs(logits - head_bf16).max(), np.abs(logits - head_fp32).max()
+        print("use_fp32_compute", fp32_head, "gap to bf16 head", gap_bf16, "to fp32 head", gap_fp32)
+        assert (gap_fp32 if fp32_head else gap_bf16) < 1e-5
+        assert (gap_bf16 if fp32_head else gap_fp32) > 1e-4
+        assert np.abs(logits - base).max() > 1e-4  # the decoder's linears are bf16 either way
+    assert isinstance(precision_for(load_config(None, [f"actor_model_name_or_path={micro['model']}"])), Float32)
+
+
+@pytest.mark.parametrize("custom_ops", ["off", "auto"])
+def test_a_float32_rollout_of_a_bf16_model_decodes_in_float32(micro, custom_ops):
+    """rollout_dtype float32 with bf16: inside packed_weights("float32") the model computes float32 products (packed
+    copies where the kernel runs, plain matmuls where it does not), and bf16 again afterwards."""
+    previous = ops.mode()
+    ops.configure(custom_ops)
+    try:
+        model = load_model(micro["model"])
+        ids = paddle.to_tensor([[3, 7, 11, 2, 5]])
+        base = model(ids).numpy()
+        model.set_bf16(True, True)
+        bf16 = model(ids).numpy()
+        with model.packed_weights("float32"):
+            rollout = model(ids).numpy()
+        assert model.bf16 == (True, True)
+        assert np.abs(rollout - base).max() < 1e-5 < np.abs(bf16 - base).max()
+    finally:
+        ops.configure(previous)
+
+
+def test_bf16_follows_into_rollout_dtype_and_save_dtype(micro):
+    model = f"actor_model_name_or_path={micro['model']}"
+    cfg = load_config(None, [model, "bf16=true"])
+    assert (cfg.rollout_dtype, cfg.save_dtype) == ("bfloat16", "bfloat16")
+    assert "bf16" not in cfg.unacted_keys
+    cfg = load_config(None, [model, "bf16=true", "rollout_dtype=float32", "save_dtype=fp32"])
+    assert (cfg.rollout_dtype, cfg.save_dtype) == ("float32", "float32")
+    cfg = load_config(None, [model])
+    assert (cfg.rollout_dtype, cfg.save_dtype) == ("float32", "float32")
+    with pytest.raises(Exception, match="save_dtype: must be auto, float32 or bfloat16, got 'float16'"):
+        load_config(None, [model, "save_dtype=float16"])
+
+
+def _overrides(micro, out, **extra):
+    """A run on the micro model; its random policy earns one reward for every sample (no advantage), so the entropy
+    bonus gives the gradient."""
+    return micro_overrides(micro, str(out), do_eval=False, entropy_coeff=0.01, **extra)
+
+
+def _run(micro, out, **extra):
+    trainer = RLTrainer(load_config(None, _overrides(micro, out, **extra)))
+    trainer.train()
+    return trainer
+
+
+def _run_process(micro, out, **extra):
+    """A run in a process of its own (parameter names, and so the optimizer state's keys, as a fresh run's)."""
+    done = train_process(config_file(_overrides(micro, out, **extra), str(out) + ".yaml"))
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+def _rows(out):
+    return [{k: v for k, v in r.items() if not k.startswith(TIMING_PREFIXES)}
+            for r in read_metrics(os.path.join(str(out), "metrics.jsonl"))]
+
+
+def test_bf16_training_differs_from_float32_and_resumes_exactly(micro, tmp_path):
+    """Two steps with bf16 true: float32 master weights (and float32 Adam moments) that differ from a float32 run's
+    weights, the loss close; the checkpoint holds bfloat16 Hugging Face weights (config.json torch_dtype bfloat16)
+    plus the float32 masters, and a run resumed from step 2 ends with the uninterrupted run's weights and metrics,
+    bit for bit."""
+    _run(micro, tmp_path / "fp32", max_steps=2, save_steps=2)
+    _run_process(micro, tmp_path / "bf16", max_steps=4, save_steps=2, bf16="true")
+    folder = tmp_path / "bf16" / "checkpoint-2"
+    a, b = load_state(str(tmp_path / "fp32" / "checkpoint-2")), load_state(str(folder))
+    masters = read_state(str(folder), "master_weights")
+    moments = {k: v for k, v in read_state(str(folder), "optimizer").items() if "_moment" in str(k)}
+    assert moments and all(np.asarray(v).dtype == np.float32 for v in moments.values())
+    assert all(v.dtype == np.float32 for v in masters.values())
+    gap = max(np.abs(a[k] - masters[k]).max() for k in a)
+    print("max weight gap bf16 vs fp32 after 2 steps", gap)
+    assert gap > 1e-5
+    fp32_rows, bf16_rows = _rows(tmp_path / "fp32"), _rows(tmp_path / "bf16")
+    for f, h in zip(fp32_rows[1:], bf16_rows[1:3]):  # the loss: -entropy_coeff * entropy
+        print("entropy fp32", f["actor/entropy"], "bf16", h["actor/entropy"])
+        assert f["actor/entropy"] == pytest.approx(h["actor/entropy"], rel=1e-3)
+    assert json.loads((folder / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    header_len = int.from_bytes((folder / "model.safetensors").read_bytes()[:8], "little")
+    header = json.loads((folder / "model.safetensors").read_bytes()[8:8 + header_len])
+    assert {v["dtype"] for k, v in header.items() if k != "__metadata__"} == {"BF16"}
+    assert all(np.array_equal(b[k], bf16_round(masters[k])) for k in b)  # the HF weights: the masters, rounded
+    torch = pytest.importorskip("torch")
+    from safetensors import safe_open
+    with safe_open(str(folder / "model.safetensors"), framework="pt") as f:  # the reader transformers uses
+        for k in f.keys():
+            t = f.get_tensor(k)
+            assert t.dtype == torch.bfloat16 and np.array_equal(t.float().numpy(), b[k])
+    assert any(not np.array_equal(b[k], masters[k]) for k in b)
+
+    _run_process(micro, tmp_path / "resumed", max_steps=4, save_steps=2, bf16="true",
+                 resume_from_checkpoint=str(folder))
+    end_a = read_state(str(tmp_path / "bf16" / "checkpoint-4"), "master_weights")
+    end_b = read_state(str(tmp_path / "resumed" / "checkpoint-4"), "master_weights")
+    assert all(np.array_equal(end_a[k], end_b[k]) for k in end_a)
+    assert _rows(tmp_path / "resumed")[-2:] == bf16_rows[-2:]
+
+
+def test_save_dtype_float32_with_bf16(micro, tmp_path):
+    """save_dtype float32 with bf16: float32 HF weights (they are the masters: no second copy); the rollout decodes in
+    bfloat16 (rollout_dtype auto), and in float32 when rollout_dtype says so."""
+    trainer = _run(micro, tmp_path, max_steps=1, save_steps=1, bf16="true", save_dtype="float32")
+    assert trainer.engine.rollout_dtype == "bfloat16" and trainer.actor.bf16 == (True, True)
+    folder = tmp_path / "checkpoint-1"
+    assert json.loads((folder / "config.json").read_text())["torch_dtype"] == "float32"
+    assert not (folder / "master_weights.safetensors").exists()
+    trainer = _run(micro, tmp_path / "fp32-rollout", max_steps=1, bf16="true", rollout_dtype="float32")
+    assert trainer.engine.rollout_dtype == "float32" and trainer.actor.bf16 == (True, True)
