@@ -1,0 +1,67 @@
+"""A client of one rollout server (`paddle-rl rollout-server`, paddle_rl/rollout_server/app.py): its health, a
+weight push, a batched generation. Every failure is a RolloutServerError naming the URL; `unreachable` says whether
+the server is gone (connection refused or reset, a timeout, a 5xx answer), which the trainer answers by sending
+that server's prompt groups to the others, rather than a request the server refused (4xx), which stops the run.
+"""
+from typing import Optional
+
+import httpx
+import numpy as np
+
+from .wire import generate_request
+
+VERSION_HEADER = "X-Policy-Version"
+
+
+class RolloutServerError(RuntimeError):
+    """A rollout server failed a request; the message names its URL."""
+
+    def __init__(self, message: str, url: str, unreachable: bool):
+        super().__init__(message)
+        self.url, self.unreachable = url, unreachable
+
+
+class RolloutServerClient:
+    def __init__(self, url: str, api_key: str = "", timeout: float = 3600.0, connect_timeout: float = 10.0):
+        self.url = url.rstrip("/")
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.http = httpx.Client(base_url=self.url, headers=headers,
+                                 timeout=httpx.Timeout(timeout, connect=connect_timeout))
+        self.version: Optional[int] = None   # the version this client last pushed
+
+    def _request(self, method: str, path: str, doing: str, **kwargs) -> dict:
+        try:
+            resp = self.http.request(method, path, **kwargs)
+        except httpx.TransportError as e:
+            raise RolloutServerError(f"rollout server {self.url}: {doing} failed: {type(e).__name__}: {e}", self.url,
+                                     unreachable=True) from None
+        if resp.status_code >= 400:
+            try:
+                message = resp.json()["error"]["message"]
+            except (ValueError, KeyError, TypeError):
+                message = resp.text[:300]
+            raise RolloutServerError(f"rollout server {self.url}: {doing} failed: HTTP {resp.status_code}: {message}",
+                                     self.url, unreachable=resp.status_code >= 500)
+        return resp.json()
+
+    def health(self) -> dict:
+        return self._request("GET", "/health", "GET /health")
+
+    def check_key(self) -> None:
+        """GET /v1/models, which needs the API key (GET /health does not): a wrong or missing key is a 401."""
+        self._request("GET", "/v1/models", "GET /v1/models (checking the API key)")
+
+    def push_weights(self, body: bytes, version: int) -> dict:
+        """`body`: a safetensors file (safetensors.numpy.save) of the whole model under Hugging Face names."""
+        out = self._request("POST", "/v1/weights", f"pushing weights version {version}", content=body,
+                            headers={VERSION_HEADER: str(version), "Content-Type": "application/octet-stream"})
+        self.version = version
+        return out
+
+    def generate(self, prompts, n: int, params, keys: Optional[np.ndarray] = None, groups=None) -> dict:
+        """{"version", "rows", "stats"} (rollout/wire.py) of `prompts`, `n` samples each."""
+        return self._request("POST", "/v1/generate", f"generating {len(prompts)} prompt groups",
+                             json=generate_request(prompts, n, params, keys, groups))
+
+    def close(self) -> None:
+        self.http.close()
