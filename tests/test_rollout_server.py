@@ -19,7 +19,7 @@ from micro_model import build_micro, micro_overrides
 from paddle_rl.config import ConfigError, load_config
 from paddle_rl.monitor import TIMING_PREFIXES, read_metrics
 from paddle_rl.rollout.client import RolloutServerClient, RolloutServerError
-from paddle_rl.rollout.wire import batch_from_rows
+from paddle_rl.rollout.wire import batch_from_parts, batch_from_rows
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KEY = "r0ll-key"
@@ -140,12 +140,17 @@ def test_generate_equals_the_engine_and_weights_are_versioned(micro, server):
     whole = batch_from_rows(client.generate(prompts, 3, params, keys)["rows"], prompts, 3, engine.pad_id)
     _same(whole, local)
     assert (whole["policy_version"] == -1).all()
-    # two servers' worth of requests: prompts 0, 2 and 1, 3, each with its own keys and global group ids
-    rows = []
+    # two servers' worth of requests: prompts 0, 2 and 1, 3, each with its own keys and global group ids, as JSON
+    # rows and as safetensors columns
+    rows, parts = [], []
     for share in ([0, 2], [1, 3]):
-        rows += client.generate([prompts[g] for g in share], 3, params, [keys[g * 3 + j] for g in share
-                                                                           for j in range(3)], groups=share)["rows"]
+        args = ([prompts[g] for g in share], 3, params, [keys[g * 3 + j] for g in share for j in range(3)])
+        rows += client.generate(*args, groups=share)["rows"]
+        answer = client.generate(*args, groups=share, fmt="safetensors")
+        assert answer["version"] is None and answer["stats"]["generate_s"] > 0
+        parts.append(answer["columns"])
     _same(batch_from_rows(rows, prompts, 3, engine.pad_id), local)
+    _same(batch_from_parts(parts, prompts, 3, engine.pad_id), local)
     # new weights (every tensor scaled): version 7 generates what the engine generates with them
     state = {k: (v * 1.5).astype(np.float32) for k, v in hf_state(model).items()}
     client.push_weights(save(state), 7)

@@ -8,7 +8,7 @@ from typing import Optional
 import httpx
 import numpy as np
 
-from .wire import generate_request
+from .wire import generate_request, part_from_safetensors
 
 VERSION_HEADER = "X-Policy-Version"
 
@@ -29,7 +29,7 @@ class RolloutServerClient:
                                  timeout=httpx.Timeout(timeout, connect=connect_timeout))
         self.version: Optional[int] = None   # the version this client last pushed
 
-    def _request(self, method: str, path: str, doing: str, **kwargs) -> dict:
+    def _request(self, method: str, path: str, doing: str, raw: bool = False, **kwargs):
         try:
             resp = self.http.request(method, path, **kwargs)
         except httpx.TransportError as e:
@@ -42,7 +42,7 @@ class RolloutServerClient:
                 message = resp.text[:300]
             raise RolloutServerError(f"rollout server {self.url}: {doing} failed: HTTP {resp.status_code}: {message}",
                                      self.url, unreachable=resp.status_code >= 500)
-        return resp.json()
+        return resp.content if raw else resp.json()
 
     def health(self) -> dict:
         return self._request("GET", "/health", "GET /health")
@@ -58,10 +58,15 @@ class RolloutServerClient:
         self.version = version
         return out
 
-    def generate(self, prompts, n: int, params, keys: Optional[np.ndarray] = None, groups=None) -> dict:
-        """{"version", "rows", "stats"} (rollout/wire.py) of `prompts`, `n` samples each."""
-        return self._request("POST", "/v1/generate", f"generating {len(prompts)} prompt groups",
-                             json=generate_request(prompts, n, params, keys, groups))
+    def generate(self, prompts, n: int, params, keys: Optional[np.ndarray] = None, groups=None,
+                 fmt: str = "json") -> dict:
+        """The answer to `prompts`, `n` samples each (rollout/wire.py): {"version", "rows", "stats"} in format
+        json, {"version", "columns", "stats"} in format safetensors."""
+        doing = f"generating {len(prompts)} prompt groups"
+        body = generate_request(prompts, n, params, keys, groups, fmt)
+        if fmt == "json":
+            return self._request("POST", "/v1/generate", doing, json=body)
+        return part_from_safetensors(self._request("POST", "/v1/generate", doing, raw=True, json=body))
 
     def close(self) -> None:
         self.http.close()

@@ -32,14 +32,14 @@ from typing import List, Optional
 
 import numpy as np
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 
 from ..http_auth import key_matches
 from ..models import load_weights
 from ..rollout.keys import sample_key
 from ..rollout.sampling import SamplingParams
-from ..rollout.wire import (WireError, batch_to_rows, check_params, keys_from_wire, model_identity,
-                            params_from_wire)
+from ..rollout.wire import (FORMATS, WireError, batch_to_rows, batch_to_safetensors, check_params, keys_from_wire,
+                            model_identity, params_from_wire)
 
 logger = logging.getLogger("paddle_rl.rollout_server")
 
@@ -334,7 +334,7 @@ def create_app(service: RolloutService, settings: ServerSettings) -> FastAPI:
     @app.post("/v1/generate")
     async def generate(request: Request):
         body = await json_body(request)
-        unknown = sorted(set(body) - {"prompts", "n", "params", "keys", "groups"})
+        unknown = sorted(set(body) - {"prompts", "n", "params", "keys", "groups", "format"})
         if unknown:
             raise RequestError(f"unknown field(s): {', '.join(unknown)}")
         prompts = body.get("prompts")
@@ -357,7 +357,12 @@ def create_app(service: RolloutService, settings: ServerSettings) -> FastAPI:
             raise RequestError(str(e)) from None
         if keys is None and not params.greedy:
             raise RequestError("keys: required unless params.temperature is 0 (one per sample)")
+        fmt = body.get("format") or "json"
+        if fmt not in FORMATS:
+            raise RequestError(f"format: expected one of {', '.join(FORMATS)}, got {fmt!r}")
         batch, version, stats = await service.run(service.generate, prompts, n, params, keys, groups)
+        if fmt == "safetensors":
+            return Response(batch_to_safetensors(batch, version, stats), media_type="application/octet-stream")
         return {"version": version, "rows": batch_to_rows(batch), "stats": stats}
 
     @app.post(WEIGHTS_PATH)

@@ -28,7 +28,7 @@ from safetensors.numpy import save as safetensors_bytes
 from ..config import ConfigError
 from ..models.lora import merge_state
 from ..rollout.client import RolloutServerClient, RolloutServerError
-from ..rollout.wire import batch_from_rows, identity_differences, model_identity
+from ..rollout.wire import batch_from_parts, identity_differences, model_identity
 from ..rollout.worker import RolloutWorker
 from .checkpoint import LEGACY_PENDING_FILE, PENDING_STEM, load_pickle
 from .state_files import has_state, read_state
@@ -277,7 +277,7 @@ class ServerRollout(InlineRollout):
         items, prompts, keys, params = draw(step)
         n = self.trainer.config.rollout_n
         self._push()
-        pending, rows, resent, generate_s = list(range(len(prompts))), [], 0, []
+        pending, parts, resent, generate_s = list(range(len(prompts))), [], 0, []
         first = True
         while pending:
             live = self.live
@@ -294,18 +294,18 @@ class ServerRollout(InlineRollout):
                 share = shares[client.url]
                 return client.generate([prompts[g] for g in share], n, params,
                                        None if keys is None else [keys[g * n + j] for g in share for j in range(n)],
-                                       groups=share)
+                                       groups=share, fmt="safetensors")
             pending = []
             for client, answer in self._each(busy, send):
                 if isinstance(answer, RolloutServerError):
                     self._drop(client, answer)
                     pending += shares[client.url]
                     continue
-                rows += answer["rows"]
+                parts.append(answer["columns"])
                 generate_s.append(float(answer["stats"].get("generate_s", 0.0)))
             pending.sort()
             first = False
-        batch = batch_from_rows(rows, prompts, n, self.trainer.pad_id)
+        batch = batch_from_parts(parts, prompts, n, self.trainer.pad_id)
         self.metrics.update({"rollout_server/resent_groups": float(resent),
                              "rollout_server/servers_alive": float(len(self.live)),
                              "time/rollout_server_generate": max(generate_s)})
