@@ -176,6 +176,10 @@ def test_api_key_is_checked_before_the_body(micro, server):
     assert httpx.get(url + "/health").json()["api_key_required"] is True
     assert httpx.get(url + "/v1/models").status_code == 401
     assert httpx.get(url + "/v1/models", headers={"Authorization": f"Bearer {KEY}"}).status_code == 200
+    docs = httpx.get(url + "/docs").text   # the docs page and its assets need neither a key nor a CDN
+    assert "/docs-assets/" in docs and "cdn." not in docs
+    asset = docs.split('src="', 1)[1].split('"', 1)[0]
+    assert httpx.get(url + asset).status_code == 200
     with socket.create_connection(("127.0.0.1", server.port)) as s:
         s.sendall(b"POST /v1/weights HTTP/1.1\r\nHost: x\r\nContent-Length: 10000000000\r\n\r\n")
         s.settimeout(10.0)
@@ -253,6 +257,38 @@ def test_openai_client(micro, server):
         openai.OpenAI(base_url=server.url + "/v1", api_key="nope").completions.create(model=name, prompt="a")
 
 
+def test_a_lora_path_is_served_merged(micro, tmp_path):
+    """A config with lora_path: the server holds the base with the adapter merged in, and its greedy samples are
+    the in-process engine's on the adapted model (its log-probs equal within rounding: merged in numpy there)."""
+    import paddle
+    from paddle_rl.models import LoraSettings, load_model
+    from paddle_rl.models.lora import save_adapter
+    from paddle_rl.models.pretrained import hf_state
+    from paddle_rl.rollout import RolloutEngine, SamplingParams
+    settings = LoraSettings(rank=4, alpha=8.0)
+    adapted = load_model(micro["model"], lora=settings)
+    paddle.seed(1)
+    for name, p in adapted.named_parameters():
+        if "lora_B" in name:
+            p.set_value(paddle.randn(p.shape, p.dtype) * 0.5)
+    adapter = str(tmp_path / "adapter")
+    save_adapter(adapter, hf_state(adapted, frozen=False), settings)
+    tokenizer = micro["tokenizer"]
+    engine = RolloutEngine(adapted, tokenizer.pad_token_id, tokenizer.eos_token_ids)
+    prompts = [tokenizer.encode("Zoey says"), tokenizer.encode("Oliver")]
+    params = SamplingParams(max_dec_len=8, temperature=0.0)
+    want = engine.generate(prompts, 1, params)
+    base = engine.bind(load_model(micro["model"])).generate(prompts, 1, params)
+    s = Server(micro["model"], overrides=[f"lora_path={adapter}"]).wait()
+    try:
+        got = batch_from_rows(s.client().generate(prompts, 1, params)["rows"], prompts, 1, engine.pad_id)
+    finally:
+        s.stop()
+    assert np.array_equal(got["response_ids"], want["response_ids"])
+    assert np.allclose(got["rollout_logp"], want["rollout_logp"], atol=1e-5)
+    assert not np.allclose(want["rollout_logp"], base["rollout_logp"], atol=1e-3)  # the adapter changes them
+
+
 # ---------------------------------------------------------------------------------------------------- the trainer
 def _overrides(micro, out, **extra_values):
     values = dict(do_eval=False, max_steps=3, save_steps=1000, kl_loss_coeff=0.05)
@@ -260,8 +296,8 @@ def _overrides(micro, out, **extra_values):
     return micro_overrides(micro, str(out), **values)
 
 
-def _rows(out):
-    return [{k: v for k, v in r.items() if not k.startswith(TIMING_PREFIXES + ("rollout_server/",))}
+def _rows(out, drop=()):
+    return [{k: v for k, v in r.items() if not k.startswith(TIMING_PREFIXES + ("rollout_server/",) + drop)}
             for r in read_metrics(os.path.join(str(out), "metrics.jsonl"))]
 
 
@@ -279,20 +315,30 @@ def _train(overrides, before_take=None):
     return trainer
 
 
-def test_a_run_on_a_server_equals_the_inline_run(micro, server, tmp_path):
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_a_run_on_a_server_equals_the_inline_run(micro, server, tmp_path, lora):
     """Same seeds, one server: every metric of 3 steps equals the inline run's (the server gets each step's
-    weights, version = RL steps applied)."""
-    _train(_overrides(micro, tmp_path / "inline"))
+    weights, version = RL steps applied). A LoRA actor sends its merged weights: the samples, and so every metric
+    but the rollout-vs-trainer gap, are equal; the gap differs at rounding (the trainer's rollout multiplies by
+    weights merged in Paddle, the pushed ones were merged in numpy: rollout_corr/ratio/max 1.0000005 against 1.0)."""
+    extra_values = dict(lora_rank=4, lora_alpha=8, learning_rate=1e-2) if lora else {}
+    _train(_overrides(micro, tmp_path / "inline", **extra_values))
     versions = []
     trainer = _train(_overrides(micro, tmp_path / "server", rollout_server_urls=server.url,
-                                rollout_server_api_key=KEY),
+                                rollout_server_api_key=KEY, **extra_values),
                      before_take=lambda t, step: versions.append(t.step))
     rows = read_metrics(str(tmp_path / "server" / "metrics.jsonl"))
-    assert _rows(tmp_path / "server") == _rows(tmp_path / "inline") and len(rows) == 3
+    gap = ("rollout_corr/",) if lora else ()
+    assert _rows(tmp_path / "server", gap) == _rows(tmp_path / "inline", gap) and len(rows) == 3
+    for a, b in zip(_rows(tmp_path / "server"), _rows(tmp_path / "inline")):
+        gaps = {k: (a[k], b[k]) for k in b if k.startswith("rollout_corr/") and not abs(a[k] - b[k]) < 1e-6}
+        assert not gaps
     assert [r["rollout_server/resent_groups"] for r in rows] == [0.0, 0.0, 0.0]
     assert all(r["time/weights_push"] > 0 for r in rows)
     assert versions == [0, 1, 2] and server.client().health()["version"] == 2
     assert trainer.rollout.gone == {}
+    if lora:  # the trainer's model has adapters; the server's weights are the merged ones of version 2
+        assert trainer.actor.lora is not None
 
 
 def test_start_up_faults_name_the_server(micro, server, tmp_path):

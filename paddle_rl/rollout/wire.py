@@ -161,7 +161,8 @@ def batch_from_rows(rows: List[dict], prompts, n: int, pad_id: int) -> StepBatch
         placed[g * n + j] = row
     missing = [i for i, row in enumerate(placed) if row is None]
     if missing:
-        raise WireError(f"answer lacks {len(missing)} samples (first: group {missing[0] // n}, sample {missing[0] % n})")
+        raise WireError(f"answer lacks {len(missing)} samples (first: group {missing[0] // n}, "
+                        f"sample {missing[0] % n})")
     width = max(1, max(int(r["length"]) for r in placed))
     response = np.full((total, width), pad_id, dtype=np.int64)
     logprobs = np.zeros((total, width), dtype=np.float32)

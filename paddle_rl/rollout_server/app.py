@@ -33,6 +33,7 @@ from typing import List, Optional
 import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from fastapi_offline import FastAPIOffline
 
 from ..http_auth import key_matches
 from ..models import load_weights
@@ -45,6 +46,7 @@ logger = logging.getLogger("paddle_rl.rollout_server")
 
 VERSION_HEADER = "X-Policy-Version"
 WEIGHTS_PATH = "/v1/weights"
+DOCS_ASSETS = "/docs-assets"   # Swagger UI / ReDoc files, served from the fastapi-offline package (no CDN)
 OPEN_PATHS = ("/health", "/docs", "/redoc", "/openapi.json", "/docs/oauth2-redirect")   # no key needed
 
 
@@ -70,14 +72,15 @@ def error_response(message: str, status: int, kind: str = "invalid_request_error
 
 class RequestGate:
     """For every request but GET /health and the docs pages: the API key from the headers (401 without reading the
-    body); then, for a request with a body, the body read up to its endpoint's limit (413 beyond; a declared Content-Length over it is refused before reading) and
-    handed on."""
+    body); then, for a request with a body, the body read up to its endpoint's limit (413 beyond; a declared
+    Content-Length over it is refused before reading) and handed on."""
 
     def __init__(self, app, limit: int, weights_limit: int, api_key: str = ""):
         self.app, self.limit, self.weights_limit, self.api_key = app, limit, weights_limit, api_key
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or scope.get("path") in OPEN_PATHS:
+        path = scope.get("path", "")
+        if scope["type"] != "http" or path in OPEN_PATHS or path.startswith(DOCS_ASSETS + "/"):
             return await self.app(scope, receive, send)
         headers = dict(scope.get("headers") or [])
         if self.api_key and not key_matches(headers, self.api_key):
@@ -86,7 +89,7 @@ class RequestGate:
             return await response(scope, receive, send)
         if scope["method"] in ("GET", "HEAD", "OPTIONS"):
             return await self.app(scope, receive, send)
-        limit = self.weights_limit if scope.get("path") == WEIGHTS_PATH else self.limit
+        limit = self.weights_limit if path == WEIGHTS_PATH else self.limit
         declared = headers.get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
             return await self._too_large(scope, receive, send, int(declared), limit)
@@ -292,9 +295,10 @@ def _check_tokens(prompts, vocab: int) -> None:
 
 # ---------------------------------------------------------------- the application
 def create_app(service: RolloutService, settings: ServerSettings) -> FastAPI:
-    app = FastAPI(title="paddle-rl rollout server", version="1.0",
-                  description="A RolloutEngine over HTTP: batched keyed generation, versioned weight pushes, "
-                              "OpenAI-compatible completions.")
+    app = FastAPIOffline(title="paddle-rl rollout server", version="1.0",
+                         description="A RolloutEngine over HTTP: batched keyed generation, versioned weight pushes, "
+                                     "OpenAI-compatible completions.", static_url=DOCS_ASSETS,
+                         swagger_ui_parameters={"validatorUrl": None})
     app.add_middleware(RequestGate, limit=settings.max_request_bytes, weights_limit=settings.max_weights_bytes,
                        api_key=settings.api_key)
     vocab = service.identity["vocab_size"]
