@@ -315,6 +315,14 @@ def _train(overrides, before_take=None):
     return trainer
 
 
+@pytest.fixture(scope="module")
+def plugin(tmp_path_factory):
+    from test_parallel import PLUGIN
+    path = tmp_path_factory.mktemp("rewards") / "reward.py"
+    path.write_text(PLUGIN)
+    return str(path)
+
+
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
 def test_a_run_on_a_server_equals_the_inline_run(micro, server, tmp_path, lora):
     """Same seeds, one server: every metric of 3 steps equals the inline run's (the server gets each step's
@@ -339,6 +347,18 @@ def test_a_run_on_a_server_equals_the_inline_run(micro, server, tmp_path, lora):
     assert trainer.rollout.gone == {}
     if lora:  # the trainer's model has adapters; the server's weights are the merged ones of version 2
         assert trainer.actor.lora is not None
+
+
+def test_dynamic_sampling_rounds_on_a_server_equal_the_inline_run(micro, server, plugin, tmp_path):
+    """DAPO's extra generation rounds of a step go to the server too (keys per round), pushing the weights once a
+    step: the inline run's metrics, rounds included."""
+    extra_values = dict(reward_plugins=plugin, reward_funcs="some_groups_flat", dynamic_sampling=True,
+                        max_gen_batches=3, dynamic_sampling_fallback="keep", max_steps=2)
+    _train(_overrides(micro, tmp_path / "inline", **extra_values))
+    _train(_overrides(micro, tmp_path / "server", rollout_server_urls=server.url, rollout_server_api_key=KEY,
+                      **extra_values))
+    rows = _rows(tmp_path / "server")
+    assert rows == _rows(tmp_path / "inline") and max(r["gen_rounds"] for r in rows) > 1
 
 
 def test_start_up_faults_name_the_server(micro, server, tmp_path):

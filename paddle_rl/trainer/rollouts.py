@@ -204,6 +204,7 @@ class ServerRollout(InlineRollout):
         self.clients = [RolloutServerClient(str(u), api_key, cfg.rollout_server_timeout)
                         for u in cfg.rollout_server_urls]
         self.gone: Dict[str, str] = {}   # url -> why it was dropped
+        self._step = None                # the step whose metrics self.metrics holds
         identity = model_identity(trainer.actor.config, trainer.tokenizer)
         engine = {server: getattr(cfg, key) for server, key in self.ENGINE_KEYS}
         for client in self.clients:
@@ -270,10 +271,11 @@ class ServerRollout(InlineRollout):
                 self._drop(client, result)
         if not self.live:
             raise self._all_gone(f"pushing weights version {version}")
-        self.metrics["time/weights_push"] = time.perf_counter() - start
+        self.metrics["time/weights_push"] = self.metrics.get("time/weights_push", 0.0) + time.perf_counter() - start
 
     def take(self, step: int, draw: Callable):
-        self.metrics = {}
+        if step != self._step:  # a step's generation rounds (dynamic sampling) add up in its metrics
+            self._step, self.metrics = step, {"rollout_server/resent_groups": 0.0, "time/rollout_server_generate": 0.0}
         items, prompts, keys, params = draw(step)
         n = self.trainer.config.rollout_n
         self._push()
@@ -306,9 +308,9 @@ class ServerRollout(InlineRollout):
             pending.sort()
             first = False
         batch = batch_from_parts(parts, prompts, n, self.trainer.pad_id)
-        self.metrics.update({"rollout_server/resent_groups": float(resent),
-                             "rollout_server/servers_alive": float(len(self.live)),
-                             "time/rollout_server_generate": max(generate_s)})
+        self.metrics["rollout_server/resent_groups"] += float(resent)
+        self.metrics["time/rollout_server_generate"] += max(generate_s)
+        self.metrics["rollout_server/servers_alive"] = float(len(self.live))
         return items, batch
 
     def close(self) -> None:
