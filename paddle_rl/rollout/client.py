@@ -13,6 +13,12 @@ from .wire import generate_request, part_from_safetensors
 VERSION_HEADER = "X-Policy-Version"
 
 
+def _slices(body: bytes, size: int = 16 * 2 ** 20):
+    view = memoryview(body)
+    for start in range(0, len(body), size):
+        yield view[start:start + size]
+
+
 class RolloutServerError(RuntimeError):
     """A rollout server failed a request; the message names its URL."""
 
@@ -52,9 +58,12 @@ class RolloutServerClient:
         self._request("GET", "/v1/models", "GET /v1/models (checking the API key)")
 
     def push_weights(self, body: bytes, version: int) -> dict:
-        """`body`: a safetensors file (safetensors.numpy.save) of the whole model under Hugging Face names."""
-        out = self._request("POST", "/v1/weights", f"pushing weights version {version}", content=body,
-                            headers={VERSION_HEADER: str(version), "Content-Type": "application/octet-stream"})
+        """`body`: a safetensors file (safetensors.numpy.save) of the whole model under Hugging Face names. Sent in
+        16 MiB slices: handed one bytes object, httpx sent 256 MiB to a server on 127.0.0.1 in 10-20 s (25 MB/s),
+        in slices in 0.6 s."""
+        out = self._request("POST", "/v1/weights", f"pushing weights version {version}", content=_slices(body),
+                            headers={VERSION_HEADER: str(version), "Content-Type": "application/octet-stream",
+                                     "Content-Length": str(len(body))})
         self.version = version
         return out
 

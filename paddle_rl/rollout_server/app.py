@@ -106,6 +106,7 @@ class RequestGate:
             if not message.get("more_body"):
                 break
         body, sent = b"".join(chunks), False
+        scope = dict(scope, gate_body=body)   # the endpoints read it from here: no second copy
 
         async def replay():
             nonlocal sent
@@ -308,7 +309,7 @@ def create_app(service: RolloutService, settings: ServerSettings) -> FastAPI:
         return error_response(str(exc), exc.status, exc.kind, exc.code)
 
     async def json_body(request: Request) -> dict:
-        raw = await request.body()
+        raw = request.scope["gate_body"]
         try:
             body = json.loads(raw)
         except ValueError as e:
@@ -376,7 +377,7 @@ def create_app(service: RolloutService, settings: ServerSettings) -> FastAPI:
             version = int(raw)
         except (TypeError, ValueError):
             raise RequestError(f"{VERSION_HEADER}: expected an integer header, got {raw!r}") from None
-        body = await request.body()
+        body = request.scope["gate_body"]   # RequestGate's copy (Starlette's request.body() would make another)
         load_s = await service.run(service.load, body, version)
         logger.info("weights version %d loaded (%.1f MB, %.2f s)", version, len(body) / 2 ** 20, load_s)
         return {"version": version, "load_s": load_s}
