@@ -361,6 +361,23 @@ def test_dynamic_sampling_rounds_on_a_server_equal_the_inline_run(micro, server,
     assert rows == _rows(tmp_path / "inline") and max(r["gen_rounds"] for r in rows) > 1
 
 
+def test_config_refuses_what_servers_cannot_do(micro, tmp_path):
+    def problems(**values):
+        with pytest.raises(ConfigError) as e:
+            load_config(None, _overrides(micro, tmp_path, **values))
+        return str(e.value)
+    assert "rollout_server_urls: 'localhost:8732' is not an http:// or https:// URL" in problems(
+        rollout_server_urls="localhost:8732")
+    assert "a URL is listed twice" in problems(rollout_server_urls="http://a:1,http://a:1/")
+    assert "rollout_server_urls: not with async_rollout" in problems(rollout_server_urls="http://a:1",
+                                                                     async_rollout=True)
+    assert "rollout_server_urls: not with env_plugin" in problems(rollout_server_urls="http://a:1", env_plugin="tools")
+    assert "rollout_server_timeout: must be > 0" in problems(rollout_server_urls="http://a:1",
+                                                             rollout_server_timeout=0)
+    config = load_config(None, _overrides(micro, tmp_path, rollout_server_urls="http://a:1, https://b:2"))
+    assert config.rollout_server_urls == ["http://a:1", "https://b:2"]
+
+
 def test_start_up_faults_name_the_server(micro, server, tmp_path):
     # nobody listens on this port
     dead = f"http://127.0.0.1:{free_port()}"

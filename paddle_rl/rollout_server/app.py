@@ -31,9 +31,11 @@ from dataclasses import dataclass
 from typing import List, Optional
 
 import numpy as np
+import paddle
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from fastapi_offline import FastAPIOffline
+from safetensors.numpy import load as load_safetensors
 
 from ..http_auth import key_matches
 from ..models import load_weights
@@ -123,17 +125,23 @@ class RequestGate:
         await response(scope, receive, send)
 
 
+def _set_device(device: str) -> None:
+    paddle.set_device(device)
+
+
 class RolloutService:
     """The engine and its state; every call that touches the model runs on the one engine thread."""
 
-    def __init__(self, engine, tokenizer, stop_ids, default_max_tokens: int):
+    def __init__(self, engine, tokenizer, stop_ids, default_max_tokens: int, device: str = "cpu"):
         self.engine = engine
+        self.device = device
         self.tokenizer = tokenizer
         self.stop_ids = list(stop_ids)
         self.default_max_tokens = default_max_tokens
         self.identity = model_identity(engine.model.config, tokenizer)
         self.version = None   # None: the weights the server loaded; then the version of the last push
-        self.thread = ThreadPoolExecutor(1, thread_name_prefix="engine")
+        # the engine thread computes on the model's device (set there too, in case Paddle keeps it per thread)
+        self.thread = ThreadPoolExecutor(1, thread_name_prefix="engine", initializer=_set_device, initargs=(device,))
         self.queued = 0
         self.served = {"generate_requests": 0, "samples": 0, "tokens": 0, "weight_pushes": 0}
 
@@ -141,7 +149,7 @@ class RolloutService:
     def engine_settings(self) -> dict:
         e = self.engine
         return {"rollout_dtype": e.rollout_dtype, "quant_type": e.quant_type, "kv_cache_dtype": e.kv_cache_dtype,
-                "max_num_seqs": e.max_num_seqs, "max_cache_tokens": e.max_cache_tokens}
+                "max_num_seqs": e.max_num_seqs, "max_cache_tokens": e.max_cache_tokens, "device": self.device}
 
     async def run(self, fn, *args):
         self.queued += 1
@@ -164,7 +172,6 @@ class RolloutService:
         return batch, version, stats
 
     def load(self, body: bytes, version: int) -> float:
-        from safetensors.numpy import load as load_safetensors
         start = time.perf_counter()
         try:
             state = load_safetensors(body)

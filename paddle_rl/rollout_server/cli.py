@@ -49,11 +49,13 @@ def build_service(config_path: str, overrides):
     from ..models.lora import merge_state
     from ..models.pretrained import hf_state, load_weights
     from ..ops import configure
+    from ..parallel.device import select_device
     from ..rollout import RolloutEngine
     from .app import RolloutService
 
     config = load_config(config_path, overrides)
     check_paths(config, data=False)
+    device = select_device()   # the first visible GPU (CUDA_VISIBLE_DEVICES picks the server's), else the CPU
     configure(config.use_custom_ops)
     folder = config.actor_model_name_or_path
     model = load_model(folder)
@@ -71,7 +73,7 @@ def build_service(config_path: str, overrides):
     engine = RolloutEngine(model, tokenizer.pad_token_id, stop_ids, config.rollout_max_num_seqs,
                            config.rollout_kv_cache_tokens, config.kv_cache_paddle_dtype, config.rollout_dtype,
                            config.rollout_quant_type)
-    return RolloutService(engine, tokenizer, stop_ids, config.max_dec_len), folder
+    return RolloutService(engine, tokenizer, stop_ids, config.max_dec_len, device), folder
 
 
 def run_rollout_server(args) -> int:
