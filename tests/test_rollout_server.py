@@ -239,16 +239,25 @@ def test_openai_client(micro, server):
     assert got.choices[0].model_extra["token_ids"] == want["response_ids"][0, :int(want["lengths"][0])].tolist()
     # a stop string: the text ends before it
     text = got.choices[0].text
-    if len(text) > 2:
-        stop = text[1:3]
-        cut = api.completions.create(model=name, prompt=prompt, max_tokens=6, temperature=0, stop=[stop])
-        assert cut.choices[0].text == text[:text.find(stop)] and cut.choices[0].finish_reason == "stop"
+    assert len(text) > 2
+    stop = text[1:3]
+    cut = api.completions.create(model=name, prompt=prompt, max_tokens=6, temperature=0, stop=[stop])
+    assert cut.choices[0].text == text[:text.find(stop)] and cut.choices[0].finish_reason == "stop"
+    kept = cut.choices[0].model_extra["token_ids"]   # the tokens up to the one completing the stop string
+    assert kept == got.choices[0].model_extra["token_ids"][:len(kept)]
+    assert stop in tokenizer.decode(kept) and stop not in tokenizer.decode(kept[:-1])
     chat = api.chat.completions.create(model=name, messages=[{"role": "user", "content": "Who is a knight?"}],
                                        max_tokens=5, temperature=0.7, seed=1, logprobs=True, n=2)
     templated = tokenizer.apply_chat_template([{"role": "user", "content": "Who is a knight?"}])
     assert chat.model_extra["prompt_token_ids"] == tokenizer.encode(templated)
     assert len(chat.choices) == 2 and chat.choices[0].message.role == "assistant"
     assert len(chat.choices[0].logprobs.content) == len(chat.choices[0].model_extra["token_ids"])
+    parts = api.chat.completions.create(model=name, max_tokens=5, temperature=0, messages=[
+        {"role": "user", "content": [{"type": "text", "text": "Who is "}, {"type": "text", "text": "a knight?"}]}])
+    assert parts.model_extra["prompt_token_ids"] == chat.model_extra["prompt_token_ids"]
+    with pytest.raises(openai.BadRequestError, match="image_url are not supported"):
+        api.chat.completions.create(model=name, messages=[{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}])
     with pytest.raises(openai.BadRequestError, match="presence_penalty"):
         api.completions.create(model=name, prompt="a", presence_penalty=0.5)
     with pytest.raises(openai.NotFoundError, match="not served here"):

@@ -292,6 +292,19 @@ def completion_prompts(tokenizer, prompt) -> List[List[int]]:
                        "token ids (none empty)")
 
 
+def _text_content(content, index: int):
+    """A message's content: a string, or OpenAI's list of parts of which only text parts are taken (joined)."""
+    if content is None or isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(isinstance(p, dict) for p in content):
+        kinds = sorted({str(p.get("type")) for p in content} - {"text"})
+        if kinds:
+            raise RequestError(f"messages[{index}].content: parts of type {', '.join(kinds)} are not supported "
+                               "(text only)")
+        return "".join(str(p.get("text", "")) for p in content)
+    raise RequestError(f"messages[{index}].content: expected a string or a list of text parts")
+
+
 def _check_tokens(prompts, vocab: int) -> None:
     for i, p in enumerate(prompts):
         if not p:
@@ -457,6 +470,7 @@ def create_app(service: RolloutService, settings: ServerSettings) -> FastAPI:
         if not isinstance(messages, list) or not messages or not all(
                 isinstance(m, dict) and isinstance(m.get("role"), str) and "content" in m for m in messages):
             raise RequestError("messages: expected a non-empty list of {role, content} objects")
+        messages = [dict(m, content=_text_content(m["content"], i)) for i, m in enumerate(messages)]
         if body.get("top_logprobs"):
             raise RequestError(f"top_logprobs: {body['top_logprobs']} alternatives per token are not computed "
                                "(logprobs: true returns each sampled token's log-prob)")
