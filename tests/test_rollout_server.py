@@ -230,6 +230,7 @@ def test_openai_client(micro, server):
         assert len(c.logprobs.token_logprobs) == len(ids) and all(v <= 0 for v in c.logprobs.token_logprobs)
         assert c.text == tokenizer.decode(ids, skip_special_tokens=True)
     assert out.usage.completion_tokens == sum(len(c.model_extra["token_ids"]) for c in out.choices)
+    assert out.model_extra["policy_version"] == server.client().health()["version"]
     # greedy: the engine's own greedy tokens
     from paddle_rl.rollout import SamplingParams
     engine, _ = _engine(micro)

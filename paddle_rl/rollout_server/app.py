@@ -10,7 +10,7 @@ GET  /health                the loaded policy version, the model's identity (arc
                             hash, ...) and the engine's precision settings
 POST /v1/completions        OpenAI-compatible (prompt text or token ids; n, temperature, top_p, max_tokens, stop,
 POST /v1/chat/completions   logprobs, seed); the chat endpoint renders the model's own chat template. Extensions:
-                            each choice's `token_ids`, the answer's `prompt_token_ids`, and top_k,
+                            each choice's `token_ids`, the answer's `prompt_token_ids` and `policy_version`, and top_k,
                             repetition_penalty, min_tokens in the request
 GET  /v1/models             the one model served
 
@@ -439,8 +439,8 @@ def create_app(service: RolloutService, settings: ServerSettings) -> FastAPI:
         default = service.default_max_tokens if chat else 16
         params, n, stops, seed = sampling_from_openai(body, service, default, chat)
         keys = openai_keys(seed, len(prompts), n, params.greedy)
-        batch, _, _ = await service.run(service.generate, prompts, n, params, keys, None)
-        return choices_of(batch, prompts, n, stops, logprobs, chat)
+        batch, version, _ = await service.run(service.generate, prompts, n, params, keys, None)
+        return choices_of(batch, prompts, n, stops, logprobs, chat) + (version,)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -455,10 +455,10 @@ def create_app(service: RolloutService, settings: ServerSettings) -> FastAPI:
             raise RequestError(f"logprobs: {logprobs} alternatives per token are not computed; logprobs: 0 returns "
                                "each sampled token's log-prob")
         prompts = completion_prompts(service.tokenizer, body.get("prompt"))
-        choices, usage = await complete(body, prompts, False, logprobs is not None)
+        choices, usage, version = await complete(body, prompts, False, logprobs is not None)
         return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
                 "model": settings.served_model_name, "choices": choices, "usage": usage,
-                "prompt_token_ids": prompts}
+                "prompt_token_ids": prompts, "policy_version": version}
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
@@ -482,9 +482,9 @@ def create_app(service: RolloutService, settings: ServerSettings) -> FastAPI:
         except Exception as e:  # noqa: BLE001 - the template's own error (raise_exception, a missing field)
             raise RequestError(f"messages: the chat template failed: {e}") from None
         prompts = [service.tokenizer.encode(text)]
-        choices, usage = await complete(body, prompts, True, logprobs)
+        choices, usage, version = await complete(body, prompts, True, logprobs)
         return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
                 "model": settings.served_model_name, "choices": choices, "usage": usage,
-                "prompt_token_ids": prompts[0]}
+                "prompt_token_ids": prompts[0], "policy_version": version}
 
     return app
