@@ -428,10 +428,11 @@ def test_a_killed_server_has_its_groups_resent_and_losing_all_stops_the_run(micr
 
         def kill_in_flight(trainer, step):
             if step == 2:
-                def watch():  # kill a once its share is in the engine
+                def watch():  # kill a once step 2's weights are in and its share is queued or generating
                     probe = httpx.Client(timeout=5.0)
                     while a.proc.poll() is None:
-                        if probe.get(a.url + "/health").json()["queued"] >= 1:
+                        health = probe.get(a.url + "/health").json()
+                        if health["version"] == 1 and health["queued"] >= 1:
                             killed["queued"] = True
                             a.kill()
                             return
