@@ -1,4 +1,4 @@
-"""`paddle-rl train | sft | eval | score | data | convert | fetch | reward-server | bench`."""
+"""`paddle-rl train | sft | eval | score | data | convert | fetch | reward-server | rollout-server | bench`."""
 import argparse
 import importlib
 import os
@@ -15,6 +15,8 @@ OVERRIDE = re.compile(r"^[A-Za-z_][A-Za-z0-9_.\-]*=")
 # When the module cannot be imported the subcommand still exists and, when run, stops naming what is missing.
 REWARD_SERVER = ("reward-server", "reward_server.cli", "add_reward_server_subparser",
                  "serve rule / plugin rewards over HTTP")
+ROLLOUT_SERVER = ("rollout-server", "paddle_rl.rollout_server.cli", "add_rollout_server_subparser",
+                  "serve the rollout engine of a config's actor over HTTP")
 BENCH = ("bench", "paddle_rl.bench", "add_bench_subparser", "time RL steps on a synthetic workload")
 SCORE = ("score", "paddle_rl.score", "add_score_subparser",
          "score records that carry a response with the configured rewards")
@@ -131,6 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_module_subcommand(sub, CONVERT)
     _add_module_subcommand(sub, FETCH)
     _add_module_subcommand(sub, REWARD_SERVER)
+    _add_module_subcommand(sub, ROLLOUT_SERVER)
     _add_module_subcommand(sub, BENCH)
     _add_module_subcommand(sub, SCORE)
     return parser

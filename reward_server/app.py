@@ -18,7 +18,6 @@ Error codes (the HTTP status says whether a retry can help):
   2004 too many samples waiting                                              503
 """
 import asyncio
-import hmac
 import logging
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -29,6 +28,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from fastapi_offline import FastAPIOffline
 from pydantic import BaseModel, ConfigDict, Field
+
+from paddle_rl.http_auth import key_matches
 
 from .pool import ScoringFailure, ScoringPool
 
@@ -99,15 +100,6 @@ def error(code: int, message: str, status: int, headers: Optional[dict] = None, 
 
 
 # ------------------------------------------------------------------------------------------------ request gate
-
-def key_matches(headers: Dict[bytes, bytes], api_key: str) -> bool:
-    """The request carries `api_key` (Authorization: Bearer KEY or X-API-Key: KEY), compared in constant time."""
-    given = headers.get(b"x-api-key", b"").decode("latin-1")
-    auth = headers.get(b"authorization", b"").decode("latin-1")
-    if auth.lower().startswith("bearer "):
-        given = given or auth[7:].strip()
-    return bool(given) and hmac.compare_digest(given.encode(), api_key.encode())
-
 
 class RequestGate:
     """Stands before the application for every request with a body (every method but GET / HEAD / OPTIONS): the

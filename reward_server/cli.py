@@ -4,13 +4,12 @@ The server depends on paddle_rl (config, rewards); paddle_rl's own command line 
 package paddle_rl never imports reward_server.
 """
 import argparse
-import ipaddress
 import logging
 import os
 
+from paddle_rl.http_auth import bind_problem, is_loopback
 from paddle_rl.rewards.client import API_KEY_ENV
 
-LOOPBACK = ("localhost",)
 DEFAULT_MAX_CONNECTIONS = 128
 
 
@@ -139,19 +138,9 @@ def check_bind(host: str, api_key: str, allow_no_key: bool) -> None:
     """A server reachable from other machines needs an API key unless --allow-no-key says otherwise (ConfigError)."""
     from paddle_rl.config import ConfigError
 
-    if not _is_loopback(host) and not api_key and not allow_no_key:
-        raise ConfigError(f"--host {host} is reachable from other machines and no API key is set: anyone who can "
-                          f"reach the port could make the server run its reward functions. Set --api-key KEY (or "
-                          f"${API_KEY_ENV}), bind 127.0.0.1, or pass --allow-no-key to serve {host} without a key")
-
-
-def _is_loopback(host: str) -> bool:
-    if host in LOOPBACK:
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
+    problem = bind_problem(host, api_key, allow_no_key, "make the server run its reward functions", API_KEY_ENV)
+    if problem:
+        raise ConfigError(problem)
 
 
 def run_reward_server(args) -> int:
@@ -168,7 +157,7 @@ def run_reward_server(args) -> int:
     except (ConfigError, ValueError) as e:
         log.error("%s", e)
         return 2
-    if not _is_loopback(args.host) and not settings.api_key:
+    if not is_loopback(args.host) and not settings.api_key:
         log.warning("serving %s without an API key (--allow-no-key): anyone who can reach this port can use the "
                     "server", args.host)
     # uvicorn answers 503 to a request while `limit_concurrency` or more connections are open, this one included

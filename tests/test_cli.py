@@ -66,6 +66,7 @@ sys.exit(main(sys.argv[2:]))
 @pytest.mark.parametrize("module,command,options", [
     ("paddle_rl.bench", ["bench"], ["--steps", "1"]),
     (cli.REWARD_SERVER[1], ["reward-server"], ["--port", "8999"]),
+    (cli.ROLLOUT_SERVER[1], ["rollout-server"], ["config.yaml", "--port", "8999"]),
     (cli.DATA_CONVERT[1], ["data", "convert"], ["in.jsonl", "--out", "x"]),
 ])
 def test_subcommand_with_a_missing_import_names_it(module, command, options):

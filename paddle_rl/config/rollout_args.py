@@ -66,6 +66,15 @@ class RolloutArgs:
                                        "after each update, and a batch being generated goes on under them from the "
                                        "next decode step (each token tagged with its version); not reproducible "
                                        "run to run (where the switch falls depends on timing).")
+    rollout_server_urls: list = arg([], "Generate on rollout servers (`paddle-rl rollout-server`) instead of in the "
+                                        "trainer: their URLs, e.g. [http://10.0.0.2:8732, http://10.0.0.3:8732]. "
+                                        "Each step's prompt groups are split round-robin over the servers and the "
+                                        "weights are pushed after each update (docs/rollout_server.md); ms-swift's "
+                                        "vllm_server_host / vllm_server_port.")
+    rollout_server_api_key: str = arg("", "API key of the rollout servers (default: $PADDLE_RL_ROLLOUT_API_KEY).")
+    rollout_server_timeout: float = arg(3600.0, "Seconds to wait for one server's answer to a step's generation "
+                                                "request (and for a weight push); a server past it counts as gone "
+                                                "and its prompt groups go to the others.")
 
     @property
     def kv_cache_paddle_dtype(self) -> Optional[str]:
@@ -125,6 +134,20 @@ class RolloutArgs:
             if self.max_staleness > 0 and self.reuse_rollout_logprobs == "on":
                 errors.append("reuse_rollout_logprobs: on would take a stale policy's log-probs as the old policy's "
                               "(async_rollout with max_staleness > 0): use auto or off")
+        if self.rollout_server_urls:
+            urls = [str(u) for u in self.rollout_server_urls]
+            for url in urls:
+                if not url.startswith(("http://", "https://")):
+                    errors.append(f"rollout_server_urls: {url!r} is not an http:// or https:// URL")
+            if len(set(u.rstrip("/") for u in urls)) != len(urls):
+                errors.append(f"rollout_server_urls: a URL is listed twice ({', '.join(urls)})")
+            if self.async_rollout:
+                errors.append("rollout_server_urls: not with async_rollout (the servers generate each step's batch "
+                              "with the weights of the step before; a worker process is the other way to generate)")
+            if self.env_plugin:
+                errors.append("rollout_server_urls: not with env_plugin yet (the environments run in the trainer)")
+        if self.rollout_server_timeout <= 0:
+            errors.append(f"rollout_server_timeout: must be > 0, got {self.rollout_server_timeout}")
         if self.max_dec_len < 1:
             errors.append(f"max_dec_len: must be >= 1, got {self.max_dec_len}")
         if self.min_dec_len < 0:

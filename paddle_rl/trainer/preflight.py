@@ -10,8 +10,9 @@ from ..models.hub import resolve_model
 from ..models.lora import AdapterError, lora_settings
 
 
-def check_paths(config) -> None:
-    """Fail before any model loads when a model or data path is missing."""
+def check_paths(config, data: bool = True) -> None:
+    """Fail before any model loads when a model or data path is missing (`data=False`: the model paths only, for
+    a command that reads no data: the rollout server)."""
     problems = []
     for key in ("actor_model_name_or_path", "reference_model_name_or_path", "tokenizer_name_or_path"):
         try:  # a fetchable model's name -> its cached folder (fetched the first time)
@@ -42,15 +43,15 @@ def check_paths(config) -> None:
             lora_settings(config)
         except (AdapterError, OSError, KeyError) as e:
             problems.append(f"lora_path: {e}")
-    if not config.train_datasets:
+    if data and not config.train_datasets:
         problems.append("train_datasets: required")
-    for key in ("train_datasets", "eval_datasets"):
+    for key in ("train_datasets", "eval_datasets") if data else ():
         for p in dataset_paths(getattr(config, key)):
             if not os.path.isfile(p):
                 problems.append(f"{key}: file not found: {p}")
-    if config.do_eval and not config.eval_datasets:
+    if data and config.do_eval and not config.eval_datasets:
         problems.append("eval_datasets: required when do_eval is true")
-    if not config.do_train and not (config.do_eval and config.evaluation_strategy != "no"):
+    if data and not config.do_train and not (config.do_eval and config.evaluation_strategy != "no"):
         problems.append("do_train: false leaves nothing to run without do_eval: true (and evaluation_strategy "
                         "other than no)")
     if problems:

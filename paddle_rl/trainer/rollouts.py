@@ -1,5 +1,6 @@
-"""Where a step's rollout comes from: generated in the trainer's process now (`InlineRollout`), or by a worker
-process ahead of the trainer (`AsyncRollout`, `async_rollout: true`).
+"""Where a step's rollout comes from: generated in the trainer's process now (`InlineRollout`), by a worker
+process ahead of the trainer (`AsyncRollout`, `async_rollout: true`), or by rollout servers over HTTP
+(`ServerRollout`, `rollout_server_urls`).
 
 Both answer `take(step, draw)`: the prompt records and the rollout batch of `step`. `draw(step)` takes the
 step's prompts from the sampler and returns (records, prompt ids, keys, sampling params); the asynchronous
@@ -18,9 +19,16 @@ the worker's own generation and weight-loading seconds and its peak RSS (`async/
 import logging
 import os
 import time
-from typing import Callable, Dict
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable, Dict, List
 
+import numpy as np
+from safetensors.numpy import save as safetensors_bytes
+
+from ..config import ConfigError
 from ..models.lora import merge_state
+from ..rollout.client import RolloutServerClient, RolloutServerError
+from ..rollout.wire import batch_from_parts, identity_differences, model_identity
 from ..rollout.worker import RolloutWorker
 from .checkpoint import LEGACY_PENDING_FILE, PENDING_STEM, load_pickle
 from .state_files import has_state, read_state
@@ -169,8 +177,150 @@ class AsyncRollout(InlineRollout):
         self.worker.close()
 
 
+class ServerRollout(InlineRollout):
+    """The rollout on rollout servers (`rollout_server_urls`, `paddle-rl rollout-server`): each step the weights
+    after the RL steps applied so far (version = trainer.step; a LoRA actor's merged weights) go to every server,
+    then the step's prompt groups are split round-robin over them and sent at once; the rows come back keyed by
+    group and sample and form the StepBatch the engine would have written (rollout/wire.py). The rollout is
+    batch-invariant and keyed per sample, so any split gives the inline rollout's values.
+
+    A server that stops answering (connection refused or reset, rollout_server_timeout, a 5xx answer) is dropped
+    for the rest of the run and its groups go to the others in the same step (`rollout_server/resent_groups`); a
+    request a server refuses (4xx) stops the run, as does the loss of every server (the error names each URL)."""
+
+    ENGINE_KEYS = (("rollout_dtype", "rollout_dtype"), ("quant_type", "rollout_quant_type"),
+                   ("kv_cache_dtype", "kv_cache_paddle_dtype"))
+
+    def __init__(self, trainer):
+        super().__init__(trainer)
+        cfg = trainer.config
+        if trainer.layout.is_parallel:
+            raise ConfigError("rollout_server_urls: the trainer runs as one process for now; launch without data / "
+                              "sharding / tensor / pipeline parallelism (the servers hold the rollout's devices)")
+        api_key = cfg.rollout_server_api_key or os.environ.get("PADDLE_RL_ROLLOUT_API_KEY", "")
+        self.clients = [RolloutServerClient(str(u), api_key, cfg.rollout_server_timeout)
+                        for u in cfg.rollout_server_urls]
+        self.gone: Dict[str, str] = {}   # url -> why it was dropped
+        self._step = None                # the step whose metrics self.metrics holds
+        identity = model_identity(trainer.actor.config, trainer.tokenizer)
+        engine = {server: getattr(cfg, key) for server, key in self.ENGINE_KEYS}
+        for client in self.clients:
+            try:
+                health = client.health()
+            except RolloutServerError as e:
+                self.close()
+                raise ConfigError(f"rollout_server_urls: {client.url} cannot be reached at start-up ({e})") from None
+            try:
+                client.check_key()
+            except RolloutServerError as e:
+                self.close()
+                raise ConfigError(f"rollout_server_urls: {client.url} refuses the trainer's API key "
+                                  f"(rollout_server_api_key or $PADDLE_RL_ROLLOUT_API_KEY): {e}") from None
+            differences = identity_differences(identity, health.get("model") or {})
+            differences += [f"{key}: trainer {engine[key]!r}, server {(health.get('engine') or {}).get(key)!r}"
+                            for key in engine if (health.get("engine") or {}).get(key) != engine[key]]
+            if differences:
+                self.close()
+                raise ConfigError(f"rollout_server_urls: {client.url} serves another model or engine than the "
+                                  f"trainer's ({trainer.actor.base_folder}): " + "; ".join(differences))
+            logger.info("rollout server %s: %s, vocab %d, engine %s", client.url, identity["architecture"],
+                        identity["vocab_size"], health.get("engine"))
+        self._pool = ThreadPoolExecutor(len(self.clients), thread_name_prefix="rollout-server")
+
+    @property
+    def live(self) -> List[RolloutServerClient]:
+        return [c for c in self.clients if c.url not in self.gone]
+
+    def _drop(self, client: RolloutServerClient, error: RolloutServerError) -> None:
+        self.gone[client.url] = str(error)
+        logger.warning("rollout server %s dropped for the rest of the run: %s", client.url, error)
+
+    def _all_gone(self, doing: str) -> RolloutServerError:
+        reasons = "\n".join(f"  {url}: {why}" for url, why in self.gone.items())
+        return RolloutServerError(f"every rollout server is gone ({', '.join(self.gone)}) while {doing}:\n{reasons}",
+                                  ", ".join(self.gone), unreachable=True)
+
+    def _each(self, clients, fn):
+        """[(client, result or the RolloutServerError it raised)] of fn(client) run on every client at once; a
+        refused request (not a lost server) is raised."""
+        futures = [(c, self._pool.submit(fn, c)) for c in clients]
+        out = []
+        for client, future in futures:
+            try:
+                out.append((client, future.result()))
+            except RolloutServerError as e:
+                if not e.unreachable:
+                    raise
+                out.append((client, e))
+        return out
+
+    def _push(self) -> None:
+        version = self.trainer.step  # the weights after this many RL steps
+        stale = [c for c in self.live if c.version != version]
+        if not stale:
+            return
+        start = time.perf_counter()
+        trainer = self.trainer
+        state = merge_state(trainer.layout.full_state(trainer.actor), trainer.actor.lora)
+        body = safetensors_bytes({k: np.ascontiguousarray(v, dtype=np.float32) for k, v in state.items()})
+        for client, result in self._each(stale, lambda c: c.push_weights(body, version)):
+            if isinstance(result, RolloutServerError):
+                self._drop(client, result)
+        if not self.live:
+            raise self._all_gone(f"pushing weights version {version}")
+        self.metrics["time/weights_push"] = self.metrics.get("time/weights_push", 0.0) + time.perf_counter() - start
+
+    def take(self, step: int, draw: Callable):
+        if step != self._step:  # a step's generation rounds (dynamic sampling) add up in its metrics
+            self._step, self.metrics = step, {"rollout_server/resent_groups": 0.0, "time/rollout_server_generate": 0.0}
+        items, prompts, keys, params = draw(step)
+        n = self.trainer.config.rollout_n
+        self._push()
+        pending, parts, resent, generate_s = list(range(len(prompts))), [], 0, []
+        first = True
+        while pending:
+            live = self.live
+            if not live:
+                raise self._all_gone(f"generating step {step}'s batch")
+            if not first:
+                resent += len(pending)
+                logger.warning("step %d: %d prompt groups re-sent to %s", step, len(pending),
+                               ", ".join(c.url for c in live))
+            shares = {c.url: pending[i::len(live)] for i, c in enumerate(live)}
+            busy = [c for c in live if shares[c.url]]
+
+            def send(client):
+                share = shares[client.url]
+                return client.generate([prompts[g] for g in share], n, params,
+                                       None if keys is None else [keys[g * n + j] for g in share for j in range(n)],
+                                       groups=share, fmt="safetensors")
+            pending = []
+            for client, answer in self._each(busy, send):
+                if isinstance(answer, RolloutServerError):
+                    self._drop(client, answer)
+                    pending += shares[client.url]
+                    continue
+                parts.append(answer["columns"])
+                generate_s.append(float(answer["stats"].get("generate_s", 0.0)))
+            pending.sort()
+            first = False
+        batch = batch_from_parts(parts, prompts, n, self.trainer.pad_id)
+        self.metrics["rollout_server/resent_groups"] += float(resent)
+        self.metrics["time/rollout_server_generate"] += max(generate_s)
+        self.metrics["rollout_server/servers_alive"] = float(len(self.live))
+        return items, batch
+
+    def close(self) -> None:
+        for client in self.clients:
+            client.close()
+        if hasattr(self, "_pool"):
+            self._pool.shutdown(wait=False)
+
+
 def build_rollout(trainer) -> InlineRollout:
+    if trainer.config.rollout_server_urls:
+        return ServerRollout(trainer)
     return AsyncRollout(trainer) if trainer.config.async_rollout else InlineRollout(trainer)
 
 
-__all__ = ["InlineRollout", "AsyncRollout", "build_rollout"]
+__all__ = ["InlineRollout", "AsyncRollout", "ServerRollout", "build_rollout"]

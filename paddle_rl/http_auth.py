@@ -1,0 +1,40 @@
+"""The API-key rule shared by the HTTP servers (the reward server, the rollout server).
+
+A request carries the key as `Authorization: Bearer KEY` or `X-API-Key: KEY`; servers compare it in constant time
+from the headers alone, before reading the body. A server bound to an address other machines can reach needs a
+key unless its operator says otherwise (`--allow-no-key`).
+"""
+import hmac
+import ipaddress
+from typing import Dict
+
+LOOPBACK_NAMES = ("localhost",)
+
+
+def key_matches(headers: Dict[bytes, bytes], api_key: str) -> bool:
+    """The request carries `api_key` (Authorization: Bearer KEY or X-API-Key: KEY), compared in constant time."""
+    given = headers.get(b"x-api-key", b"").decode("latin-1")
+    auth = headers.get(b"authorization", b"").decode("latin-1")
+    if auth.lower().startswith("bearer "):
+        given = given or auth[7:].strip()
+    return bool(given) and hmac.compare_digest(given.encode(), api_key.encode())
+
+
+def is_loopback(host: str) -> bool:
+    """`host` is reachable from this machine only (localhost, 127.0.0.0/8, ::1)."""
+    if host in LOOPBACK_NAMES:
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def bind_problem(host: str, api_key: str, allow_no_key: bool, what: str, key_env: str):
+    """Why serving `host` is refused (None: it is not): a non-loopback address without a key and without
+    --allow-no-key. `what` says what an anonymous client could make the server do."""
+    if is_loopback(host) or api_key or allow_no_key:
+        return None
+    return (f"--host {host} is reachable from other machines and no API key is set: anyone who can reach the port "
+            f"could {what}. Set --api-key KEY (or ${key_env}), bind 127.0.0.1, or pass --allow-no-key to serve "
+            f"{host} without a key")

@@ -1,0 +1,490 @@
+"""The rollout server's FastAPI application: one RolloutEngine served over HTTP.
+
+POST /v1/generate           the suite's batched endpoint (rollout/wire.py): prompt ids, n, sampling parameters,
+                            per-sample keys, group ids -> each sample's tokens, log-probs, finish reason, length,
+                            decode steps and the policy version that generated it
+POST /v1/weights            a versioned weight push: the body is a safetensors file of the whole model under
+                            Hugging Face names (a LoRA trainer sends its merged weights), the version in the header
+                            X-Policy-Version; applied after the requests already queued, before the ones after it
+GET  /health                the loaded policy version, the model's identity (architecture, vocabulary size and
+                            hash, ...) and the engine's precision settings
+POST /v1/completions        OpenAI-compatible (prompt text or token ids; n, temperature, top_p, max_tokens, stop,
+POST /v1/chat/completions   logprobs, seed); the chat endpoint renders the model's own chat template. Extensions:
+                            each choice's `token_ids`, the answer's `prompt_token_ids` and `policy_version`, and top_k,
+                            repetition_penalty, min_tokens in the request
+GET  /v1/models             the one model served
+
+One thread runs the engine, so requests (and weight pushes) are served one at a time, in arrival order. Errors are
+OpenAI's shape: {"error": {"message", "type", "code"}} with an HTTP status; the message names the field.
+Every request but GET /health and the docs pages passes `RequestGate` first: the API key from the headers alone
+(401 before a byte of a body is read), then the body up to the endpoint's limit (413).
+"""
+import asyncio
+import json
+import logging
+import os
+import resource
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import List, Optional
+
+import numpy as np
+import paddle
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from fastapi_offline import FastAPIOffline
+from safetensors.numpy import load as load_safetensors
+
+from ..http_auth import key_matches
+from ..models import load_weights
+from ..rollout.keys import sample_key
+from ..rollout.sampling import SamplingParams
+from ..rollout.wire import (FORMATS, WireError, batch_to_rows, batch_to_safetensors, check_params, keys_from_wire,
+                            model_identity, params_from_wire)
+
+logger = logging.getLogger("paddle_rl.rollout_server")
+
+VERSION_HEADER = "X-Policy-Version"
+WEIGHTS_PATH = "/v1/weights"
+DOCS_ASSETS = "/docs-assets"   # Swagger UI / ReDoc files, served from the fastapi-offline package (no CDN)
+OPEN_PATHS = ("/health", "/docs", "/redoc", "/openapi.json", "/docs/oauth2-redirect")   # no key needed
+
+
+@dataclass
+class ServerSettings:
+    max_request_bytes: int = 64 * 1024 * 1024      # JSON requests
+    max_weights_bytes: int = 64 * 1024 ** 3        # a weight push
+    api_key: str = ""
+    served_model_name: str = "model"
+
+
+class RequestError(Exception):
+    def __init__(self, message: str, status: int = 400, kind: str = "invalid_request_error", code=None):
+        super().__init__(message)
+        self.status, self.kind, self.code = status, kind, code
+
+
+def error_response(message: str, status: int, kind: str = "invalid_request_error", code=None,
+                   headers: Optional[dict] = None) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": kind, "code": code}}, status_code=status,
+                        headers=headers)
+
+
+class RequestGate:
+    """For every request but GET /health and the docs pages: the API key from the headers (401 without reading the
+    body); then, for a request with a body, the body read up to its endpoint's limit (413 beyond; a declared
+    Content-Length over it is refused before reading) and handed on."""
+
+    def __init__(self, app, limit: int, weights_limit: int, api_key: str = ""):
+        self.app, self.limit, self.weights_limit, self.api_key = app, limit, weights_limit, api_key
+
+    async def __call__(self, scope, receive, send):
+        path = scope.get("path", "")
+        if scope["type"] != "http" or path in OPEN_PATHS or path.startswith(DOCS_ASSETS + "/"):
+            return await self.app(scope, receive, send)
+        headers = dict(scope.get("headers") or [])
+        if self.api_key and not key_matches(headers, self.api_key):
+            response = error_response("missing or wrong API key (send Authorization: Bearer KEY or X-API-Key: KEY)",
+                                      401, "authentication_error", headers={"Connection": "close"})
+            return await response(scope, receive, send)
+        if scope["method"] in ("GET", "HEAD", "OPTIONS"):
+            return await self.app(scope, receive, send)
+        limit = self.weights_limit if path == WEIGHTS_PATH else self.limit
+        declared = headers.get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            return await self._too_large(scope, receive, send, int(declared), limit)
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > limit:
+                return await self._too_large(scope, receive, send, size, limit)
+            chunks.append(chunk)
+            if not message.get("more_body"):
+                break
+        body, sent = b"".join(chunks), False
+        scope = dict(scope, gate_body=body)   # the endpoints read it from here: no second copy
+
+        async def replay():
+            nonlocal sent
+            if not sent:
+                sent = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+        return await self.app(scope, replay, send)
+
+    @staticmethod
+    async def _too_large(scope, receive, send, size, limit):
+        response = error_response(f"request body of {size}+ bytes exceeds the limit of {limit} bytes", 413,
+                                  headers={"Connection": "close"})
+        await response(scope, receive, send)
+
+
+def _set_device(device: str) -> None:
+    paddle.set_device(device)
+
+
+class RolloutService:
+    """The engine and its state; every call that touches the model runs on the one engine thread."""
+
+    def __init__(self, engine, tokenizer, stop_ids, default_max_tokens: int, device: str = "cpu"):
+        self.engine = engine
+        self.device = device
+        self.tokenizer = tokenizer
+        self.stop_ids = list(stop_ids)
+        self.default_max_tokens = default_max_tokens
+        self.identity = model_identity(engine.model.config, tokenizer)
+        self.version = None   # None: the weights the server loaded; then the version of the last push
+        # the engine thread computes on the model's device (set there too, in case Paddle keeps it per thread)
+        self.thread = ThreadPoolExecutor(1, thread_name_prefix="engine", initializer=_set_device, initargs=(device,))
+        self.queued = 0
+        self.served = {"generate_requests": 0, "samples": 0, "tokens": 0, "weight_pushes": 0}
+
+    @property
+    def engine_settings(self) -> dict:
+        e = self.engine
+        return {"rollout_dtype": e.rollout_dtype, "quant_type": e.quant_type, "kv_cache_dtype": e.kv_cache_dtype,
+                "max_num_seqs": e.max_num_seqs, "max_cache_tokens": e.max_cache_tokens, "device": self.device}
+
+    async def run(self, fn, *args):
+        self.queued += 1
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self.thread, fn, *args)
+        finally:
+            self.queued -= 1
+
+    # ---------------------------------------------------------------- on the engine thread
+    def generate(self, prompts, n: int, params: SamplingParams, keys, groups):
+        start = time.perf_counter()
+        version = self.version
+        batch = self.engine.generate(prompts, n, params, keys, groups=groups)
+        batch["policy_version"] = np.full(batch.size, -1 if version is None else version, dtype=np.int64)
+        stats = dict(self.engine.stats, generate_s=time.perf_counter() - start,
+                     peak_rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+        self.served["generate_requests"] += 1
+        self.served["samples"] += batch.size
+        self.served["tokens"] += int(batch["lengths"].sum())
+        return batch, version, stats
+
+    def load(self, body: bytes, version: int) -> float:
+        start = time.perf_counter()
+        try:
+            state = load_safetensors(body)
+        except Exception as e:  # noqa: BLE001 - the body is the client's: a 400 naming why
+            raise RequestError(f"weights: the body is not a safetensors file ({e})") from None
+        try:
+            load_weights(self.engine.model, state)
+        except (KeyError, ValueError) as e:
+            raise RequestError(f"weights: {e.args[0] if e.args else e}") from None
+        self.version = version
+        self.served["weight_pushes"] += 1
+        return time.perf_counter() - start
+
+
+# ---------------------------------------------------------------- OpenAI-compatible requests
+UNSUPPORTED = {"stream": False, "echo": False, "suffix": None, "best_of": None, "presence_penalty": 0,
+               "frequency_penalty": 0, "logit_bias": None, "tools": None, "tool_choice": None, "functions": None,
+               "response_format": None}
+IGNORED = {"model", "user", "metadata", "store", "stream_options", "service_tier", "parallel_tool_calls"}
+
+
+def _number(body: dict, key: str, default, kind=float, low=None, high=None, low_open=False):
+    value = body.get(key, default)
+    if value is None:
+        value = default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and value != int(value)):
+        raise RequestError(f"{key}: expected {'an integer' if kind is int else 'a number'}, got {value!r}")
+    if (low is not None and (value <= low if low_open else value < low)) or (high is not None and value > high):
+        raise RequestError(f"{key}: {value} is out of range")
+    return kind(value)
+
+
+def _check_fields(body: dict, known: set) -> None:
+    for key, neutral in UNSUPPORTED.items():
+        if key in body and body[key] not in (neutral, None, [], {}):
+            raise RequestError(f"{key}: not supported by this server (got {body[key]!r})")
+    unknown = sorted(set(body) - known - set(UNSUPPORTED) - IGNORED)
+    if unknown:
+        raise RequestError(f"unknown field(s): {', '.join(unknown)}")
+
+
+def _stop_strings(body: dict) -> List[str]:
+    stop = body.get("stop")
+    if stop is None:
+        return []
+    stop = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
+        raise RequestError(f"stop: expected a string or a list of non-empty strings, got {body.get('stop')!r}")
+    return stop
+
+
+def _cut_at_stop(tokenizer, ids: List[int], stops: List[str]):
+    """(text, tokens kept, stopped): the decoded text before the first stop string (OpenAI leaves the stop string
+    out), and how many tokens it takes to reach the end of that stop string."""
+    text = tokenizer.decode(ids, skip_special_tokens=True)
+    hits = [(text.find(s), s) for s in stops if s in text]
+    if not hits:
+        return text, len(ids), False
+    at, stop = min(hits)
+    end = at + len(stop)
+    lo, hi = 1, len(ids)   # the fewest tokens whose text reaches the stop string's end
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if len(tokenizer.decode(ids[:mid], skip_special_tokens=True)) >= end:
+            hi = mid
+        else:
+            lo = mid + 1
+    return text[:at], lo, True
+
+
+def sampling_from_openai(body: dict, service: RolloutService, default_max_tokens: int, chat: bool):
+    """(SamplingParams, n, stop strings, seed) of an OpenAI request."""
+    n = _number(body, "n", 1, int, low=1, high=1024)
+    temperature = _number(body, "temperature", 1.0, low=0.0, high=100.0)
+    top_p = _number(body, "top_p", 1.0, low=0.0, high=1.0, low_open=True)
+    max_key = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
+    max_tokens = _number(body, max_key, default_max_tokens, int, low=1)
+    stops = _stop_strings(body)
+    # a stop string that is one token stops the engine there; longer ones cut the text afterwards
+    stop_ids = set(service.stop_ids)
+    for s in stops:
+        ids = service.tokenizer.encode(s)
+        if len(ids) == 1:
+            stop_ids.add(ids[0])
+    params = SamplingParams(max_dec_len=max_tokens, min_dec_len=_number(body, "min_tokens", 0, int, low=0),
+                            temperature=temperature, top_p=top_p, top_k=_number(body, "top_k", 0, int, low=0),
+                            repetition_penalty=_number(body, "repetition_penalty", 1.0, low=0.0, low_open=True),
+                            stop_token_ids=sorted(stop_ids))
+    problems = check_params(params)
+    if problems:
+        raise RequestError("; ".join(problems))
+    seed = body.get("seed")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise RequestError(f"seed: expected an integer, got {seed!r}")
+    return params, n, stops, seed
+
+
+def openai_keys(seed: Optional[int], prompts: int, n: int, greedy: bool):
+    if greedy:
+        return None
+    seed = int.from_bytes(os.urandom(8), "little") if seed is None else seed
+    return [sample_key(seed, 0, f"openai:{p}", j) for p in range(prompts) for j in range(n)]
+
+
+def completion_prompts(tokenizer, prompt) -> List[List[int]]:
+    """OpenAI's prompt: a string, a list of strings, a list of token ids or a list of such lists."""
+    if isinstance(prompt, str):
+        return [tokenizer.encode(prompt)]
+    if isinstance(prompt, list) and prompt:
+        if all(isinstance(p, str) for p in prompt):
+            return [tokenizer.encode(p) for p in prompt]
+        if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            return [list(prompt)]
+        if all(isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p)
+               for p in prompt):
+            return [list(p) for p in prompt]
+    raise RequestError("prompt: expected a string, a list of strings, a list of token ids or a list of lists of "
+                       "token ids (none empty)")
+
+
+def _text_content(content, index: int):
+    """A message's content: a string, or OpenAI's list of parts of which only text parts are taken (joined)."""
+    if content is None or isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(isinstance(p, dict) for p in content):
+        kinds = sorted({str(p.get("type")) for p in content} - {"text"})
+        if kinds:
+            raise RequestError(f"messages[{index}].content: parts of type {', '.join(kinds)} are not supported "
+                               "(text only)")
+        return "".join(str(p.get("text", "")) for p in content)
+    raise RequestError(f"messages[{index}].content: expected a string or a list of text parts")
+
+
+def _check_tokens(prompts, vocab: int) -> None:
+    for i, p in enumerate(prompts):
+        if not p:
+            raise RequestError(f"prompts[{i}]: empty")
+        bad = [t for t in p if not 0 <= t < vocab]
+        if bad:
+            raise RequestError(f"prompts[{i}]: token id {bad[0]} outside the vocabulary [0, {vocab})")
+
+
+# ---------------------------------------------------------------- the application
+def create_app(service: RolloutService, settings: ServerSettings) -> FastAPI:
+    app = FastAPIOffline(title="paddle-rl rollout server", version="1.0",
+                         description="A RolloutEngine over HTTP: batched keyed generation, versioned weight pushes, "
+                                     "OpenAI-compatible completions.", static_url=DOCS_ASSETS,
+                         swagger_ui_parameters={"validatorUrl": None})
+    app.add_middleware(RequestGate, limit=settings.max_request_bytes, weights_limit=settings.max_weights_bytes,
+                       api_key=settings.api_key)
+    vocab = service.identity["vocab_size"]
+
+    @app.exception_handler(RequestError)
+    async def request_error(request: Request, exc: RequestError):
+        return error_response(str(exc), exc.status, exc.kind, exc.code)
+
+    async def json_body(request: Request) -> dict:
+        raw = request.scope["gate_body"]
+        try:
+            body = json.loads(raw)
+        except ValueError as e:
+            raise RequestError(f"malformed JSON: {e}") from None
+        if not isinstance(body, dict):
+            raise RequestError(f"expected a JSON object, got {type(body).__name__}")
+        return body
+
+    def check_model(body: dict) -> None:
+        name = body.get("model")
+        if name is not None and name != settings.served_model_name:
+            raise RequestError(f"model: {name!r} is not served here (this server serves "
+                               f"{settings.served_model_name!r})", 404, code="model_not_found")
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok", "version": service.version, "model": service.identity,
+                "engine": service.engine_settings, "served_model_name": settings.served_model_name,
+                "queued": service.queued, "served": dict(service.served),
+                "api_key_required": bool(settings.api_key)}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": settings.served_model_name, "object": "model", "created": 0,
+                                            "owned_by": "paddle-rl"}]}
+
+    @app.post("/v1/generate")
+    async def generate(request: Request):
+        body = await json_body(request)
+        unknown = sorted(set(body) - {"prompts", "n", "params", "keys", "groups", "format"})
+        if unknown:
+            raise RequestError(f"unknown field(s): {', '.join(unknown)}")
+        prompts = body.get("prompts")
+        if not isinstance(prompts, list) or not prompts or not all(
+                isinstance(p, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in p)
+                for p in prompts):
+            raise RequestError("prompts: expected a non-empty list of token-id lists")
+        _check_tokens(prompts, vocab)
+        n = body.get("n")
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise RequestError(f"n: expected an integer >= 1, got {n!r}")
+        groups = body.get("groups")
+        if groups is not None and (not isinstance(groups, list) or len(groups) != len(prompts) or not all(
+                isinstance(g, int) and not isinstance(g, bool) for g in groups)):
+            raise RequestError(f"groups: expected {len(prompts)} integers (one per prompt)")
+        try:
+            params = params_from_wire(body.get("params", {}))
+            keys = keys_from_wire(body.get("keys"), len(prompts) * n)
+        except WireError as e:
+            raise RequestError(str(e)) from None
+        if keys is None and not params.greedy:
+            raise RequestError("keys: required unless params.temperature is 0 (one per sample)")
+        fmt = body.get("format") or "json"
+        if fmt not in FORMATS:
+            raise RequestError(f"format: expected one of {', '.join(FORMATS)}, got {fmt!r}")
+        batch, version, stats = await service.run(service.generate, prompts, n, params, keys, groups)
+        if fmt == "safetensors":
+            return Response(batch_to_safetensors(batch, version, stats), media_type="application/octet-stream")
+        return {"version": version, "rows": batch_to_rows(batch), "stats": stats}
+
+    @app.post(WEIGHTS_PATH)
+    async def weights(request: Request):
+        raw = request.headers.get(VERSION_HEADER)
+        try:
+            version = int(raw)
+        except (TypeError, ValueError):
+            raise RequestError(f"{VERSION_HEADER}: expected an integer header, got {raw!r}") from None
+        body = request.scope["gate_body"]   # RequestGate's copy (Starlette's request.body() would make another)
+        load_s = await service.run(service.load, body, version)
+        logger.info("weights version %d loaded (%.1f MB, %.2f s)", version, len(body) / 2 ** 20, load_s)
+        return {"version": version, "load_s": load_s}
+
+    def choices_of(batch, prompts, n, stops, logprobs: bool, chat: bool):
+        tokenizer = service.tokenizer
+        choices, completion_tokens = [], 0
+        for r in range(batch.size):
+            k = int(batch["lengths"][r])
+            ids = batch["response_ids"][r, :k].tolist()
+            logp = [float(v) for v in batch["rollout_logp"][r, :k]]
+            text, kept, stopped = _cut_at_stop(tokenizer, ids, stops)
+            ids, logp = ids[:kept], logp[:kept]
+            completion_tokens += len(ids)
+            reason = "stop" if stopped or not bool(batch["truncated"][r]) else "length"
+            choice = {"index": r, "finish_reason": reason, "token_ids": ids}
+            pieces = [tokenizer.decode([t]) for t in ids]
+            if chat:
+                choice["message"] = {"role": "assistant", "content": text}
+                choice["logprobs"] = {"content": [
+                    {"token": p, "logprob": v, "bytes": list(p.encode()), "top_logprobs": []}
+                    for p, v in zip(pieces, logp)]} if logprobs else None
+            else:
+                choice["text"] = text
+                offsets, at = [], 0
+                for p in pieces:
+                    offsets.append(at)
+                    at += len(p)
+                choice["logprobs"] = {"tokens": pieces, "token_logprobs": logp, "top_logprobs": None,
+                                      "text_offset": offsets} if logprobs else None
+            choices.append(choice)
+        prompt_tokens = sum(len(p) for p in prompts)
+        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                 "total_tokens": prompt_tokens + completion_tokens}
+        return choices, usage
+
+    async def complete(body: dict, prompts, chat: bool, logprobs: bool):
+        _check_tokens(prompts, vocab)
+        default = service.default_max_tokens if chat else 16
+        params, n, stops, seed = sampling_from_openai(body, service, default, chat)
+        keys = openai_keys(seed, len(prompts), n, params.greedy)
+        batch, version, _ = await service.run(service.generate, prompts, n, params, keys, None)
+        return choices_of(batch, prompts, n, stops, logprobs, chat) + (version,)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        body = await json_body(request)
+        _check_fields(body, {"prompt", "n", "temperature", "top_p", "max_tokens", "stop", "logprobs", "seed",
+                             "top_k", "repetition_penalty", "min_tokens"})
+        check_model(body)
+        logprobs = body.get("logprobs")
+        if logprobs not in (None, 0) and not (isinstance(logprobs, int) and not isinstance(logprobs, bool)):
+            raise RequestError(f"logprobs: expected an integer, got {logprobs!r}")
+        if logprobs:
+            raise RequestError(f"logprobs: {logprobs} alternatives per token are not computed; logprobs: 0 returns "
+                               "each sampled token's log-prob")
+        prompts = completion_prompts(service.tokenizer, body.get("prompt"))
+        choices, usage, version = await complete(body, prompts, False, logprobs is not None)
+        return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
+                "model": settings.served_model_name, "choices": choices, "usage": usage,
+                "prompt_token_ids": prompts, "policy_version": version}
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        body = await json_body(request)
+        _check_fields(body, {"messages", "n", "temperature", "top_p", "max_tokens", "max_completion_tokens", "stop",
+                             "logprobs", "top_logprobs", "seed", "top_k", "repetition_penalty", "min_tokens"})
+        check_model(body)
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages or not all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) and "content" in m for m in messages):
+            raise RequestError("messages: expected a non-empty list of {role, content} objects")
+        messages = [dict(m, content=_text_content(m["content"], i)) for i, m in enumerate(messages)]
+        if body.get("top_logprobs"):
+            raise RequestError(f"top_logprobs: {body['top_logprobs']} alternatives per token are not computed "
+                               "(logprobs: true returns each sampled token's log-prob)")
+        logprobs = body.get("logprobs") or False
+        if not isinstance(logprobs, bool):
+            raise RequestError(f"logprobs: expected true or false, got {logprobs!r}")
+        try:
+            text = service.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        except Exception as e:  # noqa: BLE001 - the template's own error (raise_exception, a missing field)
+            raise RequestError(f"messages: the chat template failed: {e}") from None
+        prompts = [service.tokenizer.encode(text)]
+        choices, usage, version = await complete(body, prompts, True, logprobs)
+        return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
+                "model": settings.served_model_name, "choices": choices, "usage": usage,
+                "prompt_token_ids": prompts[0], "policy_version": version}
+
+    return app
