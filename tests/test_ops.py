@@ -7,6 +7,7 @@ the cache) once for the module.
 """
 import logging
 import os
+import zlib
 
 import numpy as np
 import paddle
@@ -29,7 +30,8 @@ def kernels():
 
 @pytest.fixture
 def rng(request):
-    return np.random.default_rng([SEED, abs(hash(request.node.name)) % (2 ** 31)])
+    # a stable seed per test (str's hash() differs from process to process)
+    return np.random.default_rng([SEED, zlib.crc32(request.node.name.encode())])
 
 
 def t(array, dtype="float32", grad=False):
@@ -572,7 +574,9 @@ def test_packed_linear_low_precision(rng, monkeypatch, fmt, bf16_act, rows, k, n
     # each row alone gives the same bits (batch invariance), and the rounding shows against float32
     np.testing.assert_array_equal(ops.packed_linear_lowp_fused(t(x[-1:]), p).numpy(), out[-1:])
     gap = np.abs(out - x @ w).max() / np.abs(x @ w).max()
-    assert {"bfloat16": 2e-4, "weight_only_int8": 5e-4, "weight_only_int4": 5e-3}[fmt] < gap < 0.2, gap
+    # (a loose upper bound: the exact checks are above; one row of int4 can sit a fifth of the row's largest value off)
+    low, high = {"bfloat16": (2e-4, 0.05), "weight_only_int8": (5e-4, 0.1), "weight_only_int4": (5e-3, 0.5)}[fmt]
+    assert low < gap < high, gap
     # the dispatch (packed_linear) takes a LowpPacked, and a tied head packs its [N, K] table
     np.testing.assert_array_equal(ops.packed_linear(t(x), p, n).numpy(), out)
     table = ops.pack_weight_lowp(t(np.ascontiguousarray(w.T)), True, fmt, bf16_act)
