@@ -150,8 +150,8 @@ class RLTrainer:
         extra_parts = None
         if self.critic is not None:
             state["critic"] = self.critic.state_dict()
-            extra_parts = lambda folder: self.critic.save_parts(  # noqa: E731
-                folder, save_optimizer=not self.config.ignore_save_lr_and_optim, **self.layout.resume_args())
+            extra_parts = self.critic.checkpoint_writer(save_optimizer=not self.config.ignore_save_lr_and_optim,
+                                                        **self.layout.resume_args())
         try:
             return save_checkpoint(self.config.output_dir, self.step, self.actor, self.tokenizer_dir, self.optimizer,
                                    self.scheduler, state, save_optimizer=not self.config.ignore_save_lr_and_optim,
