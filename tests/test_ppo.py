@@ -169,3 +169,21 @@ def test_lora_critic_trains_adapters_and_its_head_and_saves_a_peft_adapter(micro
             want = theirs(input_ids=torch.tensor(row[None])).logits[0, 0].item()
         got = float(ours.sequence_scores(paddle.to_tensor(row[None]), paddle.ones([1, len(row)], "int64"))[0, 0])
         assert abs(got - want) <= 1e-4 * max(1.0, abs(want)), (got, want)
+
+
+def test_one_update_pass_gives_the_rollout_values_itself(micro, tmp_path, monkeypatch):
+    """One mini-batch per step and update_iters 1: the critic's update forward gives the rollout-time values (no
+    value pass, time/values absent) and the run equals the one with a separate value pass."""
+    from paddle_rl.trainer.critic import Critic
+    same = dict(max_steps=3, do_eval=False, save_steps=100, global_mini_batch_size=4, critic_warmup_steps=1)
+    trainer, fused = run(micro, tmp_path / "fused", **same)
+    assert trainer.critic.fuses_value_pass
+    monkeypatch.setattr(Critic, "fuses_value_pass", property(lambda self: False))
+    _, plain = run(micro, tmp_path / "plain", **same)
+    assert all("time/values" not in r for r in fused) and all("time/values" in r for r in plain)
+    assert fused[2]["critic/values_mean"] != 0.0
+    for a, b in zip(fused, plain):
+        for key in ("critic/vf_loss", "critic/values_mean", "critic/vf_explained_var", "critic/grad_norm",
+                    "critic/returns/mean", "advantage/std", "reward/mean"):
+            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), (a["step"], key)
+    assert fused[2]["actor/pg_loss"] == pytest.approx(plain[2]["actor/pg_loss"], rel=1e-4, abs=1e-7)

@@ -74,6 +74,12 @@ class Critic:
         self.sync = layout.gradient_sync(self.model)
         self.optimizer, self.scheduler = build_sharded_optimizer(self.model, optimizer_config, total_updates, self.sync)
         logger.info("critic from %s (lr %g)", folder, settings["learning_rate"])
+        if self.fuses_value_pass:
+            default = type(config).__dataclass_fields__["per_device_value_batch_size"].default
+            log = logger.warning if config.per_device_value_batch_size != default else logger.info
+            log("per_device_value_batch_size %d: not used: one update pass per step (one mini-batch, update_iters 1), "
+                "so the critic update's forward gives the rollout values (micro-batches of "
+                "per_device_train_batch_size)", config.per_device_value_batch_size)
 
     # ---------------------------------------------------------------- the value pass
     @paddle.no_grad()
@@ -90,9 +96,27 @@ class Critic:
         return out * mask
 
     # ---------------------------------------------------------------- the update
-    def update(self, batch, objective) -> dict:
+    @property
+    def fuses_value_pass(self) -> bool:
+        """One mini-batch per step and update_iters 1: the update's only forward sees the weights the value pass
+        would read, so it gives the rollout's values itself (`update_from_rollout`) and no value pass runs."""
+        cfg = self.config
+        return cfg.update_iters == 1 and cfg.global_batch_size // cfg.mini_batch_prompts == 1
+
+    def update_from_rollout(self, batch, objective):
+        """(values [B, T] as `values` gives them, metrics as `update`) in one forward + backward per micro-batch
+        (fuses_value_pass): each micro-batch's values, detached, are its rollout-time values V_old, its returns
+        come from them (`Objective.critic_returns`: per row), and its value loss is taken against them (V = V_old:
+        the clip is inactive, as in the first pass over a mini-batch). The trainer's GAE then reads these values."""
+        assert self.fuses_value_pass
+        out = np.zeros(batch["response_mask"].shape, dtype=np.float32)
+        metrics = self.update(batch, objective, rollout_values=out)
+        return out * batch["response_mask"], metrics
+
+    def update(self, batch, objective, rollout_values: Optional[np.ndarray] = None) -> dict:
         """The value loss over the batch's mini-batches (update_iters passes), one optimizer step per mini-batch;
-        metrics critic/vf_loss, vpred_mean, vf_clipfrac (token means), grad_norm, lr."""
+        metrics critic/vf_loss, vpred_mean, vf_clipfrac (token means), grad_norm, lr. `rollout_values`: an array
+        [B, T] to fill with the values (update_from_rollout); the batch then has no values or returns yet."""
         cfg, layout = self.config, self.layout
         minis = [np.flatnonzero(batch["mini_batch"] == m) for m in np.unique(batch["mini_batch"])]
         collected, weights, norms, skipped = {}, [], [], 0
@@ -106,9 +130,20 @@ class Critic:
                 for part_rows in layout.micro.plan(mini, cfg.per_device_train_batch_size):
                     part = mini.micro(part_rows)
                     values = layout.micro.values(self.model, part)
-                    t = part.tensors(keys=["values", "returns"])
-                    out = objective.value_loss(values, t["values"], t["returns"], t["response_mask"], num_tokens,
-                                               num_seqs)
+                    if rollout_values is None:
+                        t = part.tensors(keys=["values", "returns"])
+                        old, returns = t["values"], t["returns"]
+                    else:
+                        t = part.tensors()
+                        old = values.detach()
+                        v = old.numpy()
+                        rollout_values[rows[part_rows], :v.shape[1]] = v
+                        cut = {k: None if part.get(k) is None else part[k][:, :v.shape[1]]
+                               for k in ("response_mask", "old_logp", "ref_logp")}
+                        returns = paddle.to_tensor(objective.critic_returns(
+                            part["scores"], cut["response_mask"], part["group"], cut["old_logp"], cut["ref_logp"],
+                            v * cut["response_mask"]))
+                    out = objective.value_loss(values, old, returns, t["response_mask"], num_tokens, num_seqs)
                     out.loss.backward()
                     finite = finite and math.isfinite(float(out.loss))
                     for k, v in out.metrics.items():
