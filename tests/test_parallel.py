@@ -304,6 +304,22 @@ def test_ppo_critic_sharded_and_tensor_parallel(setup, ppo_single, degrees):
         assert sum(memory) == alone
 
 
+def test_data_parallel_ppo_one_update_pass(setup):
+    """One mini-batch per step (update_iters 1): the critic update's forward gives the rollout values on each rank
+    (no value pass), and DP=2 still equals one process."""
+    one_pass = dict(PPO_CRITIC, global_mini_batch_size=4)
+    single = str(setup["root"] / "single-ppo-one-pass")
+    os.makedirs(single, exist_ok=True)
+    train_and_probe(run_overrides(setup["micro"], single, setup["plugin"], rl_algorithm="ppo", **one_pass),
+                    single, setup["prompts"])
+    out_dir, _ = run_layout(setup, "dp-ppo-one-pass", algo="ppo", **one_pass)
+    from paddle_rl.monitor import read_metrics
+    assert all("time/values" not in r and "time/critic_update" in r
+               for r in read_metrics(os.path.join(out_dir, "metrics.jsonl")))
+    check_parity(setup, {"ppo": single}, out_dir, algo="ppo")
+    critic_parity(single, out_dir)
+
+
 def test_data_parallel_adaptive_kl_counts_the_global_batch(setup):
     """adaptive_kl under DP=2: the controller moves by the sequences of the global batch, as one process does
     (counting a rank's own share would move it batch_degree times slower)."""
