@@ -187,3 +187,10 @@ def test_one_update_pass_gives_the_rollout_values_itself(micro, tmp_path, monkey
                     "critic/returns/mean", "advantage/std", "reward/mean"):
             assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), (a["step"], key)
     assert fused[2]["actor/pg_loss"] == pytest.approx(plain[2]["actor/pg_loss"], rel=1e-4, abs=1e-7)
+
+
+def test_lora_dropout_keeps_the_value_pass(micro, tmp_path):
+    # the update's forward drops adapter inputs; the rollout values come from the value pass (eval mode)
+    trainer, rows = run(micro, tmp_path, max_steps=1, do_eval=False, save_steps=100, global_mini_batch_size=4,
+                        lora_rank=4, lora_alpha=8, lora_dropout=0.1)
+    assert not trainer.critic.fuses_value_pass and "time/values" in rows[0]

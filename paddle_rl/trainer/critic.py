@@ -99,9 +99,11 @@ class Critic:
     @property
     def fuses_value_pass(self) -> bool:
         """One mini-batch per step and update_iters 1: the update's only forward sees the weights the value pass
-        would read, so it gives the rollout's values itself (`update_from_rollout`) and no value pass runs."""
+        would read, so it gives the rollout's values itself (`update_from_rollout`) and no value pass runs. Not with
+        lora_dropout > 0 (the update's forward drops adapter inputs; the value pass does not)."""
         cfg = self.config
-        return cfg.update_iters == 1 and cfg.global_batch_size // cfg.mini_batch_prompts == 1
+        dropout = self.model.lora is not None and self.model.lora.dropout > 0
+        return cfg.update_iters == 1 and cfg.global_batch_size // cfg.mini_batch_prompts == 1 and not dropout
 
     def update_from_rollout(self, batch, objective):
         """(values [B, T] as `values` gives them, metrics as `update`) in one forward + backward per micro-batch
