@@ -320,6 +320,25 @@ def test_data_parallel_ppo_one_update_pass(setup):
     critic_parity(single, out_dir)
 
 
+def test_lora_critic_tensor_parallel(setup):
+    """A LoRA critic (adapters + whole value head) under TP=2 equals one process: its adapters and head (read back
+    from checkpoint-3/critic, a PEFT adapter) and the actor's merged weights."""
+    from paddle_rl.models.lora import read_adapter
+    lora = dict(PPO_CRITIC, lora_rank=4, lora_alpha=8, merge_lora="true")
+    single = str(setup["root"] / "single-ppo-lora")
+    os.makedirs(single, exist_ok=True)
+    train_and_probe(run_overrides(setup["micro"], single, setup["plugin"], rl_algorithm="ppo", **lora),
+                    single, setup["prompts"])
+    out_dir, _ = run_layout(setup, "ppo-lora-tp2", algo="ppo", tensor_parallel_degree=2, **lora)
+    assert_parity(single, out_dir)
+    ref, got = (read_adapter(os.path.join(d, "checkpoint-3", "critic")) for d in (single, out_dir))
+    assert set(ref) == set(got) and "score.weight" in ref and any("lora_B" in k for k in ref)
+    errors = {k: rel_err(ref[k], got[k]) for k in ref}
+    worst = max(errors, key=errors.get)
+    print(f"ppo-lora-tp2: max critic adapter / head rel err {errors[worst]:.2e} ({worst})")
+    assert errors[worst] <= REL_TOL, (worst, errors[worst])
+
+
 def test_data_parallel_adaptive_kl_counts_the_global_batch(setup):
     """adaptive_kl under DP=2: the controller moves by the sequences of the global batch, as one process does
     (counting a rank's own share would move it batch_degree times slower)."""
