@@ -47,6 +47,7 @@ MODELS = {
                          num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
 }
 STAGES = ("rollout", "reward", "ref_logprob", "old_logprob", "advantage", "update")
+CRITIC_STAGES = ("values", "critic_update")  # rl_algorithm ppo: the critic's value pass and its update
 SPECIALS = ["<|endoftext|>", "<|im_end|>"]
 # what each workload sets (command-line options override); `lengths`: the response lengths of W2's schedule
 # W2-W4 train packed (use_remove_padding) in micro-batches of at most 8192 tokens, with the attention probabilities
@@ -161,10 +162,13 @@ def matmul_peak(size: int = 1024, repeat: int = 5) -> float:
 
 
 def step_flops(shape: dict, prompt_tokens: float, response_tokens: float, rows: int, reference: bool,
-               old_pass: bool, groups: int = 1, shared_prompts: bool = False, shared_update: bool = None) -> dict:
+               old_pass: bool, groups: int = 1, shared_prompts: bool = False, shared_update: bool = None,
+               critic: bool = False, value_pass: bool = True) -> dict:
     """Matmul FLOPs per stage (weights and attention; norms and element-wise work left out). `rows` sequences
     in `groups` prompt groups; the rollout prefills each distinct prompt once, and so do the log-prob passes
-    with `shared_prompts` and the update with `shared_update` (default: as `shared_prompts`)."""
+    with `shared_prompts` and the update with `shared_update` (default: as `shared_prompts`). `critic`: the
+    critic's update and, with `value_pass`, its value pass (the same decoder, a one-column head instead of the
+    vocabulary's)."""
     h, f, layers = shape["hidden_size"], shape["intermediate_size"], shape["num_hidden_layers"]
     heads, kv, vocab = shape["num_attention_heads"], shape["num_key_value_heads"], shape["vocab_size"]
     head_dim = h // heads
@@ -175,13 +179,16 @@ def step_flops(shape: dict, prompt_tokens: float, response_tokens: float, rows: 
     distinct_prompt_tokens = prompt_tokens * max(groups, 1) / max(rows, 1)
     shared_update = shared_prompts if shared_update is None else shared_update
 
-    def forward(shared):
+    def forward(shared, head_flops=head):
         prompt = distinct_prompt_tokens if shared else prompt_tokens
-        return (prompt + response_tokens) * (per_token + attention) + response_tokens * head
+        return (prompt + response_tokens) * (per_token + attention) + response_tokens * head_flops
 
     rollout = distinct_prompt_tokens * per_token + response_tokens * (per_token + attention + head)
     out = {"rollout": rollout, "ref_logprob": forward(shared_prompts) if reference else 0.0,
            "old_logprob": forward(shared_prompts) if old_pass else 0.0, "update": 3 * forward(shared_update)}
+    if critic:
+        out.update(values=forward(shared_prompts, 2 * h) if value_pass else 0.0,
+                   critic_update=3 * forward(shared_update, 2 * h))
     out["step"] = sum(out.values())
     return out
 
@@ -259,6 +266,7 @@ def run(args) -> dict:
             "min_dec_len": spec["response_len"] if spec["exact"] else 0, "temperature": 1.0, "top_p": 1.0,
             "rollout_n": args.rollout_n, "global_batch_size": args.prompts, "global_mini_batch_size": -1,
             "update_iters": 1, "per_device_train_batch_size": rows, "per_device_logprob_batch_size": rows,
+            "per_device_value_batch_size": rows,
             "kl_loss_coeff": args.kl_loss_coeff, "learning_rate": 1e-5, "max_steps": steps, "save_strategy": "no",
             "do_eval": False, "report_to": "none", "disable_tqdm": True, "reward_funcs": ["bench_distinct_chars"],
             "seed": args.seed, **spec["settings"],
@@ -281,6 +289,9 @@ def run(args) -> dict:
         cpu_s = time.process_time() - cpu_start
         optimizer_bytes = trainer.layout.optimizer_state_bytes(trainer.optimizer)["total"]
         trainable = sum(int(np.prod(p.shape)) for p in trainer.actor.parameters() if not p.stop_gradient)
+        critic = trainer.critic is not None
+        critic_optimizer_bytes = trainer.layout.optimizer_state_bytes(trainer.critic.optimizer)["total"] \
+            if critic else 0
         records = _read_metrics(os.path.join(config.output_dir, "metrics.jsonl"))
     timed = records[args.warmup:] or records[-1:]
 
@@ -297,7 +308,8 @@ def run(args) -> dict:
                        mean("time/old_logprob") > 0 and "time/old_logprob" in timed[-1], groups=args.prompts,
                        shared_prompts=config.share_prompt_prefix and args.rollout_n > 1,
                        shared_update=config.share_prompt_prefix and args.rollout_n > 1
-                       and config.recompute_what not in ("full", "full_attn"))
+                       and config.recompute_what not in ("full", "full_attn"), critic=critic,
+                       value_pass=mean("time/values") > 0)
     result = {
         "workload": args.workload, "model": spec["model"] if spec["model"] != "path" else args.model_path,
         "prompts": args.prompts, "rollout_n": args.rollout_n, "prompt_len": mean("prompt_length/mean"),
@@ -325,6 +337,15 @@ def run(args) -> dict:
         "rollout_dtype": config.rollout_dtype, "rollout_quant_type": config.rollout_quant_type,
         "cpu_flags": cpu_flags(),
     }
+    if critic:
+        # the critic's passes, and their cost against the actor's update: its forward + backward over the same
+        # tokens and micro-batches
+        critic_s = mean("time/values") + mean("time/critic_update")
+        result.update({f"{s}_s": mean(f"time/{s}") for s in CRITIC_STAGES})
+        result.update(critic_s=critic_s, critic_over_update=critic_s / max(mean("time/update"), 1e-9),
+                      values_gflops=flops["values"] / mean("time/values") / 1e9 if mean("time/values") else 0.0,
+                      critic_update_gflops=flops["critic_update"] / max(mean("time/critic_update"), 1e-9) / 1e9,
+                      critic_optimizer_state_mb=critic_optimizer_bytes / 2**20)
     return result
 
 
@@ -429,8 +450,15 @@ def report(result: dict) -> str:
              f"{result['custom_ops']}, load average {result['load_avg'][0]:.1f} -> {result['load_avg'][1]:.1f}, "
              f"rollout {result['rollout_dtype']}{' ' + result['rollout_quant_type'] if result['rollout_quant_type'] else ''}",
              f"  step          {result['step_s']:8.3f} s"]
-    for stage in STAGES:
-        lines.append(f"  {stage:<13} {result[f'{stage}_s']:8.3f} s")
+    for stage in STAGES + tuple(s for s in CRITIC_STAGES if f"{s}_s" in result):
+        fused = stage == "values" and result[f"{stage}_s"] == 0  # one update pass: its forward gave the values
+        lines.append(f"  {stage:<13} {result[f'{stage}_s']:8.3f} s" +
+                     (" (given by the critic update's forward: one update pass per step)" if fused else ""))
+    if "critic_s" in result:
+        speeds = (f"values {result['values_gflops']:.1f}, " if result["values_s"] else "") + \
+            f"critic update {result['critic_update_gflops']:.1f}"
+        lines.append(f"  critic        {result['critic_s']:8.3f} s = {result['critic_over_update']:.2f} x the actor's "
+                     f"update ({speeds} GFLOP/s; optimizer state {result['critic_optimizer_state_mb']:.1f} MB)")
     worker = (f" + the rollout worker's {result['worker_peak_rss_mb']:.0f} MB (generating {result['generate_s']:.1f} s "
               f"per batch; weights written in {result['weights_push_s']:.2f} s, loaded in "
               f"{result['worker_weights_load_s']:.2f} s)" if result["worker_peak_rss_mb"] else "")

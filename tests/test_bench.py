@@ -40,3 +40,25 @@ def test_w2_generates_the_schedule_and_decodes_live_rows_only(bench_rule):
     for key in ("step_s", "rollout_s", "ref_logprob_s", "update_s", "effective_gflops", "rollout_gflops",
                 "peak_gflops", "peak_rss_mb"):
         assert key in result
+
+
+def test_ppo_reports_the_critic_stages(bench_rule):
+    """rl_algorithm ppo: the critic's value pass and update are stages of their own in the JSON and the table,
+    with their cost against the actor's update. W1 has one update pass per step, so the update's forward gives the
+    values (values 0 s); with two mini-batches the value pass runs on its own."""
+    common = ("--workload", "w1", "--response-len", "8", "--steps", "1", "--warmup", "0", "--prompts", "2",
+              "--rollout-n", "4")
+    fused = bench.run(args_for(*common, "--set", "rl_algorithm=ppo"))
+    two = bench.run(args_for(*common, "--set", "rl_algorithm=ppo", "--set", "global_mini_batch_size=1"))
+    for result in (fused, two):
+        assert result["critic_update_s"] > 0 and result["update_s"] > 0
+        assert result["critic_s"] == result["values_s"] + result["critic_update_s"]
+        assert result["critic_over_update"] == result["critic_s"] / result["update_s"]
+        assert result["critic_optimizer_state_mb"] > 0 and result["critic_update_gflops"] > 0
+        table = bench.report(result)
+        assert "  values " in table and "  critic_update " in table and "x the actor's update" in table
+    assert fused["values_s"] == 0 and "given by the critic update" in bench.report(fused)
+    assert two["values_s"] > 0 and two["values_gflops"] > 0
+    # GRPO has no critic: no critic stages
+    grpo = bench.run(args_for(*common))
+    assert "values_s" not in grpo and "critic_s" not in grpo and "  values " not in bench.report(grpo)

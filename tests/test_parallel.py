@@ -62,6 +62,9 @@ def train_and_probe(overrides, out_dir, prompts):
     rank = trainer.layout.rank
     with open(os.path.join(out_dir, f"memory-rank{rank}.json"), "w") as f:
         json.dump(trainer.layout.optimizer_state_bytes(trainer.optimizer), f)
+    if trainer.critic is not None:
+        with open(os.path.join(out_dir, f"critic-memory-rank{rank}.json"), "w") as f:
+            json.dump(trainer.layout.optimizer_state_bytes(trainer.critic.optimizer), f)
     if rank == 0:
         np.save(os.path.join(out_dir, "greedy.npy"), out.response_ids * (out.response_mask > 0))
     trainer.layout.barrier()  # exit together (see RLTrainer.train)
@@ -246,23 +249,94 @@ PPO_CRITIC = dict(kl_coeff=0.02, kl_loss_coeff=0.0, critic_learning_rate=3e-3, c
                   critic_warmup_steps=1, per_device_value_batch_size=3)
 
 
-def test_data_parallel_ppo_with_a_critic(setup):
-    """rl_algorithm ppo under DP=2 equals one process: the critic's values, value loss and gradient (summed over the
-    batch group with global normalizers), GAE whitening over the global batch, the critic's weights."""
-    from paddle_rl.models.safetensors_io import load_state
+@pytest.fixture(scope="module")
+def ppo_single(setup):
+    """The single-process PPO run (actor and critic) the critic's layouts are compared with."""
     single = str(setup["root"] / "single-ppo")
     os.makedirs(single, exist_ok=True)
     train_and_probe(run_overrides(setup["micro"], single, setup["plugin"], rl_algorithm="ppo", **PPO_CRITIC),
                     single, setup["prompts"])
-    out_dir, _ = run_layout(setup, "dp-ppo", algo="ppo", **PPO_CRITIC)
-    rows = read_rows(out_dir)
-    assert rows[0]["actor/critic_warmup"] == 1.0 and rows[2]["critic/vf_loss"] > 0
-    check_parity(setup, {"ppo": single}, out_dir, algo="ppo")
+    return single
+
+
+def critic_parity(single, out_dir):
+    """The critic's checkpointed weights against one process's (max relative error, asserted <= REL_TOL), and the
+    critic's Adam moment bytes (one process, then each rank)."""
+    from paddle_rl.models.safetensors_io import load_state
     critic_a, critic_b = (load_state(os.path.join(d, "checkpoint-3", "critic")) for d in (single, out_dir))
     assert set(critic_a) == set(critic_b) and "score.weight" in critic_a
     worst = max(rel_err(critic_a[k], critic_b[k]) for k in critic_a)
-    print(f"dp-ppo: max critic weight rel err {worst:.2e}")
+    memory = [json.load(open(os.path.join(out_dir, name)))["moments"] for name in sorted(os.listdir(out_dir))
+              if name.startswith("critic-memory-rank")]
+    alone = json.load(open(os.path.join(single, "critic-memory-rank0.json")))["moments"]
+    print(f"{os.path.basename(out_dir)}: max critic weight rel err {worst:.2e}; critic Adam moment bytes: one "
+          f"process {alone}, per rank {memory}")
     assert worst <= REL_TOL
+    return alone, memory
+
+
+def test_data_parallel_ppo_with_a_critic(setup, ppo_single):
+    """rl_algorithm ppo under DP=2 equals one process: the critic's values, value loss and gradient (summed over the
+    batch group with global normalizers), GAE whitening over the global batch, the critic's weights."""
+    out_dir, _ = run_layout(setup, "dp-ppo", algo="ppo", **PPO_CRITIC)
+    rows = read_rows(out_dir)
+    assert rows[0]["actor/critic_warmup"] == 1.0 and rows[2]["critic/vf_loss"] > 0
+    check_parity(setup, {"ppo": ppo_single}, out_dir, algo="ppo")
+    alone, memory = critic_parity(ppo_single, out_dir)
+    assert memory == [alone, alone]  # replicated: each rank holds the whole critic's moments
+
+
+@pytest.mark.parametrize("degrees", [dict(sharding_parallel_degree=2, sharding="stage1"),
+                                     dict(sharding_parallel_degree=2, sharding="stage2"),
+                                     dict(tensor_parallel_degree=2)], ids=["sharding1", "sharding2", "tp2"])
+def test_ppo_critic_sharded_and_tensor_parallel(setup, ppo_single, degrees):
+    """The critic on the actor's grid equals one process: sharding stage 1 / 2 (its own GradientSync and sharded
+    optimizer: the Adam moments split between the ranks, parameters broadcast from their owners) and tensor
+    parallelism (its decoder split with the actor's group, the value head replicated; the checkpoint gathered)."""
+    name = "ppo-" + "-".join(f"{k.split('_')[0]}{v}" for k, v in degrees.items())
+    out_dir, _ = run_layout(setup, name, algo="ppo", **PPO_CRITIC, **degrees)
+    check_parity(setup, {"ppo": ppo_single}, out_dir, algo="ppo")
+    alone, memory = critic_parity(ppo_single, out_dir)
+    # each rank holds a part of the critic's optimizer state: its shard (sharding) or its tensor split (TP: the
+    # norms and the value head whole on both)
+    assert max(memory) <= 0.6 * alone, (alone, memory)
+    if "sharding" in degrees:
+        assert sum(memory) == alone
+
+
+def test_data_parallel_ppo_one_update_pass(setup):
+    """One mini-batch per step (update_iters 1): the critic update's forward gives the rollout values on each rank
+    (no value pass), and DP=2 still equals one process."""
+    one_pass = dict(PPO_CRITIC, global_mini_batch_size=4)
+    single = str(setup["root"] / "single-ppo-one-pass")
+    os.makedirs(single, exist_ok=True)
+    train_and_probe(run_overrides(setup["micro"], single, setup["plugin"], rl_algorithm="ppo", **one_pass),
+                    single, setup["prompts"])
+    out_dir, _ = run_layout(setup, "dp-ppo-one-pass", algo="ppo", **one_pass)
+    from paddle_rl.monitor import read_metrics
+    assert all("time/values" not in r and "time/critic_update" in r
+               for r in read_metrics(os.path.join(out_dir, "metrics.jsonl")))
+    check_parity(setup, {"ppo": single}, out_dir, algo="ppo")
+    critic_parity(single, out_dir)
+
+
+def test_lora_critic_tensor_parallel(setup):
+    """A LoRA critic (adapters + whole value head) under TP=2 equals one process: its adapters and head (read back
+    from checkpoint-3/critic, a PEFT adapter) and the actor's merged weights."""
+    from paddle_rl.models.lora import read_adapter
+    lora = dict(PPO_CRITIC, lora_rank=4, lora_alpha=8, merge_lora="true")
+    single = str(setup["root"] / "single-ppo-lora")
+    os.makedirs(single, exist_ok=True)
+    train_and_probe(run_overrides(setup["micro"], single, setup["plugin"], rl_algorithm="ppo", **lora),
+                    single, setup["prompts"])
+    out_dir, _ = run_layout(setup, "ppo-lora-tp2", algo="ppo", tensor_parallel_degree=2, **lora)
+    assert_parity(single, out_dir)
+    ref, got = (read_adapter(os.path.join(d, "checkpoint-3", "critic")) for d in (single, out_dir))
+    assert set(ref) == set(got) and "score.weight" in ref and any("lora_B" in k for k in ref)
+    errors = {k: rel_err(ref[k], got[k]) for k in ref}
+    worst = max(errors, key=errors.get)
+    print(f"ppo-lora-tp2: max critic adapter / head rel err {errors[worst]:.2e} ({worst})")
+    assert errors[worst] <= REL_TOL, (worst, errors[worst])
 
 
 def test_data_parallel_adaptive_kl_counts_the_global_batch(setup):

@@ -1,5 +1,6 @@
 """PPO with a critic (rl_algorithm ppo): the critic's model, its value pass, update, warm-up, checkpoints and
 layouts, on the micro model."""
+import json
 import math
 import os
 
@@ -61,26 +62,35 @@ def test_critic_values_match_the_padded_packed_and_budget_passes(micro, tmp_path
         np.testing.assert_allclose(trainer.critic.values(batch), padded, atol=2e-5)
 
 
-def test_ppo_resume_is_exact(micro, tmp_path):
-    # 3 steps straight against 2 steps, then resume for the third: the same critic and actor metrics
-    _, straight = run(micro, tmp_path / "a", max_steps=3, do_eval=False, save_steps=2)
-    run(micro, tmp_path / "b", max_steps=2, do_eval=False, save_steps=2)
-    assert os.path.isfile(tmp_path / "b" / "checkpoint-2" / "critic" / "model.safetensors")
-    _, resumed = run(micro, tmp_path / "b", max_steps=3, do_eval=False, save_steps=2, resume_from_checkpoint="auto")
+@pytest.mark.parametrize("lora", [{}, dict(lora_rank=4, lora_alpha=8)], ids=["full", "lora"])
+def test_ppo_resume_is_exact(micro, tmp_path, lora):
+    # 3 steps straight against 2 steps, then resume for the third: the same critic and actor metrics (a LoRA critic
+    # resumes its adapters and value head from the PEFT adapter folder)
+    _, straight = run(micro, tmp_path / "a", max_steps=3, do_eval=False, save_steps=2, **lora)
+    run(micro, tmp_path / "b", max_steps=2, do_eval=False, save_steps=2, **lora)
+    weights = "adapter_model.safetensors" if lora else "model.safetensors"
+    assert os.path.isfile(tmp_path / "b" / "checkpoint-2" / "critic" / weights)
+    _, resumed = run(micro, tmp_path / "b", max_steps=3, do_eval=False, save_steps=2, resume_from_checkpoint="auto",
+                     **lora)
     for key in ("critic/vf_loss", "critic/values_mean", "critic/grad_norm", "actor/pg_loss", "reward/mean"):
         assert resumed[-1][key] == pytest.approx(straight[-1][key], rel=1e-5, abs=1e-7), key
 
 
-@pytest.mark.parametrize("key, value, message", [
-    ("pipeline_parallel_degree", 2, "not supported with pipeline_parallel_degree > 1 yet"),
-    ("tensor_parallel_degree", 2, "not supported with tensor_parallel_degree > 1 yet"),
-    ("sharding_parallel_degree", 2, "not supported with sharding_parallel_degree > 1 yet"),
-    ("lora_rank", 4, "not supported with LoRA"),
-])
-def test_unsupported_layouts_are_refused(key, value, message):
+def test_pipeline_parallel_is_refused_and_the_other_layouts_pass(micro, tmp_path):
     from paddle_rl.trainer.critic import check_critic_config
-    config = load_config(None, ["actor_model_name_or_path=x", "rl_algorithm=ppo", f"{key}={value}"])
-    with pytest.raises(ConfigError, match=message):
+    config = load_config(None, ["actor_model_name_or_path=x", "rl_algorithm=ppo", "pipeline_parallel_degree=2"])
+    with pytest.raises(ConfigError, match="not supported with pipeline_parallel_degree > 1"):
+        check_critic_config(config, True)
+    for key, value in (("tensor_parallel_degree", 2), ("sharding_parallel_degree", 2), ("lora_rank", 4)):
+        check_critic_config(load_config(None, ["actor_model_name_or_path=x", "rl_algorithm=ppo", f"{key}={value}"]),
+                            True)
+    # a LoRA run's critic folder holds an adapter, not a model: named
+    adapter = tmp_path / "critic"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text("{}")
+    config = load_config(None, ["actor_model_name_or_path=x", "rl_algorithm=ppo",
+                                f"critic_model_name_or_path={adapter}"])
+    with pytest.raises(ConfigError, match="holds a LoRA adapter"):
         check_critic_config(config, True)
 
 
@@ -97,9 +107,13 @@ def test_paddlenlp_ppo_argument_file_loads(caplog):
     assert cfg.min_lr_ratio == 1.0            # min_learning_rate 1e-6 of learning_rate 1e-6
     message = " ".join(r.getMessage() for r in caplog.records if "not acted on" in r.getMessage())
     assert "use_rule_reward" in message and "clip_range_value" not in message and "critic" not in message
-    # its tensor_parallel_degree 2 is named (the critic runs replicated: data parallelism only, for now)
-    with pytest.raises(ConfigError, match="tensor_parallel_degree > 1"):
+    # its critic (a hub name, not a folder here) is named; its tensor_parallel_degree 2 runs the critic split like
+    # the actor
+    with pytest.raises(ConfigError, match="critic_model_name_or_path: Qwen/Qwen2.5-1.5B-Instruct/config.json"):
         check_critic_config(cfg, True)
+    cfg.critic_model_name_or_path = ""
+    assert cfg.tensor_parallel_degree == 2
+    check_critic_config(cfg, True)
 
 
 def test_critic_from_a_reward_model_folder(micro, tmp_path):
@@ -118,3 +132,65 @@ def test_critic_from_a_reward_model_folder(micro, tmp_path):
     trainer, rows = run(micro, tmp_path / "b", max_steps=1, do_eval=False, save_steps=100,
                         critic_model_name_or_path=folder)
     assert rows[0]["critic/values_mean"] != 0.0    # the trained head values the first rollout
+
+
+def test_lora_critic_trains_adapters_and_its_head_and_saves_a_peft_adapter(micro, tmp_path):
+    """With LoRA the critic trains adapters of the actor's settings and its whole value head; checkpoint-N/critic/ is
+    a PEFT adapter (task SEQ_CLS, the head in modules_to_save) that transformers + peft score like paddle-rl."""
+    from extras import extra
+    from paddle_rl.models.critic import load_critic
+    from paddle_rl.models.lora import LoraSettings
+    from paddle_rl.trainer.state_files import read_state
+    torch, peft, transformers = extra("torch"), extra("peft"), extra("transformers")
+    trainer, rows = run(micro, tmp_path, max_steps=2, do_eval=False, save_steps=2, lora_rank=4, lora_alpha=8,
+                        critic_learning_rate=1e-2)
+    trained = [n for n, p in trainer.critic.model.named_parameters() if not p.stop_gradient]
+    assert trained and all("lora_" in n or n == "score.weight" for n in trained) and "score.weight" in trained
+    assert rows[-1]["critic/values_mean"] != 0.0
+    folder = tmp_path / "checkpoint-2" / "critic"
+    assert not (folder / "model.safetensors").exists()   # the frozen base is not copied
+    config = json.loads((folder / "adapter_config.json").read_text())
+    assert config["task_type"] == "SEQ_CLS" and config["modules_to_save"] == ["score"] and config["r"] == 4
+    moments = [k for k in read_state(str(folder), "optimizer") if "moment1" in str(k)]
+    assert len(moments) == len(trained), (len(moments), len(trained))   # the adapters and the head only
+
+    ours = load_critic(micro["model"], lora=LoraSettings(rank=4, alpha=8))
+    from paddle_rl.models import load_weights
+    load_weights(ours, str(folder))
+    ours.eval()
+    np.testing.assert_array_equal(ours.score.weight.numpy(), trainer.critic.model.score.weight.numpy())
+    lora_b = max(float(np.abs(p.numpy()).max()) for n, p in ours.named_parameters() if "lora_B" in n)
+    assert lora_b > 0  # the adapters trained (B starts at 0)
+    base = transformers.AutoModelForSequenceClassification.from_pretrained(micro["model"], num_labels=1)
+    theirs = peft.PeftModel.from_pretrained(base, str(folder)).eval()
+    ids = np.random.default_rng(0).integers(3, 200, size=(1, 9))
+    for row in ids:
+        with torch.no_grad():
+            want = theirs(input_ids=torch.tensor(row[None])).logits[0, 0].item()
+        got = float(ours.sequence_scores(paddle.to_tensor(row[None]), paddle.ones([1, len(row)], "int64"))[0, 0])
+        assert abs(got - want) <= 1e-4 * max(1.0, abs(want)), (got, want)
+
+
+def test_one_update_pass_gives_the_rollout_values_itself(micro, tmp_path, monkeypatch):
+    """One mini-batch per step and update_iters 1: the critic's update forward gives the rollout-time values (no
+    value pass, time/values absent) and the run equals the one with a separate value pass."""
+    from paddle_rl.trainer.critic import Critic
+    same = dict(max_steps=3, do_eval=False, save_steps=100, global_mini_batch_size=4, critic_warmup_steps=1)
+    trainer, fused = run(micro, tmp_path / "fused", **same)
+    assert trainer.critic.fuses_value_pass
+    monkeypatch.setattr(Critic, "fuses_value_pass", property(lambda self: False))
+    _, plain = run(micro, tmp_path / "plain", **same)
+    assert all("time/values" not in r for r in fused) and all("time/values" in r for r in plain)
+    assert fused[2]["critic/values_mean"] != 0.0
+    for a, b in zip(fused, plain):
+        for key in ("critic/vf_loss", "critic/values_mean", "critic/vf_explained_var", "critic/grad_norm",
+                    "critic/returns/mean", "advantage/std", "reward/mean"):
+            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), (a["step"], key)
+    assert fused[2]["actor/pg_loss"] == pytest.approx(plain[2]["actor/pg_loss"], rel=1e-4, abs=1e-7)
+
+
+def test_lora_dropout_keeps_the_value_pass(micro, tmp_path):
+    # the update's forward drops adapter inputs; the rollout values come from the value pass (eval mode)
+    trainer, rows = run(micro, tmp_path, max_steps=1, do_eval=False, save_steps=100, global_mini_batch_size=4,
+                        lora_rank=4, lora_alpha=8, lora_dropout=0.1)
+    assert not trainer.critic.fuses_value_pass and "time/values" in rows[0]

@@ -252,6 +252,15 @@ class Objective:
             returns = returns.astype(np.float32)
         return adv, returns, metrics
 
+    def critic_returns(self, scores, response_mask, group_ids, old_logp=None, ref_logp=None, values=None):
+        """The critic's targets of some rows alone ([b, T] float32 numpy): what `step_advantages_and_returns` returns
+        for them (returns are per row: no whitening, no sums over ranks, no controller move, no metrics)."""
+        step = {"old_logp": old_logp, "ref_logp": ref_logp, "kl_coeff": self.kl_coeff, "values": values,
+                "whiten": False, "reduce": None}
+        options = dict(self._estimator_options, **{k: step[k] for k in self._estimator.options if k in step})
+        _, returns = self._estimator(scores, to_numpy(response_mask), group_ids, **options)
+        return returns.astype(np.float32)
+
     def _advantages(self, scores, response_mask, group_ids, old_logp, ref_logp, per_function_scores, values=None):
         mask = to_numpy(response_mask)
         step = {"old_logp": old_logp, "ref_logp": ref_logp, "per_function_scores": per_function_scores,

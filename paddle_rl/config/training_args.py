@@ -28,7 +28,8 @@ class TrainingArgs:
                                              "gradients as the row split. 0: off.")
     per_device_reward_batch_size: int = arg(8, "Responses per reward call.")
     per_device_value_batch_size: int = arg(8, "Sequences per forward pass of the critic's rollout values "
-                                              "(rl_algorithm ppo).")
+                                              "(rl_algorithm ppo; with one update pass per step the critic "
+                                              "update's forward gives them and this key is not used).")
     num_train_epochs: float = arg(1.0, "Epochs over the training prompts (max_steps wins when > 0).")
     max_steps: int = arg(-1, "RL steps to run (-1: from num_train_epochs).")
     max_length: int = arg(-1, "Longest training sequence, prompt + response, in tokens (PaddleNLP): checked to be "

@@ -239,6 +239,11 @@ class Layout(abc.ABC):
         """This rank's part of the model in a Hugging Face folder (`lora`, `adapter`: LoRA adapters on it, as
         models.load_model)."""
 
+    def load_critic(self, folder: str, lora=None):
+        """This rank's part of a critic (models/critic.py) started from `folder` (`lora`: adapters on it, its value
+        head trained whole). A layout that cannot hold one raises TopologyError naming the key."""
+        raise TopologyError(f"{type(self).__name__}: no critic on this layout")
+
     def load_weights(self, model, folder: str) -> None:
         """Overwrite a model's parameters from a checkpoint folder (each rank its own shard / stage)."""
         load_weights(model, folder)

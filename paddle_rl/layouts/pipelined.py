@@ -11,6 +11,7 @@ from ..models import hf_state, load_model
 from ..models.decoder import attention_bias_from_mask, position_ids_from_mask
 from ..parallel import collectives as C
 from ..parallel.pipeline import Link, forward_only, train_1f1b
+from ..parallel.topology import TopologyError
 from ..parallel.watchdog import watched
 from .base import Layout
 
@@ -26,6 +27,10 @@ class Pipelined(Layout):
         topo = self._topo
         return load_model(folder, tp_group=topo.group("tp"), stage=(topo.pp_rank, topo.pp_degree), lora=lora,
                           adapter=adapter)
+
+    def load_critic(self, folder: str, lora=None):
+        raise TopologyError("pipeline_parallel_degree > 1: the critic is not split into pipeline stages (its value "
+                            "pass and update would need a schedule of their own); use tensor or data parallelism")
 
     def full_state(self, model, frozen: bool = True) -> dict:
         merged = {}

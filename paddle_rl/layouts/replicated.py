@@ -2,6 +2,7 @@
 its model (tensor-parallel layers split inside it; padded or packed, by rows or a token budget: micro.py);
 gradients are summed over the batch group."""
 from ..models import hf_state, load_model
+from ..models.critic import load_critic
 from ..optim import clip_grad_norm_
 from ..parallel.watchdog import watched
 from .base import Layout
@@ -10,6 +11,10 @@ from .base import Layout
 class Replicated(Layout):
     def load_model(self, folder: str, lora=None, adapter=None):
         return load_model(folder, tp_group=self._topo.group("tp"), lora=lora, adapter=adapter)
+
+    def load_critic(self, folder: str, lora=None):
+        """The critic split over the tensor-parallel group like the actor, its value head replicated."""
+        return load_critic(folder, tp_group=self._topo.group("tp"), lora=lora)
 
     def full_state(self, model, frozen: bool = True) -> dict:
         if self._topo.group("tp") is None:

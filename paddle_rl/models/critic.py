@@ -5,12 +5,15 @@ A critic starts from a `*ForSequenceClassification` folder with one label (a rew
 or from any decoder folder (the actor's, by default: its decoder and a new value head of zeros, so every value
 starts at 0). It is saved as a one-label sequence classifier, so a checkpoint's critic loads back as either.
 """
+from typing import Optional
+
 import numpy as np
 import paddle
 
 from .config import ModelConfig
 from .decoder import CausalLM
 from .logprobs import response_hidden
+from .lora import LoraSettings, add_adapters
 from .pretrained import load_model, load_weights
 from .safetensors_io import load_state
 
@@ -34,16 +37,23 @@ def critic_config(folder: str) -> ModelConfig:
     return config
 
 
-def load_critic(folder: str) -> CausalLM:
-    """The critic (replicated: no tensor or pipeline split) from a folder, as `critic_config` reads it."""
+def load_critic(folder: str, tp_group=None, lora: Optional[LoraSettings] = None) -> CausalLM:
+    """The critic from a folder, as `critic_config` reads it; with `tp_group` its decoder is split over the
+    tensor-parallel ranks like the actor's and its value head is replicated (the final hidden state it reads is
+    whole on every rank). No pipeline split. `lora`: fresh adapters on the frozen decoder (models/lora.py) and the
+    value head trained whole (PEFT's `modules_to_save` of a sequence classifier)."""
     config = critic_config(folder)
     if ModelConfig.from_pretrained(folder).sequence_classifier:
-        return load_model(folder, config)
-    model = CausalLM(config)
-    state = load_state(folder)
-    state["score.weight"] = np.zeros([1, config.hidden_size], dtype=np.float32)  # HF orientation [labels, hidden]
-    load_weights(model, state)
-    model.base_folder = folder
+        model = load_model(folder, config, tp_group=tp_group)
+    else:
+        model = CausalLM(config, tp_group)
+        state = load_state(folder)
+        state["score.weight"] = np.zeros([1, config.hidden_size], dtype=np.float32)  # HF orientation [labels, hidden]
+        load_weights(model, state)
+        model.base_folder = folder
+    if lora is not None:
+        add_adapters(model, lora)               # freezes every parameter but the adapters
+        model.score.weight.stop_gradient = False
     return model
 
 

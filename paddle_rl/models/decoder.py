@@ -337,11 +337,11 @@ class CausalLM(nn.Layer):
         self.layers = nn.LayerList([DecoderLayer(config, tp_group, i, self.moe) for i in self.layer_ids])
         if self.is_last:
             self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, "model.norm.weight")
-            if config.sequence_classifier:  # a reward model: one score per sequence, no LM head
-                if tp_group is not None or self.num_stages > 1:
-                    raise ValueError("a sequence classifier (reward model) runs replicated: no tensor or pipeline "
-                                     "parallelism")
-                self.score = ScoreHead(config.hidden_size, config.num_labels)
+            if config.sequence_classifier:  # a reward model or a critic: a score head, no LM head
+                if self.num_stages > 1:
+                    raise ValueError("a sequence classifier (reward model, critic) runs whole on each rank: no "
+                                     "pipeline parallelism")
+                self.score = ScoreHead(config.hidden_size, config.num_labels)  # replicated under tensor parallelism
             elif not tied:
                 self.lm_head = ColumnLinear(config.hidden_size, [config.vocab_size], False, tp_group, "",
                                             ("lm_head",), pad=True)

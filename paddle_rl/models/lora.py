@@ -63,12 +63,15 @@ class LoraSettings:
     def scaling(self) -> float:
         return self.alpha / (math.sqrt(self.rank) if self.use_rslora else self.rank)
 
-    def peft_config(self, modules: Sequence[str], base: str = "") -> dict:
-        """adapter_config.json for the adapted module names (short names, as PEFT writes them)."""
-        return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base, "r": self.rank,
+    def peft_config(self, modules: Sequence[str], base: str = "", task_type: str = "CAUSAL_LM",
+                    modules_to_save: Optional[Sequence[str]] = None) -> dict:
+        """adapter_config.json for the adapted module names (short names, as PEFT writes them); a sequence
+        classifier (the critic) is task_type SEQ_CLS with its head in `modules_to_save`."""
+        return {"peft_type": "LORA", "task_type": task_type, "base_model_name_or_path": base, "r": self.rank,
                 "lora_alpha": self.alpha, "lora_dropout": self.dropout, "use_rslora": self.use_rslora,
                 "target_modules": sorted({m.rsplit(".", 1)[-1] for m in modules}), "bias": "none",
-                "fan_in_fan_out": False, "init_lora_weights": True, "modules_to_save": None, "use_dora": False,
+                "fan_in_fan_out": False, "init_lora_weights": True,
+                "modules_to_save": list(modules_to_save) if modules_to_save else None, "use_dora": False,
                 "layers_to_transform": None, "layers_pattern": None, "rank_pattern": {}, "alpha_pattern": {},
                 "inference_mode": False}
 
@@ -339,14 +342,21 @@ def merge_state(state: Dict[str, np.ndarray], settings: Optional[LoraSettings]) 
     return out
 
 
-def save_adapter(folder: str, state: Dict[str, np.ndarray], settings: LoraSettings, base: str = "") -> None:
-    """adapter_config.json and adapter_model.safetensors (PEFT's names: `base_model.model.` + the module's)."""
+def save_adapter(folder: str, state: Dict[str, np.ndarray], settings: LoraSettings, base: str = "",
+                 modules_to_save: Sequence[str] = ()) -> None:
+    """adapter_config.json and adapter_model.safetensors (PEFT's names: `base_model.model.` + the module's).
+    `modules_to_save` (a sequence classifier's head, ["score"]): modules trained whole, written as PEFT writes
+    them (`base_model.model.score.weight`), with task_type SEQ_CLS."""
     from safetensors.numpy import save_file
-    adapter = {PEFT_PREFIX + k: np.ascontiguousarray(v) for k, v in state.items() if is_adapter_name(k)}
+    whole = tuple(m + "." for m in modules_to_save)
+    adapter = {PEFT_PREFIX + k: np.ascontiguousarray(v) for k, v in state.items()
+               if is_adapter_name(k) or k.startswith(whole)}
     os.makedirs(folder, exist_ok=True)
     modules = sorted({k[:-len(".lora_A.weight")] for k in state if k.endswith(".lora_A.weight")})
+    config = settings.peft_config(modules, base, "SEQ_CLS", modules_to_save) if modules_to_save else \
+        settings.peft_config(modules, base)
     with open(os.path.join(folder, CONFIG_FILE), "w", encoding="utf-8") as f:
-        json.dump(settings.peft_config(modules, base), f, indent=2)
+        json.dump(config, f, indent=2)
     save_file(adapter, os.path.join(folder, WEIGHTS_FILE), metadata={"format": "pt"})
 
 

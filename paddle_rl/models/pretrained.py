@@ -109,7 +109,8 @@ def save_model(model: CausalLM, folder: str, tokenizer_folder: Optional[str] = N
             return
     os.makedirs(folder, exist_ok=True)
     if model.lora is not None:
-        save_adapter(folder, state, model.lora, base=getattr(model, "base_folder", ""))
+        save_adapter(folder, state, model.lora, base=getattr(model, "base_folder", ""),
+                     modules_to_save=("score",) if model.config.sequence_classifier else ())
         if model.lora.save_merged:
             _save_plain(model, os.path.join(folder, MERGED_FOLDER), merge_state(state, model.lora), tokenizer_folder,
                         max_shard_bytes, dtype)

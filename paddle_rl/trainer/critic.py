@@ -2,9 +2,11 @@
 value pass on the rollout and the value update. The trainer asks it for values next to the old / reference
 log-probs, passes them to the Objective (GAE), and runs `update` before the actor's update.
 
-The critic runs replicated in each process of the batch group (data parallelism: its gradients are summed over
-the group like the actor's, with a GradientSync of its own); tensor / pipeline parallelism, sharding and LoRA are
-refused with an error naming the key."""
+The critic runs on the actor's grid (`Layout.load_critic`): data parallelism and sharding stage 1 / 2 through a
+GradientSync and sharded optimizer of its own (gradients summed over the batch group, Adam moments split over the
+sharding ranks), tensor parallelism with the actor's group (its value head replicated). With LoRA it trains
+adapters of the actor's settings and its whole value head, and is saved as a PEFT adapter (task SEQ_CLS,
+modules_to_save [score]). Pipeline parallelism is refused with an error naming the key."""
 import copy
 import logging
 import math
@@ -17,9 +19,9 @@ from paddle.utils import unique_name
 
 from ..config import ConfigError
 from ..config.critic_args import CRITIC_OPTIMIZER_KEYS
-from ..models import hf_state, load_weights, save_model
-from ..models.critic import load_critic
-from ..models.lora import lora_settings
+from ..models import load_weights, save_model
+from ..models.lora import has_adapter, lora_settings
+from ..models.pretrained import saves_frozen
 from ..parallel.sharding import build_sharded_optimizer
 from .checkpoint import load_optimizer, optimizer_stem
 from .state_files import write_state
@@ -41,14 +43,14 @@ def check_critic_config(config, uses_critic: bool) -> None:
                            ", ".join(given), config.resolved_estimator)
         return
     what = f"rl_algorithm: ppo (advantage estimator {config.resolved_estimator!r}) with a critic"
-    for key in ("tensor_parallel_degree", "pipeline_parallel_degree", "sharding_parallel_degree"):
-        if getattr(config, key) > 1:
-            raise ConfigError(f"{what} is not supported with {key} > 1 yet (data parallelism is)")
-    if lora_settings(config) is not None:
-        raise ConfigError(f"{what} is not supported with LoRA (lora_rank / lora_path) yet: train the actor's full "
-                          "weights, or use an estimator without a critic")
+    if config.pipeline_parallel_degree > 1:
+        raise ConfigError(f"{what} is not supported with pipeline_parallel_degree > 1 (the critic is not split into "
+                          "pipeline stages): data, sharding and tensor parallelism are")
     folder = config.critic_model_name_or_path
     if folder and not os.path.isfile(os.path.join(folder, "config.json")):
+        if has_adapter(folder):
+            raise ConfigError(f"critic_model_name_or_path: {folder} holds a LoRA adapter (a LoRA run's critic), not "
+                              "a model; resume that run (resume_from_checkpoint) to continue its critic")
         raise ConfigError(f"critic_model_name_or_path: {os.path.join(folder, 'config.json')} not found")
 
 
@@ -59,7 +61,7 @@ class Critic:
         folder = config.critic_model_name_or_path or config.actor_model_name_or_path
         with unique_name.guard("critic_"):
             try:
-                self.model = load_critic(folder)
+                self.model = layout.load_critic(folder, lora=lora_settings(config))
             except (KeyError, ValueError) as e:
                 key = "critic_model_name_or_path" if config.critic_model_name_or_path else "actor_model_name_or_path"
                 raise ConfigError(f"{key}: {e.args[0]}") from None
@@ -72,6 +74,12 @@ class Critic:
         self.sync = layout.gradient_sync(self.model)
         self.optimizer, self.scheduler = build_sharded_optimizer(self.model, optimizer_config, total_updates, self.sync)
         logger.info("critic from %s (lr %g)", folder, settings["learning_rate"])
+        if self.fuses_value_pass:
+            default = type(config).__dataclass_fields__["per_device_value_batch_size"].default
+            log = logger.warning if config.per_device_value_batch_size != default else logger.info
+            log("per_device_value_batch_size %d: not used: one update pass per step (one mini-batch, update_iters 1), "
+                "so the critic update's forward gives the rollout values (micro-batches of "
+                "per_device_train_batch_size)", config.per_device_value_batch_size)
 
     # ---------------------------------------------------------------- the value pass
     @paddle.no_grad()
@@ -88,9 +96,29 @@ class Critic:
         return out * mask
 
     # ---------------------------------------------------------------- the update
-    def update(self, batch, objective) -> dict:
+    @property
+    def fuses_value_pass(self) -> bool:
+        """One mini-batch per step and update_iters 1: the update's only forward sees the weights the value pass
+        would read, so it gives the rollout's values itself (`update_from_rollout`) and no value pass runs. Not with
+        lora_dropout > 0 (the update's forward drops adapter inputs; the value pass does not)."""
+        cfg = self.config
+        dropout = self.model.lora is not None and self.model.lora.dropout > 0
+        return cfg.update_iters == 1 and cfg.global_batch_size // cfg.mini_batch_prompts == 1 and not dropout
+
+    def update_from_rollout(self, batch, objective):
+        """(values [B, T] as `values` gives them, metrics as `update`) in one forward + backward per micro-batch
+        (fuses_value_pass): each micro-batch's values, detached, are its rollout-time values V_old, its returns
+        come from them (`Objective.critic_returns`: per row), and its value loss is taken against them (V = V_old:
+        the clip is inactive, as in the first pass over a mini-batch). The trainer's GAE then reads these values."""
+        assert self.fuses_value_pass
+        out = np.zeros(batch["response_mask"].shape, dtype=np.float32)
+        metrics = self.update(batch, objective, rollout_values=out)
+        return out * batch["response_mask"], metrics
+
+    def update(self, batch, objective, rollout_values: Optional[np.ndarray] = None) -> dict:
         """The value loss over the batch's mini-batches (update_iters passes), one optimizer step per mini-batch;
-        metrics critic/vf_loss, vpred_mean, vf_clipfrac (token means), grad_norm, lr."""
+        metrics critic/vf_loss, vpred_mean, vf_clipfrac (token means), grad_norm, lr. `rollout_values`: an array
+        [B, T] to fill with the values (update_from_rollout); the batch then has no values or returns yet."""
         cfg, layout = self.config, self.layout
         minis = [np.flatnonzero(batch["mini_batch"] == m) for m in np.unique(batch["mini_batch"])]
         collected, weights, norms, skipped = {}, [], [], 0
@@ -104,9 +132,20 @@ class Critic:
                 for part_rows in layout.micro.plan(mini, cfg.per_device_train_batch_size):
                     part = mini.micro(part_rows)
                     values = layout.micro.values(self.model, part)
-                    t = part.tensors(keys=["values", "returns"])
-                    out = objective.value_loss(values, t["values"], t["returns"], t["response_mask"], num_tokens,
-                                               num_seqs)
+                    if rollout_values is None:
+                        t = part.tensors(keys=["values", "returns"])
+                        old, returns = t["values"], t["returns"]
+                    else:
+                        t = part.tensors()
+                        old = values.detach()
+                        v = old.numpy()
+                        rollout_values[rows[part_rows], :v.shape[1]] = v
+                        cut = {k: None if part.get(k) is None else part[k][:, :v.shape[1]]
+                               for k in ("response_mask", "old_logp", "ref_logp")}
+                        returns = paddle.to_tensor(objective.critic_returns(
+                            part["scores"], cut["response_mask"], part["group"], cut["old_logp"], cut["ref_logp"],
+                            v * cut["response_mask"]))
+                    out = objective.value_loss(values, old, returns, t["response_mask"], num_tokens, num_seqs)
                     out.loss.backward()
                     finite = finite and math.isfinite(float(out.loss))
                     for k, v in out.metrics.items():
@@ -132,17 +171,23 @@ class Critic:
         """What trainer_state.json keeps of the critic (its scheduler; the optimizer moments are files)."""
         return {"scheduler": self.scheduler.state_dict()}
 
-    def save_parts(self, folder: str, rank: int = 0, world_size: int = 1, save_optimizer: bool = True) -> None:
-        """Write the critic into `folder`/critic (every rank calls it: rank 0 the weights, each its optimizer)."""
-        target = os.path.join(folder, FOLDER)
-        os.makedirs(target, exist_ok=True)
-        if rank == 0:
-            save_model(self.model, target, state=hf_state(self.model))
-        if save_optimizer:
-            write_state(target, optimizer_stem(rank, world_size), self.optimizer.state_dict())
+    def checkpoint_writer(self, rank: int = 0, world_size: int = 1, save_optimizer: bool = True):
+        """A function writing the critic into `folder`/critic (save_checkpoint's extra_parts; every rank calls
+        both): its state is gathered over the tensor-parallel group now, before any rank writes, then rank 0
+        writes the weights (a LoRA critic: its adapters and value head) and each rank its optimizer state."""
+        state = self.layout.full_state(self.model, saves_frozen(self.model))
+
+        def write(folder: str) -> None:
+            target = os.path.join(folder, FOLDER)
+            os.makedirs(target, exist_ok=True)
+            if rank == 0:
+                save_model(self.model, target, state=state)
+            if save_optimizer:
+                write_state(target, optimizer_stem(rank, world_size), self.optimizer.state_dict())
+        return write
 
     def resume(self, path: str, state: dict, rank: int = 0, world_size: int = 1) -> None:
-        """Weights, optimizer and scheduler as `save_parts` and `state_dict` left them in checkpoint `path`."""
+        """Weights, optimizer and scheduler as `checkpoint_writer` and `state_dict` left them in checkpoint `path`."""
         target = os.path.join(path, FOLDER)
         if not os.path.isdir(target) or "critic" not in state:
             raise FileNotFoundError(f"{path}: no critic in this checkpoint ({FOLDER}/ and trainer_state.json "

@@ -159,8 +159,8 @@ class RLTrainer:
         extra_parts = None
         if self.critic is not None:
             state["critic"] = self.critic.state_dict()
-            extra_parts = lambda folder: self.critic.save_parts(  # noqa: E731
-                folder, save_optimizer=not self.config.ignore_save_lr_and_optim, **self.layout.resume_args())
+            extra_parts = self.critic.checkpoint_writer(save_optimizer=not self.config.ignore_save_lr_and_optim,
+                                                        **self.layout.resume_args())
         try:
             return save_checkpoint(self.config.output_dir, self.step, self.actor, self.tokenizer_dir, self.optimizer,
                                    self.scheduler, state, save_optimizer=not self.config.ignore_save_lr_and_optim,
@@ -411,9 +411,14 @@ class RLTrainer:
             if self.layout.batch.sum([mask.sum()])[0] == 0:  # every token rejected on every rank: no update
                 metrics["actor/skipped_update"] = 1.0
                 return metrics
+        critic_metrics = None
         if self.critic is not None:
-            with timer.stage("values"):
-                batch["values"] = self.critic.values(batch)
+            if self.critic.fuses_value_pass:  # one update pass: its forward gives the values (no value pass)
+                with timer.stage("critic_update"):
+                    batch["values"], critic_metrics = self.critic.update_from_rollout(batch, self.objective)
+            else:
+                with timer.stage("values"):
+                    batch["values"] = self.critic.values(batch)
         with timer.stage("advantage"):
             adv, returns, adv_metrics = self.objective.step_advantages_and_returns(
                 batch["scores"], mask, batch["group"], batch["old_logp"], batch.get("ref_logp"),
@@ -423,8 +428,10 @@ class RLTrainer:
         metrics.update(self.layout.batch.value_stats("advantage", batch["advantages"][mask > 0]))
         if self.critic is not None:
             batch["returns"] = returns
-            with timer.stage("critic_update"):
-                metrics.update(self.critic.update(batch, self.objective))
+            if critic_metrics is None:
+                with timer.stage("critic_update"):
+                    critic_metrics = self.critic.update(batch, self.objective)
+            metrics.update(critic_metrics)
             if self.step < self.config.critic_warmup_steps:  # the critic's warm-up: no actor update yet
                 metrics["actor/critic_warmup"] = 1.0
                 return metrics
