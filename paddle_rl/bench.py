@@ -28,6 +28,8 @@ Prints seconds per step and its split by stage, generated and trained tokens, ro
 effective GFLOP/s against a matmul peak measured in the same process, peak RSS; the last line is one JSON
 object.
 """
+# Each workload imports what it runs inside its function: `paddle-rl bench --help` and the parser of every other
+# command stay without Paddle and the model code.
 import argparse
 import json
 import math

@@ -77,6 +77,7 @@ def build_service(config_path: str, overrides):
 
 
 def run_rollout_server(args) -> int:
+    # imported when the server starts, not when `paddle-rl --help` builds this parser
     from ..errors import setup_error_types
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -92,7 +93,7 @@ def run_rollout_server(args) -> int:
     except setup_error_types() as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    import uvicorn
+    import uvicorn  # FastAPI and uvicorn load with the server, not with the parser
     from .app import ServerSettings, create_app
     settings = ServerSettings(max_request_bytes=int(args.max_request_mb * 2 ** 20),
                               max_weights_bytes=int(args.max_weights_mb * 2 ** 20), api_key=api_key,
