@@ -1,4 +1,4 @@
-"""The API-key rule shared by the HTTP servers (the reward server, the rollout server).
+"""The API-key rule and the bounded body read shared by the HTTP servers (the reward server, the rollout server).
 
 A request carries the key as `Authorization: Bearer KEY` or `X-API-Key: KEY`; servers compare it in constant time
 from the headers alone, before reading the body. A server bound to an address other machines can reach needs a
@@ -38,3 +38,36 @@ def bind_problem(host: str, api_key: str, allow_no_key: bool, what: str, key_env
     return (f"--host {host} is reachable from other machines and no API key is set: anyone who can reach the port "
             f"could {what}. Set --api-key KEY (or ${key_env}), bind 127.0.0.1, or pass --allow-no-key to serve "
             f"{host} without a key")
+
+
+async def read_body(receive, headers: Dict[bytes, bytes], limit: int):
+    """(body, None) when the request's body fits in `limit` bytes; (None, size) as soon as it does not (its declared
+    Content-Length, or the bytes read so far); (None, None) when the client disconnected first."""
+    declared = headers.get(b"content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        return None, int(declared)
+    chunks, size = [], 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return None, None
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            return None, size
+        chunks.append(chunk)
+        if not message.get("more_body"):
+            return b"".join(chunks), None
+
+
+def replaying(body: bytes, receive):
+    """A `receive` that hands the application `body` (already read) once, then the client's own messages."""
+    sent = False
+
+    async def replay():
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+    return replay

@@ -29,7 +29,7 @@ from fastapi.responses import JSONResponse
 from fastapi_offline import FastAPIOffline
 from pydantic import BaseModel, ConfigDict, Field
 
-from paddle_rl.http_auth import key_matches
+from paddle_rl.http_auth import key_matches, read_body, replaying
 
 from .pool import ScoringFailure, ScoringPool
 
@@ -118,32 +118,14 @@ class RequestGate:
             response = error(UNAUTHORIZED, "missing or wrong API key (send Authorization: Bearer KEY or "
                                            "X-API-Key: KEY)", 401, headers={"Connection": "close"})
             return await response(scope, receive, send)
-        declared = headers.get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.limit:
-            return await self._too_large(scope, receive, send, int(declared))
-        chunks, size = [], 0
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > self.limit:
-                return await self._too_large(scope, receive, send, size)
-            chunks.append(chunk)
-            if not message.get("more_body"):
-                break
-        body, sent = b"".join(chunks), False
+        body, oversize = await read_body(receive, headers, self.limit)
+        if oversize is not None:
+            return await self._too_large(scope, receive, send, oversize)
+        if body is None:
+            return
         headers = [(k, v) for k, v in scope.get("headers") or [] if k != b"content-type"]
         scope = dict(scope, headers=headers + [(b"content-type", b"application/json")])  # every endpoint takes JSON
-
-        async def replay():
-            nonlocal sent
-            if not sent:
-                sent = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            return await receive()
-        return await self.app(scope, replay, send)
+        return await self.app(scope, replaying(body, receive), send)
 
     async def _too_large(self, scope, receive, send, size):
         response = error(TOO_LARGE, f"request body of {size}+ bytes exceeds the limit of {self.limit} bytes", 413)

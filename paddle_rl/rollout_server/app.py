@@ -37,7 +37,7 @@ from fastapi.responses import JSONResponse, Response
 from fastapi_offline import FastAPIOffline
 from safetensors.numpy import load as load_safetensors
 
-from ..http_auth import key_matches
+from ..http_auth import key_matches, read_body, replaying
 from ..models import load_weights
 from ..rollout.keys import sample_key
 from ..rollout.sampling import SamplingParams
@@ -92,31 +92,13 @@ class RequestGate:
         if scope["method"] in ("GET", "HEAD", "OPTIONS"):
             return await self.app(scope, receive, send)
         limit = self.weights_limit if path == WEIGHTS_PATH else self.limit
-        declared = headers.get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > limit:
-            return await self._too_large(scope, receive, send, int(declared), limit)
-        chunks, size = [], 0
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > limit:
-                return await self._too_large(scope, receive, send, size, limit)
-            chunks.append(chunk)
-            if not message.get("more_body"):
-                break
-        body, sent = b"".join(chunks), False
+        body, oversize = await read_body(receive, headers, limit)
+        if oversize is not None:
+            return await self._too_large(scope, receive, send, oversize, limit)
+        if body is None:
+            return
         scope = dict(scope, gate_body=body)   # the endpoints read it from here: no second copy
-
-        async def replay():
-            nonlocal sent
-            if not sent:
-                sent = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            return await receive()
-        return await self.app(scope, replay, send)
+        return await self.app(scope, replaying(body, receive), send)
 
     @staticmethod
     async def _too_large(scope, receive, send, size, limit):
