@@ -242,7 +242,7 @@ def test_moe_aux_loss_and_gradients_match_transformers(tmp_path, kind):
     logits = ours(paddle.to_tensor(ids), paddle.to_tensor(mask))
     aux = ours.aux_loss()
     assert abs(float(aux) - out.aux_loss.item()) <= 1e-5, (float(aux), out.aux_loss.item())
-    assert ours.router_aux_loss_coef == 0.001  # output_router_logits: in the training loss (trainer.py)
+    assert ours.router_aux_loss_coef == 0.001  # output_router_logits: in the training loss (trainer/loop.py)
     ((logits * paddle.to_tensor(weights)).sum() + aux).backward()
     got = {}
     for _, param in ours.named_parameters():

@@ -50,7 +50,7 @@ def test_critic_values_match_the_padded_packed_and_budget_passes(micro, tmp_path
     with paddle.no_grad():
         head = trainer.critic.model.score.weight
         head.set_value(paddle.normal(0.0, 1.0, head.shape))
-    from paddle_rl.trainer.trainer import StageTimer
+    from paddle_rl.monitor import StageTimer
     _, batch, _ = trainer._generate_batch(1, StageTimer())
     batch, _ = trainer.layout.batch.place(batch, trainer.config.mini_batch_prompts, False)
     batch.with_prompt_layout(trainer.pad_id)

@@ -55,6 +55,10 @@ def test_loss_is_the_response_cross_entropy(micro, tmp_path):
     data = _records(micro, tmp_path / "sft.jsonl", count=8)
     # the sampling temperature (0.7) must not reach the loss: log-probs of the model's own distribution
     trainer = _sft(_overrides(micro, tmp_path / "out", data, max_steps=1, save_steps=10, temperature=0.7))
+    # a supervised run shares the RL trainer's loop, not its parts: nothing of RL is built, and without held-out
+    # data no engine or reward either
+    assert trainer.engine is None and trainer.reward_fn is None
+    assert not any(hasattr(trainer, name) for name in ("objective", "reference", "rollout", "critic"))
     row = read_metrics(str(tmp_path / "out" / "metrics.jsonl"))[0]
     logged = row["actor/sft_loss"]
     model = load_model(micro["model"])

@@ -193,9 +193,9 @@ def test_eval_reports_each_eval_file(micro, tmp_path):
 
 
 def test_step_summary_shows_each_eval_files_accuracy():
-    from paddle_rl.trainer.trainer import _summary
-    line = _summary({"reward/mean": 1.0, "accuracy": 0.5, "eval/accuracy": 0.2, "eval/test/accuracy": 0.4,
-                     "eval/test_4p/accuracy": 0.0, "eval/test/reward_mean": 1.0, "time/step": 2.0})
+    from paddle_rl.trainer.loop import summary_line
+    line = summary_line({"reward/mean": 1.0, "accuracy": 0.5, "eval/accuracy": 0.2, "eval/test/accuracy": 0.4,
+                         "eval/test_4p/accuracy": 0.0, "eval/test/reward_mean": 1.0, "time/step": 2.0})
     assert line == ("reward/mean=1 accuracy=0.5 eval/accuracy=0.2 eval/test/accuracy=0.4 eval/test_4p/accuracy=0 "
                     "time/step=2")
 
@@ -219,8 +219,8 @@ def test_do_train_false_evaluates_the_starting_model_only(micro, tmp_path):
 
 
 def _summary_lines(stderr: str) -> list:
-    """The run summary's lines (the last lines logged from trainer.py), without the log prefix."""
-    lines = [line.split(" - ", 1)[1] for line in stderr.splitlines() if "trainer.py" in line and " - " in line]
+    """The run summary's lines (the last lines logged from trainer/loop.py), without the log prefix."""
+    lines = [line.split(" - ", 1)[1] for line in stderr.splitlines() if "loop.py" in line and " - " in line]
     start = max(i for i, line in enumerate(lines) if line.startswith("run "))
     return lines[start:]
 

@@ -10,20 +10,27 @@ record: its trailing assistant turn (ms-swift `messages`), else its `response_ke
 `response` string, with a stop token appended (data/loader.py `load_sft_dataset`), at most `max_dec_len` tokens.
 """
 import time
+from typing import Optional
 
 import numpy as np
 
+from ..algorithms.aggregation import loss_normalizers
 from ..algorithms.objective import LossOutput
 from ..batch import StepBatch, object_column
 from ..config import ConfigError
 from ..data.loader import load_sft_dataset
 from ..monitor import StageTimer
 from ..parallel import watchdog
-from .trainer import RLTrainer
+from ..rewards import build_reward, check_reward_config
+from ..rollout import EngineSettings, RolloutEngine
+from .checkpoint import resolve_resume
+from .evaluate import episode_maker
+from .loop import StepLoop
 
 
-class SFTTrainer(RLTrainer):
-    uses_reference = False  # no KL term: nothing to compare with
+class SFTTrainer:
+    """A supervised run: a StepLoop (trainer/loop.py) whose step reads prompt / response records. It builds a
+    rollout engine and the reward only for held-out evaluation (eval_datasets with do_eval), and nothing of RL."""
 
     def __init__(self, config, topology=None):
         ignored = [k for k, v in (("update_iters", config.update_iters != 1), ("kl_coeff", config.kl_coeff > 0),
@@ -34,18 +41,40 @@ class SFTTrainer(RLTrainer):
             raise ConfigError(f"{', '.join(ignored)}: not used by supervised fine-tuning (one pass over each batch, "
                               "cross-entropy of the responses only, no rollout); remove them or set them to their "
                               "defaults")
-        super().__init__(config, topology)
+        evaluates = bool(config.do_eval and config.eval_datasets)
+        if evaluates:
+            check_reward_config(config)  # the held-out accuracy's rule, before any model loads
+        self.loop = loop = StepLoop(config, topology)
+        self.config, self.layout, self.tokenizer = config, loop.layout, loop.tokenizer
+        loop.load_data(load_sft_dataset(config.train_datasets, self.tokenizer, config.prompt_key,
+                                        config.response_key, config.max_prompt_len, config.prompt_overflow,
+                                        config.max_dec_len, self._stop_ids()))
+        loop.load_actor()
+        self.train_data, self.eval_data, self.sampler = loop.train_data, loop.eval_data, loop.sampler
+        self.total_steps, self.pad_id = loop.total_steps, loop.pad_id
+        self.engine = self.reward_fn = self.make_episodes = None
+        if loop.eval_data is not None:
+            self.make_episodes = episode_maker(config, self.tokenizer, loop.stop_ids)
+            self.engine = RolloutEngine(loop.actor, settings=EngineSettings.from_config(config, loop.pad_id,
+                                                                                        loop.stop_ids))
+            self.reward_fn = build_reward(config, broadcast_group=self.layout.reward_group)
+        loop.build_optimizer()
+        self.actor, self.optimizer, self.scheduler, self.log = loop.actor, loop.optimizer, loop.scheduler, loop.log
+        loop.resume(resolve_resume(config.resume_from_checkpoint, config.output_dir))
 
-    def _load_train_data(self):
-        cfg = self.config
-        return load_sft_dataset(cfg.train_datasets, self.tokenizer, cfg.prompt_key, cfg.response_key,
-                                cfg.max_prompt_len, cfg.prompt_overflow, cfg.max_dec_len, self._stop_ids())
+    @property
+    def step(self) -> int:
+        return self.loop.step
+
+    @step.setter
+    def step(self, value: int) -> None:
+        self.loop.step = value
 
     def _stop_ids(self):
         ids = list(self.tokenizer.eos_token_ids)
         if not ids:
-            raise ValueError(f"{self.tokenizer_dir}: no EOS token (tokenizer_config.json eos_token): a supervised "
-                             "response needs one to end")
+            raise ValueError(f"{self.loop.tokenizer_dir}: no EOS token (tokenizer_config.json eos_token): a "
+                             "supervised response needs one to end")
         return ids
 
     # ---------------------------------------------------------------- one step
@@ -61,7 +90,8 @@ class SFTTrainer(RLTrainer):
         batch["sample"] = np.zeros(batch.size, dtype=np.int64)
         batch, metrics = self.layout.batch.place(batch, cfg.mini_batch_prompts, cfg.balance_batch)
         batch.with_prompt_layout(self.pad_id)
-        metrics.update(self._update(batch, timer))
+        # the model's own distribution (temperature 1): `temperature` is the eval's sampling setting only
+        metrics.update(self.loop.update(batch, timer, [], self._micro_loss, 1.0, loss_normalizers))
         elapsed = time.perf_counter() - start
         trained, prompt_tokens = (float(v) for v in self.layout.batch.sum(
             [float(batch["response_mask"].sum()), float(batch["prompt_mask"].sum())]))
@@ -74,15 +104,8 @@ class SFTTrainer(RLTrainer):
         self.step = step
         return metrics
 
-    @property
-    def loss_temperature(self) -> float:
-        return 1.0  # the model's own distribution; `temperature` is the eval's sampling setting only
-
     @staticmethod
-    def _loss_keys(batch: StepBatch) -> list:
-        return []
-
-    def _micro_loss(self, part, logp, entropy, num_tokens: float, num_seqs: float):
+    def _micro_loss(part, logp, entropy, num_tokens: float, num_seqs: float):
         """The micro-batch's share of the mini-batch's mean response-token NLL (shares sum to the mean over every
         micro-batch and rank); metrics: its own token mean (`sft_loss`) and entropy."""
         mask = part["response_mask"]
@@ -92,6 +115,26 @@ class SFTTrainer(RLTrainer):
         if entropy is not None:
             metrics["entropy"] = float((entropy * mask).sum()) / max(tokens, 1.0)
         return LossOutput(nll / max(num_tokens, 1.0), metrics, tokens)
+
+    # ---------------------------------------------------------------- the loop's verbs
+    def evaluate(self) -> dict:
+        return self.loop.evaluate(self.engine, self.reward_fn, self.make_episodes)
+
+    def save(self) -> Optional[str]:
+        return self.loop.save({})
+
+    def epoch_done(self) -> bool:
+        return self.sampler.epoch_done
+
+    def stepped(self) -> None:
+        """Nothing runs between steps."""
+
+    def close(self) -> None:
+        """Nothing to stop."""
+
+    def train(self) -> dict:
+        """Run to the end (StepLoop.run); returns the last step's metrics."""
+        return self.loop.run(self)
 
 
 def sft_batch(items, pad_id: int) -> StepBatch:

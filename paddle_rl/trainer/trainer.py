@@ -1,12 +1,12 @@
-"""The RL step loop: rollout -> rewards -> reference / old log-probs -> advantages -> update.
+"""The RL step: rollout -> rewards -> reference / old log-probs -> advantages -> update.
 
 Each stage is a call into its own module and reads / extends one StepBatch (paddle_rl/batch.py); the
-parallel layout (paddle_rl/layouts) runs the model parts. This file orders the stages and collects metrics.
+parallel layout (paddle_rl/layouts) runs the model parts; the loop around the steps (data, optimizer, update,
+checkpoints, metrics, eval) is the StepLoop (trainer/loop.py) that supervised fine-tuning runs too. This file
+orders the stages and collects metrics.
 """
 import contextlib
 import logging
-import math
-import os
 import time
 from typing import Optional
 
@@ -14,29 +14,20 @@ import numpy as np
 import paddle
 from paddle.utils import unique_name
 
-from .. import ops
 from ..algorithms import Objective
 from ..batch import StepBatch, object_column
-from ..data.loader import PromptSampler, load_prompt_dataset
-from ..layouts import build_layout
-from ..models import Tokenizer, adapters_off
-from ..models.lora import lora_settings
-from ..monitor import MetricsLog, StageTimer, run_summary
-from ..monitor.progress import progress_bar
+from ..data.loader import load_prompt_dataset
+from ..models import adapters_off
+from ..monitor import StageTimer
 from ..parallel import watchdog
-from ..parallel.device import select_device
-from ..parallel.topology import topology_from_config, world_size_from_env
 from ..rewards import build_reward, check_reward_config
 from ..rollout import EngineSettings, RolloutEngine, SamplingParams, sample_key
 from . import faults
-from .checkpoint import (CheckpointError, check_shared_folder, checkpoint_dirs, load_optimizer, load_trainer_state,
-                         master_state, resolve_resume, save_checkpoint, seed_rngs, set_rng_state, warn_pickled)
+from .checkpoint import resolve_resume
 from .critic import build_critic, check_critic_config
-from .evaluate import episode_maker, evaluate
+from .evaluate import episode_maker
 from .logprobs import reuses_rollout_logprobs
-from .nonfinite import NonFiniteGuard, first_nonfinite_grad
-from .precision import precision_for
-from .preflight import check_paths
+from .loop import StepLoop
 from .rollouts import build_rollout
 from .scoring import metric_columns, per_function_scores, reward_result, score
 
@@ -44,55 +35,32 @@ logger = logging.getLogger("paddle_rl")
 
 
 class RLTrainer:
-    uses_reference = True  # loads the reference model when the KL settings need one
+    """An RL run: a StepLoop (trainer/loop.py) with the RL step's parts around it (the objective, the reference,
+    the rollout engine and where its batches come from, the reward, the critic)."""
 
     def __init__(self, config, topology=None):
         """`topology`: the process grid (parallel/topology.py); default: from the config's degrees when launched on
         several processes, else a single process."""
-        self.started = time.time()  # the run's wall time counts its setup (models, data) too
-        check_paths(config)
         check_reward_config(config)  # reward names against the registry, before any model loads
-        self.config = config
-        self.device = select_device()  # the launcher's GPU for this rank (or the CPU), before any tensor exists
-        ops.configure(config.use_custom_ops)
-        self.layout = build_layout(topology if topology is not None else _topology(config),
-                                   share_prompts=config.share_prompt_prefix,
-                                   max_tokens=config.max_tokens_per_micro_batch,
-                                   remove_padding=config.use_remove_padding)
-        self.layout.check_config(config)
-        check_shared_folder(config.output_dir, self.layout.first_of_ranks, **self.layout.resume_args())
-        seed_rngs(config.seed)
-        model_dir = config.actor_model_name_or_path
-        self.tokenizer_dir = config.tokenizer_name_or_path or model_dir
-        self.tokenizer = Tokenizer.from_pretrained(self.tokenizer_dir)
+        self.loop = loop = StepLoop(config, topology)
+        self.config, self.layout, self.tokenizer, self.tokenizer_dir = config, loop.layout, loop.tokenizer, \
+            loop.tokenizer_dir
         self.objective = Objective(config, reduce=self.layout.stats_reduce)
         check_critic_config(config, self.objective.uses_critic)  # the layouts a critic runs on, before models load
-        self.train_data = self._load_train_data()
-        self.eval_data = None
-        if config.do_eval and config.eval_datasets:
-            self.eval_data = load_prompt_dataset(config.eval_datasets, self.tokenizer, config.prompt_key,
-                                                 config.response_key, config.max_prompt_len, config.prompt_overflow,
-                                                 limit=config.max_eval_samples)
-        self.sampler = PromptSampler(len(self.train_data), config.global_batch_size, config.seed,
-                                     config.dataloader_shuffle, config.dataloader_drop_last)
-        self.total_steps = config.max_steps if config.max_steps > 0 else max(
-            1, math.ceil(config.num_train_epochs * self.sampler.batches_per_epoch))
-        with unique_name.guard("actor_"):
-            self.actor = self.layout.load_model(model_dir, lora=lora_settings(config), adapter=config.lora_path or None)
-        self.actor.recompute = config.recompute_what
-        self.precision = precision_for(config)  # bf16 / use_fp32_compute (trainer/precision.py)
-        self.precision.prepare_model(self.actor)
-        if self.actor.router_aux_loss_coef and config.pipeline_parallel_degree > 1:
-            raise ValueError("the MoE load-balancing loss (config.json output_router_logits: true, "
-                             f"router_aux_loss_coef {self.actor.router_aux_loss_coef}) needs the routers of every "
-                             "layer in one forward: not supported with pipeline_parallel_degree > 1")
+        loop.load_data(load_prompt_dataset(config.train_datasets, self.tokenizer, config.prompt_key,
+                                           config.response_key, config.max_prompt_len, config.prompt_overflow))
+        loop.load_actor()
+        self.train_data, self.eval_data, self.sampler = loop.train_data, loop.eval_data, loop.sampler
+        self.total_steps, self.mini_batches_per_step = loop.total_steps, loop.mini_batches_per_step
+        self.precision, self.pad_id, self.stop_ids = loop.precision, loop.pad_id, loop.stop_ids
         self.reference = None
         self._reference_view = contextlib.nullcontext
+        model_dir = config.actor_model_name_or_path
         reference_dir = config.reference_model_name_or_path or model_dir
-        if self.uses_reference and self.objective.needs_reference:
-            if self.actor.lora is not None and reference_dir == model_dir:
+        if self.objective.needs_reference:
+            if loop.actor.lora is not None and reference_dir == model_dir:
                 # LoRA: the reference is the frozen base itself, the actor with its adapters off (no second copy)
-                self.reference, self._reference_view = self.actor, adapters_off
+                self.reference, self._reference_view = loop.actor, adapters_off
             else:
                 with unique_name.guard("reference_"):
                     self.reference = self.layout.load_model(reference_dir)
@@ -100,79 +68,47 @@ class RLTrainer:
                 for p in self.reference.parameters():
                     p.stop_gradient = True
                 self.precision.prepare_model(self.reference)
-        self.pad_id = self.tokenizer.pad_token_id
-        self.stop_ids = sorted(set(self.tokenizer.eos_token_ids) | set(self.actor.config.eos_token_ids))
         self.make_episodes = episode_maker(config, self.tokenizer, self.stop_ids)
-        if not self.stop_ids:
-            raise ValueError(f"{self.tokenizer_dir}: no EOS token (tokenizer_config.json eos_token or "
-                             "generation_config.json eos_token_id)")
-        self.engine = RolloutEngine(self.actor, settings=EngineSettings.from_config(config, self.pad_id, self.stop_ids))
+        self.engine = RolloutEngine(loop.actor, settings=EngineSettings.from_config(config, self.pad_id,
+                                                                                    self.stop_ids))
         self.reward_fn = build_reward(config, broadcast_group=self.layout.reward_group)
-        self.mini_batches_per_step = config.global_batch_size // config.mini_batch_prompts
-        self.optimizer, self.scheduler = self.layout.build_optimizer(
-            self.actor, config, self.total_steps * self.mini_batches_per_step * config.update_iters)
-        self.critic = build_critic(config, self.layout, self.objective.uses_critic,
-                                   self.total_steps * self.mini_batches_per_step * config.update_iters)
-        self.actor, self.optimizer = self.precision.prepare_training(self.actor, self.optimizer)
+        loop.build_optimizer()
+        self.actor, self.optimizer, self.scheduler = loop.actor, loop.optimizer, loop.scheduler
+        self.nonfinite, self.log = loop.nonfinite, loop.log
+        self.critic = build_critic(config, self.layout, self.objective.uses_critic, loop.total_updates)
         if self.critic is not None:
             self.precision.prepare_model(self.critic.model)
             self.critic.model, self.critic.optimizer = self.precision.prepare_training(self.critic.model,
                                                                                        self.critic.optimizer)
-        self.step = 0
-        self.nonfinite = NonFiniteGuard(config.max_nonfinite_skips)
-        self.log = MetricsLog(config.output_dir, config.logging_dir or os.path.join(config.output_dir, "logs"),
-                              config.report_to, config.logging_steps, config.run_name,
-                              enabled=self.layout.is_logging_rank)
         self.rollout = build_rollout(self)
-        self._resume(resolve_resume(config.resume_from_checkpoint, config.output_dir))
+        loop.resume(resolve_resume(config.resume_from_checkpoint, config.output_dir), self._resume)
 
-    def _load_train_data(self):
-        cfg = self.config
-        return load_prompt_dataset(cfg.train_datasets, self.tokenizer, cfg.prompt_key, cfg.response_key,
-                                   cfg.max_prompt_len, cfg.prompt_overflow)
+    @property
+    def step(self) -> int:
+        """RL steps applied (the loop's count)."""
+        return self.loop.step
+
+    @step.setter
+    def step(self, value: int) -> None:
+        self.loop.step = value
 
     # ---------------------------------------------------------------- resume / save
-    def _resume(self, path: Optional[str]) -> None:
-        if path is None:
-            return
-        state = load_trainer_state(path)
-        warn_pickled(path, **self.layout.resume_args())
-        self.layout.load_weights(self.actor, master_state(path))
-        load_optimizer(path, self.optimizer, self.scheduler, state, **self.layout.resume_args())
-        self.sampler.set_state_dict(state["sampler"])
+    def _resume(self, path: str, state: dict) -> None:
+        """The RL parts of checkpoint `path`'s state (StepLoop.resume restores the rest)."""
         self.objective.set_state_dict(state.get("objective", {}))
         self.rollout.set_state_dict(state.get("rollout", {}), path)
-        self.nonfinite.set_state_dict(state.get("nonfinite", {}))
         if self.critic is not None:
             self.critic.resume(path, state, **self.layout.resume_args())
-        set_rng_state(state["rng"], path, **self.layout.resume_args())
-        self.step = int(state["step"])
-        self.log.truncate_after(self.step)
-        logger.info("resumed from %s at step %d", path, self.step)
 
     def save(self) -> Optional[str]:
         """checkpoint-<step>; None when it could not be written and save_error is continue."""
-        watchdog.note(f"step {self.step}, checkpoint save")
-        state = {"sampler": self.sampler.state_dict(), "objective": self.objective.state_dict(),
-                 "total_steps": self.total_steps, "nonfinite": self.nonfinite.state_dict(),
-                 "rollout": self.rollout.state_dict()}
+        state = {"objective": self.objective.state_dict(), "rollout": self.rollout.state_dict()}
         extra_parts = None
         if self.critic is not None:
             state["critic"] = self.critic.state_dict()
             extra_parts = self.critic.checkpoint_writer(save_optimizer=not self.config.ignore_save_lr_and_optim,
                                                         **self.layout.resume_args())
-        try:
-            return save_checkpoint(self.config.output_dir, self.step, self.actor, self.tokenizer_dir, self.optimizer,
-                                   self.scheduler, state, save_optimizer=not self.config.ignore_save_lr_and_optim,
-                                   total_limit=self.config.save_total_limit,
-                                   extra_files=self.rollout.extra_files(), extra_parts=extra_parts,
-                                   save_dtype=self.config.save_dtype,
-                                   **self.layout.checkpoint_args(self.actor))
-        except CheckpointError as e:
-            if self.config.save_error != "continue":
-                raise
-            logger.error("%s; training goes on (save_error: continue)", e)
-            return None
+        return self.loop.save(state, extra_files=self.rollout.extra_files(), extra_parts=extra_parts)
 
     # ---------------------------------------------------------------- stages
     def _draw(self, step: int, gen_round: int = 0):
@@ -249,63 +185,10 @@ class RLTrainer:
         return StepBatch.concat(local_rounds), train, metrics
 
     def _update(self, batch: StepBatch, timer: StageTimer) -> dict:
-        cfg = self.config
-        minis = [np.flatnonzero(batch["mini_batch"] == m) for m in np.unique(batch["mini_batch"])]
-        micro = cfg.per_device_train_batch_size
-        keys = self._loss_keys(batch)
-        collected, weights, grad_norms, lrs = {}, [], [], []
-        step, rank = self.step + 1, self.layout.rank
-        updates, skipped = cfg.update_iters * len(minis), 0
-        self.actor.train()
-        with timer.stage("update"):
-            for _ in range(cfg.update_iters):
-                for rows in minis:
-                    mini = batch.select(rows)
-                    # global token / sequence counts (summed over data-parallel ranks)
-                    num_tokens, num_seqs = (float(v) for v in self.layout.batch.sum(
-                        self.objective.loss_normalizers(mini["response_mask"])))
-
-                    def loss_fn(part, logp, entropy):
-                        out = self._micro_loss(part, logp, entropy, num_tokens, num_seqs)
-                        out = self._with_router_aux_loss(out, part, num_seqs)
-                        out.loss = faults.poison_loss(step, rank, out.loss)
-                        return out
-
-                    finite_loss = True
-                    with self.precision.autocast():
-                        outs = self.layout.forward_backward(self.actor, mini, keys, micro, self.loss_temperature,
-                                                            loss_fn)
-                    for out in outs:
-                        for k, v in out.metrics.items():
-                            collected.setdefault(k, []).append(v)
-                        weights.append(out.num_tokens)
-                        finite_loss = finite_loss and math.isfinite(float(out.loss))
-                    faults.poison_grads(step, rank, self.actor)
-                    faults.die("update", step, rank)
-                    norm = self.layout.clip_grad_norm_(self.actor, cfg.max_grad_norm)
-                    lrs.append(self.optimizer.get_lr())
-                    if self.layout.any_rank(not (finite_loss and math.isfinite(norm))):
-                        self._skip_update(step, len(lrs), updates, finite_loss)
-                        skipped += 1
-                        continue
-                    self.nonfinite.applied()
-                    grad_norms.append(norm)
-                    self.optimizer.step()
-                    self.optimizer.clear_grad(set_to_zero=False)
-                    self.scheduler.step()
-        metrics = {f"actor/{k}": v for k, v in self.layout.weighted_means(collected, weights).items()}
-        # the norms of the applied updates (NaN when every update of the step was skipped)
-        metrics["actor/grad_norm"] = float(np.mean(grad_norms)) if grad_norms else float("nan")
-        metrics["actor/lr"] = float(lrs[-1])
-        metrics["actor/nonfinite_skipped"] = float(skipped)
-        metrics["actor/nonfinite_skipped_total"] = float(self.nonfinite.total)
-        return metrics
-
-    @property
-    def loss_temperature(self) -> float:
-        """The update's log-probs are of logits / this: the sampling temperature, as the rollout's and the old
-        policy's log-probs are."""
-        return self.config.temperature
+        """The actor's update over the placed batch (StepLoop.update) with the Objective's loss."""
+        # the update's log-probs are of logits / the sampling temperature, as the rollout's and the old policy's are
+        return self.loop.update(batch, timer, self._loss_keys(batch), self._micro_loss, self.config.temperature,
+                                self.objective.loss_normalizers)
 
     @staticmethod
     def _loss_keys(batch: StepBatch) -> list:
@@ -316,32 +199,6 @@ class RLTrainer:
         """One micro-batch's share of the mini-batch loss (a LossOutput): the Objective's."""
         return self.objective.loss(logp, part["old_logp"], part.get("ref_logp"), part["advantages"],
                                    part["response_mask"], entropy, num_tokens, num_seqs, part.get("is_weight"))
-
-    def _skip_update(self, step: int, update: int, updates: int, finite_loss: bool) -> None:
-        """An update with a non-finite loss or gradient norm on some rank (every rank comes here together): no
-        optimizer or schedule step, gradients dropped; NonFiniteGuard stops the run after max_nonfinite_skips in a
-        row, naming the first non-finite tensor over the ranks."""
-        mine = "loss" if not finite_loss else first_nonfinite_grad(self.actor.parameters())
-        if mine is not None and mine != "loss":
-            mine = f"gradient of {mine}"
-        if mine is not None and self.layout.is_parallel:
-            mine += f" (rank {self.layout.rank})"
-        culprit = self.layout.first_of_ranks(mine) or "gradient norm (every gradient is finite; their squares overflow)"
-        self.optimizer.clear_grad(set_to_zero=False)
-        self.nonfinite.skip(step, update, updates, culprit)
-
-    def _with_router_aux_loss(self, out, part, num_seqs: float):
-        """The micro-batch's loss plus the MoE load-balancing loss of its forward (`CausalLM.aux_loss`) times
-        router_aux_loss_coef (non-zero when config.json's output_router_logits is true, as transformers adds it) and
-        the micro-batch's share of the mini-batch's sequences, so micro-batches and ranks sum to coef x their mean."""
-        coef = self.actor.router_aux_loss_coef
-        if not coef:
-            return out
-        aux = self.actor.aux_loss()
-        live = float((part["response_mask"].numpy().sum(-1) > 0).sum())
-        out.loss = out.loss + (coef * live / max(num_seqs, 1.0)) * aux
-        out.metrics["router_aux_loss"] = float(aux)
-        return out
 
     # ---------------------------------------------------------------- one step
     def train_step(self) -> dict:
@@ -458,105 +315,18 @@ class RLTrainer:
 
     # ---------------------------------------------------------------- loop
     def evaluate(self) -> dict:
-        if self.eval_data is None:
-            return {}
-        timer = StageTimer(on_stage=lambda name: watchdog.note(f"after step {self.step}, {name}"))
-        with timer.stage("eval"):
-            with self.layout.rollout_engine(self.engine) as engine:
-                metrics = evaluate(engine, self.tokenizer, self.eval_data, self.reward_fn, self.config,
-                                   self.stop_ids, self.make_episodes)
-        metrics.update(timer.metrics())
-        return metrics
+        return self.loop.evaluate(self.engine, self.reward_fn, self.make_episodes)
 
-    def _should_eval(self, step: int) -> bool:
-        cfg = self.config
-        return self.eval_data is not None and cfg.evaluation_strategy != "no" and (
-            step % cfg.eval_steps == 0 or step == self.total_steps)
+    def epoch_done(self) -> bool:
+        """Whether the batch the last step trained on ended an epoch (save_strategy: epoch)."""
+        return self.rollout.sampler_point[1]
 
-    def _should_save(self) -> bool:
-        cfg = self.config
-        if cfg.save_strategy == "steps":
-            return self.step % cfg.save_steps == 0 or self.step == self.total_steps
-        if cfg.save_strategy == "epoch":
-            return self.rollout.sampler_point[1] or self.step == self.total_steps
-        return False
+    def stepped(self) -> None:
+        self.rollout.stepped()
+
+    def close(self) -> None:
+        self.rollout.close()
 
     def train(self) -> dict:
-        """Run to the end; the run's summary (monitor/summary.py) is logged last, finished or failed."""
-        try:
-            last = self._train()
-        except BaseException as e:
-            watchdog.leaving()  # peers raising the same error may exit first: not a dead rank
-            self._log_summary(time.time() - self.started, e)
-            raise
-        finally:
-            self.rollout.close()
-        self._log_summary(time.time() - self.started)
-        return last
-
-    def _log_summary(self, seconds: float, error: Optional[BaseException] = None) -> None:
-        if not self.layout.is_logging_rank:
-            return
-        try:
-            saved = checkpoint_dirs(self.config.output_dir)
-            lines = run_summary(self.log.path, self.log.logging_dir, self.log.dashboard_names, self.step,
-                                self.total_steps, seconds, os.path.abspath(saved[-1]) if saved else None, error)
-        except Exception as e:  # noqa: BLE001 - a failed run's own error is the one to raise
-            logger.warning("run summary unavailable: %s: %s", type(e).__name__, e)
-            return
-        for line in lines:
-            (logger.info if error is None else logger.error)("%s", line)
-
-    def _train(self) -> dict:
-        cfg = self.config
-        if self.step == 0 and self.eval_data is not None and cfg.evaluation_strategy != "no":
-            initial = self.evaluate()
-            self.log.log(0, initial)
-            logger.info("step 0 eval: %s", _summary(initial))
-        last = {}
-        # log records go through the bar while it is shown (monitor/progress.py), so they do not garble its line
-        with _progress(self.total_steps, self.step,
-                       cfg.disable_tqdm or not self.layout.is_logging_rank) as progress:
-            while cfg.do_train and self.step < self.total_steps:
-                metrics = self.train_step()
-                self.rollout.stepped()
-                if self._should_eval(self.step):
-                    metrics.update(self.evaluate())
-                self.log.log(self.step, metrics)
-                last = metrics
-                progress.update(_summary(metrics, short=True))
-                if self.step % cfg.logging_steps == 0:
-                    logger.info("step %d/%d %s", self.step, self.total_steps, _summary(metrics))
-                if self._should_save():
-                    self.save()
-        self.log.close()
-        # ranks leave together: one that exits while another is still working can take the rendezvous down
-        # under it. A peer that passed this barrier may exit before this rank's barrier returns: expected.
-        watchdog.leaving()
-        self.layout.barrier()
-        return last
-
-
-def _topology(config):
-    degrees = (config.tensor_parallel_degree, config.pipeline_parallel_degree, config.sharding_parallel_degree,
-               max(config.data_parallel_degree, 1))
-    if world_size_from_env() == 1 and all(d == 1 for d in degrees):
-        return None
-    return topology_from_config(config)
-
-
-SUMMARY_KEYS = ("reward/mean", "accuracy", "eval/accuracy", "eval/reward_mean", "kl", "actor/pg_loss",
-                "response_length/mean", "time/step")
-
-
-def _summary(metrics: dict, short: bool = False) -> str:
-    keys = list(SUMMARY_KEYS[:3] if short else SUMMARY_KEYS)
-    if "eval/accuracy" in keys:  # several eval files: each one's accuracy beside the overall one
-        at = keys.index("eval/accuracy") + 1
-        keys[at:at] = sorted(k for k in metrics if k.startswith("eval/") and k.endswith("/accuracy") and k.count("/") == 2)
-    return " ".join(f"{k}={metrics[k]:.4g}" for k in keys if k in metrics)
-
-
-def _progress(total: int, done: int, disabled: bool):
-    """The step bar (a context manager yielding an object with update(summary)); logging goes through it."""
-    return progress_bar(total, initial=done, disabled=disabled)
+        """Run to the end (StepLoop.run); returns the last step's metrics."""
+        return self.loop.run(self)
