@@ -7,16 +7,98 @@ of several batches, response columns padded to the widest) serve the engine's ch
 dynamic sampling, the rollout group and the update's mini- and micro-batches.
 
 Columns are numpy arrays whose first axis is the row; ragged per-row values (prompt token lists, dataset
-records) are object arrays. A 2-D column whose second axis is the response (`RESPONSE_COLUMNS` and any
-column registered with `pad`) is padded on concatenation with its pad value (0 unless set).
+records) are object arrays. Every column is declared below (`COLUMNS`: its name, whether it holds one value per
+row, per response token or per prompt token, its dtype, its pad value, the stage that adds it and whether every
+step has it); writing an undeclared column, or one of the wrong shape or dtype, is an error naming it. A column
+whose second axis is the response (`shape` "token") is padded on concatenation with its pad value (the batch's
+`pads` entry where the value depends on the model: the pad id of response_ids).
 """
+from dataclasses import dataclass
 from typing import Dict, Iterable, List, Optional, Sequence
 
 import numpy as np
 import paddle
 
-RESPONSE_COLUMNS = ("response_ids", "response_mask", "rollout_logp", "old_logp", "ref_logp", "advantages",
-                    "is_weight", "values", "returns")
+
+@dataclass(frozen=True)
+class Column:
+    """One declared StepBatch column. shape: "row" ([B], or object values), "token" ([B, T], aligned with the
+    response, padded with `pad` on concatenation) or "prompt" ([B, P], the left-padded prompt layout); dtype: the
+    numpy kind it holds ("int", "float", "bool", "object"); added_by: the stage that writes it; optional: some
+    steps lack it (a reader that needs it says so with `StepBatch.require`)."""
+    name: str
+    shape: str
+    dtype: str
+    added_by: str
+    optional: bool = False
+    pad: object = 0
+
+
+_KINDS = {"int": "iu", "float": "f", "bool": "b", "object": "O"}
+
+
+def _columns(*columns: Column) -> Dict[str, Column]:
+    return {c.name: c for c in columns}
+
+
+ROLLOUT, EPISODES, REWARD, TRAINER, LAYOUT = ("rollout (rollout/engine.py)", "multi-turn episodes (rollout/episodes.py)",
+                                              "rewards (trainer/scoring.py)", "the step (trainer/trainer.py, sft.py)",
+                                              "the layout (layouts/base.py)")
+COLUMNS: Dict[str, Column] = _columns(
+    Column("prompt_ids", "row", "object", ROLLOUT),              # each row's prompt, unpadded token lists
+    Column("response_ids", "token", "int", ROLLOUT),             # padded with the batch's pads["response_ids"]
+    Column("response_mask", "token", "float", ROLLOUT),          # the loss mask (policy tokens kept, not rejected)
+    Column("rollout_logp", "token", "float", ROLLOUT, optional=True),  # the sampler's log-probs, until consumed
+    Column("lengths", "row", "int", ROLLOUT),                    # real response tokens
+    Column("truncated", "row", "bool", ROLLOUT),                 # ended at max_dec_len, not at a stop token
+    Column("group", "row", "int", ROLLOUT),                      # the row's prompt (global id once placed)
+    Column("sample", "row", "int", ROLLOUT),                     # which of its prompt's samples
+    Column("decode_steps", "row", "int", ROLLOUT, optional=True),
+    Column("policy_version", "row", "int", "the asynchronous / server rollout (trainer/rollouts.py)", optional=True),
+    Column("token_version", "token", "int", "partial rollout (rollout/engine.py)", optional=True, pad=-1),
+    Column("turns", "row", "int", EPISODES, optional=True),
+    Column("tool_calls", "row", "int", EPISODES, optional=True),
+    Column("tool_errors", "row", "int", EPISODES, optional=True),
+    Column("env_reward", "row", "float", EPISODES, optional=True),   # NaN: the environment gave none
+    Column("policy_tokens", "row", "int", EPISODES, optional=True),
+    Column("item", "row", "object", TRAINER),                    # the row's dataset record
+    Column("reward", "row", "float", REWARD),
+    Column("correct", "row", "bool", REWARD, optional=True),
+    Column("skipped", "row", "bool", REWARD, optional=True),     # the reward server skipped it (on_failure skip)
+    Column("scores", "row", "float", TRAINER),                   # the shaped scores advantages are computed from
+    Column("mini_batch", "row", "int", LAYOUT),
+    Column("prompt_tokens", "prompt", "int", "StepBatch.with_prompt_layout"),
+    Column("prompt_mask", "prompt", "int", "StepBatch.with_prompt_layout"),
+    Column("ref_logp", "token", "float", "the reference pass", optional=True),
+    Column("old_logp", "token", "float", "the old-policy pass (or the rollout's log-probs)"),
+    Column("is_weight", "token", "float", "rollout correction (rollout_is / rollout_rs)", optional=True),
+    Column("values", "token", "float", "the critic's value pass (rl_algorithm ppo)", optional=True),
+    Column("returns", "token", "float", "the advantage estimator, with a critic", optional=True),
+    Column("advantages", "token", "float", "the advantage estimator"),
+)
+# families of columns named by a prefix: one per reward function / sandbox outcome
+PREFIXED: Dict[str, Column] = {"reward/": Column("reward/<function>", "row", "float", REWARD, optional=True),
+                               "outcome/": Column("outcome/<name>", "row", "float", REWARD, optional=True)}
+RESPONSE_COLUMNS = tuple(name for name, c in COLUMNS.items() if c.shape == "token")
+
+
+def column_spec(key: str) -> Column:
+    """The declaration of column `key`; an undeclared name is an error naming it."""
+    spec = COLUMNS.get(key)
+    if spec is None:
+        spec = next((c for prefix, c in PREFIXED.items() if key.startswith(prefix)), None)
+    if spec is None:
+        raise KeyError(f"step batch column {key!r} is not declared (paddle_rl/batch.py COLUMNS names every column, "
+                       "its shape, dtype and the stage that adds it)")
+    return spec
+
+
+def _check_column(key: str, value: np.ndarray) -> None:
+    spec = column_spec(key)
+    ndim = 1 if spec.shape == "row" else 2
+    if value.ndim != ndim or value.dtype.kind not in _KINDS[spec.dtype]:
+        raise ValueError(f"step batch column {key!r}: {value.dtype} of {value.ndim} dimensions; declared "
+                         f"{spec.dtype} per {spec.shape} ({'[B]' if ndim == 1 else '[B, width]'})")
 
 
 def object_column(values: Iterable) -> np.ndarray:
@@ -67,6 +149,7 @@ class StepBatch:
 
     def __setitem__(self, key: str, value) -> None:
         value = value if isinstance(value, np.ndarray) else np.asarray(value)
+        _check_column(key, value)
         if self.columns and len(value) != self.size:
             raise ValueError(f"column {key!r} has {len(value)} rows, the batch {self.size}")
         self.columns[key] = value
@@ -89,6 +172,19 @@ class StepBatch:
 
     def get(self, key: str, default=None):
         return self.columns.get(key, default)
+
+    def has(self, key: str) -> bool:
+        """Whether the batch holds optional column `key` (a declared one: a misspelt name is an error)."""
+        column_spec(key)
+        return key in self.columns
+
+    def require(self, keys: Iterable[str], by: str) -> None:
+        """Stage `by` needs columns `keys`: an error naming the missing ones and the stages that add them."""
+        missing = [k for k in keys if k not in self.columns]
+        if missing:
+            raise KeyError(f"{by} needs step batch column(s) {', '.join(missing)}, added by "
+                           f"{'; '.join(column_spec(k).added_by for k in missing)}; the batch has "
+                           f"{', '.join(sorted(self.columns))}")
 
     def pop(self, key: str):
         return self.columns.pop(key)
@@ -118,9 +214,9 @@ class StepBatch:
         out = {}
         for key in keys:
             arrays = [p.columns[key] for p in parts]
-            if arrays[0].ndim == 2 and (key in RESPONSE_COLUMNS or key in pads):
+            if key in RESPONSE_COLUMNS:
                 width = max(a.shape[1] for a in arrays)
-                value = pads.get(key, 0)
+                value = pads.get(key, COLUMNS[key].pad)
                 arrays = [np.pad(a, ((0, 0), (0, width - a.shape[1])), constant_values=value) for a in arrays]
             out[key] = np.concatenate(arrays)
         return StepBatch(out, pads, parts[0].meta)
@@ -128,7 +224,7 @@ class StepBatch:
     def trim(self) -> "StepBatch":
         """Response columns cut to the longest response (at least one token)."""
         width = max(int(self["lengths"].max()) if self.size else 1, 1)
-        columns = {k: (v[:, :width].copy() if v.ndim == 2 and (k in RESPONSE_COLUMNS or k in self.pads) else v)
+        columns = {k: (v[:, :width].copy() if k in RESPONSE_COLUMNS else v)
                    for k, v in self.columns.items()}
         return StepBatch(columns, self.pads, self.meta)
 
@@ -170,7 +266,7 @@ class StepBatch:
         for key, value in part.columns.items():
             if key in ("prompt_tokens", "prompt_mask"):
                 value = value[:, cut:]
-            elif value.ndim == 2 and (key in RESPONSE_COLUMNS or key in self.pads):
+            elif key in RESPONSE_COLUMNS:
                 value = value[:, :width]
             columns[key] = value
         return StepBatch(columns, self.pads, dict(self.meta, prompt_width=prompt_width))

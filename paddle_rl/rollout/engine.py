@@ -240,5 +240,4 @@ class RolloutEngine:
             for r, s in enumerate(done):
                 versions[r, :len(s.versions)] = s.versions
             out["token_version"] = versions
-            out.pads["token_version"] = -1
         return out

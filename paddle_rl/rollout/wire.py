@@ -139,9 +139,9 @@ def batch_to_rows(batch: StepBatch) -> List[dict]:
                "policy": [int(v) for v in batch["response_mask"][r, :k]],
                "finish_reason": "length" if bool(batch["truncated"][r]) else "stop", "length": k,
                "decode_steps": int(batch["decode_steps"][r])}
-        if "policy_version" in batch:
+        if batch.has("policy_version"):
             row["policy_version"] = int(batch["policy_version"][r])
-        if "token_version" in batch:
+        if batch.has("token_version"):
             row["token_version"] = batch["token_version"][r, :k].tolist()
         rows.append(row)
     return rows
@@ -183,7 +183,6 @@ def batch_from_rows(rows: List[dict], prompts, n: int, pad_id: int) -> StepBatch
         for i, row in enumerate(placed):
             versions[i, :len(row.get("token_version", []))] = row.get("token_version", [])
         out["token_version"] = versions
-        out.pads["token_version"] = -1
     return out
 
 
@@ -238,7 +237,6 @@ def batch_from_parts(parts: List[dict], prompts, n: int, pad_id: int) -> StepBat
     out["decode_steps"], out["policy_version"] = decode_steps, versions
     if token_versions is not None:
         out["token_version"] = token_versions
-        out.pads["token_version"] = -1
     return out
 
 

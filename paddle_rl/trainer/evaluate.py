@@ -45,7 +45,7 @@ def eval_metrics(batch: StepBatch, prefix: str) -> dict:
                f"{prefix}/num_samples": float(len(batch))}
     if result.correct is not None:
         metrics[f"{prefix}/accuracy"] = float(result.correct.mean())
-    if "tool_calls" in batch:
+    if batch.has("tool_calls"):
         metrics[f"{prefix}/tool_calls_mean"] = float(batch["tool_calls"].mean())
         metrics[f"{prefix}/tool_use_share"] = float((batch["tool_calls"] > 0).mean())
         metrics[f"{prefix}/turns_mean"] = float(batch["turns"].mean())

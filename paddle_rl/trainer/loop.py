@@ -119,6 +119,7 @@ class StepLoop:
         totals over every rank from `normalizers(response_mask) -> (tokens, sequences)`; `keys`: the per-token
         columns it reads besides the response mask; `temperature`: the log-probs' (logits / temperature)."""
         cfg = self.config
+        batch.require(["mini_batch", "prompt_tokens", "response_mask", *keys], by="the update")
         minis = [np.flatnonzero(batch["mini_batch"] == m) for m in np.unique(batch["mini_batch"])]
         collected, weights, grad_norms, lrs = {}, [], [], []
         step, rank = self.step + 1, self.layout.rank

@@ -18,9 +18,10 @@ def reward_record(item) -> dict:
 def score(batch: StepBatch, tokenizer, reward_fn) -> None:
     """Adds the reward columns; rows need the column `item` (their dataset item). A multi-turn rollout's
     episode reward (column env_reward) reaches the reward functions as the record's `env_reward`."""
+    batch.require(["item", "response_ids", "lengths", "truncated"], by="the reward")
     texts = tokenizer.decode_batch(batch.responses())
     records = [reward_record(it) for it in batch["item"]]
-    if "env_reward" in batch:
+    if batch.has("env_reward"):
         for record, value in zip(records, batch["env_reward"]):
             record["env_reward"] = None if np.isnan(value) else float(value)
     samples = [RewardSample(it["prompt"], text, record, int(length), bool(truncated))

@@ -193,7 +193,7 @@ class RLTrainer:
     @staticmethod
     def _loss_keys(batch: StepBatch) -> list:
         """The per-token columns `_micro_loss` reads besides the response mask."""
-        return ["old_logp", "advantages"] + [k for k in ("ref_logp", "is_weight") if k in batch]
+        return ["old_logp", "advantages"] + [k for k in ("ref_logp", "is_weight") if batch.has(k)]
 
     def _micro_loss(self, part, logp, entropy, num_tokens: float, num_seqs: float):
         """One micro-batch's share of the mini-batch loss (a LossOutput): the Objective's."""
@@ -252,13 +252,13 @@ class RLTrainer:
                 batch["ref_logp"] = self.layout.logprobs(reference, batch, cfg.temperature,
                                                          cfg.per_device_logprob_batch_size)
         with timer.stage("old_logprob"):
-            if "rollout_logp" in batch and reuses_rollout_logprobs(cfg, self.mini_batches_per_step):
+            if batch.has("rollout_logp") and reuses_rollout_logprobs(cfg, self.mini_batches_per_step):
                 batch["old_logp"] = batch.pop("rollout_logp") * mask
             else:
                 with self.precision.autocast():
                     batch["old_logp"] = self.layout.logprobs(self.actor, batch, cfg.temperature,
                                                              cfg.per_device_logprob_batch_size)
-        if "rollout_logp" in batch:  # the gap between the rollout's log-probs and the trainer's, every step
+        if batch.has("rollout_logp"):  # the gap between the rollout's log-probs and the trainer's, every step
             is_weight, keep, corr_metrics = self.objective.rollout_correction(
                 batch["old_logp"], batch.pop("rollout_logp"), mask)
             metrics.update(self.layout.batch.reduce_metrics(corr_metrics))
@@ -301,7 +301,7 @@ class RLTrainer:
         out = {"response_length/mean": float(lengths.mean()), "response_length/max": float(lengths.max()),
                "response_length/min": float(lengths.min()),
                "response_length/clipped_share": float(batch["truncated"].mean())}
-        if "turns" in batch:  # multi-turn episodes
+        if batch.has("turns"):  # multi-turn episodes
             calls = float(batch["tool_calls"].sum())
             out.update({"episode/turns/mean": float(batch["turns"].mean()), "episode/turns/max":
                         float(batch["turns"].max()), "episode/tool_calls/mean": float(batch["tool_calls"].mean()),
