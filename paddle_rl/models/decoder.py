@@ -328,7 +328,8 @@ class CausalLM(nn.Layer):
         self.is_first, self.is_last = self.stage == 0, self.stage == self.num_stages - 1
         self.layer_ids = stage_layers(config.num_hidden_layers, self.num_stages, self.stage)
         tied = config.tie_word_embeddings
-        if self.is_first or (self.is_last and tied):
+        # a sequence classifier's score head does not read the table: no copy of a tied one on the last stage
+        if self.is_first or (self.is_last and tied and not config.sequence_classifier):
             self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, tp_group,
                                                "model.embed_tokens.weight")
             if not self.is_first:
@@ -338,9 +339,6 @@ class CausalLM(nn.Layer):
         if self.is_last:
             self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, "model.norm.weight")
             if config.sequence_classifier:  # a reward model or a critic: a score head, no LM head
-                if self.num_stages > 1:
-                    raise ValueError("a sequence classifier (reward model, critic) runs whole on each rank: no "
-                                     "pipeline parallelism")
                 self.score = ScoreHead(config.hidden_size, config.num_labels)  # replicated under tensor parallelism
             elif not tied:
                 self.lm_head = ColumnLinear(config.hidden_size, [config.vocab_size], False, tp_group, "",
