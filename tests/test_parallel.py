@@ -339,6 +339,34 @@ def test_lora_critic_tensor_parallel(setup):
     assert errors[worst] <= REL_TOL, (worst, errors[worst])
 
 
+def test_pipeline_parallel_ppo_with_a_critic_and_resume(setup, ppo_single):
+    """rl_algorithm ppo under PP=2 equals one process: the critic split into the actor's two stages, its values made
+    on the last stage and sent to both (GAE on each), its value loss back through the stages on the 1F1B schedule,
+    its gradient norm over both stages, its checkpoint gathered from them. Step 3 resumed from checkpoint-2 (each
+    stage reading its layers of the actor and the critic, and its optimizer state) ends on the same weights."""
+    out_dir, _ = run_layout(setup, "pp-ppo", algo="ppo", pipeline_parallel_degree=2, **PPO_CRITIC)
+    rows = read_rows(out_dir)
+    assert rows[0]["actor/critic_warmup"] == 1.0 and all(r["critic/vf_loss"] > 0 for r in rows[1:])
+    ref = read_rows(ppo_single)
+    for key in ("critic/vf_loss", "critic/vpred_mean", "critic/values_mean", "advantage/mean", "advantage/std"):
+        errors = [abs(a[key] - b[key]) / max(abs(a[key]), abs(b[key]), 1e-2) for a, b in zip(ref, rows)]
+        print(f"pp-ppo: {key} rel err {max(errors):.2e}")
+        assert max(errors) <= REL_TOL, (key, errors)
+    check_parity(setup, {"ppo": ppo_single}, out_dir, algo="ppo")
+    alone, memory = critic_parity(ppo_single, out_dir)
+    assert sum(memory) == alone and max(memory) < alone  # each stage holds its layers' moments
+    resumed, _ = run_layout(setup, "pp-ppo-resumed", algo="ppo", pipeline_parallel_degree=2, **PPO_CRITIC,
+                            resume_from_checkpoint=os.path.join(out_dir, "checkpoint-2"))
+    assert [r["step"] for r in read_rows(resumed)] == [3]
+    from paddle_rl.models.safetensors_io import load_state
+    for folder in ("", "critic"):
+        wa, wb = (load_state(os.path.join(d, "checkpoint-3", folder)) for d in (out_dir, resumed))
+        assert set(wa) == set(wb)
+        worst = max(rel_err(wa[k], wb[k]) for k in wa)
+        print(f"pp-ppo resumed at step 3: max {folder or 'actor'} weight rel err {worst:.2e}")
+        assert worst == 0.0, (folder, worst)
+
+
 def test_data_parallel_adaptive_kl_counts_the_global_batch(setup):
     """adaptive_kl under DP=2: the controller moves by the sequences of the global batch, as one process does
     (counting a rank's own share would move it batch_degree times slower)."""
