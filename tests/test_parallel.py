@@ -518,6 +518,32 @@ def test_tied_embeddings(tied, name, degrees):
     check_parity(tied_setup, reference, out_dir)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", ["tied", "lora"])
+def test_pipeline_parallel_ppo_tied_or_lora_critic(setup, tied, variant):
+    """PPO under PP=2 equals one process with a tied-embedding model (the critic's last stage holds no copy of the
+    table: its value head does not read it) and with a LoRA critic (adapters on each stage, the value head whole on
+    the last; saved as a PEFT adapter gathered from both stages)."""
+    from paddle_rl.models.lora import read_adapter
+    base, extra = (tied[0], dict(PPO_CRITIC)) if variant == "tied" else \
+        (setup, dict(PPO_CRITIC, lora_rank=4, lora_alpha=8, merge_lora="true"))
+    single = str(setup["root"] / f"single-ppo-{variant}")
+    os.makedirs(single, exist_ok=True)
+    train_and_probe(run_overrides(base["micro"], single, setup["plugin"], rl_algorithm="ppo", **extra), single,
+                    setup["prompts"])
+    out_dir, _ = run_layout(base, f"pp-ppo-{variant}", algo="ppo", pipeline_parallel_degree=2, **extra)
+    assert_parity(single, out_dir)
+    if variant == "tied":
+        critic_parity(single, out_dir)
+        return
+    ref, got = (read_adapter(os.path.join(d, "checkpoint-3", "critic")) for d in (single, out_dir))
+    assert set(ref) == set(got) and "score.weight" in ref and any("lora_B" in k for k in ref)
+    errors = {k: rel_err(ref[k], got[k]) for k in ref}
+    worst = max(errors, key=errors.get)
+    print(f"pp-ppo-lora: max critic adapter / head rel err {errors[worst]:.2e} ({worst})")
+    assert errors[worst] <= REL_TOL, (worst, errors[worst])
+
+
 @pytest.fixture(scope="module")
 def odd_vocab(setup):
     """The micro model with one more (never used) vocabulary entry, so the vocabulary (odd) does not divide
