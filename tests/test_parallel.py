@@ -519,21 +519,27 @@ def test_tied_embeddings(tied, name, degrees):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("variant", ["tied", "lora"])
-def test_pipeline_parallel_ppo_tied_or_lora_critic(setup, tied, variant):
+@pytest.mark.parametrize("variant", ["tied", "lora", "one-pass"])
+def test_pipeline_parallel_ppo_variants(setup, tied, variant):
     """PPO under PP=2 equals one process with a tied-embedding model (the critic's last stage holds no copy of the
-    table: its value head does not read it) and with a LoRA critic (adapters on each stage, the value head whole on
-    the last; saved as a PEFT adapter gathered from both stages)."""
+    table: its value head does not read it), with a LoRA critic (adapters on each stage, the value head whole on
+    the last; saved as a PEFT adapter gathered from both stages) and with one update pass per step (the critic
+    update's forward gives the rollout values on the last stage, which sends them to the first)."""
     from paddle_rl.models.lora import read_adapter
-    base, extra = (tied[0], dict(PPO_CRITIC)) if variant == "tied" else \
-        (setup, dict(PPO_CRITIC, lora_rank=4, lora_alpha=8, merge_lora="true"))
+    base, extra = {"tied": (tied[0], dict(PPO_CRITIC)),
+                   "lora": (setup, dict(PPO_CRITIC, lora_rank=4, lora_alpha=8, merge_lora="true")),
+                   "one-pass": (setup, dict(PPO_CRITIC, global_mini_batch_size=4))}[variant]
     single = str(setup["root"] / f"single-ppo-{variant}")
     os.makedirs(single, exist_ok=True)
     train_and_probe(run_overrides(base["micro"], single, setup["plugin"], rl_algorithm="ppo", **extra), single,
                     setup["prompts"])
     out_dir, _ = run_layout(base, f"pp-ppo-{variant}", algo="ppo", pipeline_parallel_degree=2, **extra)
     assert_parity(single, out_dir)
-    if variant == "tied":
+    if variant == "one-pass":
+        from paddle_rl.monitor import read_metrics
+        assert all("time/values" not in r and "time/critic_update" in r
+                   for r in read_metrics(os.path.join(out_dir, "metrics.jsonl")))
+    if variant != "lora":
         critic_parity(single, out_dir)
         return
     ref, got = (read_adapter(os.path.join(d, "checkpoint-3", "critic")) for d in (single, out_dir))
