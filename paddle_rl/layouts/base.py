@@ -1,8 +1,9 @@
 """The interface every parallel layout implements, and the batch group all of them share.
 
 A layout answers: load a model (this rank's part), log-probs over a StepBatch, forward + backward of a
-mini-batch, the full state (gathered under Hugging Face names), gradient clipping, the optimizer, the
-arguments of checkpoint save / resume, and the model the rollout decodes with.
+mini-batch, the same two for a critic (its values, its value loss), the full state (gathered under Hugging Face
+names), gradient clipping, the optimizer, the arguments of checkpoint save / resume, and the model the rollout
+decodes with.
 
 With a single process every method does exactly what the plain trainer did (no collectives, same
 arithmetic). Under a parallel topology:

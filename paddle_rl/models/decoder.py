@@ -318,7 +318,8 @@ def stage_layers(num_layers: int, num_stages: int, stage: int) -> List[int]:
 class CausalLM(nn.Layer):
     """The decoder with its LM head. `tp_group` (a paddle.distributed group) splits the layers over tensor-parallel
     ranks; `stage=(index, count)` keeps one pipeline stage: its layers, the embedding on the first stage, the
-    final norm and head on the last (a tied head keeps a copy of the table there, `pp_duplicate`)."""
+    final norm and head on the last (a tied LM head keeps a copy of the table there, `pp_duplicate`; a sequence
+    classifier's score head needs none)."""
 
     def __init__(self, config: ModelConfig, tp_group=None, stage=(0, 1)):
         super().__init__()
