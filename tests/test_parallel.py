@@ -339,6 +339,34 @@ def test_lora_critic_tensor_parallel(setup):
     assert errors[worst] <= REL_TOL, (worst, errors[worst])
 
 
+def test_pipeline_parallel_ppo_with_a_critic_and_resume(setup, ppo_single):
+    """rl_algorithm ppo under PP=2 equals one process: the critic split into the actor's two stages, its values made
+    on the last stage and sent to both (GAE on each), its value loss back through the stages on the 1F1B schedule,
+    its gradient norm over both stages, its checkpoint gathered from them. Step 3 resumed from checkpoint-2 (each
+    stage reading its layers of the actor and the critic, and its optimizer state) ends on the same weights."""
+    out_dir, _ = run_layout(setup, "pp-ppo", algo="ppo", pipeline_parallel_degree=2, **PPO_CRITIC)
+    rows = read_rows(out_dir)
+    assert rows[0]["actor/critic_warmup"] == 1.0 and all(r["critic/vf_loss"] > 0 for r in rows[1:])
+    ref = read_rows(ppo_single)
+    for key in ("critic/vf_loss", "critic/vpred_mean", "critic/values_mean", "advantage/mean", "advantage/std"):
+        errors = [abs(a[key] - b[key]) / max(abs(a[key]), abs(b[key]), 1e-2) for a, b in zip(ref, rows)]
+        print(f"pp-ppo: {key} rel err {max(errors):.2e}")
+        assert max(errors) <= REL_TOL, (key, errors)
+    check_parity(setup, {"ppo": ppo_single}, out_dir, algo="ppo")
+    alone, memory = critic_parity(ppo_single, out_dir)
+    assert sum(memory) == alone and max(memory) < alone  # each stage holds its layers' moments
+    resumed, _ = run_layout(setup, "pp-ppo-resumed", algo="ppo", pipeline_parallel_degree=2, **PPO_CRITIC,
+                            resume_from_checkpoint=os.path.join(out_dir, "checkpoint-2"))
+    assert [r["step"] for r in read_rows(resumed)] == [3]
+    from paddle_rl.models.safetensors_io import load_state
+    for folder in ("", "critic"):
+        wa, wb = (load_state(os.path.join(d, "checkpoint-3", folder)) for d in (out_dir, resumed))
+        assert set(wa) == set(wb)
+        worst = max(rel_err(wa[k], wb[k]) for k in wa)
+        print(f"pp-ppo resumed at step 3: max {folder or 'actor'} weight rel err {worst:.2e}")
+        assert worst == 0.0, (folder, worst)
+
+
 def test_data_parallel_adaptive_kl_counts_the_global_batch(setup):
     """adaptive_kl under DP=2: the controller moves by the sequences of the global batch, as one process does
     (counting a rank's own share would move it batch_degree times slower)."""
@@ -488,6 +516,38 @@ def test_tied_embeddings(tied, name, degrees):
     tied_setup, reference = tied
     out_dir, _ = run_layout(tied_setup, name, **degrees)
     check_parity(tied_setup, reference, out_dir)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", ["tied", "lora", "one-pass"])
+def test_pipeline_parallel_ppo_variants(setup, tied, variant):
+    """PPO under PP=2 equals one process with a tied-embedding model (the critic's last stage holds no copy of the
+    table: its value head does not read it), with a LoRA critic (adapters on each stage, the value head whole on
+    the last; saved as a PEFT adapter gathered from both stages) and with one update pass per step (the critic
+    update's forward gives the rollout values on the last stage, which sends them to the first)."""
+    from paddle_rl.models.lora import read_adapter
+    base, extra = {"tied": (tied[0], dict(PPO_CRITIC)),
+                   "lora": (setup, dict(PPO_CRITIC, lora_rank=4, lora_alpha=8, merge_lora="true")),
+                   "one-pass": (setup, dict(PPO_CRITIC, global_mini_batch_size=4))}[variant]
+    single = str(setup["root"] / f"single-ppo-{variant}")
+    os.makedirs(single, exist_ok=True)
+    train_and_probe(run_overrides(base["micro"], single, setup["plugin"], rl_algorithm="ppo", **extra), single,
+                    setup["prompts"])
+    out_dir, _ = run_layout(base, f"pp-ppo-{variant}", algo="ppo", pipeline_parallel_degree=2, **extra)
+    assert_parity(single, out_dir)
+    if variant == "one-pass":
+        from paddle_rl.monitor import read_metrics
+        assert all("time/values" not in r and "time/critic_update" in r
+                   for r in read_metrics(os.path.join(out_dir, "metrics.jsonl")))
+    if variant != "lora":
+        critic_parity(single, out_dir)
+        return
+    ref, got = (read_adapter(os.path.join(d, "checkpoint-3", "critic")) for d in (single, out_dir))
+    assert set(ref) == set(got) and "score.weight" in ref and any("lora_B" in k for k in ref)
+    errors = {k: rel_err(ref[k], got[k]) for k in ref}
+    worst = max(errors, key=errors.get)
+    print(f"pp-ppo-lora: max critic adapter / head rel err {errors[worst]:.2e} ({worst})")
+    assert errors[worst] <= REL_TOL, (worst, errors[worst])
 
 
 @pytest.fixture(scope="module")

@@ -76,12 +76,10 @@ def test_ppo_resume_is_exact(micro, tmp_path, lora):
         assert resumed[-1][key] == pytest.approx(straight[-1][key], rel=1e-5, abs=1e-7), key
 
 
-def test_pipeline_parallel_is_refused_and_the_other_layouts_pass(micro, tmp_path):
+def test_every_layout_passes_the_critic_check_and_an_adapter_folder_is_named(micro, tmp_path):
     from paddle_rl.trainer.critic import check_critic_config
-    config = load_config(None, ["actor_model_name_or_path=x", "rl_algorithm=ppo", "pipeline_parallel_degree=2"])
-    with pytest.raises(ConfigError, match="not supported with pipeline_parallel_degree > 1"):
-        check_critic_config(config, True)
-    for key, value in (("tensor_parallel_degree", 2), ("sharding_parallel_degree", 2), ("lora_rank", 4)):
+    for key, value in (("tensor_parallel_degree", 2), ("sharding_parallel_degree", 2), ("pipeline_parallel_degree", 2),
+                       ("lora_rank", 4)):
         check_critic_config(load_config(None, ["actor_model_name_or_path=x", "rl_algorithm=ppo", f"{key}={value}"]),
                             True)
     # a LoRA run's critic folder holds an adapter, not a model: named

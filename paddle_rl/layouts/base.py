@@ -1,8 +1,9 @@
 """The interface every parallel layout implements, and the batch group all of them share.
 
 A layout answers: load a model (this rank's part), log-probs over a StepBatch, forward + backward of a
-mini-batch, the full state (gathered under Hugging Face names), gradient clipping, the optimizer, the
-arguments of checkpoint save / resume, and the model the rollout decodes with.
+mini-batch, the same two for a critic (its values, its value loss), the full state (gathered under Hugging Face
+names), gradient clipping, the optimizer, the arguments of checkpoint save / resume, and the model the rollout
+decodes with.
 
 With a single process every method does exactly what the plain trainer did (no collectives, same
 arithmetic). Under a parallel topology:
@@ -283,6 +284,38 @@ class Layout(abc.ABC):
         """Forward + backward of every micro-batch of a mini-batch (`micro` rows, or the token budget);
         loss_fn(part, logp, entropy) -> LossOutput with `part` the micro-batch's tensors (StepBatch.tensors of
         StepBatch.micro). Returns this rank's LossOutputs (under a pipeline only the last stage has them)."""
+
+    # ---------------------------------------------------------------- a critic's passes
+    @paddle.no_grad()
+    def values(self, model, batch: StepBatch, micro_batch_size: int) -> np.ndarray:
+        """A critic's no-grad values of the batch's responses, numpy [B, T] float32, zero outside response_mask, in
+        the batch's row order; micro-batches as `logprobs`."""
+        was_training = model.training
+        model.eval()
+        chunks = self._value_chunks(model, batch, self.micro.plan(batch, micro_batch_size))
+        if was_training:
+            model.train()
+        mask = batch["response_mask"]
+        out = np.zeros(mask.shape, dtype=np.float32)
+        for rows, value in chunks:
+            out[rows, :value.shape[1]] = value
+        return out * mask
+
+    @abc.abstractmethod
+    def _value_chunks(self, model, batch: StepBatch, plan: List[np.ndarray]) -> list:
+        """(rows, values) of each micro-batch of `plan`: numpy [rows, width of the micro-batch]."""
+
+    @abc.abstractmethod
+    def value_forward_backward(self, model, mini: StepBatch, keys: List[str], micro: int, loss_fn: Callable) -> list:
+        """A critic's forward + backward over the micro-batches of a mini-batch, as `forward_backward`:
+        loss_fn(rows, part, tensors, values) -> LossOutput with `rows` the micro-batch's rows in `mini`, `part` the
+        micro-batch (StepBatch.micro), `tensors` its tensors with the columns `keys`, `values` [b, W] with their
+        graph. Returns this rank's LossOutputs (under a pipeline only the last stage calls loss_fn and has them)."""
+
+    def from_last_stage(self, array: np.ndarray) -> np.ndarray:
+        """An array only the last pipeline stage filled (values a critic's update read), as that stage holds it;
+        the array itself without a pipeline."""
+        return array
 
     # ---------------------------------------------------------------- optimizer
     def build_optimizer(self, model, config, total_steps: int):

@@ -1,17 +1,19 @@
 """Pipeline parallelism: each stage holds a consecutive range of layers (the same CausalLM restricted to it),
 micro-batches move over send/recv in the 1F1B schedule of parallel/pipeline.py. Tied embeddings keep a copy of
-the table on the last stage whose gradient is summed with the first stage's. Micro-batches come from the layout's
-MicroBatching (rows or a token budget, each padded to its own longest; every stage of a pipeline holds the same
-batch, so every stage plans the same micro-batches); packed rows (use_remove_padding) are refused at config
-check."""
+the table on the last stage whose gradient is summed with the first stage's. A critic (PPO) is split into the
+same stages on the same ranks, its value head on the last stage; its value pass and update run the same schedules
+with the head's values (and the value loss) in place of the log-probs (and the policy loss). Micro-batches come
+from the layout's MicroBatching (rows or a token budget, each padded to its own longest; every stage of a pipeline
+holds the same batch, so every stage plans the same micro-batches); packed rows (use_remove_padding) are refused
+at config check."""
 import paddle
 import paddle.distributed as dist
 
 from ..models import hf_state, load_model
+from ..models.critic import head_values, load_critic
 from ..models.decoder import attention_bias_from_mask, position_ids_from_mask
 from ..parallel import collectives as C
 from ..parallel.pipeline import Link, forward_only, train_1f1b
-from ..parallel.topology import TopologyError
 from ..parallel.watchdog import watched
 from .base import Layout
 
@@ -29,8 +31,9 @@ class Pipelined(Layout):
                           adapter=adapter)
 
     def load_critic(self, folder: str, lora=None):
-        raise TopologyError("pipeline_parallel_degree > 1: the critic is not split into pipeline stages (its value "
-                            "pass and update would need a schedule of their own); use tensor or data parallelism")
+        """The critic split into the actor's stages (and tensor-parallel group), its value head on the last stage."""
+        topo = self._topo
+        return load_critic(folder, tp_group=topo.group("tp"), lora=lora, stage=(topo.pp_rank, topo.pp_degree))
 
     def full_state(self, model, frozen: bool = True) -> dict:
         merged = {}
@@ -44,22 +47,18 @@ class Pipelined(Layout):
                 merged.setdefault(k, v)
         return merged
 
-    def _stage_fn(self, model, parts, temperature, with_entropy, loss_fn=None, outputs=None):
-        """`parts`: (micro-batch, its tensors) pairs."""
+    @staticmethod
+    def _stage_fn(model, parts, head):
+        """`parts`: (micro-batch, its tensors) pairs; `head(i, hidden)`: the last stage's output of micro-batch i
+        from the final hidden states at its response-predicting positions [b, W, hidden] (the loss in training)."""
         def forward(i, x):
             part, tensors = parts[i]
             ids, pos, bias = _inputs(tensors)
             y = model.hidden_states(ids if model.is_first else x, pos, bias)
             if not model.is_last:
                 return y
-            response_ids, width = tensors["response_ids"], part.prompt_width
-            hidden = y[:, width - 1:width - 1 + response_ids.shape[1]]
-            logp, entropy = model.head_logprobs(hidden, response_ids, temperature, with_entropy)
-            if loss_fn is None:
-                return logp, entropy
-            out = loss_fn(tensors, logp, entropy)
-            outputs.append(out)
-            return out.loss
+            width = part.prompt_width
+            return head(i, y[:, width - 1:width - 1 + tensors["response_ids"].shape[1]])
         return forward
 
     def _act_shape(self, model, parts):
@@ -70,31 +69,66 @@ class Pipelined(Layout):
         parts = [batch.micro(rows) for rows in plan]
         return [(part, part.tensors(keys=keys)) for part in parts]
 
+    def _from_last(self, link, out, shape):
+        """A float32 tensor of `shape` the last stage computed (`out`; None elsewhere), on every stage."""
+        if out is None:
+            out = paddle.empty(shape, "float32")
+        with watched(f"broadcast from the last stage (rank {link.last_rank})", link.group):
+            dist.broadcast(out, src=link.last_rank, group=link.group)
+        return out
+
     def _logprob_chunks(self, model, batch, plan, temperature: float, with_entropy: bool) -> list:
         """Forward only through the stages; the last stage broadcasts each micro-batch's log-probs to its
         pipeline."""
         parts = self._parts(batch, plan)
         link = Link(self._topo)
-        outs = forward_only(link, len(parts), self._stage_fn(model, parts, temperature, with_entropy),
-                            self._act_shape(model, parts))
+        head = lambda i, hidden: model.head_logprobs(hidden, parts[i][1]["response_ids"], temperature, with_entropy)
+        outs = forward_only(link, len(parts), self._stage_fn(model, parts, head), self._act_shape(model, parts))
         chunks = []
         for rows, (_, tensors), out in zip(plan, parts, outs):
             shape = list(tensors["response_ids"].shape)
-            logp, ent = out if out is not None else (paddle.empty(shape, "float32"),
-                                                     paddle.empty(shape, "float32") if with_entropy else None)
-            with watched(f"broadcast of log-probs from rank {link.last_rank}", link.group):
-                dist.broadcast(logp, src=link.last_rank, group=link.group)
-                if with_entropy:
-                    dist.broadcast(ent, src=link.last_rank, group=link.group)
+            logp, ent = out if out is not None else (None, None)
+            logp = self._from_last(link, logp, shape)
+            ent = self._from_last(link, ent, shape) if with_entropy else None
             chunks.append((rows, logp.numpy(), None if ent is None else ent.numpy()))
         return chunks
 
     def forward_backward(self, model, mini, keys, micro: int, temperature: float, loss_fn) -> list:
         parts = self._parts(mini, self.micro.plan(mini, micro), keys)
         outputs = []
-        train_1f1b(Link(self._topo), len(parts), self._stage_fn(model, parts, temperature, True, loss_fn, outputs),
-                   self._act_shape(model, parts))
+
+        def head(i, hidden):
+            tensors = parts[i][1]
+            logp, entropy = model.head_logprobs(hidden, tensors["response_ids"], temperature, True)
+            outputs.append(loss_fn(tensors, logp, entropy))
+            return outputs[-1].loss
+        train_1f1b(Link(self._topo), len(parts), self._stage_fn(model, parts, head), self._act_shape(model, parts))
         return outputs
+
+    # ---------------------------------------------------------------- a critic: the value head on the last stage
+    def _value_chunks(self, model, batch, plan) -> list:
+        parts = self._parts(batch, plan)
+        link = Link(self._topo)
+        head = lambda i, hidden: head_values(model, hidden)
+        outs = forward_only(link, len(parts), self._stage_fn(model, parts, head), self._act_shape(model, parts))
+        return [(rows, self._from_last(link, out, list(tensors["response_ids"].shape)).numpy())
+                for rows, (_, tensors), out in zip(plan, parts, outs)]
+
+    def value_forward_backward(self, model, mini, keys, micro: int, loss_fn) -> list:
+        plan = self.micro.plan(mini, micro)
+        parts = self._parts(mini, plan, keys)
+        outputs = []
+
+        def head(i, hidden):
+            part, tensors = parts[i]
+            outputs.append(loss_fn(plan[i], part, tensors, head_values(model, hidden)))
+            return outputs[-1].loss
+        train_1f1b(Link(self._topo), len(parts), self._stage_fn(model, parts, head), self._act_shape(model, parts))
+        return outputs
+
+    def from_last_stage(self, array):
+        topo = self._topo
+        return C.broadcast_object(array, topo.ranks_of["pp"][-1], topo.group("pp"))
 
     def clip_grad_norm_(self, model, max_norm: float) -> float:
         self._sync_tied_embedding(model)

@@ -39,6 +39,18 @@ class Replicated(Layout):
             outs.append(out)
         return outs
 
+    def _value_chunks(self, model, batch, plan) -> list:
+        return [(rows, self.micro.values(model, batch.micro(rows)).numpy()) for rows in plan]
+
+    def value_forward_backward(self, model, mini, keys, micro: int, loss_fn) -> list:
+        outs = []
+        for rows in self.micro.plan(mini, micro):
+            part = mini.micro(rows)
+            out = loss_fn(rows, part, part.tensors(keys=keys), self.micro.values(model, part))
+            out.loss.backward()
+            outs.append(out)
+        return outs
+
     def clip_grad_norm_(self, model, max_norm: float) -> float:
         if not self.is_parallel:
             return clip_grad_norm_(model.parameters(), max_norm)

@@ -37,34 +37,40 @@ def critic_config(folder: str) -> ModelConfig:
     return config
 
 
-def load_critic(folder: str, tp_group=None, lora: Optional[LoraSettings] = None) -> CausalLM:
+def load_critic(folder: str, tp_group=None, lora: Optional[LoraSettings] = None, stage=(0, 1)) -> CausalLM:
     """The critic from a folder, as `critic_config` reads it; with `tp_group` its decoder is split over the
     tensor-parallel ranks like the actor's and its value head is replicated (the final hidden state it reads is
-    whole on every rank). No pipeline split. `lora`: fresh adapters on the frozen decoder (models/lora.py) and the
-    value head trained whole (PEFT's `modules_to_save` of a sequence classifier)."""
+    whole on every rank); `stage=(index, count)` keeps one pipeline stage, as the actor's (the value head on the
+    last). `lora`: fresh adapters on the frozen decoder (models/lora.py) and the value head trained whole (PEFT's
+    `modules_to_save` of a sequence classifier)."""
     config = critic_config(folder)
     if ModelConfig.from_pretrained(folder).sequence_classifier:
-        model = load_model(folder, config, tp_group=tp_group)
+        model = load_model(folder, config, tp_group=tp_group, stage=stage)
     else:
-        model = CausalLM(config, tp_group)
+        model = CausalLM(config, tp_group, stage)
         state = load_state(folder)
         state["score.weight"] = np.zeros([1, config.hidden_size], dtype=np.float32)  # HF orientation [labels, hidden]
         load_weights(model, state)
         model.base_folder = folder
     if lora is not None:
         add_adapters(model, lora)               # freezes every parameter but the adapters
-        model.score.weight.stop_gradient = False
+        if model.is_last:
+            model.score.weight.stop_gradient = False
     return model
+
+
+def head_values(model: CausalLM, hidden):
+    """The value head on final hidden states [..., hidden] -> [...] (the last pipeline stage's)."""
+    return model.score(hidden)[..., 0]
 
 
 def token_values(model: CausalLM, input_ids, attention_mask, prompt_width: int, length: int, shared_prompts=None):
     """V_t of each response position t [b, length]: the head on the hidden state that predicts response token t
     (the state before the token is chosen), as `models.logprobs.token_logprobs` reads the LM head."""
-    hidden = response_hidden(model, input_ids, attention_mask, prompt_width, length, shared_prompts)
-    return model.score(hidden)[..., 0]
+    return head_values(model, response_hidden(model, input_ids, attention_mask, prompt_width, length, shared_prompts))
 
 
 def packed_token_values(model: CausalLM, packing):
     """token_values of a packed micro-batch (packing.Packing): [b, W], 0 where nothing is predicted."""
     hidden = paddle.gather(model.packed_hidden_states(packing)[0], packing.select).unsqueeze(0)
-    return packing.place(model.score(hidden)[..., 0])
+    return packing.place(head_values(model, hidden))

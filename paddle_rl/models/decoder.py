@@ -318,7 +318,8 @@ def stage_layers(num_layers: int, num_stages: int, stage: int) -> List[int]:
 class CausalLM(nn.Layer):
     """The decoder with its LM head. `tp_group` (a paddle.distributed group) splits the layers over tensor-parallel
     ranks; `stage=(index, count)` keeps one pipeline stage: its layers, the embedding on the first stage, the
-    final norm and head on the last (a tied head keeps a copy of the table there, `pp_duplicate`)."""
+    final norm and head on the last (a tied LM head keeps a copy of the table there, `pp_duplicate`; a sequence
+    classifier's score head needs none)."""
 
     def __init__(self, config: ModelConfig, tp_group=None, stage=(0, 1)):
         super().__init__()
@@ -328,7 +329,8 @@ class CausalLM(nn.Layer):
         self.is_first, self.is_last = self.stage == 0, self.stage == self.num_stages - 1
         self.layer_ids = stage_layers(config.num_hidden_layers, self.num_stages, self.stage)
         tied = config.tie_word_embeddings
-        if self.is_first or (self.is_last and tied):
+        # a sequence classifier's score head does not read the table: no copy of a tied one on the last stage
+        if self.is_first or (self.is_last and tied and not config.sequence_classifier):
             self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, tp_group,
                                                "model.embed_tokens.weight")
             if not self.is_first:
@@ -338,9 +340,6 @@ class CausalLM(nn.Layer):
         if self.is_last:
             self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, "model.norm.weight")
             if config.sequence_classifier:  # a reward model or a critic: a score head, no LM head
-                if self.num_stages > 1:
-                    raise ValueError("a sequence classifier (reward model, critic) runs whole on each rank: no "
-                                     "pipeline parallelism")
                 self.score = ScoreHead(config.hidden_size, config.num_labels)  # replicated under tensor parallelism
             elif not tied:
                 self.lm_head = ColumnLinear(config.hidden_size, [config.vocab_size], False, tp_group, "",

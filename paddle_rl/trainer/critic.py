@@ -4,9 +4,10 @@ log-probs, passes them to the Objective (GAE), and runs `update` before the acto
 
 The critic runs on the actor's grid (`Layout.load_critic`): data parallelism and sharding stage 1 / 2 through a
 GradientSync and sharded optimizer of its own (gradients summed over the batch group, Adam moments split over the
-sharding ranks), tensor parallelism with the actor's group (its value head replicated). With LoRA it trains
-adapters of the actor's settings and its whole value head, and is saved as a PEFT adapter (task SEQ_CLS,
-modules_to_save [score]). Pipeline parallelism is refused with an error naming the key."""
+sharding ranks), tensor parallelism with the actor's group (its value head replicated), pipeline parallelism in
+the actor's stages (its value head on the last; its value pass and update on the pipeline's schedules,
+layouts/pipelined.py). With LoRA it trains adapters of the actor's settings and its whole value head, and is saved
+as a PEFT adapter (task SEQ_CLS, modules_to_save [score])."""
 import copy
 import logging
 import math
@@ -32,8 +33,8 @@ FOLDER = "critic"   # the critic's part of a checkpoint-N folder: a one-label se
 
 
 def check_critic_config(config, uses_critic: bool) -> None:
-    """Refuse the layouts the critic does not run on (before any model loads); warn about critic keys set for an
-    estimator without a critic."""
+    """Check critic_model_name_or_path (before any model loads); warn about critic keys set for an estimator
+    without a critic."""
     if not uses_critic:
         given = [k for k in CRITIC_OPTIMIZER_KEYS + ("critic_model_name_or_path",) if getattr(config, k)]
         if config.critic_warmup_steps:
@@ -42,10 +43,6 @@ def check_critic_config(config, uses_critic: bool) -> None:
             logger.warning("%s: not applied: advantage estimator %r has no critic (rl_algorithm: ppo has one)",
                            ", ".join(given), config.resolved_estimator)
         return
-    what = f"rl_algorithm: ppo (advantage estimator {config.resolved_estimator!r}) with a critic"
-    if config.pipeline_parallel_degree > 1:
-        raise ConfigError(f"{what} is not supported with pipeline_parallel_degree > 1 (the critic is not split into "
-                          "pipeline stages): data, sharding and tensor parallelism are")
     folder = config.critic_model_name_or_path
     if folder and not os.path.isfile(os.path.join(folder, "config.json")):
         if has_adapter(folder):
@@ -82,18 +79,10 @@ class Critic:
                 "per_device_train_batch_size)", config.per_device_value_batch_size)
 
     # ---------------------------------------------------------------- the value pass
-    @paddle.no_grad()
     def values(self, batch) -> np.ndarray:
         """The critic's values of the rollout, numpy [B, T] float32, zero outside response_mask, in the batch's
         order (micro-batches of per_device_value_batch_size rows, or the token budget)."""
-        micro = self.layout.micro
-        self.model.eval()
-        mask = batch["response_mask"]
-        out = np.zeros(mask.shape, dtype=np.float32)
-        for rows in micro.plan(batch, self.config.per_device_value_batch_size):
-            value = micro.values(self.model, batch.micro(rows)).numpy()
-            out[rows, :value.shape[1]] = value
-        return out * mask
+        return self.layout.values(self.model, batch, self.config.per_device_value_batch_size)
 
     # ---------------------------------------------------------------- the update
     @property
@@ -113,7 +102,7 @@ class Critic:
         assert self.fuses_value_pass
         out = np.zeros(batch["response_mask"].shape, dtype=np.float32)
         metrics = self.update(batch, objective, rollout_values=out)
-        return out * batch["response_mask"], metrics
+        return self.layout.from_last_stage(out) * batch["response_mask"], metrics
 
     def update(self, batch, objective, rollout_values: Optional[np.ndarray] = None) -> dict:
         """The value loss over the batch's mini-batches (update_iters passes), one optimizer step per mini-batch;
@@ -128,25 +117,11 @@ class Critic:
                 mini = batch.select(rows)
                 num_tokens, num_seqs = (float(v) for v in layout.batch.sum(
                     objective.loss_normalizers(mini["response_mask"])))
+                loss_fn = self._loss_fn(objective, rows, num_tokens, num_seqs, rollout_values)
+                keys = ["values", "returns"] if rollout_values is None else None
                 finite = True
-                for part_rows in layout.micro.plan(mini, cfg.per_device_train_batch_size):
-                    part = mini.micro(part_rows)
-                    values = layout.micro.values(self.model, part)
-                    if rollout_values is None:
-                        t = part.tensors(keys=["values", "returns"])
-                        old, returns = t["values"], t["returns"]
-                    else:
-                        t = part.tensors()
-                        old = values.detach()
-                        v = old.numpy()
-                        rollout_values[rows[part_rows], :v.shape[1]] = v
-                        cut = {k: None if part.get(k) is None else part[k][:, :v.shape[1]]
-                               for k in ("response_mask", "old_logp", "ref_logp")}
-                        returns = paddle.to_tensor(objective.critic_returns(
-                            part["scores"], cut["response_mask"], part["group"], cut["old_logp"], cut["ref_logp"],
-                            v * cut["response_mask"]))
-                    out = objective.value_loss(values, old, returns, t["response_mask"], num_tokens, num_seqs)
-                    out.loss.backward()
+                for out in layout.value_forward_backward(self.model, mini, keys, cfg.per_device_train_batch_size,
+                                                         loss_fn):
                     finite = finite and math.isfinite(float(out.loss))
                     for k, v in out.metrics.items():
                         collected.setdefault(k, []).append(v)
@@ -166,6 +141,26 @@ class Critic:
         metrics["critic/nonfinite_skipped"] = float(skipped)
         return metrics
 
+    @staticmethod
+    def _loss_fn(objective, rows, num_tokens: float, num_seqs: float, rollout_values):
+        """The value loss of one micro-batch of the mini-batch at `rows` of the step's batch (Layout.
+        value_forward_backward's loss_fn): against the batch's values and returns, or (`rollout_values` given) against
+        the forward's own detached values, which it writes there, and the returns made from them."""
+        def loss_fn(part_rows, part, t, values):
+            if rollout_values is None:
+                old, returns = t["values"], t["returns"]
+            else:
+                old = values.detach()
+                v = old.numpy()
+                rollout_values[rows[part_rows], :v.shape[1]] = v
+                cut = {k: None if part.get(k) is None else part[k][:, :v.shape[1]]
+                       for k in ("response_mask", "old_logp", "ref_logp")}
+                returns = paddle.to_tensor(objective.critic_returns(
+                    part["scores"], cut["response_mask"], part["group"], cut["old_logp"], cut["ref_logp"],
+                    v * cut["response_mask"]))
+            return objective.value_loss(values, old, returns, t["response_mask"], num_tokens, num_seqs)
+        return loss_fn
+
     # ---------------------------------------------------------------- checkpoints
     def state_dict(self) -> dict:
         """What trainer_state.json keeps of the critic (its scheduler; the optimizer moments are files)."""
@@ -173,8 +168,9 @@ class Critic:
 
     def checkpoint_writer(self, rank: int = 0, world_size: int = 1, save_optimizer: bool = True):
         """A function writing the critic into `folder`/critic (save_checkpoint's extra_parts; every rank calls
-        both): its state is gathered over the tensor-parallel group now, before any rank writes, then rank 0
-        writes the weights (a LoRA critic: its adapters and value head) and each rank its optimizer state."""
+        both): its state is gathered over the tensor-parallel group and the pipeline stages now, before any rank
+        writes, then rank 0 writes the weights (a LoRA critic: its adapters and value head) and each rank its
+        optimizer state."""
         state = self.layout.full_state(self.model, saves_frozen(self.model))
 
         def write(folder: str) -> None:
