@@ -143,6 +143,26 @@ def test_cosine_hand_numbers():
         score(["cosine"], [sample("\\boxed{7}", 0, solution="7")])
 
 
+def test_cosine_accuracy_is_any_rule_with_the_correctness_trait():
+    """The rules that judge right or wrong say so where they are registered (`correctness=`); cosine_accuracy's
+    choices are those rules, a rule added in its own file included, and anything else is refused by name."""
+    from paddle_rl.rewards.rules import RULE_REWARDS, correctness_rules, register_rule
+    assert set(correctness_rules()) == {"math", "accuracy", "gsm8k", "gsm8k_flexible", "kk"}
+    with pytest.raises(ConfigError, match="cosine_accuracy: 'format' is not one of kk, gsm8k, gsm8k_flexible, math, accuracy"):
+        check_reward_config(RLConfig(reward_funcs=["cosine"], cosine_accuracy="format"))
+
+    @register_rule("exact_match_test", correctness=lambda response, truth: float(response.strip() == str(truth)))
+    def exact(samples):
+        return np.zeros(len(samples), np.float32), None
+    try:
+        check_reward_config(RLConfig(reward_funcs=["cosine"], cosine_accuracy="exact_match_test"))
+        result = score(["cosine"], [sample("7", 50, solution="7"), sample("8", 50, solution="7")], max_dec_len=50,
+                       cosine_accuracy="exact_match_test")
+        np.testing.assert_allclose(result.scores, [0.5, 0.0])
+    finally:
+        RULE_REWARDS.pop("exact_match_test")
+
+
 # ---------------------------------------------------------------------------------------------------- repetition
 
 def test_repetition_hand_numbers():

@@ -8,7 +8,6 @@ logger = logging.getLogger("paddle_rl")
 
 MODEL_REWARD = "reward_model"  # the neural reward model's name among reward_funcs (rewards/reward_model.py)
 
-COSINE_ACCURACY = ("math", "accuracy", "gsm8k", "gsm8k_flexible", "kk")
 SERVER_PROTOCOLS = ("auto", "v1", "paddlenlp")
 ON_FAILURE = ("error", "skip")
 
@@ -24,7 +23,7 @@ class RewardArgs:
     reward_routes: dict = arg({}, "data_source -> reward functions (list, or mapping name: weight) for records "
                                   "with that data_source; others use reward_funcs.")
     cosine_max_len: int = arg(-1, "Length T of the cosine reward (-1: max_dec_len).")
-    cosine_accuracy: str = arg("math", "Correctness behind the cosine reward: math | gsm8k | gsm8k_flexible | kk.")
+    cosine_accuracy: str = arg("math", "Correctness behind the cosine reward: a rule with the correctness trait (math | gsm8k | gsm8k_flexible | kk).")
     cosine_min_len_value_correct: float = arg(1.0, "Cosine reward of a correct answer at length 0.")
     cosine_max_len_value_correct: float = arg(0.5, "Cosine reward of a correct answer at length T.")
     cosine_min_len_value_wrong: float = arg(-0.5, "Cosine reward of a wrong answer at length 0.")
@@ -102,8 +101,6 @@ class RewardArgs:
                 spec = str(spec)
                 if (spec.endswith(".py") or os.sep in spec) and not os.path.isfile(spec):
                     errors.append(f"reward_plugins: file not found: {spec}")
-        if self.cosine_accuracy not in COSINE_ACCURACY:
-            errors.append(f"cosine_accuracy: {self.cosine_accuracy!r} is not one of {', '.join(COSINE_ACCURACY)}")
         if self.cosine_max_len == 0 or self.cosine_max_len < -1:
             errors.append(f"cosine_max_len: must be > 0 or -1, got {self.cosine_max_len}")
         if self.repetition_n_grams < 1:

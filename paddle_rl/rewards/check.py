@@ -11,7 +11,7 @@ from ..config import ConfigError
 from ..config.reward_args import MODEL_REWARD
 from .client import RewardServerClient
 from .plugins import PluginFunction, load_plugins_cached
-from .rules import RULE_REWARDS
+from .rules import RULE_REWARDS, correctness_rules
 
 OVERLONG_RULE = "soft_overlong"
 OVERLONG_KEY = "enable_overlong_reward_buffer"
@@ -68,7 +68,16 @@ def reward_config_errors(config) -> List[str]:
     named = named_functions(config.reward_funcs, config.reward_routes)
     return reward_model_errors(config, named) + unknown_function_errors(
         [(k, n) for k, n in named if n != MODEL_REWARD or not config.reward_model_name_or_path], plugins) + \
-        overlong_errors(config, named, plugins)
+        overlong_errors(config, named, plugins) + cosine_errors(config)
+
+
+def cosine_errors(config) -> List[str]:
+    """cosine_accuracy names a rule with the correctness trait (rules.py `register_rule(..., correctness=)`)."""
+    choices = correctness_rules()
+    if config.cosine_accuracy not in choices:
+        return [f"cosine_accuracy: {config.cosine_accuracy!r} is not one of {', '.join(choices)} (the rules that "
+                "judge a response right or wrong)"]
+    return []
 
 
 def reward_model_errors(config, named: List[Tuple[str, str]]) -> List[str]:

@@ -34,20 +34,29 @@ class Rule:
     name: str
     make: Callable            # make(config) -> fn(samples) -> (scores, correct or None)
     doc: str = ""
+    # trait: the rule decides correctness on its own, score_one(response, ground_truth) -> 1.0 when correct
+    # (what `cosine_accuracy` may name); None for rules that score something else (format, length, ...)
+    correctness: Optional[Callable] = None
 
 
 RULE_REWARDS: Dict[str, Rule] = {}
 
 
-def register_rule(name: str, needs_config: bool = False, aliases: tuple = ()):
-    """Decorator. Without `needs_config` it wraps `fn(samples)`; with it, a factory `make(config) -> fn`."""
+def register_rule(name: str, needs_config: bool = False, aliases: tuple = (), correctness: Callable = None):
+    """Decorator. Without `needs_config` it wraps `fn(samples)`; with it, a factory `make(config) -> fn`.
+    `correctness`: the trait of a rule that judges a response right or wrong, as score_one(response, truth)."""
     def wrap(fn):
         make = fn if needs_config else (lambda config, _fn=fn: _fn)
         doc = (fn.__doc__ or "").strip().splitlines()[0] if fn.__doc__ else ""
         for key in (name,) + tuple(aliases):
-            RULE_REWARDS[key] = Rule(key, make, doc)
+            RULE_REWARDS[key] = Rule(key, make, doc, correctness)
         return fn
     return wrap
+
+
+def correctness_rules() -> List[str]:
+    """The registered rules with the correctness trait (the choices of cosine_accuracy)."""
+    return [name for name, rule in RULE_REWARDS.items() if rule.correctness is not None]
 
 
 def _each(samples: List[RewardSample], score_one: Callable) -> np.ndarray:
@@ -96,7 +105,11 @@ def _length(sample: RewardSample, index: int, rule: str) -> int:
 
 # ----------------------------------------------------------------------------------------------- kk
 
-@register_rule("kk")
+def kk_correct(response: str, truth) -> float:
+    return 1.0 if kk_score(response, str(truth)) >= CORRECT_SCORE else 0.0
+
+
+@register_rule("kk", correctness=kk_correct)
 def kk_rule(samples: List[RewardSample]):
     """Knights and Knaves: format +1/-1 plus answer +2/-1.5/-2 (3, -0.5, -1, -3)."""
     scores = _each(samples, lambda i, s: kk_score(s.response, _ground_truth(s, i), s.prompt))
@@ -171,13 +184,13 @@ def _gsm8k(samples, flexible):
     return scores, scores >= 1.0
 
 
-@register_rule("gsm8k")
+@register_rule("gsm8k", correctness=lambda response, truth: gsm8k_score(response, truth, False))
 def gsm8k_rule(samples: List[RewardSample]):
     """1 if the last `#### <number>` (commas, $ removed) equals the solution, else 0."""
     return _gsm8k(samples, flexible=False)
 
 
-@register_rule("gsm8k_flexible")
+@register_rule("gsm8k_flexible", correctness=lambda response, truth: gsm8k_score(response, truth, True))
 def gsm8k_flexible_rule(samples: List[RewardSample]):
     """1 if the last number in the response equals the solution, else 0."""
     return _gsm8k(samples, flexible=True)
@@ -255,17 +268,11 @@ def math_score(response: str, ground_truth) -> float:
     return 1.0 if verify(gold, predicted, **kwargs) else 0.0
 
 
-@register_rule("math", aliases=("accuracy",))
+@register_rule("math", aliases=("accuracy",), correctness=math_score)
 def math_rule(samples: List[RewardSample]):
     """1 if the <answer> (else last \\boxed{}) is equivalent to the solution under math-verify, else 0."""
     scores = _each(samples, lambda i, s: math_score(s.response, _ground_truth(s, i)))
     return scores, scores >= 1.0
-
-
-CORRECTNESS_RULES = {"math": math_score, "accuracy": math_score,
-                     "gsm8k": lambda r, t: gsm8k_score(r, t, False),
-                     "gsm8k_flexible": lambda r, t: gsm8k_score(r, t, True),
-                     "kk": lambda r, t: 1.0 if kk_score(r, str(t)) >= CORRECT_SCORE else 0.0}
 
 
 # ----------------------------------------------------------------------------------------------- cosine
@@ -280,7 +287,7 @@ def cosine_value(length: int, max_len: int, value_at_zero: float, value_at_max: 
 def cosine_rule(config):
     """Length-aware correctness: correct 1.0 -> 0.5, wrong -0.5 -> 0.0 as the length goes 0 -> max."""
     max_len = config.cosine_max_len if config.cosine_max_len > 0 else config.max_dec_len
-    correct_fn = CORRECTNESS_RULES[config.cosine_accuracy]
+    correct_fn = RULE_REWARDS[config.cosine_accuracy].correctness  # checked by reward_config_errors
     c0, c1 = config.cosine_min_len_value_correct, config.cosine_max_len_value_correct
     w0, w1 = config.cosine_min_len_value_wrong, config.cosine_max_len_value_wrong
 
