@@ -17,6 +17,7 @@ from paddle.utils import unique_name
 from .. import ops
 from ..algorithms import Objective
 from ..batch import StepBatch, object_column
+from ..config import ConfigError
 from ..data.loader import PromptSampler, load_prompt_dataset
 from ..layouts import build_layout
 from ..models import Tokenizer, adapters_off
@@ -102,6 +103,9 @@ class RLTrainer:
                 self.precision.prepare_model(self.reference)
         self.pad_id = self.tokenizer.pad_token_id
         self.stop_ids = sorted(set(self.tokenizer.eos_token_ids) | set(self.actor.config.eos_token_ids))
+        if config.env_plugin == "agent" and self.layout.is_parallel:
+            raise ConfigError("env_plugin agent: the trainer runs as one process for now (each rank would run its own "
+                              "programs and proxy); launch without data / sharding / tensor / pipeline parallelism")
         self.make_episodes = episode_maker(config, self.tokenizer, self.stop_ids)
         if not self.stop_ids:
             raise ValueError(f"{self.tokenizer_dir}: no EOS token (tokenizer_config.json eos_token or "
@@ -450,6 +454,8 @@ class RLTrainer:
                         float(batch["turns"].max()), "episode/tool_calls/mean": float(batch["tool_calls"].mean()),
                         "episode/tool_error_share": float(batch["tool_errors"].sum()) / calls if calls else 0.0,
                         "episode/policy_token_share": float(batch["policy_tokens"].sum() / max(lengths.sum(), 1.0))})
+        if "agent_failed" in batch:
+            out["episode/agent_failed_share"] = float(batch["agent_failed"].mean())
         return out
 
     def episodes_for(self, items, n: Optional[int] = None):
