@@ -121,6 +121,11 @@ class _Episode:
         self.stderr = ""
 
 
+class _Server(ThreadingHTTPServer):
+    request_queue_size = 1024   # socketserver's 5 would refuse connections when many programs start at once
+    daemon_threads = True
+
+
 class AgentProxy:
     """The recording endpoint on 127.0.0.1 (a thread of this process; one per environment factory): OpenAI's
     /v1/chat/completions, /v1/completions and /v1/models, each request handed to the rollout whose episode owns
@@ -188,8 +193,7 @@ class AgentProxy:
                 except RequestError as e:
                     self._answer(e.status, e.body())
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
+        self.server = _Server(("127.0.0.1", 0), Handler)
         self.thread = threading.Thread(target=self.server.serve_forever, name="agent-proxy", daemon=True)
         self.thread.start()
 
@@ -382,10 +386,11 @@ class AgentEpisodes:
                         thread.start()
                         threads.append(thread)
                     batch = self._take()
-                    if batch is None and not waiting and self.live == 0:
+                    fatal = self.fatal
+                    if fatal is None and batch is None and not waiting and self.live == 0:
                         break
-                if self.fatal is not None:
-                    raise self._error(self.fatal)
+                if fatal is not None:
+                    raise self._error(fatal)
                 if batch:
                     self._generate(generate, batch)
         finally:
