@@ -61,6 +61,8 @@ COLUMNS: Dict[str, Column] = _columns(
     Column("tool_errors", "row", "int", EPISODES, optional=True),
     Column("env_reward", "row", "float", EPISODES, optional=True),   # NaN: the environment gave none
     Column("policy_tokens", "row", "int", EPISODES, optional=True),
+    Column("agent_failed", "row", "bool", "agent programs (rollout/agents.py)", optional=True),
+    Column("prompt_variant", "row", "int", "agent programs (rollout/agents.py)", optional=True),  # within a group
     Column("item", "row", "object", TRAINER),                    # the row's dataset record
     Column("reward", "row", "float", REWARD),
     Column("correct", "row", "bool", REWARD, optional=True),
@@ -285,11 +287,21 @@ class StepBatch:
             out[key] = paddle.to_tensor(self[key][rows])
         return out
 
+    def prompt_group_ids(self, rows=slice(None)) -> np.ndarray:
+        """Ids of the distinct prompts of `rows`: their `group`, split by `prompt_variant` where a rollout wrote
+        that column (an agent program may start the samples of one prompt group from different prompt tokens,
+        rollout/agents.py); rows with the same id have the same prompt."""
+        groups = np.asarray(self["group"][rows], dtype=np.int64)
+        if not self.has("prompt_variant"):
+            return groups
+        pairs = np.stack([groups, np.asarray(self["prompt_variant"][rows], dtype=np.int64)], 1)
+        return np.unique(pairs, axis=0, return_inverse=True)[1].reshape(-1).astype(np.int64)
+
     def shared_prompts(self, rows=slice(None)):
         """(prompt_first [U], prompt_rows [b]) of `rows`: the first row of each distinct group and each row's
         group, as positions within `rows` (see CausalLM.shared_prompt_hidden_states); None when every row
         has its own group."""
-        groups = self["group"][rows]
+        groups = self.prompt_group_ids(rows)
         _, first, inverse = np.unique(groups, return_index=True, return_inverse=True)
         if len(first) == len(groups):
             return None

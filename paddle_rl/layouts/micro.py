@@ -57,7 +57,7 @@ class MicroBatching:
 
     def _groups(self, batch: StepBatch) -> np.ndarray:
         if self.share_prompts and "group" in batch:
-            return np.asarray(batch["group"], dtype=np.int64)
+            return batch.prompt_group_ids()
         return np.arange(batch.size)
 
     def _tokens(self, prompt, response, groups, rows) -> int:

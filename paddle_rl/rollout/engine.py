@@ -18,14 +18,14 @@ import numpy as np
 import paddle
 
 from .. import ops
-from ..batch import StepBatch, rollout_batch
+from ..batch import StepBatch
 from ..models.decoder import CausalLM, LayerCache, attention_bias_from_mask
 from ..models.lora import merged_weights
 from ..ops.kv_cache import kv_place
 from .keys import uniforms_for
 from .running import RunningBatch
 from .sampling import SamplingParams, force_lengths
-from .sequence import Scheduler, Sequence
+from .sequence import Scheduler, Sequence, sequences_batch
 from .settings import EngineSettings
 
 
@@ -86,6 +86,12 @@ class RolloutEngine:
         `episodes.turn_ended(seq)` returns the tokens of the environment's observation (fed in one per decode
         step, with no log-prob and out of the loss mask, the row's KV cache kept) or None to end the episode; rows
         at different turns decode together."""
+        if getattr(episodes, "drives_generation", False):
+            # agent programs (rollout/agents.py AgentEpisodes): the episodes ask for completions, generated here in
+            # batches of the requests waiting, with the weights packed once for the whole rollout
+            with merged_weights(self.model), self.model.packed_weights(self.rollout_dtype, self.quant_type) as repack:
+                return episodes.run(lambda p, k, prm, ks: self._generate(p, k, prm, ks, None, repack, None),
+                                    prompts, n, params, keys, groups, self.pad_id)
         if episodes is not None and params.repetition_penalty != 1.0:
             raise ValueError("repetition_penalty: not with a multi-turn environment (observation tokens would not "
                              "count as seen)")
@@ -220,24 +226,4 @@ class RolloutEngine:
         return finished
 
     def _output(self, done, rows: int) -> StepBatch:
-        done = sorted(done, key=lambda s: s.row)
-        assert len(done) == rows and all(s.row == r for r, s in enumerate(done))
-        width = max(1, max(len(s.tokens) for s in done))
-        response = np.full((rows, width), self.pad_id, dtype=np.int64)
-        logprobs = np.zeros((rows, width), dtype=np.float32)
-        lengths = np.array([len(s.tokens) for s in done], dtype=np.int64)
-        mask = np.zeros((rows, width), dtype=np.float32)
-        for r, s in enumerate(done):
-            response[r, :len(s.tokens)] = s.tokens
-            logprobs[r, :len(s.tokens)] = s.logprobs
-            mask[r, :len(s.tokens)] = s.policy  # observation tokens are out of the loss mask
-        out = rollout_batch([s.prompt for s in done], response, mask, logprobs, lengths,
-                            np.array([s.truncated for s in done]), self.pad_id, [s.group for s in done],
-                            [s.sample for s in done])
-        out["decode_steps"] = np.array([s.decode_steps for s in done], dtype=np.int64)
-        if self.between_steps is not None:
-            versions = np.full((rows, width), -1, dtype=np.int64)
-            for r, s in enumerate(done):
-                versions[r, :len(s.versions)] = s.versions
-            out["token_version"] = versions
-        return out
+        return sequences_batch(done, rows, self.pad_id, token_versions=self.between_steps is not None)

@@ -174,15 +174,15 @@ def load_environment(spec: str, tools=("calculator", "python"), max_calls: int =
     return cls
 
 
-def observation_renderer(tokenizer, stop_ids) -> Callable[[str, int], List[int]]:
-    """(observation text, the token that ended the policy's turn) -> the tokens fed in: the chat template's own
-    rendering of a `tool` message and the next assistant turn's generation prompt, after the turn's end."""
-    convo = [{"role": "user", "content": "q"}, {"role": "assistant", "content": SENTINEL}]
+def continuation_renderer(tokenizer, stop_ids) -> Callable[[List[dict], List[dict], int], List[int]]:
+    """(the conversation before the policy's turn, the messages after it, the token that ended the turn) -> the
+    tokens that follow the turn: the chat template's own rendering of those messages and the next assistant turn's
+    generation prompt, the turn's own end left out when the policy wrote it."""
     stop_texts = {t: tokenizer.decode([t]) for t in stop_ids}
 
-    def render(observation: str, stop_token: int) -> List[int]:
-        text = tokenizer.apply_chat_template(convo + [{"role": "tool", "content": observation}],
-                                             add_generation_prompt=True)
+    def render(history: List[dict], messages: List[dict], stop_token: int) -> List[int]:
+        text = tokenizer.apply_chat_template(list(history) + [{"role": "assistant", "content": SENTINEL}]
+                                             + list(messages), add_generation_prompt=True)
         at = text.find(SENTINEL)
         if at < 0:
             raise ValueError("the chat template does not render the assistant's content as given: cannot place "
@@ -193,6 +193,24 @@ def observation_renderer(tokenizer, stop_ids) -> Callable[[str, int], List[int]]
             rest = rest[len(ended):]
         return tokenizer.encode(rest)
     return render
+
+
+def observation_renderer(tokenizer, stop_ids) -> Callable[[str, int], List[int]]:
+    """(observation text, the token that ended the policy's turn) -> the tokens fed in: a `tool` message after the
+    turn (continuation_renderer)."""
+    render = continuation_renderer(tokenizer, stop_ids)
+    convo = [{"role": "user", "content": "q"}]
+    return lambda observation, stop_token: render(convo, [{"role": "tool", "content": observation}], stop_token)
+
+
+def episode_columns(batch, turns, tool_calls, tool_errors, reward) -> None:
+    """The columns of a multi-turn rollout (per row: turns, tool calls, tool errors, the environment's reward or
+    NaN, and the policy's tokens), which the metrics and the reward function `env` read."""
+    batch["turns"] = np.asarray(turns, dtype=np.int64)
+    batch["tool_calls"] = np.asarray(tool_calls, dtype=np.int64)
+    batch["tool_errors"] = np.asarray(tool_errors, dtype=np.int64)
+    batch["env_reward"] = np.asarray(reward, dtype=np.float32)
+    batch["policy_tokens"] = np.asarray(batch["response_mask"]).sum(1).astype(np.int64)
 
 
 class EpisodeRunner:
@@ -241,8 +259,4 @@ class EpisodeRunner:
 
     def finish(self, batch) -> None:
         """The episodes' columns on the rollout's batch (its rows in this runner's order)."""
-        batch["turns"] = self.turns
-        batch["tool_calls"] = self.tool_calls
-        batch["tool_errors"] = self.tool_errors
-        batch["env_reward"] = self.reward
-        batch["policy_tokens"] = np.asarray(batch["response_mask"]).sum(1).astype(np.int64)
+        episode_columns(batch, self.turns, self.tool_calls, self.tool_errors, self.reward)

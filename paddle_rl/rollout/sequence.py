@@ -12,6 +12,8 @@ from typing import List, Optional
 
 import numpy as np
 
+from ..batch import StepBatch, rollout_batch
+
 
 class Sequence:
     __slots__ = ("row", "group", "sample", "prompt", "uniforms", "target", "tokens", "logprobs", "stopped",
@@ -85,3 +87,31 @@ class Scheduler:
     @property
     def done(self) -> bool:
         return not self.waiting
+
+
+def sequences_batch(done: List[Sequence], rows: int, pad_id: int, token_versions: bool = False) -> StepBatch:
+    """The rollout's StepBatch of finished sequences (one per output row): their tokens, log-probs (0 where fed
+    in), `response_mask` from `policy` (a fed-in token is out of the loss), lengths, truncation, group and sample,
+    decode steps and, with `token_versions`, each token's policy version. The engine's output, and an agent
+    program's recorded episodes (rollout/agents.py)."""
+    done = sorted(done, key=lambda s: s.row)
+    assert len(done) == rows and all(s.row == r for r, s in enumerate(done))
+    width = max(1, max(len(s.tokens) for s in done))
+    response = np.full((rows, width), pad_id, dtype=np.int64)
+    logprobs = np.zeros((rows, width), dtype=np.float32)
+    lengths = np.array([len(s.tokens) for s in done], dtype=np.int64)
+    mask = np.zeros((rows, width), dtype=np.float32)
+    for r, s in enumerate(done):
+        response[r, :len(s.tokens)] = s.tokens
+        logprobs[r, :len(s.tokens)] = s.logprobs
+        mask[r, :len(s.tokens)] = s.policy  # observation tokens are out of the loss mask
+    out = rollout_batch([s.prompt for s in done], response, mask, logprobs, lengths,
+                        np.array([s.truncated for s in done]), pad_id, [s.group for s in done],
+                        [s.sample for s in done])
+    out["decode_steps"] = np.array([s.decode_steps for s in done], dtype=np.int64)
+    if token_versions:
+        versions = np.full((rows, width), -1, dtype=np.int64)
+        for r, s in enumerate(done):
+            versions[r, :len(s.versions)] = s.versions
+        out["token_version"] = versions
+    return out

@@ -14,6 +14,7 @@ POST /v1/chat/completions   logprobs, seed); the chat endpoint renders the model
                             repetition_penalty, min_tokens in the request
 GET  /v1/models             the one model served
 
+The request parsing and the answers of the OpenAI endpoints are rollout/openai_api.py's (shared with the agent proxy).
 One thread runs the engine, so requests (and weight pushes) are served one at a time, in arrival order. Errors are
 OpenAI's shape: {"error": {"message", "type", "code"}} with an HTTP status; the message names the field.
 Every request but GET /health and the docs pages passes `RequestGate` first: the API key from the headers alone
@@ -22,7 +23,6 @@ Every request but GET /health and the docs pages passes `RequestGate` first: the
 import asyncio
 import json
 import logging
-import os
 import resource
 import time
 import uuid
@@ -39,10 +39,12 @@ from safetensors.numpy import load as load_safetensors
 
 from ..http_auth import key_matches, read_body, replaying
 from ..models import load_weights
-from ..rollout.keys import sample_key
+from ..rollout.openai_api import (CHAT_FIELDS, COMPLETION_FIELDS, RequestError, chat_logprobs, chat_messages,
+                                  check_fields, check_tokens, choices_of, completion_logprobs, completion_prompts,
+                                  openai_keys, render_chat, sampling_from_openai)
 from ..rollout.sampling import SamplingParams
-from ..rollout.wire import (FORMATS, WireError, batch_to_rows, batch_to_safetensors, check_params, keys_from_wire,
-                            model_identity, params_from_wire)
+from ..rollout.wire import (FORMATS, WireError, batch_to_rows, batch_to_safetensors, keys_from_wire, model_identity,
+                            params_from_wire)
 
 logger = logging.getLogger("paddle_rl.rollout_server")
 
@@ -58,12 +60,6 @@ class ServerSettings:
     max_weights_bytes: int = 64 * 1024 ** 3        # a weight push
     api_key: str = ""
     served_model_name: str = "model"
-
-
-class RequestError(Exception):
-    def __init__(self, message: str, status: int = 400, kind: str = "invalid_request_error", code=None):
-        super().__init__(message)
-        self.status, self.kind, self.code = status, kind, code
 
 
 def error_response(message: str, status: int, kind: str = "invalid_request_error", code=None,
@@ -168,134 +164,6 @@ class RolloutService:
         return time.perf_counter() - start
 
 
-# ---------------------------------------------------------------- OpenAI-compatible requests
-UNSUPPORTED = {"stream": False, "echo": False, "suffix": None, "best_of": None, "presence_penalty": 0,
-               "frequency_penalty": 0, "logit_bias": None, "tools": None, "tool_choice": None, "functions": None,
-               "response_format": None}
-IGNORED = {"model", "user", "metadata", "store", "stream_options", "service_tier", "parallel_tool_calls"}
-
-
-def _number(body: dict, key: str, default, kind=float, low=None, high=None, low_open=False):
-    value = body.get(key, default)
-    if value is None:
-        value = default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and value != int(value)):
-        raise RequestError(f"{key}: expected {'an integer' if kind is int else 'a number'}, got {value!r}")
-    if (low is not None and (value <= low if low_open else value < low)) or (high is not None and value > high):
-        raise RequestError(f"{key}: {value} is out of range")
-    return kind(value)
-
-
-def _check_fields(body: dict, known: set) -> None:
-    for key, neutral in UNSUPPORTED.items():
-        if key in body and body[key] not in (neutral, None, [], {}):
-            raise RequestError(f"{key}: not supported by this server (got {body[key]!r})")
-    unknown = sorted(set(body) - known - set(UNSUPPORTED) - IGNORED)
-    if unknown:
-        raise RequestError(f"unknown field(s): {', '.join(unknown)}")
-
-
-def _stop_strings(body: dict) -> List[str]:
-    stop = body.get("stop")
-    if stop is None:
-        return []
-    stop = [stop] if isinstance(stop, str) else stop
-    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
-        raise RequestError(f"stop: expected a string or a list of non-empty strings, got {body.get('stop')!r}")
-    return stop
-
-
-def _cut_at_stop(tokenizer, ids: List[int], stops: List[str]):
-    """(text, tokens kept, stopped): the decoded text before the first stop string (OpenAI leaves the stop string
-    out), and how many tokens it takes to reach the end of that stop string."""
-    text = tokenizer.decode(ids, skip_special_tokens=True)
-    hits = [(text.find(s), s) for s in stops if s in text]
-    if not hits:
-        return text, len(ids), False
-    at, stop = min(hits)
-    end = at + len(stop)
-    lo, hi = 1, len(ids)   # the fewest tokens whose text reaches the stop string's end
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if len(tokenizer.decode(ids[:mid], skip_special_tokens=True)) >= end:
-            hi = mid
-        else:
-            lo = mid + 1
-    return text[:at], lo, True
-
-
-def sampling_from_openai(body: dict, service: RolloutService, default_max_tokens: int, chat: bool):
-    """(SamplingParams, n, stop strings, seed) of an OpenAI request."""
-    n = _number(body, "n", 1, int, low=1, high=1024)
-    temperature = _number(body, "temperature", 1.0, low=0.0, high=100.0)
-    top_p = _number(body, "top_p", 1.0, low=0.0, high=1.0, low_open=True)
-    max_key = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
-    max_tokens = _number(body, max_key, default_max_tokens, int, low=1)
-    stops = _stop_strings(body)
-    # a stop string that is one token stops the engine there; longer ones cut the text afterwards
-    stop_ids = set(service.stop_ids)
-    for s in stops:
-        ids = service.tokenizer.encode(s)
-        if len(ids) == 1:
-            stop_ids.add(ids[0])
-    params = SamplingParams(max_dec_len=max_tokens, min_dec_len=_number(body, "min_tokens", 0, int, low=0),
-                            temperature=temperature, top_p=top_p, top_k=_number(body, "top_k", 0, int, low=0),
-                            repetition_penalty=_number(body, "repetition_penalty", 1.0, low=0.0, low_open=True),
-                            stop_token_ids=sorted(stop_ids))
-    problems = check_params(params)
-    if problems:
-        raise RequestError("; ".join(problems))
-    seed = body.get("seed")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-        raise RequestError(f"seed: expected an integer, got {seed!r}")
-    return params, n, stops, seed
-
-
-def openai_keys(seed: Optional[int], prompts: int, n: int, greedy: bool):
-    if greedy:
-        return None
-    seed = int.from_bytes(os.urandom(8), "little") if seed is None else seed
-    return [sample_key(seed, 0, f"openai:{p}", j) for p in range(prompts) for j in range(n)]
-
-
-def completion_prompts(tokenizer, prompt) -> List[List[int]]:
-    """OpenAI's prompt: a string, a list of strings, a list of token ids or a list of such lists."""
-    if isinstance(prompt, str):
-        return [tokenizer.encode(prompt)]
-    if isinstance(prompt, list) and prompt:
-        if all(isinstance(p, str) for p in prompt):
-            return [tokenizer.encode(p) for p in prompt]
-        if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            return [list(prompt)]
-        if all(isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p)
-               for p in prompt):
-            return [list(p) for p in prompt]
-    raise RequestError("prompt: expected a string, a list of strings, a list of token ids or a list of lists of "
-                       "token ids (none empty)")
-
-
-def _text_content(content, index: int):
-    """A message's content: a string, or OpenAI's list of parts of which only text parts are taken (joined)."""
-    if content is None or isinstance(content, str):
-        return content
-    if isinstance(content, list) and all(isinstance(p, dict) for p in content):
-        kinds = sorted({str(p.get("type")) for p in content} - {"text"})
-        if kinds:
-            raise RequestError(f"messages[{index}].content: parts of type {', '.join(kinds)} are not supported "
-                               "(text only)")
-        return "".join(str(p.get("text", "")) for p in content)
-    raise RequestError(f"messages[{index}].content: expected a string or a list of text parts")
-
-
-def _check_tokens(prompts, vocab: int) -> None:
-    for i, p in enumerate(prompts):
-        if not p:
-            raise RequestError(f"prompts[{i}]: empty")
-        bad = [t for t in p if not 0 <= t < vocab]
-        if bad:
-            raise RequestError(f"prompts[{i}]: token id {bad[0]} outside the vocabulary [0, {vocab})")
-
-
 # ---------------------------------------------------------------- the application
 def create_app(service: RolloutService, settings: ServerSettings) -> FastAPI:
     app = FastAPIOffline(title="paddle-rl rollout server", version="1.0",
@@ -349,7 +217,7 @@ def create_app(service: RolloutService, settings: ServerSettings) -> FastAPI:
                 isinstance(p, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in p)
                 for p in prompts):
             raise RequestError("prompts: expected a non-empty list of token-id lists")
-        _check_tokens(prompts, vocab)
+        check_tokens(prompts, vocab)
         n = body.get("n")
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise RequestError(f"n: expected an integer >= 1, got {n!r}")
@@ -384,60 +252,22 @@ def create_app(service: RolloutService, settings: ServerSettings) -> FastAPI:
         logger.info("weights version %d loaded (%.1f MB, %.2f s)", version, len(body) / 2 ** 20, load_s)
         return {"version": version, "load_s": load_s}
 
-    def choices_of(batch, prompts, n, stops, logprobs: bool, chat: bool):
-        tokenizer = service.tokenizer
-        choices, completion_tokens = [], 0
-        for r in range(batch.size):
-            k = int(batch["lengths"][r])
-            ids = batch["response_ids"][r, :k].tolist()
-            logp = [float(v) for v in batch["rollout_logp"][r, :k]]
-            text, kept, stopped = _cut_at_stop(tokenizer, ids, stops)
-            ids, logp = ids[:kept], logp[:kept]
-            completion_tokens += len(ids)
-            reason = "stop" if stopped or not bool(batch["truncated"][r]) else "length"
-            choice = {"index": r, "finish_reason": reason, "token_ids": ids}
-            pieces = [tokenizer.decode([t]) for t in ids]
-            if chat:
-                choice["message"] = {"role": "assistant", "content": text}
-                choice["logprobs"] = {"content": [
-                    {"token": p, "logprob": v, "bytes": list(p.encode()), "top_logprobs": []}
-                    for p, v in zip(pieces, logp)]} if logprobs else None
-            else:
-                choice["text"] = text
-                offsets, at = [], 0
-                for p in pieces:
-                    offsets.append(at)
-                    at += len(p)
-                choice["logprobs"] = {"tokens": pieces, "token_logprobs": logp, "top_logprobs": None,
-                                      "text_offset": offsets} if logprobs else None
-            choices.append(choice)
-        prompt_tokens = sum(len(p) for p in prompts)
-        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                 "total_tokens": prompt_tokens + completion_tokens}
-        return choices, usage
-
     async def complete(body: dict, prompts, chat: bool, logprobs: bool):
-        _check_tokens(prompts, vocab)
+        check_tokens(prompts, vocab)
         default = service.default_max_tokens if chat else 16
-        params, n, stops, seed = sampling_from_openai(body, service, default, chat)
+        params, n, stops, seed = sampling_from_openai(body, service.tokenizer, service.stop_ids, default, chat)
         keys = openai_keys(seed, len(prompts), n, params.greedy)
         batch, version, _ = await service.run(service.generate, prompts, n, params, keys, None)
-        return choices_of(batch, prompts, n, stops, logprobs, chat) + (version,)
+        return choices_of(service.tokenizer, batch, stops, logprobs, chat, prompts) + (version,)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
         body = await json_body(request)
-        _check_fields(body, {"prompt", "n", "temperature", "top_p", "max_tokens", "stop", "logprobs", "seed",
-                             "top_k", "repetition_penalty", "min_tokens"})
+        check_fields(body, COMPLETION_FIELDS)
         check_model(body)
-        logprobs = body.get("logprobs")
-        if logprobs not in (None, 0) and not (isinstance(logprobs, int) and not isinstance(logprobs, bool)):
-            raise RequestError(f"logprobs: expected an integer, got {logprobs!r}")
-        if logprobs:
-            raise RequestError(f"logprobs: {logprobs} alternatives per token are not computed; logprobs: 0 returns "
-                               "each sampled token's log-prob")
+        logprobs = completion_logprobs(body)
         prompts = completion_prompts(service.tokenizer, body.get("prompt"))
-        choices, usage, version = await complete(body, prompts, False, logprobs is not None)
+        choices, usage, version = await complete(body, prompts, False, logprobs)
         return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
                 "model": settings.served_model_name, "choices": choices, "usage": usage,
                 "prompt_token_ids": prompts, "policy_version": version}
@@ -445,24 +275,11 @@ def create_app(service: RolloutService, settings: ServerSettings) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         body = await json_body(request)
-        _check_fields(body, {"messages", "n", "temperature", "top_p", "max_tokens", "max_completion_tokens", "stop",
-                             "logprobs", "top_logprobs", "seed", "top_k", "repetition_penalty", "min_tokens"})
+        check_fields(body, CHAT_FIELDS)
         check_model(body)
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages or not all(
-                isinstance(m, dict) and isinstance(m.get("role"), str) and "content" in m for m in messages):
-            raise RequestError("messages: expected a non-empty list of {role, content} objects")
-        messages = [dict(m, content=_text_content(m["content"], i)) for i, m in enumerate(messages)]
-        if body.get("top_logprobs"):
-            raise RequestError(f"top_logprobs: {body['top_logprobs']} alternatives per token are not computed "
-                               "(logprobs: true returns each sampled token's log-prob)")
-        logprobs = body.get("logprobs") or False
-        if not isinstance(logprobs, bool):
-            raise RequestError(f"logprobs: expected true or false, got {logprobs!r}")
-        try:
-            text = service.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        except Exception as e:  # noqa: BLE001 - the template's own error (raise_exception, a missing field)
-            raise RequestError(f"messages: the chat template failed: {e}") from None
+        messages = chat_messages(body)
+        logprobs = chat_logprobs(body)
+        text = render_chat(service.tokenizer, messages)
         prompts = [service.tokenizer.encode(text)]
         choices, usage, version = await complete(body, prompts, True, logprobs)
         return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),

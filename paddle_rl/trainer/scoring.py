@@ -17,7 +17,8 @@ def reward_record(item) -> dict:
 
 def score(batch: StepBatch, tokenizer, reward_fn) -> None:
     """Adds the reward columns; rows need the column `item` (their dataset item). A multi-turn rollout's
-    episode reward (column env_reward) reaches the reward functions as the record's `env_reward`."""
+    episode reward (column env_reward) reaches the reward functions as the record's `env_reward`; a failed agent
+    program's sample (column agent_failed, env_plugin agent) scores 0 in every function."""
     batch.require(["item", "response_ids", "lengths", "truncated"], by="the reward")
     texts = tokenizer.decode_batch(batch.responses())
     records = [reward_record(it) for it in batch["item"]]
@@ -27,7 +28,15 @@ def score(batch: StepBatch, tokenizer, reward_fn) -> None:
     samples = [RewardSample(it["prompt"], text, record, int(length), bool(truncated))
                for it, text, record, length, truncated in zip(batch["item"], texts, records, batch["lengths"],
                                                                 batch["truncated"])]
-    add_reward_columns(batch, reward_fn(samples))
+    result = reward_fn(samples)
+    if batch.has("agent_failed") and batch["agent_failed"].any():   # env_plugin agent, agent_on_failure: zero
+        failed = np.asarray(batch["agent_failed"], dtype=bool)
+        result.scores = np.where(failed, 0.0, result.scores).astype(np.float32)
+        for name, values in result.per_function.items():
+            result.per_function[name] = np.where(failed, 0.0, values).astype(np.float32)
+        if result.correct is not None:
+            result.correct = np.asarray(result.correct, dtype=bool) & ~failed
+    add_reward_columns(batch, result)
 
 
 def add_reward_columns(batch: StepBatch, result: RewardResult) -> None:
@@ -54,7 +63,7 @@ def reward_result(batch: StepBatch) -> RewardResult:
 
 # columns the step-wide metrics read (reward, accuracy, lengths)
 METRIC_COLUMNS = ("reward", "correct", "skipped", "lengths", "truncated", "turns", "tool_calls", "tool_errors",
-                  "policy_tokens")
+                  "policy_tokens", "agent_failed")
 
 
 def metric_columns(batch: StepBatch) -> list:

@@ -16,6 +16,7 @@ from paddle.utils import unique_name
 
 from ..algorithms import Objective
 from ..batch import StepBatch, object_column
+from ..config import ConfigError
 from ..data.loader import load_prompt_dataset
 from ..models import adapters_off
 from ..monitor import StageTimer
@@ -45,6 +46,9 @@ class RLTrainer:
         self.loop = loop = StepLoop(config, topology)
         self.config, self.layout, self.tokenizer, self.tokenizer_dir = config, loop.layout, loop.tokenizer, \
             loop.tokenizer_dir
+        if config.env_plugin == "agent" and self.layout.is_parallel:
+            raise ConfigError("env_plugin agent: the trainer runs as one process for now (each rank would run its own "
+                              "programs and proxy); launch without data / sharding / tensor / pipeline parallelism")
         self.objective = Objective(config, reduce=self.layout.stats_reduce)
         check_critic_config(config, self.objective.uses_critic)  # the layouts a critic runs on, before models load
         loop.load_data(load_prompt_dataset(config.train_datasets, self.tokenizer, config.prompt_key,
@@ -307,6 +311,8 @@ class RLTrainer:
                         float(batch["turns"].max()), "episode/tool_calls/mean": float(batch["tool_calls"].mean()),
                         "episode/tool_error_share": float(batch["tool_errors"].sum()) / calls if calls else 0.0,
                         "episode/policy_token_share": float(batch["policy_tokens"].sum() / max(lengths.sum(), 1.0))})
+        if batch.has("agent_failed"):
+            out["episode/agent_failed_share"] = float(batch["agent_failed"].mean())
         return out
 
     def episodes_for(self, items, n: Optional[int] = None):
