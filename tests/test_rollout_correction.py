@@ -95,7 +95,7 @@ def test_loss_multiplies_the_policy_term_by_the_weight():
 
 
 def test_config_refuses_what_cannot_act():
-    with pytest.raises(ConfigError, match="rollout_is: 'tok'"):
+    with pytest.raises(ConfigError, match="rollout_is: must be token, sequence or null, got 'tok'"):
         load_config(None, BASE + ["rollout_is=tok"])
     with pytest.raises(ConfigError, match="reuse_rollout_logprobs"):
         load_config(None, BASE + ["rollout_is=token", "reuse_rollout_logprobs=on"])

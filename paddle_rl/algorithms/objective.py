@@ -99,6 +99,10 @@ class Objective:
                     "tau_pos": config.tau_pos, "tau_neg": config.tau_neg}
         self._estimator_options = self._estimator.bind(settings, STEP_INPUTS)
         self._loss_options = self._policy_loss.bind(settings)
+        if config.clip_ratio_c is not None and "clip_ratio_c" not in self._policy_loss.options:
+            readers = [name for name, entry in POLICY_LOSSES.items() if "clip_ratio_c" in entry.options]
+            raise ConfigError(f"clip_ratio_c: read by policy_loss {', '.join(readers)} only (its registered options), "
+                              f"not by {config.policy_loss!r}")
         self._warn_ignored()
 
     def _warn_ignored(self):

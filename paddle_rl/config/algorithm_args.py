@@ -77,11 +77,11 @@ class AlgorithmArgs:
                                          "(fill up with zero-variance groups).")
     # rollout correction (verl's names; docs/algorithms.md "Rollout correction")
     rollout_is: Optional[str] = arg(None, "Truncated importance sampling of the gap between the rollout's and the "
-                                    "trainer's log-probs: token | sequence | null.")
+                                    "trainer's log-probs: token | sequence | null.", choices=("token", "sequence"))
     rollout_is_threshold: float = arg(2.0, "Upper bound of the rollout IS weight (and rollout_rs_threshold's default).")
     rollout_rs: Optional[str] = arg(None, "Rejection of tokens or responses whose ratio pi_old / pi_rollout leaves "
                                     "[rollout_rs_threshold_lower, rollout_rs_threshold]: token | sequence | geometric "
-                                    "| null.")
+                                    "| null.", choices=("token", "sequence", "geometric"))
     rollout_rs_threshold: Optional[float] = arg(None, "Upper bound of rollout_rs (default rollout_is_threshold).")
     rollout_rs_threshold_lower: Optional[float] = arg(None, "Lower bound of rollout_rs (default 1 / the upper).")
     rollout_token_veto_threshold: Optional[float] = arg(None, "A response with any token ratio below this is "
@@ -104,11 +104,8 @@ class AlgorithmArgs:
         low = self.clip_range_ratio if self.clip_range_ratio_low is None else self.clip_range_ratio_low
         if low > 1:
             errors.append(f"clip_range_ratio_low: must be <= 1 (the ratio floor is 1 - clip), got {low}")
-        if self.clip_ratio_c is not None:
-            if self.clip_ratio_c <= 1:
-                errors.append(f"clip_ratio_c: must be > 1, got {self.clip_ratio_c}")
-            if self.policy_loss != "ppo":
-                errors.append(f"clip_ratio_c: dual clip applies to policy_loss ppo only, not {self.policy_loss!r}")
+        if self.clip_ratio_c is not None and self.clip_ratio_c <= 1:
+            errors.append(f"clip_ratio_c: must be > 1, got {self.clip_ratio_c}")
         for key in ("tau_pos", "tau_neg", "kl_target", "kl_horizon"):
             if getattr(self, key) <= 0:
                 errors.append(f"{key}: must be > 0, got {getattr(self, key)}")
@@ -126,22 +123,10 @@ class AlgorithmArgs:
             errors.append("norm_adv_by_std: false contradicts scale_rewards: batch (use scale_rewards: none)")
         if self.max_gen_batches < 1:
             errors.append(f"max_gen_batches: must be >= 1, got {self.max_gen_batches}")
-        max_dec_len = getattr(self, "max_dec_len", None)
-        if self.enable_overlong_reward_buffer:
-            if self.overlong_reward_buffer < 1:
-                errors.append(f"overlong_reward_buffer: must be >= 1, got {self.overlong_reward_buffer}")
-            elif max_dec_len is not None and self.overlong_reward_buffer > max_dec_len:
-                errors.append(f"overlong_reward_buffer: {self.overlong_reward_buffer} exceeds "
-                              f"max_dec_len {max_dec_len}")
+        if self.enable_overlong_reward_buffer and self.overlong_reward_buffer < 1:
+            errors.append(f"overlong_reward_buffer: must be >= 1, got {self.overlong_reward_buffer}")
 
     def _validate_rollout_correction(self, errors):
-        for key, levels in (("rollout_is", ("token", "sequence")), ("rollout_rs", ("token", "sequence", "geometric"))):
-            value = getattr(self, key)
-            if isinstance(value, str) and value.lower() in ("null", "none", ""):
-                value = None
-                setattr(self, key, None)
-            if value is not None and value not in levels:
-                errors.append(f"{key}: {value!r} is not one of {', '.join(levels)} or null")
         for key in ("rollout_is_threshold", "rollout_rs_threshold", "rollout_rs_threshold_lower",
                     "rollout_token_veto_threshold"):
             value = getattr(self, key)
@@ -155,11 +140,6 @@ class AlgorithmArgs:
             for key in ("rollout_rs_threshold", "rollout_rs_threshold_lower"):
                 if getattr(self, key) is not None:
                     errors.append(f"{key}: set without rollout_rs (token | sequence | geometric), so nothing reads it")
-        reuse = str(getattr(self, "reuse_rollout_logprobs", "off")).lower()
-        if self.rollout_correction and reuse in ("on", "true", "yes"):
-            errors.append("reuse_rollout_logprobs: on makes the old log-probs the rollout's own, so rollout_is / "
-                          "rollout_rs / rollout_token_veto_threshold would compare them with themselves; set it to "
-                          "auto or off")
 
     @property
     def rollout_correction(self) -> bool:
@@ -188,12 +168,6 @@ class AlgorithmArgs:
         """The preset's loss_agg_mode. The mode in effect (Objective.loss_agg_mode) is loss_agg_mode when set,
         else the default the estimator or the policy loss registers (dr_grpo, gspo), else this."""
         return ALGORITHM_PRESETS.get(self.algorithm_preset, ALGORITHM_PRESETS["paddlenlp"])["loss_agg_mode"]
-
-    @property
-    def resolved_loss_scale_factor(self) -> float:
-        if self.loss_scale_factor is not None:
-            return float(self.loss_scale_factor)
-        return float(getattr(self, "max_dec_len", 1))
 
     @property
     def loss_kl_coeff(self) -> float:

@@ -8,7 +8,7 @@ from typing import Any, Iterable, Optional
 
 import yaml
 
-from .fields import ACTED, ALIASES
+from .fields import ACTED, ALIASES, chosen
 from .rl_config import RLConfig
 
 logger = logging.getLogger("paddle_rl")
@@ -39,7 +39,7 @@ def _coerce(key: str, value: Any, annotation) -> Any:
     origin = typing.get_origin(annotation)
     if origin is typing.Union:
         args = [a for a in typing.get_args(annotation) if a is not type(None)]
-        if value is None or (isinstance(value, str) and value.lower() in ("none", "null")):
+        if value is None or (isinstance(value, str) and value.lower() in ("none", "null", "")):
             return None
         annotation = args[0]
     if annotation is bool:
@@ -134,9 +134,9 @@ def read_values(path: Optional[str] = None, overrides: Optional[Iterable[str] | 
             errors.append(f"{where}unknown key {key!r}{_suggest(key, list(fields) + list(aliases))}")
             continue
         try:
-            values[name] = _coerce(key, value, fields[name].type if not isinstance(fields[name].type, str)
-                                   else typing.get_type_hints(cls)[name])
-        except ConfigError as e:
+            values[name] = chosen(key, _coerce(key, value, fields[name].type if not isinstance(fields[name].type, str)
+                                               else typing.get_type_hints(cls)[name]), fields[name].metadata)
+        except ValueError as e:  # ConfigError or a value outside the key's choices
             errors.append(f"{where}{e}")
     return values, errors
 
@@ -149,11 +149,11 @@ def load_config(path: Optional[str] = None, overrides: Optional[Iterable[str] | 
     if errors:
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(errors))
     config = cls(**values)
-    for method in sorted(m for m in dir(config) if m.startswith("_resolve_")):  # keys that depend on others
-        getattr(config, method)(frozenset(values))
+    for resolve in cls.RESOLVERS:  # keys whose value, left unset, follows from others
+        resolve(config, frozenset(values))
     problems = []
-    for method in sorted(m for m in dir(config) if m.startswith("_validate_")):
-        getattr(config, method)(problems)
+    for check in cls.CHECKS:  # each reads the config and reports; none writes
+        check(config, problems)
     if problems:
         raise ConfigError("invalid configuration" + (f" in {path}" if path else "") + ":\n  " + "\n  ".join(problems))
     if warn_unused:

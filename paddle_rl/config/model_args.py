@@ -1,7 +1,7 @@
 from dataclasses import dataclass
 from typing import Optional
 
-from .fields import arg
+from .fields import ON_OFF, arg
 
 # what recompute_granularity may name (models/decoder.py: CausalLM.recompute)
 RECOMPUTE_GRANULARITIES = ("full", "full_attn", "core_attn")
@@ -38,7 +38,7 @@ class ModelArgs:
     recompute: bool = arg(False, "Recompute in the backward pass to save memory (what: recompute_granularity).")
     use_custom_ops: str = arg("auto", "Fused C++/CUDA kernels of csrc/ (built on first use): auto (use them if they "
                                       "build, else the pure-Paddle fallbacks with one log line) | on (fail if they "
-                                      "cannot be built) | off.")
+                                      "cannot be built) | off.", choices=("auto", "on", "off"), spellings=ON_OFF)
     share_prompt_prefix: bool = arg(True, "Run each distinct prompt once per micro-batch in the log-prob and update "
                                           "passes; its rollout_n responses attend to its keys/values (same values "
                                           "up to float rounding; saves the repeated prompt compute).")
@@ -69,21 +69,12 @@ class ModelArgs:
                                       "output channel) | weight_only_int4 (groups of 128 along the input, per "
                                       "output channel); dequantized in registers by the packed kernel, with "
                                       "rollout_dtype's activations. The reference and training passes keep the "
-                                      "float32 weights.")
+                                      "float32 weights.",
+                                  choices=ROLLOUT_QUANT_TYPES, spellings={"none": "", "null": ""})
 
     def _validate_model(self, errors):
-        self.rollout_quant_type = "" if self.rollout_quant_type is None else str(self.rollout_quant_type).lower()
-        if self.rollout_quant_type not in ROLLOUT_QUANT_TYPES:
-            errors.append(f"rollout_quant_type: must be '' (off), weight_only_int8 or weight_only_int4, got "
-                          f"{self.rollout_quant_type!r}")
-        # YAML reads a bare on / off as true / false
-        self.use_custom_ops = {"true": "on", "false": "off", "yes": "on", "no": "off"}.get(str(self.use_custom_ops).lower(), str(self.use_custom_ops).lower())
-        if self.use_custom_ops not in ("auto", "on", "off"):
-            errors.append(f"use_custom_ops: must be auto, on or off, got {self.use_custom_ops!r}")
         if not self.actor_model_name_or_path:
             errors.append("actor_model_name_or_path: required (a folder with config.json and model.safetensors)")
-        if isinstance(self.lora_target_modules, str):
-            self.lora_target_modules = [t.strip() for t in self.lora_target_modules.split(",") if t.strip()]
         if self.lora_rank < 0:
             errors.append(f"lora_rank: must be >= 0, got {self.lora_rank}")
         if self.lora_alpha <= 0:

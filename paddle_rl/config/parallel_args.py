@@ -28,13 +28,16 @@ class ParallelArgs:
     sequence_parallel: bool = arg(False, acted=False)
     virtual_pp_degree: int = arg(1, acted=False)
 
+    def _resolve_sharding_degree(self, given) -> None:
+        """PaddleNLP derives sharding_parallel_degree -1 only when a sharding stage is named; otherwise there is
+        no sharding."""
+        if self.sharding_parallel_degree == -1 and not self.sharding:
+            self.sharding_parallel_degree = 1
+
     def _validate_parallel(self, errors):
         for key in ("tensor_parallel_degree", "pipeline_parallel_degree", "virtual_pp_degree"):
             if getattr(self, key) < 1:
                 errors.append(f"{key}: must be >= 1, got {getattr(self, key)}")
-        if self.sharding_parallel_degree == -1 and not self.sharding:
-            # PaddleNLP derives -1 only when a sharding stage is named; otherwise there is no sharding
-            self.sharding_parallel_degree = 1
         for key in ("sharding_parallel_degree", "data_parallel_degree", "rollout_tensor_parallel_degree"):
             if getattr(self, key) == 0 or getattr(self, key) < -1:
                 errors.append(f"{key}: must be >= 1 or -1, got {getattr(self, key)}")

@@ -3,7 +3,7 @@ import shlex
 from dataclasses import dataclass
 from typing import Optional
 
-from .fields import arg
+from .fields import ON_OFF, arg
 
 
 # accepted spellings of kv_cache_dtype -> the name used
@@ -41,17 +41,20 @@ class RolloutArgs:
                                         "before each linear layer's product, summed in float32 (exact products, "
                                         "vdpbf16ps's order); norms, attention and log-probs stay "
                                         "float32, and the KV cache follows (kv_cache_dtype auto). Training and the "
-                                        "reference pass follow bf16. verl's rollout.dtype.")
+                                        "reference pass follow bf16. verl's rollout.dtype.",
+                             choices=("auto", "float32", "bfloat16"), spellings=ROLLOUT_DTYPE_NAMES)
     kv_cache_dtype: str = arg("auto", "What the rollout's KV cache stores: auto (rollout_dtype) | float32 | "
                                       "bfloat16 | float16. A 16-bit cache halves the cache's memory and the bytes "
                                       "each decode step reads; keys and values are rounded to it, so the rollout's "
                                       "log-probs drift from the trainer's (reuse_rollout_logprobs: auto then "
-                                      "recomputes the old log-probs).")
+                                      "recomputes the old log-probs).",
+                              choices=("auto", "float32", "bfloat16", "float16"), spellings=KV_CACHE_DTYPES)
     per_device_rollout_batch_size: int = arg(-1, acted=False)
     eval_max_dec_len: Optional[int] = arg(None, "Response length for evaluation; defaults to max_dec_len.")
     reuse_rollout_logprobs: str = arg("auto", "Use the log-probs recorded while sampling as the old-policy log-probs "
                                               "instead of a second forward pass: auto (when the update is on-policy: "
-                                              "one mini-batch per step and update_iters 1) | on | off.")
+                                              "one mini-batch per step and update_iters 1) | on | off.",
+                                      choices=("auto", "on", "off"), spellings=ON_OFF)
     env_plugin: str = arg("", "Multi-turn episodes: `tools` (the built-in tool environment: Hermes <tool_call> turns "
                               "answered with tool results), `agent` (a program of agent_command per sample, talking "
                               "to the policy through an OpenAI-compatible endpoint) or path/to/file.py:ClassName "
@@ -101,25 +104,6 @@ class RolloutArgs:
         return self.kv_cache_dtype
 
     def _validate_rollout(self, errors):
-        dtype = str(self.kv_cache_dtype).lower()
-        self.kv_cache_dtype = KV_CACHE_DTYPES.get(dtype, dtype)
-        if self.kv_cache_dtype not in KV_CACHE_DTYPES.values():
-            errors.append(f"kv_cache_dtype: must be auto, float32, bfloat16 or float16, got {self.kv_cache_dtype!r}")
-        dtype = str(self.rollout_dtype).lower()
-        bf16 = bool(getattr(self, "bf16", False))
-        if dtype == "auto":
-            self.rollout_dtype = "bfloat16" if bf16 else "float32"
-        else:
-            self.rollout_dtype = ROLLOUT_DTYPE_NAMES.get(dtype, dtype)
-            if self.rollout_dtype not in ROLLOUT_DTYPE_NAMES.values():
-                errors.append(f"rollout_dtype: must be auto, float32 or bfloat16, got {self.rollout_dtype!r}")
-            elif bf16 and self.rollout_dtype == "float32":
-                logger.info("rollout_dtype: float32 with bf16: true: the rollout decodes in float32, training runs "
-                            "in bf16 (the rollout's log-probs then differ from the trainer's by the bf16 rounding)")
-        # YAML reads a bare on / off as true / false
-        self.reuse_rollout_logprobs = {"true": "on", "false": "off", "yes": "on", "no": "off"}.get(str(self.reuse_rollout_logprobs).lower(), str(self.reuse_rollout_logprobs).lower())
-        if self.reuse_rollout_logprobs not in ("auto", "on", "off"):
-            errors.append(f"reuse_rollout_logprobs: must be auto, on or off, got {self.reuse_rollout_logprobs!r}")
         if self.rollout_max_num_seqs == 0 or self.rollout_max_num_seqs < -1:
             errors.append(f"rollout_max_num_seqs: must be -1 (unlimited) or >= 1, got {self.rollout_max_num_seqs}")
         elif self.rollout_max_num_seqs > 0 and self.rollout_max_num_seqs < self.rollout_n:
@@ -162,9 +146,6 @@ class RolloutArgs:
         if self.async_rollout:
             if self.env_plugin:
                 errors.append("async_rollout: not with env_plugin yet (the environments run in the trainer)")
-            if getattr(self, "dynamic_sampling", False):
-                errors.append("async_rollout: not with dynamic_sampling (its extra generation rounds wait on the "
-                              "rewards of the round before)")
             if self.max_staleness > 0 and self.reuse_rollout_logprobs == "on":
                 errors.append("reuse_rollout_logprobs: on would take a stale policy's log-probs as the old policy's "
                               "(async_rollout with max_staleness > 0): use auto or off")

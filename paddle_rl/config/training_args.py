@@ -60,7 +60,8 @@ class TrainingArgs:
     save_dtype: str = arg("auto", "The dtype of a checkpoint's Hugging Face weights (model.safetensors; config.json's "
                                   "torch_dtype says it): auto (bfloat16 with bf16: true, else float32) | float32 | "
                                   "bfloat16. A bfloat16 checkpoint of a run also holds the float32 master weights "
-                                  "(master_weights.safetensors), so resuming from it is exact.")
+                                  "(master_weights.safetensors), so resuming from it is exact.",
+                          choices=("auto", "float32", "bfloat16"), spellings={"fp32": "float32", "bf16": "bfloat16"})
     ignore_save_lr_and_optim: bool = arg(False, "Save only model weights (such a checkpoint cannot resume exactly).")
     resume_from_checkpoint: Optional[str] = arg(None, "auto (latest in output_dir) | PATH.")
     do_train: bool = arg(True, "false: no update; the run evaluates the starting model once (step 0, as with "
@@ -82,12 +83,6 @@ class TrainingArgs:
                                           "pipeline_parallel_degree > 1.")
 
     def _validate_training(self, errors):
-        dtype = {"fp32": "float32", "bf16": "bfloat16"}.get(str(self.save_dtype).lower(), str(self.save_dtype).lower())
-        if dtype == "auto":
-            dtype = "bfloat16" if getattr(self, "bf16", False) else "float32"
-        self.save_dtype = dtype
-        if dtype not in ("float32", "bfloat16"):
-            errors.append(f"save_dtype: must be auto, float32 or bfloat16, got {dtype!r}")
         positive = ("global_batch_size", "update_iters", "per_device_train_batch_size",
                     "per_device_logprob_batch_size", "per_device_reward_batch_size", "per_device_eval_batch_size")
         for key in positive:
@@ -109,29 +104,15 @@ class TrainingArgs:
             errors.append(f"eval_steps: must be >= 1, got {self.eval_steps}")
         if self.max_steps == 0 or self.max_steps < -1:
             errors.append(f"max_steps: must be > 0 or -1, got {self.max_steps}")
-        self._check_max_length(errors)
+        if self.max_length == 0 or self.max_length < -1:
+            errors.append(f"max_length: must be > 0 or -1, got {self.max_length}")
         if self.max_tokens_per_micro_batch < 0:
             errors.append(f"max_tokens_per_micro_batch: must be >= 0 (0: off), got {self.max_tokens_per_micro_batch}")
-        if self.use_remove_padding and getattr(self, "pipeline_parallel_degree", 1) > 1:
-            errors.append("use_remove_padding: packed micro-batches are not supported with pipeline_parallel_degree "
-                          f"{self.pipeline_parallel_degree} (the stages exchange padded activations); set it to false")
         mini = self.mini_batch_prompts
         if self.global_batch_size >= 1 and mini >= 1 and self.global_batch_size % mini:
             errors.append(f"global_mini_batch_size: {mini} does not divide global_batch_size {self.global_batch_size}")
         if mini < 1:
             errors.append(f"global_mini_batch_size: must be >= 1 or -1, got {mini}")
-
-    def _check_max_length(self, errors):
-        # called by _validate_training (the loader runs every _validate_* method itself)
-        if self.max_length == 0 or self.max_length < -1:
-            errors.append(f"max_length: must be > 0 or -1, got {self.max_length}")
-            return
-        prompt, response = getattr(self, "max_prompt_len", None), getattr(self, "max_dec_len", None)
-        if self.max_length == -1 or prompt is None or response is None:
-            return
-        if prompt + response > self.max_length:
-            errors.append(f"max_length: {self.max_length} is shorter than max_prompt_len ({prompt}) + max_dec_len "
-                          f"({response}) = {prompt + response}; raise max_length or set it to -1")
 
     @property
     def mini_batch_prompts(self) -> int:
