@@ -7,10 +7,12 @@
 #include <cstdint>
 
 #include "../prl_kv_dtype.h"
+#include "../prl_lowp.h"
 
 namespace prl_cpu {
 
 using prl::KvDtype;
+using prl::LowpFormat;
 
 // x, y [n, d]; rstd [n] (1 / rms of each row); y = (x * rstd) * w.
 void RmsNormForward(const float* x, const float* w, float* y, float* rstd, int64_t n, int64_t d, float eps);
@@ -61,5 +63,14 @@ void StepUpdate(const int64_t* tokens, const float* logprob, const bool* finishe
 void Sample(const float* logits, const float* seen, const float* uniforms, const bool* ban, const int64_t* stop,
             int64_t n_stop, int64_t* tokens, float* logprob, int64_t b, int64_t v, float temperature, int top_k,
             float top_p, float penalty);
+
+// w [k_dim, n] (or [n, k_dim] transposed) -> packed (prl::LowpPackedBytes(format, k_dim, n) bytes) and scales
+// (prl::LowpScaleCount floats), the layouts csrc/cpu/linear.cc describes. CPU only: the GPU reads this pack.
+void PackWeightLowp(const float* w, LowpFormat format, void* packed, float* scales, int64_t k_dim, int64_t n,
+                    bool transposed);
+// x [rows, k_dim] times a packed weight -> out [rows, n]; bf16_act rounds x to bfloat16 first (bfloat16 weights
+// always do).
+void PackedLinearLowp(const float* x, const void* packed, const float* scales, LowpFormat format, float* out,
+                      int64_t rows, int64_t k_dim, int64_t n, bool bf16_act);
 
 }  // namespace prl_cpu

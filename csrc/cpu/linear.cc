@@ -7,6 +7,8 @@
 #include <type_traits>
 
 #include "../prl_common.h"
+#include "../prl_lowp.h"
+#include "kernels.h"
 
 namespace {
 
@@ -83,6 +85,7 @@ inline void PanelOf(const float* w, int64_t k_dim, int64_t n, bool transposed, i
 
 }  // namespace
 
+#ifndef PRL_NO_PADDLE
 // W [K, N] (or [N, K] with transposed) -> [P, K, 32], P = ceil(N / 32), the last panel zero-padded
 std::vector<paddle::Tensor> PackWeight(const paddle::Tensor& w, bool transposed) {
   const char* op = "prl_pack_weight";
@@ -152,6 +155,7 @@ PD_BUILD_OP(prl_packed_linear)
     .SetKernelFn(PD_KERNEL(PackedLinear))
     .SetInferShapeFn(PD_INFER_SHAPE(PackedLinearInferShape))
     .SetInferDtypeFn(PD_INFER_DTYPE(PackedLinearInferDtype));
+#endif  // PRL_NO_PADDLE
 
 // ------------------------------------------------------------------------------------------------------------------
 // The rollout's low-precision packed weights (rollout_dtype: bfloat16, rollout_quant_type: weight_only_int8 / int4).
@@ -176,7 +180,9 @@ PD_BUILD_OP(prl_packed_linear)
 
 namespace {
 
-constexpr int64_t kQuantGroup = 128;  // int4: rows of K per scale
+using prl::LowpFormat;
+constexpr int64_t kQuantGroup = prl::kLowpGroup;  // int4: rows of K per scale
+static_assert(kPanel == prl::kLowpPanel, "one panel width for every format");
 
 inline uint16_t RoundBF16(float v) {  // round to nearest even (NaN stays NaN)
   const uint32_t u = prl::BitCast<uint32_t>(v);
@@ -444,61 +450,6 @@ inline void OverRows(int64_t rows, Tile&& tile) {
   if (m < rows) LastRows<MAX - 1>(rows - m, m, tile);
 }
 
-enum class Format { kBF16, kInt8, kInt4 };
-
-Format FormatOf(const paddle::Tensor& packed, const char* op) {
-  PD_CHECK(packed.is_cpu(), op, ": packed must be a CPU tensor");
-  switch (packed.dtype()) {
-    case paddle::DataType::BFLOAT16: return Format::kBF16;
-    case paddle::DataType::INT8: return Format::kInt8;
-    case paddle::DataType::UINT8: return Format::kInt4;
-    default: PD_THROW(op, ": packed must be bfloat16 (bfloat16 weights), int8 (weight_only_int8) or uint8 ",
-                      "(weight_only_int4)");
-  }
-}
-
-// a source weight W [K, N] (or [N, K] transposed)
-struct Source {
-  const float* w;
-  int64_t k_dim, n;
-  bool transposed;
-};
-
-Source SourceOf(const paddle::Tensor& w, bool transposed, const char* op) {
-  prl::CheckCpuFloat(w, op, "weight");
-  PD_CHECK(w.shape().size() == 2, op, ": weight must be 2-D");
-  return {w.data<float>(), w.shape()[transposed ? 1 : 0], w.shape()[transposed ? 0 : 1], transposed};
-}
-
-}  // namespace
-
-// The low-precision packs first copy each panel to float32 [K, 32] (PanelOf), then convert it row by row: 32
-// adjacent columns per step, loops the compiler vectorizes, whichever layout the source has.
-std::vector<paddle::Tensor> PackWeightBF16(const paddle::Tensor& w, bool transposed) {
-  const Source src = SourceOf(w, transposed, "prl_pack_weight_bf16");
-  const int64_t panels = (src.n + kPanel - 1) / kPanel, k2 = (src.k_dim + 1) / 2;
-  auto out = paddle::empty({panels, k2, 2 * kPanel}, paddle::DataType::BFLOAT16, w.place());
-  uint16_t* dst = reinterpret_cast<uint16_t*>(out.data<phi::dtype::bfloat16>());
-  prl::ParallelFor(panels, src.k_dim * kPanel, [&](int, int64_t begin, int64_t end) {
-    std::vector<float> buf(2 * k2 * kPanel, 0.0f);  // an odd K's last row stays 0
-    for (int64_t p = begin; p < end; ++p) {
-      PanelOf(src.w, src.k_dim, src.n, src.transposed, p, buf.data());
-      for (int64_t kk = 0; kk < k2; ++kk) {
-        const float* even = buf.data() + 2 * kk * kPanel;
-        const float* odd = even + kPanel;
-        uint16_t* d = dst + (p * k2 + kk) * 2 * kPanel;
-        for (int64_t j = 0; j < kPanel; ++j) {
-          d[2 * j] = RoundBF16(even[j]);
-          d[2 * j + 1] = RoundBF16(odd[j]);
-        }
-      }
-    }
-  });
-  return {out, paddle::zeros({1}, paddle::DataType::FLOAT32, w.place())};
-}
-
-namespace {
-
 // q = round_even(v / s) clipped to [-lim, lim], 0 where s is 0, for a row of 32 columns
 inline void QuantizeRow(const float* v, const float* s, float lim, float* q) {
   for (int64_t j = 0; j < kPanel; ++j) {
@@ -518,60 +469,218 @@ inline void ColumnScales(const float* panel, int64_t k0, int64_t k1, float div, 
 
 }  // namespace
 
-std::vector<paddle::Tensor> PackWeightInt8(const paddle::Tensor& w, bool transposed) {
-  const Source src = SourceOf(w, transposed, "prl_pack_weight_int8");
-  const int64_t panels = (src.n + kPanel - 1) / kPanel;
-  auto out = paddle::empty({panels, src.k_dim, kPanel}, paddle::DataType::INT8, w.place());
-  auto scales = paddle::empty({panels * kPanel}, paddle::DataType::FLOAT32, w.place());
-  int8_t* dst = out.data<int8_t>();
-  float* sc = scales.data<float>();
-  prl::ParallelFor(panels, src.k_dim * kPanel, [&](int, int64_t begin, int64_t end) {
-    std::vector<float> buf(src.k_dim * kPanel);
-    for (int64_t p = begin; p < end; ++p) {
-      PanelOf(src.w, src.k_dim, src.n, src.transposed, p, buf.data());
-      float* s = sc + p * kPanel;
-      ColumnScales(buf.data(), 0, src.k_dim, 127.0f, s);
-      for (int64_t k = 0; k < src.k_dim; ++k) {
-        float q[kPanel];
-        QuantizeRow(buf.data() + k * kPanel, s, 127.0f, q);
-        int8_t* d = dst + (p * src.k_dim + k) * kPanel;
-        for (int64_t j = 0; j < kPanel; ++j) d[j] = static_cast<int8_t>(q[j]);
-      }
-    }
-  });
-  return {out, scales};
-}
-
-std::vector<paddle::Tensor> PackWeightInt4(const paddle::Tensor& w, bool transposed) {
-  const Source src = SourceOf(w, transposed, "prl_pack_weight_int4");
-  const int64_t panels = (src.n + kPanel - 1) / kPanel, k2 = (src.k_dim + 1) / 2;
-  const int64_t groups = (src.k_dim + kQuantGroup - 1) / kQuantGroup;
-  auto out = paddle::empty({panels, k2, kPanel}, paddle::DataType::UINT8, w.place());
-  auto scales = paddle::empty({panels, groups, kPanel}, paddle::DataType::FLOAT32, w.place());
-  uint8_t* dst = out.data<uint8_t>();
-  float* sc = scales.data<float>();
-  prl::ParallelFor(panels, src.k_dim * kPanel, [&](int, int64_t begin, int64_t end) {
-    std::vector<float> buf(2 * k2 * kPanel, 0.0f);  // an odd K's last row stays 0 (its nibble 0)
-    for (int64_t p = begin; p < end; ++p) {
-      PanelOf(src.w, src.k_dim, src.n, src.transposed, p, buf.data());
-      for (int64_t g = 0; g < groups; ++g) {
-        const int64_t k0 = g * kQuantGroup, k1 = std::min(src.k_dim, k0 + kQuantGroup);
-        float* s = sc + (p * groups + g) * kPanel;
-        ColumnScales(buf.data(), k0, k1, 7.0f, s);
-        for (int64_t k = k0; k < k1; k += 2) {  // k0 is even: a byte's two rows share the group
-          float lo[kPanel], hi[kPanel] = {};
-          QuantizeRow(buf.data() + k * kPanel, s, 7.0f, lo);
-          if (k + 1 < k1) QuantizeRow(buf.data() + (k + 1) * kPanel, s, 7.0f, hi);
-          uint8_t* d = dst + (p * k2 + k / 2) * kPanel;
+// The low-precision packs first copy each panel to float32 [K, 32] (PanelOf), then convert it row by row: 32
+// adjacent columns per step, loops the compiler vectorizes, whichever layout the source has.
+void prl_cpu::PackWeightLowp(const float* w, LowpFormat format, void* packed, float* scales, int64_t k_dim,
+                             int64_t n, bool transposed) {
+  const int64_t panels = (n + kPanel - 1) / kPanel, k2 = (k_dim + 1) / 2;
+  const int64_t groups = (k_dim + kQuantGroup - 1) / kQuantGroup;
+  if (format == LowpFormat::kBF16) {
+    uint16_t* dst = static_cast<uint16_t*>(packed);
+    scales[0] = 0.0f;
+    prl::ParallelFor(panels, k_dim * kPanel, [&](int, int64_t begin, int64_t end) {
+      std::vector<float> buf(2 * k2 * kPanel, 0.0f);  // an odd K's last row stays 0
+      for (int64_t p = begin; p < end; ++p) {
+        PanelOf(w, k_dim, n, transposed, p, buf.data());
+        for (int64_t kk = 0; kk < k2; ++kk) {
+          const float* even = buf.data() + 2 * kk * kPanel;
+          const float* odd = even + kPanel;
+          uint16_t* d = dst + (p * k2 + kk) * 2 * kPanel;
           for (int64_t j = 0; j < kPanel; ++j) {
-            const int l = static_cast<int>(lo[j]) & 0xf, h = static_cast<int>(hi[j]) & 0xf;
-            d[j] = static_cast<uint8_t>(l | (h << 4));
+            d[2 * j] = RoundBF16(even[j]);
+            d[2 * j + 1] = RoundBF16(odd[j]);
           }
         }
       }
+    });
+  } else if (format == LowpFormat::kInt8) {
+    int8_t* dst = static_cast<int8_t*>(packed);
+    prl::ParallelFor(panels, k_dim * kPanel, [&](int, int64_t begin, int64_t end) {
+      std::vector<float> buf(k_dim * kPanel);
+      for (int64_t p = begin; p < end; ++p) {
+        PanelOf(w, k_dim, n, transposed, p, buf.data());
+        float* s = scales + p * kPanel;
+        ColumnScales(buf.data(), 0, k_dim, 127.0f, s);
+        for (int64_t k = 0; k < k_dim; ++k) {
+          float q[kPanel];
+          QuantizeRow(buf.data() + k * kPanel, s, 127.0f, q);
+          int8_t* d = dst + (p * k_dim + k) * kPanel;
+          for (int64_t j = 0; j < kPanel; ++j) d[j] = static_cast<int8_t>(q[j]);
+        }
+      }
+    });
+  } else {
+    uint8_t* dst = static_cast<uint8_t*>(packed);
+    prl::ParallelFor(panels, k_dim * kPanel, [&](int, int64_t begin, int64_t end) {
+      std::vector<float> buf(2 * k2 * kPanel, 0.0f);  // an odd K's last row stays 0 (its nibble 0)
+      for (int64_t p = begin; p < end; ++p) {
+        PanelOf(w, k_dim, n, transposed, p, buf.data());
+        for (int64_t g = 0; g < groups; ++g) {
+          const int64_t k0 = g * kQuantGroup, k1 = std::min(k_dim, k0 + kQuantGroup);
+          float* s = scales + (p * groups + g) * kPanel;
+          ColumnScales(buf.data(), k0, k1, 7.0f, s);
+          for (int64_t k = k0; k < k1; k += 2) {  // k0 is even: a byte's two rows share the group
+            float lo[kPanel], hi[kPanel] = {};
+            QuantizeRow(buf.data() + k * kPanel, s, 7.0f, lo);
+            if (k + 1 < k1) QuantizeRow(buf.data() + (k + 1) * kPanel, s, 7.0f, hi);
+            uint8_t* d = dst + (p * k2 + k / 2) * kPanel;
+            for (int64_t j = 0; j < kPanel; ++j) {
+              const int l = static_cast<int>(lo[j]) & 0xf, h = static_cast<int>(hi[j]) & 0xf;
+              d[j] = static_cast<uint8_t>(l | (h << 4));
+            }
+          }
+        }
+      }
+    });
+  }
+}
+
+void prl_cpu::PackedLinearLowp(const float* xs, const void* packed, const float* sc, LowpFormat format, float* o,
+                               int64_t rows, int64_t k_dim, int64_t n, bool bf16_act) {
+  const int64_t k2 = (k_dim + 1) / 2, panels = (n + kPanel - 1) / kPanel;
+  const int64_t groups = (k_dim + kQuantGroup - 1) / kQuantGroup;
+  const int64_t work = rows * k_dim * kPanel;
+
+  if (format == LowpFormat::kBF16) {
+    std::vector<uint32_t> xp(rows * k2);  // the rows as bfloat16 pairs, an odd K's last pair padded with 0
+    for (int64_t m = 0; m < rows; ++m) {
+      for (int64_t kk = 0; kk < k2; ++kk) {
+        const float hi = 2 * kk + 1 < k_dim ? xs[m * k_dim + 2 * kk + 1] : 0.0f;
+        xp[m * k2 + kk] = RoundBF16(xs[m * k_dim + 2 * kk]) | (static_cast<uint32_t>(RoundBF16(hi)) << 16);
+      }
     }
-  });
+    const uint16_t* pw = static_cast<const uint16_t*>(packed);
+    const bool wide = WideBF16();
+#ifdef __AVX512F__
+    std::vector<float> xf;  // the pairs as float32: what the AVX-512 tile broadcasts
+    if (wide) {
+      xf.resize(rows * 2 * k2);
+      for (int64_t i = 0; i < rows * k2; ++i) {
+        xf[2 * i] = prl::BitCast<float>(xp[i] << 16);
+        xf[2 * i + 1] = prl::BitCast<float>(xp[i] & 0xffff0000u);
+      }
+    }
+#endif
+    prl::ParallelFor(panels, work, [&](int, int64_t begin, int64_t end) {
+      for (int64_t p = begin; p < end; ++p) {
+        const uint16_t* panel = pw + p * k2 * 2 * kPanel;
+        const int64_t col = p * kPanel, cols = std::min(kPanel, n - col);
+#ifdef __AVX512F__
+        if (wide) {
+          OverRows<kRowsWide>(rows, [&](auto mr, int64_t m) {
+            TileBF16Avx512<decltype(mr)::value>(xf.data() + m * 2 * k2, k2, panel, o + m * n + col, n, cols);
+          });
+          continue;
+        }
+#endif
+        OverRows<kRows>(rows, [&](auto mr, int64_t m) {
+          TileBF16Portable<decltype(mr)::value>(xp.data() + m * k2, k2, panel, o + m * n + col, n, cols);
+        });
+      }
+    });
+    (void)wide;
+    return;
+  }
+
+  std::vector<float> rounded;
+  if (bf16_act) {
+    rounded.resize(rows * k_dim);
+    for (int64_t i = 0; i < rows * k_dim; ++i) rounded[i] = BF16ToFloat(RoundBF16(xs[i]));
+    xs = rounded.data();
+  }
+  if (format == LowpFormat::kInt8) {
+    const int8_t* pw = static_cast<const int8_t*>(packed);
+    prl::ParallelFor(panels, work, [&](int, int64_t begin, int64_t end) {
+      for (int64_t p = begin; p < end; ++p) {
+        const int64_t col = p * kPanel, cols = std::min(kPanel, n - col);
+#ifdef __AVX512F__
+        OverRows<kRowsWide>(rows, [&](auto mr, int64_t m) {
+          TileInt8Avx512<decltype(mr)::value>(xs + m * k_dim, k_dim, pw + p * k_dim * kPanel, sc + col,
+                                              o + m * n + col, n, cols);
+        });
+#else
+        OverRows<kRows>(rows, [&](auto mr, int64_t m) {
+          TileInt8<decltype(mr)::value>(xs + m * k_dim, k_dim, pw + p * k_dim * kPanel, sc + col, o + m * n + col,
+                                        n, cols);
+        });
+#endif
+      }
+    });
+  } else {
+    const uint8_t* pw = static_cast<const uint8_t*>(packed);
+    prl::ParallelFor(panels, work, [&](int, int64_t begin, int64_t end) {
+      for (int64_t p = begin; p < end; ++p) {
+        const int64_t col = p * kPanel, cols = std::min(kPanel, n - col);
+#ifdef __AVX512F__
+        OverRows<kRowsWide>(rows, [&](auto mr, int64_t m) {
+          TileInt4Avx512<decltype(mr)::value>(xs + m * k_dim, k_dim, pw + p * k2 * kPanel, sc + p * groups * kPanel,
+                                              o + m * n + col, n, cols);
+        });
+#else
+        OverRows<kRows>(rows, [&](auto mr, int64_t m) {
+          TileInt4<decltype(mr)::value>(xs + m * k_dim, k_dim, pw + p * k2 * kPanel, sc + p * groups * kPanel,
+                                        o + m * n + col, n, cols);
+        });
+#endif
+      }
+    });
+  }
+}
+
+#ifndef PRL_NO_PADDLE
+namespace {
+
+// the format a packed tensor's dtype names (bfloat16 / int8 / uint8)
+LowpFormat FormatOf(const paddle::Tensor& packed, const char* op) {
+  switch (packed.dtype()) {
+    case paddle::DataType::BFLOAT16: return LowpFormat::kBF16;
+    case paddle::DataType::INT8: return LowpFormat::kInt8;
+    case paddle::DataType::UINT8: return LowpFormat::kInt4;
+    default: PD_THROW(op, ": packed must be bfloat16 (bfloat16 weights), int8 (weight_only_int8) or uint8 ",
+                      "(weight_only_int4)");
+  }
+}
+
+// data and scales of W [K, N] (or [N, K] transposed) packed in `format` by the launcher
+std::vector<paddle::Tensor> PackLowp(const paddle::Tensor& w, bool transposed, LowpFormat format, const char* op) {
+  prl::CheckCpuFloat(w, op, "weight");
+  PD_CHECK(w.shape().size() == 2, op, ": weight must be 2-D");
+  const int64_t k_dim = w.shape()[transposed ? 1 : 0], n = w.shape()[transposed ? 0 : 1];
+  const int64_t panels = (n + kPanel - 1) / kPanel, k2 = (k_dim + 1) / 2;
+  const int64_t groups = (k_dim + kQuantGroup - 1) / kQuantGroup;
+  paddle::Tensor out, scales;
+  void* dst = nullptr;
+  switch (format) {
+    case LowpFormat::kBF16:
+      out = paddle::empty({panels, k2, 2 * kPanel}, paddle::DataType::BFLOAT16, w.place());
+      scales = paddle::empty({1}, paddle::DataType::FLOAT32, w.place());
+      dst = out.data<phi::dtype::bfloat16>();
+      break;
+    case LowpFormat::kInt8:
+      out = paddle::empty({panels, k_dim, kPanel}, paddle::DataType::INT8, w.place());
+      scales = paddle::empty({panels * kPanel}, paddle::DataType::FLOAT32, w.place());
+      dst = out.data<int8_t>();
+      break;
+    case LowpFormat::kInt4:
+      out = paddle::empty({panels, k2, kPanel}, paddle::DataType::UINT8, w.place());
+      scales = paddle::empty({panels, groups, kPanel}, paddle::DataType::FLOAT32, w.place());
+      dst = out.data<uint8_t>();
+      break;
+  }
+  prl_cpu::PackWeightLowp(w.data<float>(), format, dst, scales.data<float>(), k_dim, n, transposed);
   return {out, scales};
+}
+
+}  // namespace
+
+std::vector<paddle::Tensor> PackWeightBF16(const paddle::Tensor& w, bool transposed) {
+  return PackLowp(w, transposed, LowpFormat::kBF16, "prl_pack_weight_bf16");
+}
+std::vector<paddle::Tensor> PackWeightInt8(const paddle::Tensor& w, bool transposed) {
+  return PackLowp(w, transposed, LowpFormat::kInt8, "prl_pack_weight_int8");
+}
+std::vector<paddle::Tensor> PackWeightInt4(const paddle::Tensor& w, bool transposed) {
+  return PackLowp(w, transposed, LowpFormat::kInt4, "prl_pack_weight_int4");
 }
 
 std::vector<std::vector<int64_t>> PackWeightBF16InferShape(const std::vector<int64_t>& w, bool transposed) {
@@ -620,29 +729,34 @@ PD_BUILD_OP(prl_pack_weight_int4)
     .SetInferShapeFn(PD_INFER_SHAPE(PackWeightInt4InferShape))
     .SetInferDtypeFn(PD_INFER_DTYPE(PackWeightInt4InferDtype));
 
-// x [..., K] float32 times a low-precision packed weight -> [..., n] float32; bf16_act rounds x to bfloat16 first
+#ifdef PRL_WITH_CUDA
+std::vector<paddle::Tensor> PackedLinearLowpCUDA(const paddle::Tensor& x, const paddle::Tensor& packed,
+                                                 const paddle::Tensor& scales, int64_t n, bool bf16_act);
+#endif
+
+// x [..., K] float32 times a low-precision packed weight -> [..., n] float32; bf16_act rounds x to bfloat16 first.
+// The shapes are checked here for both devices; x, packed and scales on the GPU run the CUDA kernel (the same
+// packed bytes: a pack made here and copied to the GPU).
 std::vector<paddle::Tensor> PackedLinearLowp(const paddle::Tensor& x, const paddle::Tensor& packed,
                                              const paddle::Tensor& scales, int64_t n, bool bf16_act) {
   const char* op = "prl_packed_linear_lowp";
-  prl::CheckCpuFloat(x, op, "x");
-  prl::CheckCpuFloat(scales, op, "scales");
-  const Format format = FormatOf(packed, op);
+  const LowpFormat format = FormatOf(packed, op);
   const auto& ps = packed.shape();
   const int64_t k_dim = prl::LastDim(x), rows = prl::Rows(x), k2 = (k_dim + 1) / 2;
   const int64_t panels = ps.size() == 3 ? ps[0] : 0;
   const int64_t groups = (k_dim + kQuantGroup - 1) / kQuantGroup;
   switch (format) {
-    case Format::kBF16:
+    case LowpFormat::kBF16:
       PD_CHECK(ps.size() == 3 && ps[1] == k2 && ps[2] == 2 * kPanel, op, ": bfloat16 packed must be [P, ceil(K / 2), ",
                "64] with K = x's last dim (", k_dim, ")");
       PD_CHECK(bf16_act, op, ": bfloat16 weights multiply bfloat16 activations (bf16_act)");
       break;
-    case Format::kInt8:
+    case LowpFormat::kInt8:
       PD_CHECK(ps.size() == 3 && ps[1] == k_dim && ps[2] == kPanel, op, ": int8 packed must be [P, K, 32] with K = ",
                "x's last dim (", k_dim, ")");
       PD_CHECK(scales.numel() == panels * kPanel, op, ": int8 scales must hold P * 32 values");
       break;
-    case Format::kInt4:
+    case LowpFormat::kInt4:
       PD_CHECK(ps.size() == 3 && ps[1] == k2 && ps[2] == kPanel, op, ": int4 packed must be [P, ceil(K / 2), 32] ",
                "with K = x's last dim (", k_dim, ")");
       PD_CHECK(scales.numel() == panels * groups * kPanel, op, ": int4 scales must be [P, ceil(K / 128), 32]");
@@ -650,98 +764,26 @@ std::vector<paddle::Tensor> PackedLinearLowp(const paddle::Tensor& x, const padd
   }
   PD_CHECK(n >= 1 && n <= panels * kPanel && n > (panels - 1) * kPanel, op, ": n ", n, " does not match ", panels,
            " panels");
+#ifdef PRL_WITH_CUDA
+  if (x.is_gpu()) {
+    PD_CHECK(x.dtype() == paddle::DataType::FLOAT32, op, ": x must be float32");
+    PD_CHECK(scales.dtype() == paddle::DataType::FLOAT32, op, ": scales must be float32");
+    PD_CHECK(packed.is_gpu() && scales.is_gpu(), op, ": x is on the GPU: packed and scales must be too (copy the ",
+             "CPU pack there)");
+    return PackedLinearLowpCUDA(x, packed, scales, n, bf16_act);
+  }
+#endif
+  prl::CheckCpuFloat(x, op, "x");
+  prl::CheckCpuFloat(scales, op, "scales");
+  PD_CHECK(packed.is_cpu(), op, ": packed must be a CPU tensor");
   std::vector<int64_t> shape = x.shape();
   shape.back() = n;
   auto out = paddle::empty(shape, x.dtype(), x.place());
-  const float* xs = x.data<float>();
-  float* o = out.data<float>();
-  const float* sc = scales.data<float>();
-  const int64_t work = rows * k_dim * kPanel;
-
-  if (format == Format::kBF16) {
-    std::vector<uint32_t> xp(rows * k2);  // the rows as bfloat16 pairs, an odd K's last pair padded with 0
-    for (int64_t m = 0; m < rows; ++m) {
-      for (int64_t kk = 0; kk < k2; ++kk) {
-        const float hi = 2 * kk + 1 < k_dim ? xs[m * k_dim + 2 * kk + 1] : 0.0f;
-        xp[m * k2 + kk] = RoundBF16(xs[m * k_dim + 2 * kk]) | (static_cast<uint32_t>(RoundBF16(hi)) << 16);
-      }
-    }
-    const uint16_t* pw = reinterpret_cast<const uint16_t*>(packed.data<phi::dtype::bfloat16>());
-    const bool wide = WideBF16();
-#ifdef __AVX512F__
-    std::vector<float> xf;  // the pairs as float32: what the AVX-512 tile broadcasts
-    if (wide) {
-      xf.resize(rows * 2 * k2);
-      for (int64_t i = 0; i < rows * k2; ++i) {
-        xf[2 * i] = prl::BitCast<float>(xp[i] << 16);
-        xf[2 * i + 1] = prl::BitCast<float>(xp[i] & 0xffff0000u);
-      }
-    }
-#endif
-    prl::ParallelFor(panels, work, [&](int, int64_t begin, int64_t end) {
-      for (int64_t p = begin; p < end; ++p) {
-        const uint16_t* panel = pw + p * k2 * 2 * kPanel;
-        const int64_t col = p * kPanel, cols = std::min(kPanel, n - col);
-#ifdef __AVX512F__
-        if (wide) {
-          OverRows<kRowsWide>(rows, [&](auto mr, int64_t m) {
-            TileBF16Avx512<decltype(mr)::value>(xf.data() + m * 2 * k2, k2, panel, o + m * n + col, n, cols);
-          });
-          continue;
-        }
-#endif
-        OverRows<kRows>(rows, [&](auto mr, int64_t m) {
-          TileBF16Portable<decltype(mr)::value>(xp.data() + m * k2, k2, panel, o + m * n + col, n, cols);
-        });
-      }
-    });
-    (void)wide;
-    return {out};
-  }
-
-  std::vector<float> rounded;
-  if (bf16_act) {
-    rounded.resize(rows * k_dim);
-    for (int64_t i = 0; i < rows * k_dim; ++i) rounded[i] = BF16ToFloat(RoundBF16(xs[i]));
-    xs = rounded.data();
-  }
-  if (format == Format::kInt8) {
-    const int8_t* pw = packed.data<int8_t>();
-    prl::ParallelFor(panels, work, [&](int, int64_t begin, int64_t end) {
-      for (int64_t p = begin; p < end; ++p) {
-        const int64_t col = p * kPanel, cols = std::min(kPanel, n - col);
-#ifdef __AVX512F__
-        OverRows<kRowsWide>(rows, [&](auto mr, int64_t m) {
-          TileInt8Avx512<decltype(mr)::value>(xs + m * k_dim, k_dim, pw + p * k_dim * kPanel, sc + col,
-                                              o + m * n + col, n, cols);
-        });
-#else
-        OverRows<kRows>(rows, [&](auto mr, int64_t m) {
-          TileInt8<decltype(mr)::value>(xs + m * k_dim, k_dim, pw + p * k_dim * kPanel, sc + col, o + m * n + col,
-                                        n, cols);
-        });
-#endif
-      }
-    });
-  } else {
-    const uint8_t* pw = packed.data<uint8_t>();
-    prl::ParallelFor(panels, work, [&](int, int64_t begin, int64_t end) {
-      for (int64_t p = begin; p < end; ++p) {
-        const int64_t col = p * kPanel, cols = std::min(kPanel, n - col);
-#ifdef __AVX512F__
-        OverRows<kRowsWide>(rows, [&](auto mr, int64_t m) {
-          TileInt4Avx512<decltype(mr)::value>(xs + m * k_dim, k_dim, pw + p * k2 * kPanel, sc + p * groups * kPanel,
-                                              o + m * n + col, n, cols);
-        });
-#else
-        OverRows<kRows>(rows, [&](auto mr, int64_t m) {
-          TileInt4<decltype(mr)::value>(xs + m * k_dim, k_dim, pw + p * k2 * kPanel, sc + p * groups * kPanel,
-                                        o + m * n + col, n, cols);
-        });
-#endif
-      }
-    });
-  }
+  const void* pw = format == LowpFormat::kBF16 ? static_cast<const void*>(packed.data<phi::dtype::bfloat16>())
+                   : format == LowpFormat::kInt8 ? static_cast<const void*>(packed.data<int8_t>())
+                                                 : static_cast<const void*>(packed.data<uint8_t>());
+  prl_cpu::PackedLinearLowp(x.data<float>(), pw, scales.data<float>(), format, out.data<float>(), rows, k_dim, n,
+                            bf16_act);
   return {out};
 }
 
@@ -766,3 +808,4 @@ PD_BUILD_OP(prl_packed_linear_lowp)
     .SetKernelFn(PD_KERNEL(PackedLinearLowp))
     .SetInferShapeFn(PD_INFER_SHAPE(PackedLinearLowpInferShape))
     .SetInferDtypeFn(PD_INFER_DTYPE(PackedLinearLowpInferDtype));
+#endif  // PRL_NO_PADDLE

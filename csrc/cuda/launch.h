@@ -11,10 +11,12 @@
 #include <cstdint>
 
 #include "../prl_kv_dtype.h"
+#include "../prl_lowp.h"
 
 namespace prl_cuda {
 
 using prl::KvDtype;
+using prl::LowpFormat;
 
 // x, y [n, d]; rstd [n]; y = (x * rstd) * w, rstd = 1 / rms of each row.
 cudaError_t RmsNormForward(const float* x, const float* w, float* y, float* rstd, int64_t n, int64_t d, float eps,
@@ -77,5 +79,11 @@ inline size_t SampleScratch(int64_t b, int64_t v) { return static_cast<size_t>(2
 cudaError_t Sample(const float* logits, const float* seen, const float* uniforms, const bool* ban,
                    const int64_t* stop, int64_t n_stop, double* scratch, int64_t* tokens, float* logprob, int64_t b,
                    int64_t v, float temperature, int top_k, float top_p, float penalty, cudaStream_t stream);
+
+// x [rows, k_dim] times a weight packed by the CPU's prl_cpu::PackWeightLowp (its bytes and scales copied to the
+// device; packed 16-byte aligned, else cudaErrorMisalignedAddress) -> out [rows, n]; bf16_act rounds x to bfloat16
+// first (bfloat16 weights always do). float32 sums in another order than the CPU's (see csrc/cuda/linear_lowp.cu).
+cudaError_t PackedLinearLowp(const float* x, const void* packed, const float* scales, LowpFormat format, float* out,
+                             int64_t rows, int64_t k_dim, int64_t n, bool bf16_act, cudaStream_t stream);
 
 }  // namespace prl_cuda

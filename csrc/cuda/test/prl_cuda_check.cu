@@ -8,9 +8,11 @@
 // Tolerances are those of tests/test_ops.py: float32 results within 1e-5 of the output's scale (max(1, max |CPU|)),
 // log-probs and entropies 2e-5, LM-head log-prob gradients 1e-4; sampled tokens, copies, the step bookkeeping and
 // 16-bit value writes exactly equal; 16-bit key writes (rotated in float32 on both sides, then rounded) at most one
-// 16-bit step apart. One line per kernel: its name, the GPU, the largest absolute error, the largest error relative
-// to the output's scale, the tolerance, PASS or FAIL. Exit status 0 when all pass, 1 when one fails, 77 when no CUDA
-// device can be used (nothing was compared).
+// 16-bit step apart. The low-precision packed products (the CPU's pack read by both, the float32 sums in another
+// order on the GPU): each element within its own rounding bound, derived from K (CheckPackedLinearLowp). One line
+// per kernel: its name, the GPU, the largest absolute error, the largest error relative to the output's scale, the
+// tolerance, PASS or FAIL. Exit status 0 when all pass, 1 when one fails, 77 when no CUDA device can be used
+// (nothing was compared).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -31,6 +33,7 @@
 namespace {
 
 using prl::KvDtype;
+using prl::LowpFormat;
 
 #define CHECK_CUDA(call)                                                                                        \
   do {                                                                                                          \
@@ -474,6 +477,112 @@ void CheckSample() {
   }
 }
 
+// ------------------------------------------------------------------------------------------------ low precision
+
+// The float32 weight the packed bytes stand for, [k, n] (int8: the integers, the scale applied after the sum), and
+// the activations as the product takes them (rounded to bfloat16 when bf16_act): for the bound below.
+std::vector<float> Dequantized(const std::vector<uint8_t>& packed, const std::vector<float>& scales, LowpFormat f,
+                               int64_t k, int64_t n) {
+  const int64_t k2 = (k + 1) / 2, groups = (k + prl::kLowpGroup - 1) / prl::kLowpGroup, P = prl::kLowpPanel;
+  std::vector<float> w(k * n);
+  for (int64_t i = 0; i < k; ++i) {
+    for (int64_t j = 0; j < n; ++j) {
+      const int64_t p = j / P, c = j % P;
+      float v;
+      if (f == LowpFormat::kBF16) {
+        uint16_t h;
+        std::memcpy(&h, packed.data() + 2 * ((p * k2 + i / 2) * 2 * P + 2 * c + i % 2), 2);
+        v = BFloatBits(h);
+      } else if (f == LowpFormat::kInt8) {
+        v = static_cast<float>(static_cast<int8_t>(packed[(p * k + i) * P + c]));
+      } else {
+        const uint8_t b = packed[(p * k2 + i / 2) * P + c];
+        const int q = ((i % 2 ? b >> 4 : b & 15) ^ 8) - 8;  // the nibble, sign-extended
+        v = static_cast<float>(q) * scales[(p * groups + i / prl::kLowpGroup) * P + c];
+      }
+      w[i * n + j] = v;
+    }
+  }
+  return w;
+}
+
+// gamma_m = m u / (1 - m u), u = 2^-24: the bound on the relative error of a float32 sum of m terms in any order
+double Gamma(int64_t m) { return m * 0x1p-24 / (1.0 - m * 0x1p-24); }
+
+// Each element within its own bound: |gpu - cpu| <= bound[i]. Printed like Close: the largest error relative to
+// the output's scale, and as tol the largest bound relative to it.
+void WithinBound(const std::string& kernel, const std::string& what, const std::vector<float>& gpu,
+                 const std::vector<float>& cpu, const std::vector<double>& bound) {
+  Result& r = For(kernel);
+  double scale = 1.0, err = 0.0, tol = 0.0;
+  size_t bad = gpu.size() == cpu.size() ? 0 : std::max(gpu.size(), cpu.size()), first = 0;
+  for (size_t i = 0; i < cpu.size(); ++i) scale = std::max(scale, std::fabs(static_cast<double>(cpu[i])));
+  for (size_t i = 0; i < std::min(gpu.size(), cpu.size()); ++i) {
+    const double e = std::fabs(static_cast<double>(gpu[i]) - cpu[i]);
+    err = std::max(err, std::isfinite(e) ? e : INFINITY);
+    tol = std::max(tol, bound[i] / scale);
+    if (!(e <= bound[i]) && bad++ == 0) first = i;
+  }
+  r.abs = std::max(r.abs, err);
+  r.rel = std::max(r.rel, err / scale);
+  r.tol = std::max(r.tol, tol);
+  if (bad) {
+    r.ok = false;
+    char line[256];
+    std::snprintf(line, sizeof(line), "%s: %zu of %zu elements past their bound (first at %zu: |%.9g - %.9g| > %.3g)",
+                  what.c_str(), bad, cpu.size(), first, first < gpu.size() ? gpu[first] : NAN, cpu[first],
+                  bound[first]);
+    r.failures.push_back(line);
+  }
+}
+
+// The GPU reads the bytes the CPU pack wrote. Both sum the same float32 products (int4: the same dequantized
+// weights q s; int8: the scale applied once to the sum), in another order: the CPU k by k (K terms), the GPU 32
+// interleaved partial sums of at most ceil(K / 32) + 1 products each, then those 32. Each is within gamma_m A of the
+// exact sum of the products, A = sum_k |x_k w_kj| (times s_j for int8), so
+//   |gpu - cpu| <= (gamma_{K+1} + gamma_{ceil(K/32)+34}) A + K 2^-125
+// (the +1s: int8's scaling, a rounding of the result; the last term: the GPU build's flushing of subnormal products
+// and activations to zero, --use_fast_math, which the CPU does not do).
+void CheckPackedLinearLowp(LowpFormat f, bool bf16_act) {
+  const std::string kernel = std::string("packed_linear_lowp[") +
+                             (f == LowpFormat::kBF16 ? "bfloat16" : f == LowpFormat::kInt8 ? "int8" : "int4") +
+                             (f != LowpFormat::kBF16 && bf16_act ? ",bf16_act" : "") + "]";
+  struct Case { int64_t rows, k, n; };
+  for (const Case& c : {Case{1, 64, 40}, Case{13, 130, 64}, Case{7, 301, 33}, Case{9, 257, 1},
+                        Case{40, 1024, 4100}, Case{2, 4096, 96}}) {
+    const auto x = Normal(c.rows * c.k);
+    auto w = Normal(c.k * c.n, 0.1f);
+    for (int64_t i = 0; i < c.k && c.n > 3; ++i) w[i * c.n + 3] = 0.0f;  // a zero column: scale 0
+    std::vector<uint8_t> packed(prl::LowpPackedBytes(f, c.k, c.n));
+    std::vector<float> scales(prl::LowpScaleCount(f, c.k, c.n)), y(c.rows * c.n);
+    prl_cpu::PackWeightLowp(w.data(), f, packed.data(), scales.data(), c.k, c.n, false);
+    prl_cpu::PackedLinearLowp(x.data(), packed.data(), scales.data(), f, y.data(), c.rows, c.k, c.n, bf16_act);
+    Device<float> dx(x), ds(scales), dy(c.rows * c.n);
+    Device<uint8_t> dp(packed);
+    Launched(prl_cuda::PackedLinearLowp(dx.ptr, dp.ptr, ds.ptr, f, dy.ptr, c.rows, c.k, c.n, bf16_act, nullptr),
+             kernel.c_str());
+
+    const auto wq = Dequantized(packed, scales, f, c.k, c.n);
+    std::vector<float> xq(x);
+    if (f == LowpFormat::kBF16 || bf16_act)
+      for (auto& v : xq) v = __bfloat162float(__float2bfloat16_rn(v));
+    const double g = Gamma(c.k + 1) + Gamma((c.k + 31) / 32 + 34), floor = c.k * 0x1p-125;
+    std::vector<double> bound(c.rows * c.n, 0.0);
+    for (int64_t m = 0; m < c.rows; ++m) {
+      for (int64_t i = 0; i < c.k; ++i) {
+        const double xa = std::fabs(static_cast<double>(xq[m * c.k + i]));
+        for (int64_t j = 0; j < c.n; ++j) bound[m * c.n + j] += xa * std::fabs(static_cast<double>(wq[i * c.n + j]));
+      }
+      for (int64_t j = 0; j < c.n; ++j) {
+        const double s = f == LowpFormat::kInt8 ? scales[j] : 1.0;
+        bound[m * c.n + j] = g * bound[m * c.n + j] * s + floor;
+      }
+    }
+    WithinBound(kernel, std::to_string(c.rows) + " x " + std::to_string(c.k) + " x " + std::to_string(c.n),
+                dy.Host(), y, bound);
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -509,6 +618,11 @@ int main(int argc, char** argv) {
   CheckLogprob();
   CheckStepUpdate();
   CheckSample();
+  CheckPackedLinearLowp(LowpFormat::kBF16, true);
+  for (bool bf16_act : {false, true}) {
+    CheckPackedLinearLowp(LowpFormat::kInt8, bf16_act);
+    CheckPackedLinearLowp(LowpFormat::kInt4, bf16_act);
+  }
 
   bool all = true;
   for (const auto& name : order) {
