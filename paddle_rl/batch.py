@@ -90,8 +90,9 @@ class StepBatch:
     def get(self, key: str, default=None):
         return self.columns.get(key, default)
 
-    def pop(self, key: str):
-        return self.columns.pop(key)
+    def pop(self, key: str, *default):
+        """The column, removed from the batch (`default` when given and the batch has none)."""
+        return self.columns.pop(key, *default)
 
     # ---------------------------------------------------------------- rows
     def select(self, index) -> "StepBatch":

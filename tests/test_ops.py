@@ -375,6 +375,28 @@ def test_lm_head_logprob_gradient_of_logp_only(rng):
         close(g.numpy(), r.numpy(), rel=1e-4, what="grad")
 
 
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("tied", [False, True])
+def test_lm_head_greedy_is_the_argmax_of_each_row(rng, fused, tied):
+    """with_greedy: the argmax of each row's logits, chunk by chunk (4 chunks of 5 rows here), equal to NumPy's
+    (first index of a tie); the log-probs unchanged; a pass with gradients refuses it."""
+    hidden = t(rng.standard_normal((20, 12)))
+    weight = t(rng.standard_normal((40, 12) if tied else (12, 40)))
+    hidden[3] = 0.0   # every logit 0: a 40-way tie, argmax 0
+    labels = paddle.to_tensor(rng.integers(0, 40, 20))
+    with paddle.no_grad():
+        logp, _, greedy = ops.lm_head_logprobs(hidden, weight, labels, 0.7, transpose_weight=tied, chunk_rows=5,
+                                               fused=fused, with_greedy=True)
+        plain, _ = ops.lm_head_logprobs(hidden, weight, labels, 0.7, transpose_weight=tied, chunk_rows=5, fused=fused)
+    logits = hidden.numpy() @ (weight.numpy().T if tied else weight.numpy())
+    np.testing.assert_array_equal(greedy.numpy(), logits.argmax(-1))
+    assert greedy.numpy()[3] == 0
+    np.testing.assert_array_equal(logp.numpy(), plain.numpy())
+    hidden.stop_gradient = False
+    with pytest.raises(ValueError, match="with_greedy is for no-grad passes"):
+        ops.lm_head_logprobs(hidden, weight, labels, 1.0, transpose_weight=tied, with_greedy=True)
+
+
 # ------------------------------------------------------------------------------------------------ modes and cache
 
 def test_modes(monkeypatch, caplog):

@@ -44,7 +44,7 @@ class Pipelined(Layout):
                 merged.setdefault(k, v)
         return merged
 
-    def _stage_fn(self, model, parts, temperature, with_entropy, loss_fn=None, outputs=None):
+    def _stage_fn(self, model, parts, temperature, with_entropy, loss_fn=None, outputs=None, with_greedy=False):
         """`parts`: (micro-batch, its tensors) pairs."""
         def forward(i, x):
             part, tensors = parts[i]
@@ -54,9 +54,9 @@ class Pipelined(Layout):
                 return y
             response_ids, width = tensors["response_ids"], part.prompt_width
             hidden = y[:, width - 1:width - 1 + response_ids.shape[1]]
-            logp, entropy = model.head_logprobs(hidden, response_ids, temperature, with_entropy)
             if loss_fn is None:
-                return logp, entropy
+                return model.head_logprobs(hidden, response_ids, temperature, with_entropy, with_greedy=with_greedy)
+            logp, entropy = model.head_logprobs(hidden, response_ids, temperature, with_entropy)
             out = loss_fn(tensors, logp, entropy)
             outputs.append(out)
             return out.loss
@@ -70,23 +70,26 @@ class Pipelined(Layout):
         parts = [batch.micro(rows) for rows in plan]
         return [(part, part.tensors(keys=keys)) for part in parts]
 
-    def _logprob_chunks(self, model, batch, plan, temperature: float, with_entropy: bool) -> list:
-        """Forward only through the stages; the last stage broadcasts each micro-batch's log-probs to its
-        pipeline."""
+    def _logprob_chunks(self, model, batch, plan, temperature: float, with_entropy: bool,
+                        with_greedy: bool = False) -> list:
+        """Forward only through the stages; the last stage broadcasts each micro-batch's log-probs (and entropy,
+        and greedy choices) to its pipeline."""
         parts = self._parts(batch, plan)
         link = Link(self._topo)
-        outs = forward_only(link, len(parts), self._stage_fn(model, parts, temperature, with_entropy),
+        outs = forward_only(link, len(parts), self._stage_fn(model, parts, temperature, with_entropy,
+                                                             with_greedy=with_greedy),
                             self._act_shape(model, parts))
         chunks = []
         for rows, (_, tensors), out in zip(plan, parts, outs):
             shape = list(tensors["response_ids"].shape)
-            logp, ent = out if out is not None else (paddle.empty(shape, "float32"),
-                                                     paddle.empty(shape, "float32") if with_entropy else None)
+            if out is None:
+                out = (paddle.empty(shape, "float32"), paddle.empty(shape, "float32") if with_entropy else None) + \
+                    ((paddle.empty(shape, "int64"),) if with_greedy else ())
             with watched(f"broadcast of log-probs from rank {link.last_rank}", link.group):
-                dist.broadcast(logp, src=link.last_rank, group=link.group)
-                if with_entropy:
-                    dist.broadcast(ent, src=link.last_rank, group=link.group)
-            chunks.append((rows, logp.numpy(), None if ent is None else ent.numpy()))
+                for x in out:
+                    if x is not None:
+                        dist.broadcast(x, src=link.last_rank, group=link.group)
+            chunks.append((rows, *(None if x is None else x.numpy() for x in out)))
         return chunks
 
     def forward_backward(self, model, mini, keys, micro: int, temperature: float, loss_fn) -> list:

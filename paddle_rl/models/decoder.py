@@ -21,7 +21,8 @@ import paddle.nn as nn
 from .. import ops
 from ..parallel.collectives import copy_to_group, gather_from_group, group_size
 from .config import ModelConfig
-from .layers import ColumnLinear, RMSNorm, RowLinear, ScoreHead, VocabEmbedding, vocab_parallel_logprobs
+from .layers import ColumnLinear, RMSNorm, RowLinear, ScoreHead, VocabEmbedding, vocab_parallel_argmax, \
+    vocab_parallel_logprobs
 from .moe import MoESettings, RouterStats, SparseMoE
 
 NEG_INF = -1e9
@@ -550,23 +551,26 @@ class CausalLM(nn.Layer):
         logits = gather_from_group(self.local_logits(hidden), self.tp_group)
         return logits if logits.shape[-1] == self.config.vocab_size else logits[..., :self.config.vocab_size]
 
-    def head_logprobs(self, hidden, targets, temperature: float, with_entropy: bool = False):
+    def head_logprobs(self, hidden, targets, temperature: float, with_entropy: bool = False,
+                      with_greedy: bool = False):
         """log softmax(logits / T) at `targets` (and the entropy) from hidden states [b, L, hidden]: [b, L].
         One process: chunked through `ops.lm_head_logprobs` (never a [tokens, vocab] log-softmax); tensor
-        parallel: from vocabulary-sharded logits."""
+        parallel: from vocabulary-sharded logits. `with_greedy` (no-grad passes): a third output, the argmax of
+        the logits at each position [b, L] int64."""
         batch, length = targets.shape[0], targets.shape[1]
         weight, transposed = self.head_weight
         if hidden.dtype != paddle.float32:  # AMP's bfloat16 (trainer/precision.py): log-probs from float32 copies
             hidden, weight = hidden.astype("float32"), weight.astype("float32")
         if self.tp_group is None:
-            logp, entropy = ops.lm_head_logprobs(hidden.reshape([batch * length, hidden.shape[-1]]), weight,
-                                                 targets.reshape([-1]), temperature, with_entropy,
-                                                 transpose_weight=transposed, bf16=self.head_bf16)
-            return logp.reshape([batch, length]), None if entropy is None else entropy.reshape([batch, length])
+            out = ops.lm_head_logprobs(hidden.reshape([batch * length, hidden.shape[-1]]), weight,
+                                       targets.reshape([-1]), temperature, with_entropy, transpose_weight=transposed,
+                                       bf16=self.head_bf16, with_greedy=with_greedy)
+            return tuple(None if x is None else x.reshape([batch, length]) for x in out)
         logits = self.local_logits(hidden)[..., :self.vocab_width]
         if temperature > 0:
             logits = logits / temperature
-        return vocab_parallel_logprobs(logits, targets, self.tp_group, self.vocab_start, with_entropy)
+        out = vocab_parallel_logprobs(logits, targets, self.tp_group, self.vocab_start, with_entropy)
+        return (*out, vocab_parallel_argmax(logits, self.tp_group, self.vocab_start)) if with_greedy else out
 
     def forward(self, input_ids, attention_mask=None):
         """Full-sequence logits (no cache): [B, T, vocab]."""

@@ -10,7 +10,9 @@ and runs the loop
     one decode step of the model for the rows left
 until nothing waits or runs. The output is a StepBatch with the rollout's columns (prompt_ids, response_ids,
 response_mask, rollout_logp, lengths, truncated, group and sample: who each row is, decode_steps: how many decode
-steps processed the row).
+steps processed the row, rollout_greedy: the argmax of the rollout's logits at each response token, before any
+sampling setting or forced length acts, -1 where nothing was sampled; the trainer compares it with its own,
+rollout_corr/greedy_differs).
 """
 from typing import Optional, Sequence as Seq
 
@@ -186,6 +188,7 @@ class RolloutEngine:
         generated = batch.lengths()
         lengths = paddle.to_tensor(generated)
         logits = batch.logits
+        greedy_np = paddle.argmax(logits, axis=-1).numpy()  # the distribution's own greedy choice, per row
         if self.forced_lengths is not None:
             logits = force_lengths(logits, np.array([s.target for s in batch.seqs]), generated, stop_ids)
         uniforms = None
@@ -209,7 +212,7 @@ class RolloutEngine:
                     seq.turn_start = len(seq.tokens)
                 finished[i] = len(seq.tokens) >= params.max_dec_len
                 continue
-            seq.append(int(tokens_np[i]), float(logp_np[i]), policy=True)
+            seq.append(int(tokens_np[i]), float(logp_np[i]), policy=True, greedy=int(greedy_np[i]))
             seq.stopped = bool(stopped[i])
             if seq.stopped and self._episodes is not None and len(seq.tokens) < params.max_dec_len:
                 observation = self._episodes.turn_ended(seq)
@@ -227,14 +230,18 @@ class RolloutEngine:
         logprobs = np.zeros((rows, width), dtype=np.float32)
         lengths = np.array([len(s.tokens) for s in done], dtype=np.int64)
         mask = np.zeros((rows, width), dtype=np.float32)
+        greedy = np.full((rows, width), -1, dtype=np.int64)
         for r, s in enumerate(done):
             response[r, :len(s.tokens)] = s.tokens
             logprobs[r, :len(s.tokens)] = s.logprobs
+            greedy[r, :len(s.tokens)] = s.greedy
             mask[r, :len(s.tokens)] = s.policy  # observation tokens are out of the loss mask
         out = rollout_batch([s.prompt for s in done], response, mask, logprobs, lengths,
                             np.array([s.truncated for s in done]), self.pad_id, [s.group for s in done],
                             [s.sample for s in done])
         out["decode_steps"] = np.array([s.decode_steps for s in done], dtype=np.int64)
+        out["rollout_greedy"] = greedy
+        out.pads["rollout_greedy"] = -1
         if self.between_steps is not None:
             versions = np.full((rows, width), -1, dtype=np.int64)
             for r, s in enumerate(done):

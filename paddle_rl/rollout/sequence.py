@@ -15,7 +15,7 @@ import numpy as np
 
 class Sequence:
     __slots__ = ("row", "group", "sample", "prompt", "uniforms", "target", "tokens", "logprobs", "stopped",
-                 "joined_at", "decode_steps", "policy", "forced", "turn_start", "versions")
+                 "joined_at", "decode_steps", "policy", "forced", "turn_start", "versions", "greedy")
 
     def __init__(self, row: int, group: int, sample: int, prompt: List[int], uniforms: Optional[np.ndarray],
                  target: Optional[int]):
@@ -34,11 +34,13 @@ class Sequence:
         self.forced = deque()          # tokens still to feed in, one per decode step (the KV cache keeps them)
         self.turn_start = 0            # index in `tokens` where the current turn began
         self.versions: List[int] = []  # per token: the policy version that produced it (partial rollouts)
+        self.greedy: List[int] = []    # per token: the argmax of the rollout's logits there (-1: fed in)
 
-    def append(self, token: int, logprob: float, policy: bool) -> None:
+    def append(self, token: int, logprob: float, policy: bool, greedy: int = -1) -> None:
         self.tokens.append(token)
         self.logprobs.append(logprob if policy else 0.0)
         self.policy.append(1.0 if policy else 0.0)
+        self.greedy.append(greedy if policy else -1)
 
     @property
     def truncated(self) -> bool:
