@@ -431,9 +431,9 @@ def test_model_gradients_with_kernels_and_recompute(rng, monkeypatch):
     """A decoder's log-prob gradients are the same with the fused kernels or the references, and with each
     recompute_granularity (paddle.distributed.fleet.utils.recompute on CPU): full reruns every layer in the
     backward, full_attn every self-attention block, core_attn every attention core (softmax(QK^T)V) and nothing
-    else."""
+    else, core_attn_mlp every attention core and MLP block."""
     from paddle_rl.models import CausalLM, ModelConfig
-    from paddle_rl.models.decoder import Attention, DecoderLayer
+    from paddle_rl.models.decoder import MLP, Attention, DecoderLayer
     from paddle_rl.models.logprobs import token_logprobs
     paddle.seed(1)
     cfg = ModelConfig(model_type="qwen3", vocab_size=120, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
@@ -444,7 +444,8 @@ def test_model_gradients_with_kernels_and_recompute(rng, monkeypatch):
     ids = paddle.to_tensor(rng.integers(0, 120, (3, 10)))
     mask = paddle.to_tensor(np.array([[1] * 10, [0] * 3 + [1] * 7, [0] + [1] * 9]))
     # calls of each part, counted apart in the forward pass and in the backward
-    parts = {"layer": (DecoderLayer, "forward"), "attention": (Attention, "forward"), "core": (Attention, "_core")}
+    parts = {"layer": (DecoderLayer, "forward"), "attention": (Attention, "forward"), "core": (Attention, "_core"),
+             "mlp": (MLP, "forward")}
     calls = {}
     phase = ["forward"]
 
@@ -459,7 +460,7 @@ def test_model_gradients_with_kernels_and_recompute(rng, monkeypatch):
         for name, (cls, attr) in parts.items():
             m.setattr(cls, attr, counter(name, getattr(cls, attr)))
         for mode, recompute in (("on", None), ("off", None), ("on", "full"), ("off", "full"), ("on", "full_attn"),
-                                ("on", "core_attn"), ("off", "core_attn")):
+                                ("on", "core_attn"), ("off", "core_attn"), ("on", "core_attn_mlp")):
             ops.configure(mode)
             model.recompute = recompute
             calls.clear()
@@ -475,7 +476,8 @@ def test_model_gradients_with_kernels_and_recompute(rng, monkeypatch):
     model.recompute = None
     n = cfg.num_hidden_layers
     # without recompute the backward reuses the saved activations; with it the recomputed part runs again
-    rerun = {None: (0, 0, 0), "full": (n, n, n), "full_attn": (0, n, n), "core_attn": (0, 0, n)}
+    rerun = {None: (0, 0, 0, 0), "full": (n, n, n, n), "full_attn": (0, n, n, 0), "core_attn": (0, 0, n, 0),
+             "core_attn_mlp": (0, 0, n, n)}
     for (mode, recompute), got in counts.items():
         assert tuple(got[name] for name in parts) == rerun[recompute], (mode, recompute, got)
     for key in grads:

@@ -158,8 +158,8 @@ class Pass:
     weighted by `token_weight` [B, T] (0 on padding; None: every token counts once). `packing` (packing.Packing)
     marks a packed row of several sequences: attention runs on its blocks instead of a bias over the row.
     `recompute` (set by CausalLM.run in training): what the backward recomputes, None or "full" (each layer),
-    "full_attn" (each self-attention block) or "core_attn" (softmax(QK^T)V, whose probabilities grow with the
-    sequence)."""
+    "full_attn" (each self-attention block), "core_attn" (softmax(QK^T)V, whose probabilities grow with the
+    sequence) or "core_attn_mlp" (that and each dense MLP block with its norm)."""
 
     def __init__(self, rotary, position_ids, attention_bias=None, caches=None, decode_start=None, token_weight=None,
                  router=None, packing=None):
@@ -222,7 +222,7 @@ class Attention(nn.Layer):
             if cache is not None:
                 k, v = cache.update(k, v)
             core, args = self._core, (q, k, v, p.attention_bias)
-        if p.recompute == "core_attn":
+        if p.recompute in ("core_attn", "core_attn_mlp"):
             return self.o_proj(_recompute(core, *args))
         return self.o_proj(core(*args))
 
@@ -283,7 +283,13 @@ class DecoderLayer(nn.Layer):
             x = x + _recompute(self.self_attn, h, p, None)
         else:
             x = x + self.self_attn(h, p, cache)
-        return x + self.mlp(self.post_attention_layernorm(x), p)
+        if p.recompute == "core_attn_mlp" and isinstance(self.mlp, MLP):
+            # only the block's input is kept: the norm's output, gate/up and SwiGLU outputs are made again
+            return x + _recompute(self._mlp_block, x, p)
+        return x + self._mlp_block(x, p)
+
+    def _mlp_block(self, x, p: Pass):
+        return self.mlp(self.post_attention_layernorm(x), p)
 
 
 def attention_bias_from_mask(key_mask, query_len: int, causal: bool):
@@ -348,6 +354,7 @@ class CausalLM(nn.Layer):
                                             ("lm_head",), pad=True)
         self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope)
         self.recompute = None   # what training passes recompute in the backward: None | full | full_attn | core_attn
+        #                         | core_attn_mlp
         self._router = None
         self.lora = None  # LoraSettings once adapters are on the model (models/lora.py)
         self._packed_head = None  # the tied head's packed table while packed_weights is on

@@ -21,6 +21,7 @@ from ..data.loader import PromptSampler, load_prompt_dataset
 from ..layouts import build_layout
 from ..models import Tokenizer, adapters_off
 from ..models.lora import lora_settings
+from ..models.moe import SparseMoE
 from ..monitor import MetricsLog, StageTimer, run_summary
 from ..monitor.progress import progress_bar
 from ..parallel import watchdog
@@ -80,6 +81,9 @@ class RLTrainer:
         with unique_name.guard("actor_"):
             self.actor = self.layout.load_model(model_dir, lora=lora_settings(config), adapter=config.lora_path or None)
         self.actor.recompute = config.recompute_what
+        if config.recompute_what == "core_attn_mlp" and any(isinstance(m, SparseMoE) for m in self.actor.sublayers()):
+            logger.warning("recompute_granularity core_attn_mlp: the sparse MoE blocks keep their activations (the "
+                           "dense MLP blocks and the attention cores are recomputed)")
         self.precision = precision_for(config)  # bf16 / use_fp32_compute (trainer/precision.py)
         self.precision.prepare_model(self.actor)
         if self.actor.router_aux_loss_coef and config.pipeline_parallel_degree > 1:
