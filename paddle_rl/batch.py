@@ -49,6 +49,8 @@ COLUMNS: Dict[str, Column] = _columns(
     Column("response_ids", "token", "int", ROLLOUT),             # padded with the batch's pads["response_ids"]
     Column("response_mask", "token", "float", ROLLOUT),          # the loss mask (policy tokens kept, not rejected)
     Column("rollout_logp", "token", "float", ROLLOUT, optional=True),  # the sampler's log-probs, until consumed
+    # the argmax of the rollout's logits at each response token (-1: fed in), until rollout_corr/greedy_differs
+    Column("rollout_greedy", "token", "int", ROLLOUT, optional=True, pad=-1),
     Column("lengths", "row", "int", ROLLOUT),                    # real response tokens
     Column("truncated", "row", "bool", ROLLOUT),                 # ended at max_dec_len, not at a stop token
     Column("group", "row", "int", ROLLOUT),                      # the row's prompt (global id once placed)
@@ -188,8 +190,9 @@ class StepBatch:
                            f"{'; '.join(column_spec(k).added_by for k in missing)}; the batch has "
                            f"{', '.join(sorted(self.columns))}")
 
-    def pop(self, key: str):
-        return self.columns.pop(key)
+    def pop(self, key: str, *default):
+        """The column, removed from the batch (`default` when given and the batch has none)."""
+        return self.columns.pop(key, *default)
 
     # ---------------------------------------------------------------- rows
     def select(self, index) -> "StepBatch":

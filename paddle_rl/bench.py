@@ -16,7 +16,8 @@ Workloads (docs/performance.md):
 - W3: a real model (`--model-path`), 8 chat prompts x 8 samples, exactly 128 response tokens, kl_loss_coeff 0.04.
 - W4: the same model and prompts sampled naturally: temperature 1.0, max_dec_len 512, no minimum length.
 W2-W4 train packed (use_remove_padding: true) in micro-batches of at most 8192 tokens (max_tokens_per_micro_batch),
-with the attention core recomputed in the backward (recompute: true, recompute_granularity: core_attn).
+with the attention core and the MLP blocks recomputed in the backward (recompute: true, recompute_granularity:
+core_attn_mlp; the gradients are core_attn's bit for bit, W3's peak RSS 11.4 -> 6.7 GB).
 
 `--rollout-precisions float32,bfloat16,weight_only_int8` times the workload's rollout alone (no training) in
 --steps rounds that run each rollout precision in turn (the best round of each counts: a shared machine's load
@@ -25,8 +26,11 @@ both) on the same prompts, keys and forced lengths (W3: exactly response_len; W4
 with median 270 cut at 512, mean 294), and reports each one's seconds and its speed-up over the first.
 
 Prints seconds per step and its split by stage, generated and trained tokens, rows processed by decode steps,
-effective GFLOP/s against a matmul peak measured in the same process, peak RSS; the last line is one JSON
-object.
+effective GFLOP/s against the fp32 matmul peak measured in the same process, peak RSS; the last line is one JSON
+object. Matmul peaks (`matmul_peaks`): square products and the workload's own linear shapes, measured before the
+trainer is built and again after the run, the best of each kind kept: fp32 (paddle.matmul; `matmul_peak_gflops`,
+the effective rates' yardstick), the suite's bf16 training product and packed bf16 rollout kernel, and PyTorch's
+bf16 matmul as an outside reference where torch is importable (`<kind>_peak_gflops`, `_before_` / `_after_`).
 """
 # Each workload imports what it runs inside its function: `paddle-rl bench --help` and the parser of every other
 # command stay without Paddle and the model code.
@@ -38,6 +42,7 @@ import resource
 import sys
 import tempfile
 import time
+from typing import Optional
 
 MODELS = {
     "w1": dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=4,
@@ -54,9 +59,10 @@ SPECIALS = ["<|endoftext|>", "<|im_end|>"]
 # what each workload sets (command-line options override); `lengths`: the response lengths of W2's schedule
 # W2-W4 train packed (use_remove_padding) in micro-batches of at most 8192 tokens, with the attention probabilities
 # recomputed in the backward (kept, they grow with the sequence: W4's peak RSS was 1.23x W3's, 1.16x without
-# them), as a user at real lengths would
+# them), as a user at real lengths would, and the MLP blocks too (their activations were ~60% of the update's:
+# W3 11.4 -> 6.7 GB peak RSS, the same gradients)
 REAL_LENGTHS = {"use_remove_padding": True, "max_tokens_per_micro_batch": 8192, "recompute": True,
-                "recompute_granularity": "core_attn"}
+                "recompute_granularity": "core_attn_mlp"}
 WORKLOADS = {
     "w1": dict(model="w1", response_len=64, exact=True, settings={}),
     "w2": dict(model="w1", response_len=1024, exact=False, lengths="long_tail", settings=REAL_LENGTHS),
@@ -149,18 +155,104 @@ def build_workload(folder: str, model: str, prompts: int, prompt_len: int, seed:
     return {"model_dir": model_dir, "data": data}
 
 
-def matmul_peak(size: int = 1024, repeat: int = 5) -> float:
-    """GFLOP/s of a square fp32 matmul in this process (best of `repeat`)."""
-    import paddle
-    a = paddle.randn([size, size])
-    b = paddle.randn([size, size])
-    paddle.matmul(a, b).numpy()
+# Matmul peaks: measured on square products and on the workload's own linear shapes, before the run and after it
+# (one fp32 square taken before the trainer once read 83 GFLOP/s where 162-203 were reached minutes later on the
+# shared machine): the best of each kind counts.
+PEAK_SQUARES = (1024,)
+PEAK_FLOPS = 5e8        # rows of each shape chosen for about this many FLOPs per product
+PEAK_KINDS = {
+    "fp32": "paddle.matmul, float32",
+    "bf16_linear": "the suite's bf16 training product (ops.bf16_linear: bfloat16-rounded operands, float32 sums)",
+    "bf16_packed": "the suite's packed bfloat16 rollout kernel (ops.packed_linear_lowp, bfloat16 activations)",
+    "torch_bf16": "PyTorch's bfloat16 matmul (an outside reference, not used by the suite)",
+}
+
+
+def linear_shapes(shape: dict) -> dict:
+    """The model's linear layers as (K, N): y [rows, N] = x [rows, K] @ W [K, N]."""
+    h, f = shape["hidden_size"], shape["intermediate_size"]
+    heads, kv = shape["num_attention_heads"], shape["num_key_value_heads"]
+    head_dim = h // heads
+    return {"qkv_proj": (h, (heads + 2 * kv) * head_dim), "o_proj": (heads * head_dim, h),
+            "gate_up_proj": (h, 2 * f), "down_proj": (f, h), "lm_head": (h, shape["vocab_size"])}
+
+
+def _peak_shapes(shape: Optional[dict]) -> list:
+    """(name, M, K, N): the squares, then the workload's linear shapes with rows for about PEAK_FLOPS."""
+    out = [(f"square {n}", n, n, n) for n in PEAK_SQUARES]
+    for name, (k, n) in (linear_shapes(shape) if shape else {}).items():
+        out.append((name, int(min(4096, max(64, round(PEAK_FLOPS / (2 * k * n))))), k, n))
+    return out
+
+
+def _best_seconds(fn, repeat: int) -> float:
+    fn()
     best = float("inf")
     for _ in range(repeat):
         start = time.perf_counter()
-        paddle.matmul(a, b).numpy()
+        fn()
         best = min(best, time.perf_counter() - start)
-    return 2 * size ** 3 / best / 1e9
+    return best
+
+
+def _peak_products(kind: str, m: int, k: int, n: int):
+    """A callable computing one [m, k] x [k, n] product of `kind` to the end (its result read back), or None
+    where the kind cannot run here."""
+    import paddle
+
+    from . import ops
+    x, w = paddle.randn([m, k]), paddle.randn([k, n]) * 0.05
+    if kind == "fp32":
+        return lambda: paddle.matmul(x, w).numpy()
+    if kind == "bf16_linear":
+        return lambda: ops.bf16_linear_reference(x, w).numpy()
+    if kind == "bf16_packed":
+        if not ops.packing_helps(w):
+            return None   # the custom ops are off: no packed kernel
+        packed = ops.pack_weight_lowp(w, format="bfloat16", bf16_act=True)
+        return lambda: ops.packed_linear_lowp(x, packed).numpy()
+    try:
+        import torch  # an outside reference only: torch is no dependency of the suite
+    except ImportError:
+        return None
+    tx, tw = torch.randn(m, k, dtype=torch.bfloat16), (torch.randn(k, n) * 0.05).to(torch.bfloat16)
+    return lambda: torch.matmul(tx, tw).float().numpy()
+
+
+def matmul_peaks(shape: Optional[dict] = None, repeat: int = 3, kinds=tuple(PEAK_KINDS)) -> list:
+    """GFLOP/s of each kind (PEAK_KINDS) on each of `_peak_shapes(shape)`, best of `repeat`: rows of
+    {kind, shape, m, k, n, gflops} (gflops None where the kind cannot run here)."""
+    rows = []
+    for name, m, k, n in _peak_shapes(shape):
+        for kind in kinds:
+            # the packed kernel serves the rollout's few rows per decode step: timed at 64 rows at most
+            rows_m = min(m, 64) if kind == "bf16_packed" else m
+            fn = _peak_products(kind, rows_m, k, n)
+            gflops = None if fn is None else 2.0 * rows_m * k * n / _best_seconds(fn, repeat) / 1e9
+            rows.append({"kind": kind, "shape": name, "m": rows_m, "k": k, "n": n, "gflops": gflops})
+    return rows
+
+
+def matmul_peak(size: int = 1024, repeat: int = 5) -> float:
+    """GFLOP/s of one square fp32 matmul in this process (best of `repeat`)."""
+    fn = _peak_products("fp32", size, size, size)
+    return 2 * size ** 3 / _best_seconds(fn, repeat) / 1e9
+
+
+def peak_summary(before: list, after: list) -> dict:
+    """The JSON fields of two `matmul_peaks` measurements (before and after the run): per kind the best over
+    shapes and both times, and each shape's two readings."""
+    out = {"matmul_peaks": [dict(b, gflops_before=b.pop("gflops"), gflops_after=a["gflops"])
+                            for b, a in zip([dict(r) for r in before], after)]}
+    for kind in PEAK_KINDS:
+        def best(rows):
+            values = [r["gflops"] for r in rows if r["kind"] == kind and r["gflops"] is not None]
+            return max(values) if values else None
+        b, a = best(before), best(after)
+        out[f"{kind}_peak_before_gflops"], out[f"{kind}_peak_after_gflops"] = b, a
+        out[f"{kind}_peak_gflops"] = max(v for v in (b, a) if v is not None) if b is not None or a is not None \
+            else None
+    return out
 
 
 def step_flops(shape: dict, prompt_tokens: float, response_tokens: float, rows: int, reference: bool,
@@ -278,8 +370,8 @@ def run(args) -> dict:
             import yaml
             overrides[key.strip()] = yaml.safe_load(value)
         config = load_config(None, overrides)
-        peak = matmul_peak()
         load_before = os.getloadavg()[0]
+        peaks_before = matmul_peaks(shape)
         trainer = RLTrainer(config)
         if lengths is not None:
             if config.async_rollout:
@@ -289,6 +381,8 @@ def run(args) -> dict:
         cpu_start = time.process_time()
         trainer.train()
         cpu_s = time.process_time() - cpu_start
+        peaks = peak_summary(peaks_before, matmul_peaks(shape))
+        peak = peaks["fp32_peak_gflops"]
         optimizer_bytes = trainer.layout.optimizer_state_bytes(trainer.optimizer)["total"]
         trainable = sum(int(np.prod(p.shape)) for p in trainer.actor.parameters() if not p.stop_gradient)
         critic = trainer.critic is not None
@@ -327,7 +421,7 @@ def run(args) -> dict:
         "effective_gflops": flops["step"] / max(step_s, 1e-9) / 1e9,
         "rollout_gflops": flops["rollout"] / max(generate_s, 1e-9) / 1e9, "generate_s": generate_s,
         "update_gflops": flops["update"] / max(mean("time/update"), 1e-9) / 1e9,
-        "peak_gflops": peak, "matmul_peak_gflops": peak,
+        "peak_gflops": peak, "matmul_peak_gflops": peak, **peaks,
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,  # the trainer's process
         "worker_peak_rss_mb": max([r.get("async/worker_peak_rss_mb", 0.0) for r in records] + [0.0]),
         "weights_push_s": mean("time/weights_push"), "worker_weights_load_s": mean("async/worker_weights_load_s"),
@@ -468,11 +562,32 @@ def report(result: dict) -> str:
               f"{result['decode_row_steps']:.0f} rows in decode steps)",
               f"  trained       {result['trained_tokens_per_s']:8.0f} tokens/s",
               f"  effective     {result['effective_gflops']:8.1f} GFLOP/s (rollout {result['rollout_gflops']:.1f}, "
-              f"update {result['update_gflops']:.1f}; matmul peak {result['matmul_peak_gflops']:.1f})",
+              f"update {result['update_gflops']:.1f}) = {100 * result['effective_gflops'] / result['matmul_peak_gflops']:.0f}% of "
+              f"the fp32 matmul peak",
+              *peak_lines(result),
               f"  peak RSS      {result['peak_rss_mb']:8.0f} MB{worker} (optimizer state "
               f"{result['optimizer_state_mb']:.1f} MB, {result['trainable_params']:,} trained parameters)",
               f"  process CPU   {result['cpu_s_per_step']:8.3f} s per step (all threads)"]
     return "\n".join(lines)
+
+
+def peak_lines(result: dict) -> list:
+    """The report's matmul peaks: fp32 and bf16 side by side, each the best over the shapes before and after."""
+    def gf(value):
+        return "n/a" if value is None else f"{value:.1f}"
+
+    def best_shape(kind):
+        rows = [r for r in result["matmul_peaks"] if r["kind"] == kind]
+        rows = [(max(v for v in (r["gflops_before"], r["gflops_after"]) if v is not None), r) for r in rows
+                if r["gflops_before"] is not None or r["gflops_after"] is not None]
+        return max(rows, key=lambda t: t[0])[1]["shape"] if rows else "-"
+    lines = ["  matmul peaks  GFLOP/s, best over square and the workload's linear shapes (before / after the run):"]
+    for kind, label in (("fp32", "fp32 paddle.matmul"), ("bf16_linear", "bf16 suite bf16_linear (training)"),
+                        ("bf16_packed", "bf16 suite packed kernel (rollout)"),
+                        ("torch_bf16", "bf16 torch.matmul (outside reference)")):
+        lines.append(f"    {label:<40} {gf(result[f'{kind}_peak_gflops']):>7} ({gf(result[f'{kind}_peak_before_gflops'])}"
+                     f" / {gf(result[f'{kind}_peak_after_gflops'])}; best at {best_shape(kind)})")
+    return lines
 
 
 def _bench(args) -> int:

@@ -62,3 +62,23 @@ def test_ppo_reports_the_critic_stages(bench_rule):
     # GRPO has no critic: no critic stages
     grpo = bench.run(args_for(*common))
     assert "values_s" not in grpo and "critic_s" not in grpo and "  values " not in bench.report(grpo)
+
+
+def test_matmul_peaks_cover_the_workload_shapes_before_and_after():
+    """The peaks: a square product and each linear shape of the model, per kind; the summary keeps the best of each
+    kind over shapes and both measurements, and the report shows fp32 and bf16 side by side."""
+    shape = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=1, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=300)
+    assert bench.linear_shapes(shape) == {"qkv_proj": (64, 128), "o_proj": (64, 64), "gate_up_proj": (64, 192),
+                                          "down_proj": (96, 64), "lm_head": (64, 300)}
+    before, after = bench.matmul_peaks(shape, repeat=1), bench.matmul_peaks(shape, repeat=1)
+    names = ["square 1024", "qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head"]
+    assert [r["shape"] for r in before] == [n for n in names for _ in bench.PEAK_KINDS]
+    assert all(r["gflops"] > 0 for r in before if r["kind"] != "torch_bf16")
+    summary = bench.peak_summary(before, after)
+    for kind in ("fp32", "bf16_linear", "bf16_packed"):
+        readings = [r[f"gflops_{w}"] for r in summary["matmul_peaks"] if r["kind"] == kind for w in ("before", "after")]
+        assert summary[f"{kind}_peak_gflops"] == max(readings)
+        assert summary[f"{kind}_peak_before_gflops"] == max(r["gflops"] for r in before if r["kind"] == kind)
+    lines = "\n".join(bench.peak_lines(summary))
+    assert "fp32 paddle.matmul" in lines and "bf16 suite bf16_linear" in lines and "outside reference" in lines

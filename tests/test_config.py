@@ -50,7 +50,7 @@ def test_unknown_key_suggests_the_closest_name(tmp_path):
     ("rollout_n=four", "rollout_n: expected an integer"),
     ("do_eval=maybe", "do_eval: expected true or false"),
     ("kv_cache_dtype=int8", "kv_cache_dtype: must be auto, float32, bfloat16 or float16, got 'int8'"),
-    ("recompute_granularity=selective", "recompute_granularity: must be one of full, full_attn, core_attn"),
+    ("recompute_granularity=selective", "recompute_granularity: must be one of full, full_attn, core_attn, core_attn_mlp"),
     ("recompute_granularity=core_attn", "recompute_granularity: core_attn is set without recompute: true"),
 ])
 def test_invalid_values_name_the_key(override, message):

@@ -191,11 +191,13 @@ def test_packed_with_token_budget_recompute_and_reference_ops():
     assert all(rows == 1 and width <= 160 for rows, width in got["shapes"]) and len(got["shapes"]) > 4
 
 
+@pytest.mark.parametrize("granularity", ["core_attn", "core_attn_mlp"])
 @pytest.mark.parametrize("remove_padding", [True, False])
-def test_core_attention_recompute_equals_the_kept_pass(remove_padding, monkeypatch):
+def test_core_attention_recompute_equals_the_kept_pass(remove_padding, granularity, monkeypatch):
     """recompute_granularity core_attn: the attention core (the packing's blocks, or the padded pass with the
     shared prompt prefix, whose keys and values are made outside the recomputed part) runs again in the backward,
-    and the update equals the pass that keeps its probabilities."""
+    and the update equals the pass that keeps its probabilities; core_attn_mlp (the MLP blocks with their norms
+    recomputed too) equals it as well."""
     from paddle_rl.models.decoder import Attention
     from paddle_rl.models.packing import Packing
     model, batch = make_model(), long_tail_batch(seed=2)
@@ -209,7 +211,7 @@ def test_core_attention_recompute_equals_the_kept_pass(remove_padding, monkeypat
         calls.append(paddle.is_grad_enabled())
         return original(self, *args)
     monkeypatch.setattr(*core, counted)
-    model.recompute = "core_attn"
+    model.recompute = granularity
     try:
         recomputed = run(layout, model, batch)
     finally:

@@ -375,6 +375,28 @@ def test_lm_head_logprob_gradient_of_logp_only(rng):
         close(g.numpy(), r.numpy(), rel=1e-4, what="grad")
 
 
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("tied", [False, True])
+def test_lm_head_greedy_is_the_argmax_of_each_row(rng, fused, tied):
+    """with_greedy: the argmax of each row's logits, chunk by chunk (4 chunks of 5 rows here), equal to NumPy's
+    (first index of a tie); the log-probs unchanged; a pass with gradients refuses it."""
+    hidden = t(rng.standard_normal((20, 12)))
+    weight = t(rng.standard_normal((40, 12) if tied else (12, 40)))
+    hidden[3] = 0.0   # every logit 0: a 40-way tie, argmax 0
+    labels = paddle.to_tensor(rng.integers(0, 40, 20))
+    with paddle.no_grad():
+        logp, _, greedy = ops.lm_head_logprobs(hidden, weight, labels, 0.7, transpose_weight=tied, chunk_rows=5,
+                                               fused=fused, with_greedy=True)
+        plain, _ = ops.lm_head_logprobs(hidden, weight, labels, 0.7, transpose_weight=tied, chunk_rows=5, fused=fused)
+    logits = hidden.numpy() @ (weight.numpy().T if tied else weight.numpy())
+    np.testing.assert_array_equal(greedy.numpy(), logits.argmax(-1))
+    assert greedy.numpy()[3] == 0
+    np.testing.assert_array_equal(logp.numpy(), plain.numpy())
+    hidden.stop_gradient = False
+    with pytest.raises(ValueError, match="with_greedy is for no-grad passes"):
+        ops.lm_head_logprobs(hidden, weight, labels, 1.0, transpose_weight=tied, with_greedy=True)
+
+
 # ------------------------------------------------------------------------------------------------ modes and cache
 
 def test_modes(monkeypatch, caplog):
@@ -409,9 +431,9 @@ def test_model_gradients_with_kernels_and_recompute(rng, monkeypatch):
     """A decoder's log-prob gradients are the same with the fused kernels or the references, and with each
     recompute_granularity (paddle.distributed.fleet.utils.recompute on CPU): full reruns every layer in the
     backward, full_attn every self-attention block, core_attn every attention core (softmax(QK^T)V) and nothing
-    else."""
+    else, core_attn_mlp every attention core and MLP block."""
     from paddle_rl.models import CausalLM, ModelConfig
-    from paddle_rl.models.decoder import Attention, DecoderLayer
+    from paddle_rl.models.decoder import MLP, Attention, DecoderLayer
     from paddle_rl.models.logprobs import token_logprobs
     paddle.seed(1)
     cfg = ModelConfig(model_type="qwen3", vocab_size=120, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
@@ -422,7 +444,8 @@ def test_model_gradients_with_kernels_and_recompute(rng, monkeypatch):
     ids = paddle.to_tensor(rng.integers(0, 120, (3, 10)))
     mask = paddle.to_tensor(np.array([[1] * 10, [0] * 3 + [1] * 7, [0] + [1] * 9]))
     # calls of each part, counted apart in the forward pass and in the backward
-    parts = {"layer": (DecoderLayer, "forward"), "attention": (Attention, "forward"), "core": (Attention, "_core")}
+    parts = {"layer": (DecoderLayer, "forward"), "attention": (Attention, "forward"), "core": (Attention, "_core"),
+             "mlp": (MLP, "forward")}
     calls = {}
     phase = ["forward"]
 
@@ -437,7 +460,7 @@ def test_model_gradients_with_kernels_and_recompute(rng, monkeypatch):
         for name, (cls, attr) in parts.items():
             m.setattr(cls, attr, counter(name, getattr(cls, attr)))
         for mode, recompute in (("on", None), ("off", None), ("on", "full"), ("off", "full"), ("on", "full_attn"),
-                                ("on", "core_attn"), ("off", "core_attn")):
+                                ("on", "core_attn"), ("off", "core_attn"), ("on", "core_attn_mlp")):
             ops.configure(mode)
             model.recompute = recompute
             calls.clear()
@@ -453,7 +476,8 @@ def test_model_gradients_with_kernels_and_recompute(rng, monkeypatch):
     model.recompute = None
     n = cfg.num_hidden_layers
     # without recompute the backward reuses the saved activations; with it the recomputed part runs again
-    rerun = {None: (0, 0, 0), "full": (n, n, n), "full_attn": (0, n, n), "core_attn": (0, 0, n)}
+    rerun = {None: (0, 0, 0, 0), "full": (n, n, n, n), "full_attn": (0, n, n, 0), "core_attn": (0, 0, n, 0),
+             "core_attn_mlp": (0, 0, n, n)}
     for (mode, recompute), got in counts.items():
         assert tuple(got[name] for name in parts) == rerun[recompute], (mode, recompute, got)
     for key in grads:

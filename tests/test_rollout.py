@@ -247,7 +247,7 @@ def test_recompute_in_training_takes_the_full_pass(monkeypatch):
                         lambda self, *a: calls.append(self.training) or original(self, *a))
     args = (model, part["input_ids"], part["attention_mask"], batch.prompt_width, part["response_ids"], 1.0)
     model.train()
-    for granularity, shared in (("full", False), ("full_attn", False), ("core_attn", True)):
+    for granularity, shared in (("full", False), ("full_attn", False), ("core_attn", True), ("core_attn_mlp", True)):
         calls.clear()
         model.recompute = granularity
         token_logprobs(*args, shared_prompts=batch.shared_prompts())[0].sum().backward()

@@ -72,6 +72,14 @@ def test_metrics_by_hand():
     assert m["rollout_corr/ratio/max"] == pytest.approx(math.e)             # the padded 3.0 is not counted
 
 
+def test_greedy_differs_counts_masked_tokens_by_hand():
+    rollout = np.array([[5, 7, 9], [1, 2, 3]])
+    trainer = np.array([[5, 8, 9], [1, 2, 4]])   # differs at (0, 1) and at the padded (1, 2), which must not count
+    _, _, sums = rollout_correction(OLD, ROLLOUT, MASK, greedy=(rollout, trainer))
+    assert correction_metrics(sums, greedy=True)["rollout_corr/greedy_differs"] == pytest.approx(1 / 5)
+    assert "rollout_corr/greedy_differs" not in correction_metrics(sums)
+
+
 def test_loss_multiplies_the_policy_term_by_the_weight():
     from paddle_rl.algorithms.objective import Objective
     cfg = load_config(None, BASE + ["rl_algorithm=grpo", "kl_loss_coeff=0", "policy_loss=ppo"])
@@ -123,8 +131,8 @@ def varied_reward(monkeypatch):
 
 def _train(micro, path, **keys):
     from paddle_rl.trainer import RLTrainer
-    overrides = micro_overrides(micro, str(path), max_steps=2, do_eval=False, reward_funcs=f"[{RULE}]",
-                                global_mini_batch_size=4, **keys)
+    overrides = micro_overrides(micro, str(path), **{"max_steps": 2, "do_eval": False, "reward_funcs": f"[{RULE}]",
+                                                     "global_mini_batch_size": 4, **keys})
     RLTrainer(load_config(None, overrides)).train()
     return read_metrics(str(path / "metrics.jsonl"))
 
@@ -258,3 +266,19 @@ def test_correction_changes_the_update_of_a_stale_rollout(micro, parity_plugin, 
     assert any(0 < r["rollout_corr/rejected_token_share"] < 0.5 for r in rejected[1:])
     for w in (weighted_w, rejected_w):
         assert _weight_change(plain_w, w) > 1e-3  # Adam steps of lr 1e-3 move single weights by ~1e-3
+
+
+def test_greedy_choices_differ_under_a_low_precision_rollout(micro, tmp_path, varied_reward):
+    """rollout_corr/greedy_differs: the share of response tokens where the argmax of the rollout's logits differs
+    from the argmax of the trainer's old-log-prob pass. A float32 rollout agrees with the trainer everywhere (the
+    two forwards differ by rounding only); a bfloat16 rollout chooses otherwise at a few tokens and a
+    weight_only_int4 one at many (one step, 32 responses of exactly 48 tokens)."""
+    share = {}
+    for name, keys in (("float32", {"reuse_rollout_logprobs": "off"}), ("bfloat16", {"rollout_dtype": "bfloat16"}),
+                       ("int4", {"rollout_quant_type": "weight_only_int4"})):
+        rows = _train(micro, tmp_path / name, max_steps=1, max_dec_len=48, min_dec_len=48, rollout_n=8, **keys)
+        share[name] = rows[0]["rollout_corr/greedy_differs"]
+    print("greedy_differs", share)
+    # measured: 0.0, 0.0046 (7 of 1,536 tokens), 0.163
+    assert share["float32"] == 0.0
+    assert 0.0 < share["bfloat16"] < 0.02 and 0.08 < share["int4"] < 0.3

@@ -17,6 +17,13 @@ r_t = pi_old(y_t) / pi_rollout(y_t) = exp(old_logp_t - rollout_logp_t) over a re
 
 Each level is a pure function of (log r [B, T], mask [B, T]) giving the log-ratio each token is judged by
 (`LEVELS`); `is` accepts token and sequence, `rs` all three.
+
+`rollout_corr/greedy_differs`: the share of response tokens (the update's mask before any rejection) at which the
+greedy choice differs: the argmax over the vocabulary of the rollout's logits there (the rollout engine records it
+while sampling, `rollout_greedy`) against the argmax of the trainer's logits at the same position (from the
+old-log-prob pass's own chunks of logits). Both are taken before temperature, top-k / top-p, penalties, banned
+or forced tokens act, so it measures the two forwards alone; ties go to the lower token id on both sides. Logged
+whenever the trainer recomputes the old log-probs of a rollout that recorded its greedy choices.
 """
 from typing import Callable, Dict, Optional
 
@@ -46,11 +53,13 @@ RS_LEVELS = ("token", "sequence", "geometric")
 
 def rollout_correction(old_logp, rollout_logp, mask, is_level: Optional[str] = None, is_threshold: float = 2.0,
                        rs_level: Optional[str] = None, rs_upper: Optional[float] = None,
-                       rs_lower: Optional[float] = None, veto_threshold: Optional[float] = None):
+                       rs_lower: Optional[float] = None, veto_threshold: Optional[float] = None,
+                       greedy: Optional[tuple] = None):
     """(is_weight [B, T] float32, keep [B, T] float32, sums) for one batch.
 
     is_weight is 1 where no IS applies and 0 outside the mask; keep is the mask with rejected tokens zeroed. `sums`
-    holds this batch's totals for `correction_metrics` (summed over data-parallel ranks before dividing)."""
+    holds this batch's totals for `correction_metrics` (summed over data-parallel ranks before dividing).
+    `greedy`: (the rollout's argmax [B, T], the trainer's argmax [B, T]) adds the tokens where they differ."""
     mask = np.asarray(mask, dtype=np.float64)
     log_ratio = np.clip((np.asarray(old_logp, np.float64) - np.asarray(rollout_logp, np.float64)) * mask,
                         -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
@@ -75,21 +84,29 @@ def rollout_correction(old_logp, rollout_logp, mask, is_level: Optional[str] = N
             "weight": (weight * keep).sum(), "kept_tokens": keep.sum(),
             "rejected_tokens": (mask - keep).sum(), "rejected_rows": float((rows & ~kept_rows).sum()),
             "weight_max": float((weight * keep).max()) if keep.any() else 0.0,
-            "ratio_max": float((ratio * mask).max()) if mask.any() else 0.0}
+            "ratio_max": float((ratio * mask).max()) if mask.any() else 0.0,
+            "greedy_differs": float(((np.asarray(greedy[0]) != np.asarray(greedy[1])) * mask).sum())
+            if greedy is not None else 0.0}
     return weight.astype(np.float32), keep.astype(np.float32), sums
 
 
-GAP_METRICS = ("rollout_corr/kl", "rollout_corr/k3_kl", "rollout_corr/ratio/max")  # without any correction key
-SUMMED = ("tokens", "rows", "log_ratio", "k3", "weight", "kept_tokens", "rejected_tokens", "rejected_rows")
+GAP_METRICS = ("rollout_corr/kl", "rollout_corr/k3_kl", "rollout_corr/ratio/max",  # without any correction key
+               "rollout_corr/greedy_differs")
+SUMMED = ("tokens", "rows", "log_ratio", "k3", "weight", "kept_tokens", "rejected_tokens", "rejected_rows",
+          "greedy_differs")
 
 
-def correction_metrics(sums: dict) -> dict:
-    """Metrics from `rollout_correction`'s sums (already summed over ranks; the maxima already the largest)."""
+def correction_metrics(sums: dict, greedy: bool = False) -> dict:
+    """Metrics from `rollout_correction`'s sums (already summed over ranks; the maxima already the largest);
+    `greedy`: the sums hold the greedy choices' comparison (rollout_corr/greedy_differs)."""
     tokens, rows = max(sums["tokens"], 1.0), max(sums["rows"], 1.0)
-    return {"rollout_corr/kl": sums["log_ratio"] / tokens,
+    out = {"rollout_corr/kl": sums["log_ratio"] / tokens,
             "rollout_corr/k3_kl": sums["k3"] / tokens,
             "rollout_corr/is_weight_mean": sums["weight"] / max(sums["kept_tokens"], 1.0),
             "rollout_corr/is_weight/max": sums["weight_max"],
             "rollout_corr/ratio/max": sums["ratio_max"],
             "rollout_corr/rejected_token_share": sums["rejected_tokens"] / tokens,
             "rollout_corr/rejected_seq_share": sums["rejected_rows"] / rows}
+    if greedy:
+        out["rollout_corr/greedy_differs"] = sums["greedy_differs"] / tokens
+    return out

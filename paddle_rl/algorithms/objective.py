@@ -192,19 +192,20 @@ class Objective:
             return response_mask
         return overlong_filtered_mask(response_mask, truncated)
 
-    def rollout_correction(self, old_logp, rollout_logp, response_mask):
+    def rollout_correction(self, old_logp, rollout_logp, response_mask, greedy=None):
         """(is_weight [B, T], update mask [B, T], metrics) of the rollout correction the config asks for
         (rollout_is, rollout_rs, rollout_token_veto_threshold; algorithms/correction.py), statistics over the whole
         batch (summed through `reduce`; the */max metrics are this rank's, reduce_metrics takes the largest).
         Without those keys the weight is 1 and nothing is rejected, and the metrics are the gap's alone
-        (`GAP_METRICS`: the trainer reports them whenever it recomputes the old log-probs)."""
+        (`GAP_METRICS`: the trainer reports them whenever it recomputes the old log-probs). `greedy`: (the
+        rollout's argmax, the trainer's) per token, for rollout_corr/greedy_differs."""
         cfg = self.config
         weight, keep, sums = rollout_correction(
             old_logp, rollout_logp, response_mask, is_level=cfg.rollout_is, is_threshold=cfg.rollout_is_threshold,
             rs_level=cfg.rollout_rs, rs_upper=cfg.rollout_rs_threshold, rs_lower=cfg.rollout_rs_threshold_lower,
-            veto_threshold=cfg.rollout_token_veto_threshold)
+            veto_threshold=cfg.rollout_token_veto_threshold, greedy=greedy)
         totals = dict(zip(SUMMED, global_sum([sums[k] for k in SUMMED], self.reduce)))
-        metrics = correction_metrics(dict(sums, **totals))
+        metrics = correction_metrics(dict(sums, **totals), greedy=greedy is not None)
         if not cfg.rollout_correction:
             metrics = {k: v for k, v in metrics.items() if k in GAP_METRICS}
         return weight, keep, metrics

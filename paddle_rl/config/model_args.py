@@ -4,7 +4,7 @@ from typing import Optional
 from .fields import ON_OFF, arg
 
 # what recompute_granularity may name (models/decoder.py: CausalLM.recompute)
-RECOMPUTE_GRANULARITIES = ("full", "full_attn", "core_attn")
+RECOMPUTE_GRANULARITIES = ("full", "full_attn", "core_attn", "core_attn_mlp")
 # what rollout_quant_type may name (ops/linear.py: ROLLOUT_QUANT_TYPES)
 ROLLOUT_QUANT_TYPES = ("", "weight_only_int8", "weight_only_int4")
 
@@ -60,7 +60,9 @@ class ModelArgs:
     recompute_granularity: str = arg("full", "With recompute: full (each decoder layer: only the layer inputs are "
                                              "kept) | full_attn (each self-attention block) | core_attn (the "
                                              "attention core softmax(QK^T)V: its probabilities, which grow with the "
-                                             "sequence length, are not kept).")
+                                             "sequence length, are not kept) | core_attn_mlp (this suite's: the "
+                                             "attention core and each dense MLP block with its norm; sparse MoE "
+                                             "blocks are kept).")
     offload_level: str = arg("", acted=False)
     release_grads: bool = arg(False, acted=False)
     offload_optim: bool = arg(False, acted=False)

@@ -256,27 +256,33 @@ class Layout(abc.ABC):
 
     @paddle.no_grad()
     def logprobs(self, model, batch: StepBatch, temperature: float, micro_batch_size: int,
-                 with_entropy: bool = False):
+                 with_entropy: bool = False, with_greedy: bool = False):
         """No-grad log-probs of the batch's responses, numpy [B, T] (and the entropy), zero outside the mask, in the
-        batch's row order. Micro-batches: `micro_batch_size` rows, or the token budget (self.micro)."""
+        batch's row order. Micro-batches: `micro_batch_size` rows, or the token budget (self.micro).
+        `with_greedy`: also the argmax of the model's logits at each response position, int64 [B, T], -1 outside
+        the mask (returned last)."""
         was_training = model.training
         model.eval()
         chunks = self._logprob_chunks(model, batch, self.micro.plan(batch, micro_batch_size), temperature,
-                                      with_entropy)
+                                      with_entropy, with_greedy)
         if was_training:
             model.train()
         mask = batch["response_mask"]
         out = [np.zeros(mask.shape, dtype=np.float32) for _ in range(2 if with_entropy else 1)]
-        for rows, *values in chunks:
-            for full, value in zip(out, values):
+        greedy = np.full(mask.shape, -1, dtype=np.int64)
+        for rows, logp, entropy, *rest in chunks:
+            for full, value in zip(out, (logp, entropy)):
                 full[rows, :value.shape[1]] = value
-        return (out[0] * mask, out[1] * mask) if with_entropy else out[0] * mask
+            if with_greedy:
+                greedy[rows, :rest[0].shape[1]] = rest[0]
+        out = [o * mask for o in out] + ([np.where(mask > 0, greedy, -1)] if with_greedy else [])
+        return out[0] if len(out) == 1 else tuple(out)
 
     @abc.abstractmethod
     def _logprob_chunks(self, model, batch: StepBatch, plan: List[np.ndarray], temperature: float,
-                        with_entropy: bool) -> list:
-        """(rows, logp, entropy or None) of each micro-batch of `plan` (row indices): numpy arrays [rows, width of
-        the micro-batch]."""
+                        with_entropy: bool, with_greedy: bool = False) -> list:
+        """(rows, logp, entropy or None[, greedy with `with_greedy`]) of each micro-batch of `plan` (row indices):
+        numpy arrays [rows, width of the micro-batch]."""
 
     @abc.abstractmethod
     def forward_backward(self, model, mini: StepBatch, keys: List[str], micro: int, temperature: float,

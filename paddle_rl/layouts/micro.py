@@ -81,15 +81,15 @@ class MicroBatching:
             self._told = True
 
     # ---------------------------------------------------------------- one micro-batch
-    def logprobs(self, model, part: StepBatch, temperature: float, with_entropy: bool):
-        """Log-probs [b, W] (and entropy, else None) of a micro-batch made by StepBatch.micro, as Paddle tensors
-        (with their graph when gradients are on)."""
+    def logprobs(self, model, part: StepBatch, temperature: float, with_entropy: bool, with_greedy: bool = False):
+        """Log-probs [b, W] (and entropy, else None; and with `with_greedy` the argmax of the logits [b, W]) of a
+        micro-batch made by StepBatch.micro, as Paddle tensors (with their graph when gradients are on)."""
         if self.remove_padding:
-            return packed_token_logprobs(model, self.packing(part), temperature, with_entropy)
+            return packed_token_logprobs(model, self.packing(part), temperature, with_entropy, with_greedy)
         t = part.tensors()
         shared = part.shared_prompts() if self.share_prompts else None
         return token_logprobs(model, t["input_ids"], t["attention_mask"], part.prompt_width, t["response_ids"],
-                              temperature, with_entropy, shared)
+                              temperature, with_entropy, shared, with_greedy)
 
     def values(self, model, part: StepBatch):
         """A critic's values [b, W] of a micro-batch made by StepBatch.micro (a Paddle tensor, with its graph when

@@ -69,28 +69,31 @@ class Pipelined(Layout):
         parts = [batch.micro(rows) for rows in plan]
         return [(part, part.tensors(keys=keys)) for part in parts]
 
-    def _from_last(self, link, out, shape):
-        """A float32 tensor of `shape` the last stage computed (`out`; None elsewhere), on every stage."""
+    def _from_last(self, link, out, shape, dtype: str = "float32"):
+        """A tensor of `shape` the last stage computed (`out`; None elsewhere), on every stage."""
         if out is None:
-            out = paddle.empty(shape, "float32")
+            out = paddle.empty(shape, dtype)
         with watched(f"broadcast from the last stage (rank {link.last_rank})", link.group):
             dist.broadcast(out, src=link.last_rank, group=link.group)
         return out
 
-    def _logprob_chunks(self, model, batch, plan, temperature: float, with_entropy: bool) -> list:
-        """Forward only through the stages; the last stage broadcasts each micro-batch's log-probs to its
-        pipeline."""
+    def _logprob_chunks(self, model, batch, plan, temperature: float, with_entropy: bool,
+                        with_greedy: bool = False) -> list:
+        """Forward only through the stages; the last stage broadcasts each micro-batch's log-probs (and entropy,
+        and greedy choices) to its pipeline."""
         parts = self._parts(batch, plan)
         link = Link(self._topo)
-        head = lambda i, hidden: model.head_logprobs(hidden, parts[i][1]["response_ids"], temperature, with_entropy)
+        head = lambda i, hidden: model.head_logprobs(hidden, parts[i][1]["response_ids"], temperature, with_entropy,
+                                                     with_greedy=with_greedy)
         outs = forward_only(link, len(parts), self._stage_fn(model, parts, head), self._act_shape(model, parts))
         chunks = []
         for rows, (_, tensors), out in zip(plan, parts, outs):
             shape = list(tensors["response_ids"].shape)
-            logp, ent = out if out is not None else (None, None)
-            logp = self._from_last(link, logp, shape)
-            ent = self._from_last(link, ent, shape) if with_entropy else None
-            chunks.append((rows, logp.numpy(), None if ent is None else ent.numpy()))
+            out = out if out is not None else (None, None, None)
+            logp = self._from_last(link, out[0], shape).numpy()
+            ent = self._from_last(link, out[1], shape).numpy() if with_entropy else None
+            greedy = (self._from_last(link, out[2], shape, "int64").numpy(),) if with_greedy else ()
+            chunks.append((rows, logp, ent, *greedy))
         return chunks
 
     def forward_backward(self, model, mini, keys, micro: int, temperature: float, loss_fn) -> list:

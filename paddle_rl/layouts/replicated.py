@@ -22,11 +22,12 @@ class Replicated(Layout):
         with watched("all_gather of the tensor-parallel weights", self._topo.group("tp")):  # one wait for them all
             return hf_state(model, frozen)
 
-    def _logprob_chunks(self, model, batch, plan, temperature: float, with_entropy: bool) -> list:
+    def _logprob_chunks(self, model, batch, plan, temperature: float, with_entropy: bool,
+                        with_greedy: bool = False) -> list:
         chunks = []
         for rows in plan:
-            logp, ent = self.micro.logprobs(model, batch.micro(rows), temperature, with_entropy)
-            chunks.append((rows, logp.numpy(), None if ent is None else ent.numpy()))
+            out = self.micro.logprobs(model, batch.micro(rows), temperature, with_entropy, with_greedy)
+            chunks.append((rows, *(None if x is None else x.numpy() for x in out)))
         return chunks
 
     def forward_backward(self, model, mini, keys, micro: int, temperature: float, loss_fn) -> list:

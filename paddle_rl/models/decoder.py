@@ -21,7 +21,8 @@ import paddle.nn as nn
 from .. import ops
 from ..parallel.collectives import copy_to_group, gather_from_group, group_size
 from .config import ModelConfig
-from .layers import ColumnLinear, RMSNorm, RowLinear, ScoreHead, VocabEmbedding, vocab_parallel_logprobs
+from .layers import ColumnLinear, RMSNorm, RowLinear, ScoreHead, VocabEmbedding, vocab_parallel_argmax, \
+    vocab_parallel_logprobs
 from .moe import MoESettings, RouterStats, SparseMoE
 
 NEG_INF = -1e9
@@ -157,8 +158,8 @@ class Pass:
     weighted by `token_weight` [B, T] (0 on padding; None: every token counts once). `packing` (packing.Packing)
     marks a packed row of several sequences: attention runs on its blocks instead of a bias over the row.
     `recompute` (set by CausalLM.run in training): what the backward recomputes, None or "full" (each layer),
-    "full_attn" (each self-attention block) or "core_attn" (softmax(QK^T)V, whose probabilities grow with the
-    sequence)."""
+    "full_attn" (each self-attention block), "core_attn" (softmax(QK^T)V, whose probabilities grow with the
+    sequence) or "core_attn_mlp" (that and each dense MLP block with its norm)."""
 
     def __init__(self, rotary, position_ids, attention_bias=None, caches=None, decode_start=None, token_weight=None,
                  router=None, packing=None):
@@ -221,7 +222,7 @@ class Attention(nn.Layer):
             if cache is not None:
                 k, v = cache.update(k, v)
             core, args = self._core, (q, k, v, p.attention_bias)
-        if p.recompute == "core_attn":
+        if p.recompute in ("core_attn", "core_attn_mlp"):
             return self.o_proj(_recompute(core, *args))
         return self.o_proj(core(*args))
 
@@ -282,7 +283,13 @@ class DecoderLayer(nn.Layer):
             x = x + _recompute(self.self_attn, h, p, None)
         else:
             x = x + self.self_attn(h, p, cache)
-        return x + self.mlp(self.post_attention_layernorm(x), p)
+        if p.recompute == "core_attn_mlp" and isinstance(self.mlp, MLP):
+            # only the block's input is kept: the norm's output, gate/up and SwiGLU outputs are made again
+            return x + _recompute(self._mlp_block, x, p)
+        return x + self._mlp_block(x, p)
+
+    def _mlp_block(self, x, p: Pass):
+        return self.mlp(self.post_attention_layernorm(x), p)
 
 
 def attention_bias_from_mask(key_mask, query_len: int, causal: bool):
@@ -346,6 +353,7 @@ class CausalLM(nn.Layer):
                                             ("lm_head",), pad=True)
         self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope)
         self.recompute = None   # what training passes recompute in the backward: None | full | full_attn | core_attn
+        #                         | core_attn_mlp
         self._router = None
         self.lora = None  # LoraSettings once adapters are on the model (models/lora.py)
         self._packed_head = None  # the tied head's packed table while packed_weights is on
@@ -549,23 +557,26 @@ class CausalLM(nn.Layer):
         logits = gather_from_group(self.local_logits(hidden), self.tp_group)
         return logits if logits.shape[-1] == self.config.vocab_size else logits[..., :self.config.vocab_size]
 
-    def head_logprobs(self, hidden, targets, temperature: float, with_entropy: bool = False):
+    def head_logprobs(self, hidden, targets, temperature: float, with_entropy: bool = False,
+                      with_greedy: bool = False):
         """log softmax(logits / T) at `targets` (and the entropy) from hidden states [b, L, hidden]: [b, L].
         One process: chunked through `ops.lm_head_logprobs` (never a [tokens, vocab] log-softmax); tensor
-        parallel: from vocabulary-sharded logits."""
+        parallel: from vocabulary-sharded logits. `with_greedy` (no-grad passes): a third output, the argmax of
+        the logits at each position [b, L] int64."""
         batch, length = targets.shape[0], targets.shape[1]
         weight, transposed = self.head_weight
         if hidden.dtype != paddle.float32:  # AMP's bfloat16 (trainer/precision.py): log-probs from float32 copies
             hidden, weight = hidden.astype("float32"), weight.astype("float32")
         if self.tp_group is None:
-            logp, entropy = ops.lm_head_logprobs(hidden.reshape([batch * length, hidden.shape[-1]]), weight,
-                                                 targets.reshape([-1]), temperature, with_entropy,
-                                                 transpose_weight=transposed, bf16=self.head_bf16)
-            return logp.reshape([batch, length]), None if entropy is None else entropy.reshape([batch, length])
+            out = ops.lm_head_logprobs(hidden.reshape([batch * length, hidden.shape[-1]]), weight,
+                                       targets.reshape([-1]), temperature, with_entropy, transpose_weight=transposed,
+                                       bf16=self.head_bf16, with_greedy=with_greedy)
+            return tuple(None if x is None else x.reshape([batch, length]) for x in out)
         logits = self.local_logits(hidden)[..., :self.vocab_width]
         if temperature > 0:
             logits = logits / temperature
-        return vocab_parallel_logprobs(logits, targets, self.tp_group, self.vocab_start, with_entropy)
+        out = vocab_parallel_logprobs(logits, targets, self.tp_group, self.vocab_start, with_entropy)
+        return (*out, vocab_parallel_argmax(logits, self.tp_group, self.vocab_start)) if with_greedy else out
 
     def forward(self, input_ids, attention_mask=None):
         """Full-sequence logits (no cache): [B, T, vocab]."""

@@ -250,6 +250,17 @@ def vocab_parallel_logprobs(local_logits, targets, group, vocab_start: int, with
     return logp, log_z - expected
 
 
+def vocab_parallel_argmax(local_logits, group, vocab_start: int):
+    """The global argmax over the vocabulary [...] int64 from this rank's slice of the logits: the ranks holding
+    the largest value offer their first index of it, the smallest offer wins (paddle.argmax's tie rule). Ids
+    stay below 2^24, exact in float32."""
+    value = local_logits.max(axis=-1)
+    top = all_reduce_max(value, group)
+    index = (paddle.argmax(local_logits, axis=-1) + vocab_start).astype("float32")
+    offer = paddle.where(value == top, index, paddle.full_like(index, float(2 ** 24)))
+    return (-all_reduce_max(-offer, group)).astype("int64")
+
+
 def specs_of(model, frozen: bool = True) -> List[Tuple[str, object]]:
     """(name, parameter) pairs of a model, every one with its ParamSpec (an error names one without);
     `frozen=False` keeps the trained ones only (a LoRA model's adapters)."""

@@ -26,18 +26,20 @@ def response_hidden(model, input_ids, attention_mask, prompt_width: int, length:
 
 
 def token_logprobs(model, input_ids, attention_mask, prompt_width: int, response_ids, temperature: float,
-                   with_entropy: bool = False, shared_prompts=None):
-    """log softmax(logits / T) at response_ids: [b, T] (and entropy [b, T], else None).
+                   with_entropy: bool = False, shared_prompts=None, with_greedy: bool = False):
+    """log softmax(logits / T) at response_ids: [b, T] (and entropy [b, T], else None; with `with_greedy` a third
+    output, the argmax of the logits at each position [b, T] int64: CausalLM.head_logprobs).
 
     input_ids = [left-padded prompt | right-padded response]; shared_prompts: see `response_hidden`.
     """
     hidden = response_hidden(model, input_ids, attention_mask, prompt_width, response_ids.shape[1], shared_prompts)
-    return model.head_logprobs(hidden, response_ids, temperature, with_entropy)
+    return model.head_logprobs(hidden, response_ids, temperature, with_entropy, with_greedy=with_greedy)
 
 
-def packed_token_logprobs(model, packing, temperature: float, with_entropy: bool = False):
-    """token_logprobs of a packed micro-batch (packing.Packing): [b, W] (and entropy), the LM head on the
-    positions that predict real response tokens only; 0 where nothing is predicted."""
+def packed_token_logprobs(model, packing, temperature: float, with_entropy: bool = False, with_greedy: bool = False):
+    """token_logprobs of a packed micro-batch (packing.Packing): [b, W] (and entropy, and the argmax with
+    `with_greedy`), the LM head on the positions that predict real response tokens only; 0 where nothing is
+    predicted."""
     hidden = paddle.gather(model.packed_hidden_states(packing)[0], packing.select).unsqueeze(0)
-    logp, entropy = model.head_logprobs(hidden, packing.targets, temperature, with_entropy)
-    return packing.place(logp), None if entropy is None else packing.place(entropy)
+    out = model.head_logprobs(hidden, packing.targets, temperature, with_entropy, with_greedy=with_greedy)
+    return tuple(None if x is None else packing.place(x) for x in out)

@@ -10,7 +10,7 @@ available, else the same formulas in Paddle.
 With `bf16` (bf16 training with the LM head in bfloat16) the head's three products take bfloat16-rounded operands
 (hidden, weight, d logits) with float32 sums, as ops.bf16_linear; the softmax and log-probs stay float32.
 """
-from typing import Optional, Tuple
+from typing import Optional
 
 import paddle
 import paddle.nn.functional as F
@@ -29,13 +29,15 @@ def _head(hidden, weight, transpose_weight: bool):
 
 
 def lm_head_logprobs_reference(hidden, weight, labels, temperature: float, with_entropy: bool = False,
-                               transpose_weight: bool = False, bf16: bool = False):
-    """hidden [N, H]; weight [H, V] ([V, H] with transpose_weight); labels [N] -> (logp [N], entropy [N] or None)."""
+                               transpose_weight: bool = False, bf16: bool = False, with_greedy: bool = False):
+    """hidden [N, H]; weight [H, V] ([V, H] with transpose_weight); labels [N] -> (logp [N], entropy [N] or None)
+    (and the argmax of each row's logits [N] with `with_greedy`)."""
     if bf16:
         logits = bf16_linear_reference(hidden, weight.T if transpose_weight else weight)
     else:
         logits = _head(hidden, weight, transpose_weight)
-    return logprobs_from_logits(logits, labels, temperature, with_entropy)
+    out = logprobs_from_logits(logits, labels, temperature, with_entropy)
+    return (*out, paddle.argmax(logits, axis=-1)) if with_greedy else out
 
 
 def logprobs_from_logits(logits, labels, temperature: float, with_entropy: bool = False):
@@ -97,8 +99,10 @@ def _chunk_rows(rows: int, vocab: int, chunk_rows: Optional[int]) -> int:
     return max(1, min(rows, CHUNK_ELEMENTS // max(vocab, 1)))
 
 
-def _forward_chunks(hidden, weight, labels, scale, transpose, rows_per_chunk, fused, keep_logits=False):
-    """(logp, entropy, lse, mean_z) over all rows, and the list of chunk logits when keep_logits."""
+def _forward_chunks(hidden, weight, labels, scale, transpose, rows_per_chunk, fused, keep_logits=False,
+                    greedy=None):
+    """(logp, entropy, lse, mean_z) over all rows, and the list of chunk logits when keep_logits. `greedy`: a list
+    that gets each chunk's argmax over the vocabulary (one more read of the chunk's logits)."""
     forward, _ = _kernels(fused)
     outs, kept = [], []
     for start in range(0, hidden.shape[0], rows_per_chunk):
@@ -107,6 +111,8 @@ def _forward_chunks(hidden, weight, labels, scale, transpose, rows_per_chunk, fu
         outs.append(forward(logits, labels[start:stop], scale))
         if keep_logits:
             kept.append(logits)
+        if greedy is not None:
+            greedy.append(paddle.argmax(logits, axis=-1))
     if len(outs) == 1:
         return outs[0], kept
     return tuple(paddle.concat([o[i] for o in outs]) for i in range(4)), kept
@@ -158,11 +164,13 @@ class _ChunkedLMHead(PyLayer):
 
 def lm_head_logprobs(hidden, weight, labels, temperature: float, with_entropy: bool = False,
                      transpose_weight: bool = False, chunk_rows: Optional[int] = None,
-                     fused: Optional[bool] = None, bf16: bool = False) -> Tuple[paddle.Tensor, Optional[paddle.Tensor]]:
+                     fused: Optional[bool] = None, bf16: bool = False, with_greedy: bool = False) -> tuple:
     """Chunked (logp [N], entropy [N] or None) of labels under softmax(hidden @ weight / temperature).
 
     Differentiable in hidden and weight. `fused` forces the kernel choice (default: the fused kernels when
-    available); `bf16`: the head's products from bfloat16-rounded operands."""
+    available); `bf16`: the head's products from bfloat16-rounded operands. `with_greedy` (no-grad passes only)
+    adds a third output: the argmax over the vocabulary of each row's logits [N] int64 (the distribution's
+    greedy choice; the first index of a tie, as paddle.argmax), from the same chunks."""
     scale = 1.0 / temperature if temperature > 0 else 1.0
     if fused is None:
         fused = fusable(hidden, weight)
@@ -170,9 +178,15 @@ def lm_head_logprobs(hidden, weight, labels, temperature: float, with_entropy: b
     rows = _chunk_rows(hidden.shape[0], vocab, chunk_rows)
     needs_grad = paddle.is_grad_enabled() and not (hidden.stop_gradient and weight.stop_gradient)
     if needs_grad:
+        if with_greedy:
+            raise ValueError("lm_head_logprobs: with_greedy is for no-grad passes (the old-policy log-probs)")
         logp, entropy = _ChunkedLMHead.apply(hidden, weight, labels, scale, transpose_weight, rows, fused, bf16)
-    else:
-        if bf16:
-            hidden, weight = round_bf16(hidden), round_bf16(weight)
-        (logp, entropy, _, _), _ = _forward_chunks(hidden, weight, labels, scale, transpose_weight, rows, fused)
-    return logp, (entropy if with_entropy else None)
+        return logp, (entropy if with_entropy else None)
+    if bf16:
+        hidden, weight = round_bf16(hidden), round_bf16(weight)
+    greedy = [] if with_greedy else None
+    (logp, entropy, _, _), _ = _forward_chunks(hidden, weight, labels, scale, transpose_weight, rows, fused,
+                                               greedy=greedy)
+    if not with_greedy:
+        return logp, (entropy if with_entropy else None)
+    return logp, (entropy if with_entropy else None), greedy[0] if len(greedy) == 1 else paddle.concat(greedy)

@@ -436,9 +436,9 @@ class AgentEpisodes:
                 kept = min(length, call.max_tokens)
                 truncated = bool(out["truncated"][r]) or length > call.max_tokens
                 self._record(call, out["response_ids"][r, :kept].tolist(), out["rollout_logp"][r, :kept].tolist(),
-                             truncated)
+                             truncated, out["rollout_greedy"][r, :kept].tolist())
 
-    def _record(self, call: _Call, ids: List[int], logp: List[float], truncated: bool) -> None:
+    def _record(self, call: _Call, ids: List[int], logp: List[float], truncated: bool, greedy: List[int]) -> None:
         answer = choice(self.tokenizer, 0, ids, logp, truncated, call.stops, call.logprobs, call.chat)
         episode = call.episode
         with self.cond:
@@ -448,8 +448,8 @@ class AgentEpisodes:
                 seq = episode.seq
                 for t in call.fed:
                     seq.append(int(t), 0.0, policy=False)
-                for t, v in zip(answer["token_ids"], logp):
-                    seq.append(int(t), float(v), policy=True)
+                for t, v, g in zip(answer["token_ids"], logp, greedy):
+                    seq.append(int(t), float(v), policy=True, greedy=int(g))
                 seq.decode_steps += len(answer["token_ids"])
                 seq.stopped = answer["finish_reason"] == "stop"
                 episode.calls += 1

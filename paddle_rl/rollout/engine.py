@@ -10,7 +10,9 @@ and runs the loop
     one decode step of the model for the rows left
 until nothing waits or runs. The output is a StepBatch with the rollout's columns (prompt_ids, response_ids,
 response_mask, rollout_logp, lengths, truncated, group and sample: who each row is, decode_steps: how many decode
-steps processed the row).
+steps processed the row, rollout_greedy: the argmax of the rollout's logits at each response token, before any
+sampling setting or forced length acts, -1 where nothing was sampled; the trainer compares it with its own,
+rollout_corr/greedy_differs).
 """
 from typing import Optional, Sequence as Seq
 
@@ -192,6 +194,7 @@ class RolloutEngine:
         generated = batch.lengths()
         lengths = paddle.to_tensor(generated)
         logits = batch.logits
+        greedy_np = paddle.argmax(logits, axis=-1).numpy()  # the distribution's own greedy choice, per row
         if self.forced_lengths is not None:
             logits = force_lengths(logits, np.array([s.target for s in batch.seqs]), generated, stop_ids)
         uniforms = None
@@ -215,7 +218,7 @@ class RolloutEngine:
                     seq.turn_start = len(seq.tokens)
                 finished[i] = len(seq.tokens) >= params.max_dec_len
                 continue
-            seq.append(int(tokens_np[i]), float(logp_np[i]), policy=True)
+            seq.append(int(tokens_np[i]), float(logp_np[i]), policy=True, greedy=int(greedy_np[i]))
             seq.stopped = bool(stopped[i])
             if seq.stopped and self._episodes is not None and len(seq.tokens) < params.max_dec_len:
                 observation = self._episodes.turn_ended(seq)

@@ -17,7 +17,7 @@ from ..batch import StepBatch, rollout_batch
 
 class Sequence:
     __slots__ = ("row", "group", "sample", "prompt", "uniforms", "target", "tokens", "logprobs", "stopped",
-                 "joined_at", "decode_steps", "policy", "forced", "turn_start", "versions")
+                 "joined_at", "decode_steps", "policy", "forced", "turn_start", "versions", "greedy")
 
     def __init__(self, row: int, group: int, sample: int, prompt: List[int], uniforms: Optional[np.ndarray],
                  target: Optional[int]):
@@ -36,11 +36,13 @@ class Sequence:
         self.forced = deque()          # tokens still to feed in, one per decode step (the KV cache keeps them)
         self.turn_start = 0            # index in `tokens` where the current turn began
         self.versions: List[int] = []  # per token: the policy version that produced it (partial rollouts)
+        self.greedy: List[int] = []    # per token: the argmax of the rollout's logits there (-1: fed in)
 
-    def append(self, token: int, logprob: float, policy: bool) -> None:
+    def append(self, token: int, logprob: float, policy: bool, greedy: int = -1) -> None:
         self.tokens.append(token)
         self.logprobs.append(logprob if policy else 0.0)
         self.policy.append(1.0 if policy else 0.0)
+        self.greedy.append(greedy if policy else -1)
 
     @property
     def truncated(self) -> bool:
@@ -101,14 +103,17 @@ def sequences_batch(done: List[Sequence], rows: int, pad_id: int, token_versions
     logprobs = np.zeros((rows, width), dtype=np.float32)
     lengths = np.array([len(s.tokens) for s in done], dtype=np.int64)
     mask = np.zeros((rows, width), dtype=np.float32)
+    greedy = np.full((rows, width), -1, dtype=np.int64)
     for r, s in enumerate(done):
         response[r, :len(s.tokens)] = s.tokens
         logprobs[r, :len(s.tokens)] = s.logprobs
+        greedy[r, :len(s.tokens)] = s.greedy
         mask[r, :len(s.tokens)] = s.policy  # observation tokens are out of the loss mask
     out = rollout_batch([s.prompt for s in done], response, mask, logprobs, lengths,
                         np.array([s.truncated for s in done]), pad_id, [s.group for s in done],
                         [s.sample for s in done])
     out["decode_steps"] = np.array([s.decode_steps for s in done], dtype=np.int64)
+    out["rollout_greedy"] = greedy
     if token_versions:
         versions = np.full((rows, width), -1, dtype=np.int64)
         for r, s in enumerate(done):

@@ -29,6 +29,7 @@ from ..data.loader import PromptSampler, load_prompt_dataset
 from ..layouts import build_layout
 from ..models import Tokenizer
 from ..models.lora import lora_settings
+from ..models.moe import SparseMoE
 from ..monitor import MetricsLog, StageTimer, run_summary
 from ..monitor.progress import progress_bar
 from ..parallel import watchdog
@@ -91,6 +92,9 @@ class StepLoop:
             self.actor = self.layout.load_model(cfg.actor_model_name_or_path, lora=lora_settings(cfg),
                                                 adapter=cfg.lora_path or None)
         self.actor.recompute = cfg.recompute_what
+        if cfg.recompute_what == "core_attn_mlp" and any(isinstance(m, SparseMoE) for m in self.actor.sublayers()):
+            logger.warning("recompute_granularity core_attn_mlp: the sparse MoE blocks keep their activations (the "
+                           "dense MLP blocks and the attention cores are recomputed)")
         self.precision = precision_for(cfg)  # bf16 / use_fp32_compute (trainer/precision.py)
         self.precision.prepare_model(self.actor)
         if self.actor.router_aux_loss_coef and cfg.pipeline_parallel_degree > 1:

@@ -255,16 +255,21 @@ class RLTrainer:
                     self.precision.autocast():
                 batch["ref_logp"] = self.layout.logprobs(reference, batch, cfg.temperature,
                                                          cfg.per_device_logprob_batch_size)
+        rollout_greedy, greedy = batch.pop("rollout_greedy", None), None
         with timer.stage("old_logprob"):
             if batch.has("rollout_logp") and reuses_rollout_logprobs(cfg, self.mini_batches_per_step):
                 batch["old_logp"] = batch.pop("rollout_logp") * mask
             else:
+                # with the rollout's greedy choices, the pass gives the trainer's (argmax of the same logits)
+                with_greedy = rollout_greedy is not None and batch.has("rollout_logp")
                 with self.precision.autocast():
-                    batch["old_logp"] = self.layout.logprobs(self.actor, batch, cfg.temperature,
-                                                             cfg.per_device_logprob_batch_size)
+                    out = self.layout.logprobs(self.actor, batch, cfg.temperature, cfg.per_device_logprob_batch_size,
+                                               with_greedy=with_greedy)
+                batch["old_logp"], greedy = out if with_greedy else (out, None)
         if batch.has("rollout_logp"):  # the gap between the rollout's log-probs and the trainer's, every step
             is_weight, keep, corr_metrics = self.objective.rollout_correction(
-                batch["old_logp"], batch.pop("rollout_logp"), mask)
+                batch["old_logp"], batch.pop("rollout_logp"), mask,
+                greedy=None if greedy is None else (rollout_greedy, greedy))
             metrics.update(self.layout.batch.reduce_metrics(corr_metrics))
         if cfg.rollout_correction:  # rejected tokens leave the mask of everything below
             batch["is_weight"], batch["response_mask"] = is_weight, keep
