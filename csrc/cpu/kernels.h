@@ -62,4 +62,12 @@ void Sample(const float* logits, const float* seen, const float* uniforms, const
             int64_t n_stop, int64_t* tokens, float* logprob, int64_t b, int64_t v, float temperature, int top_k,
             float top_p, float penalty);
 
+// C [m, n] = op(A) op(B) with A [m, k] (or [k, m] with trans_a), B [k, n] (or [n, k] with trans_b), both rounded to
+// bfloat16 (nearest even), float32 sums. kernel kAuto: the best usable; false when the kernel asked for (or any,
+// for kAuto) is not usable on this CPU, OS and build. Bf16MatmulKernels: bit 0 AMX-BF16, bit 1 AVX512-BF16.
+enum class Bf16Kernel : int { kAuto = 0, kAmx = 1, kAvx512Bf16 = 2 };
+int Bf16MatmulKernels();
+bool Bf16Matmul(const float* a, const float* b, float* c, int64_t m, int64_t n, int64_t k, bool trans_a, bool trans_b,
+                Bf16Kernel kernel);
+
 }  // namespace prl_cpu
