@@ -4,8 +4,8 @@
 // Both operands are first rounded to bfloat16 (nearest even; a NaN becomes 0x7fff as Paddle's cast) and packed in
 // pairs along K (a 32-bit word holds k = 2 kk in its low half, k = 2 kk + 1 in its high half), in blocks of 16
 // rows of M (A) or 16 columns of N (B), K padded with zeros to a multiple of 32:
-//   A: block [16 rows][K / 2 words]  (an AMX tile of A: 16 rows x 32 bfloat16)
-//   B: block [K / 2 words][16 columns] (an AMX tile of B, and one zmm of vdpbf16ps's second operand per pair)
+//   A: block [K / 32][16 rows][16 words]: 1 KB tiles, each an AMX tile of A (16 rows x 32 bfloat16)
+//   B: block [K / 2 words][16 columns]: 16 pairs of it an AMX tile of B, a pair one zmm of vdpbf16ps's operand
 // Two kernels multiply the packs; a bf16 x bf16 product is exact in float32, so both give the float32 sums of the
 // exact products, in their own order (pairs summed in hardware, the pairs in k order per 16 x 16 tile / lane):
 // - AMX (TDPBF16PS): C blocks of 32 x 32 in four tile registers, 16 k-pairs per step. Needs AMX-BF16 in cpuid,
@@ -15,8 +15,9 @@
 // Both flush bfloat16 subnormal inputs and float32 subnormal results to zero (their hardware does; the reference
 // does not): the only difference beyond the order of the sums, and only below 1.2e-38.
 // Cache blocking: each thread takes a contiguous range of 32-column blocks (or of 32-row blocks when there are
-// few columns) and walks the rows in chunks whose packed A fits in ~1 MB of L2, so a chunk of A is read from
-// memory once per thread and each column block's B once per chunk.
+// few columns); where its part of B fits in ~1 MB of L2 the AMX kernel walks the row pairs over it, else it walks
+// the rows in chunks whose packed A fits in ~1 MB, so a chunk of A is read from memory once per thread and each
+// column block's B once per chunk.
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -84,15 +85,18 @@ inline void InterleavePairs(const float* even, const float* odd, int64_t count, 
   for (int64_t i = 0; i < count; ++i) d[i] = Pair(even[i], odd ? odd[i] : 0.0f);
 }
 
+// the word of row i < 16, pair kk of a block of A / B
+inline int64_t AIndex(int64_t i, int64_t kk) { return ((kk >> 4) << 8) + (i << 4) + (kk & 15); }
+inline int64_t BIndex(int64_t i, int64_t kk) { return kk * kRowBlock + i; }
+
 // src element (r, k), r < rows, k < k: src[r * k + k] when k_contiguous, else src[k * rows + r]; a_layout: the
-// blocks of A (16 rows of k2p words), else those of B (k2p rows of 16 words)
+// blocks of A, else those of B
 Packed Pack(const float* src, int64_t rows, int64_t k, bool k_contiguous, bool a_layout) {
   Packed p;
   p.rows_p = RoundUp(rows, kRowBlock);
   p.k2p = RoundUp((k + 1) / 2, kPairStep);
   const int64_t k2p = p.k2p, k2 = (k + 1) / 2;
   p.words.reset(static_cast<uint32_t*>(std::aligned_alloc(64, p.rows_p * k2p * sizeof(uint32_t))));
-  const int64_t rs = a_layout ? k2p : 1, ks = a_layout ? 1 : kRowBlock;
   uint32_t* base = p.words.get();
   const int64_t blocks = p.rows_p / kRowBlock;
   // zeros: the padding rows, and the pairs past K's
@@ -100,7 +104,7 @@ Packed Pack(const float* src, int64_t rows, int64_t k, bool k_contiguous, bool a
     uint32_t* blk = base + rb * kRowBlock * k2p;
     const int64_t valid = std::min(kRowBlock, rows - rb * kRowBlock);
     for (int64_t i = 0; i < kRowBlock; ++i) {
-      for (int64_t kk = i < valid ? k2 : 0; kk < k2p; ++kk) blk[kk * ks + i * rs] = 0;
+      for (int64_t kk = i < valid ? k2 : 0; kk < k2p; ++kk) blk[a_layout ? AIndex(i, kk) : BIndex(i, kk)] = 0;
     }
   }
   if (k_contiguous) {  // row by row: each row's pairs are contiguous
@@ -111,11 +115,13 @@ Packed Pack(const float* src, int64_t rows, int64_t k, bool k_contiguous, bool a
         const int64_t r0 = rb * kRowBlock, valid = std::min(kRowBlock, rows - r0);
         for (int64_t i = 0; i < valid; ++i) {
           const float* row = src + (r0 + i) * k;
+          RowPairs(row, k, tmp.data());
           if (a_layout) {
-            RowPairs(row, k, blk + i * k2p);
+            for (int64_t kq = 0; kq < k2; kq += kPairStep) {
+              std::memcpy(blk + AIndex(i, kq), tmp.data() + kq, std::min(kPairStep, k2 - kq) * sizeof(uint32_t));
+            }
           } else {
-            RowPairs(row, k, tmp.data());
-            for (int64_t kk = 0; kk < k2; ++kk) blk[kk * kRowBlock + i] = tmp[kk];
+            for (int64_t kk = 0; kk < k2; ++kk) blk[BIndex(i, kk)] = tmp[kk];
           }
         }
       }
@@ -141,7 +147,7 @@ Packed Pack(const float* src, int64_t rows, int64_t k, bool k_contiguous, bool a
           }
           if (a_layout) {
             for (int64_t i = 0; i < valid; ++i) {
-              for (int64_t j = 0; j < pairs; ++j) blk[i * k2p + kq + j] = tile[j][i];
+              for (int64_t j = 0; j < pairs; ++j) blk[AIndex(i, kq + j)] = tile[j][i];
             }
           } else if (valid == kRowBlock) {
             std::memcpy(blk + kq * kRowBlock, tile, pairs * kRowBlock * sizeof(uint32_t));
@@ -243,15 +249,14 @@ inline void AmxBlock2x2(const Packed& a, const Packed& b, int64_t rb, int64_t cb
   const uint32_t* a1 = a.Block(rb + 1);
   const uint32_t* b0 = b.Block(cb);
   const uint32_t* b1 = b.Block(cb + 1);
-  const int64_t sa = a.k2p * 4;
   _tile_zero(0);
   _tile_zero(1);
   _tile_zero(2);
   _tile_zero(3);
   for (int64_t kk = 0; kk < a.k2p; kk += kPairStep) {
-    _tile_loadd(4, a0 + kk, sa);
+    _tile_loadd(4, a0 + kk * kRowBlock, 64);
     _tile_loadd(6, b0 + kk * kRowBlock, 64);
-    _tile_loadd(5, a1 + kk, sa);
+    _tile_loadd(5, a1 + kk * kRowBlock, 64);
     _tile_loadd(7, b1 + kk * kRowBlock, 64);
     _tile_dpbf16ps(0, 4, 6);
     _tile_dpbf16ps(1, 4, 7);
@@ -271,40 +276,52 @@ inline void AmxBlock1x1(const Packed& a, const Packed& b, int64_t rb, int64_t cb
   const uint32_t* b0 = b.Block(cb);
   _tile_zero(0);
   for (int64_t kk = 0; kk < a.k2p; kk += kPairStep) {
-    _tile_loadd(4, a0 + kk, a.k2p * 4);
+    _tile_loadd(4, a0 + kk * kRowBlock, 64);
     _tile_loadd(6, b0 + kk * kRowBlock, 64);
     _tile_dpbf16ps(0, 4, 6);
   }
   _tile_stored(0, out, ldo * 4);
 }
 
+// C[32 x 32] (or its part in C) at row block pair rb, column block pair cb
+inline void AmxPair(const Packed& a, const Packed& b, int64_t rb, int64_t cb, int64_t m_end, int64_t n_end, float* c,
+                    int64_t m, int64_t n, float* stage) {
+  const int64_t row = rb * kRowBlock, col = cb * kRowBlock;
+  const int64_t rows = std::min<int64_t>(32, m - row), cols = std::min<int64_t>(32, n - col);
+  if (rb + 1 < m_end && cb + 1 < n_end) {
+    if (rows == 32 && cols == 32) {
+      AmxBlock2x2(a, b, rb, cb, c + row * n + col, n);
+    } else {
+      AmxBlock2x2(a, b, rb, cb, stage, 32);
+      CopyOut(stage, 32, c + row * n + col, n, rows, cols);
+    }
+    return;
+  }
+  for (int64_t i = 0; i < 2 && rb + i < m_end; ++i) {  // a lone 16-row or 16-column block
+    for (int64_t j = 0; j < 2 && cb + j < n_end; ++j) {
+      const int64_t r = row + 16 * i, cc = col + 16 * j;
+      AmxBlock1x1(a, b, rb + i, cb + j, stage, 16);
+      CopyOut(stage, 16, c + r * n + cc, n, std::min<int64_t>(16, m - r), std::min<int64_t>(16, n - cc));
+    }
+  }
+}
+
+// A part's B in L2 (its column blocks' packs within kChunkBytes): row pairs outer, so that C is written row by row
+// and each row pair of A is read once; else chunks of A's rows in L2, the column pairs over each chunk
 void AmxProduct(const Packed& a, const Packed& b, float* c, int64_t m, int64_t n) {
   const int64_t mb = a.rows_p / kRowBlock, nb = b.rows_p / kRowBlock, chunk = ChunkBlocks(a.k2p);
   OverParts(mb, nb, 32 * 32 * a.k2p, [&](int, int64_t m0, int64_t m1, int64_t n0, int64_t n1) {
     AmxConfigure();
     alignas(64) float stage[32 * 32];
-    for (int64_t mc = m0; mc < m1; mc += chunk) {
-      const int64_t mc_end = std::min(m1, mc + chunk);
-      for (int64_t cb = n0; cb < n1; cb += 2) {
-        for (int64_t rb = mc; rb < mc_end; rb += 2) {
-          const int64_t row = rb * kRowBlock, col = cb * kRowBlock;
-          const int64_t rows = std::min<int64_t>(32, m - row), cols = std::min<int64_t>(32, n - col);
-          if (rb + 1 < mc_end && cb + 1 < n1) {
-            if (rows == 32 && cols == 32) {
-              AmxBlock2x2(a, b, rb, cb, c + row * n + col, n);
-            } else {
-              AmxBlock2x2(a, b, rb, cb, stage, 32);
-              CopyOut(stage, 32, c + row * n + col, n, rows, cols);
-            }
-            continue;
-          }
-          for (int64_t i = 0; i < 2 && rb + i < mc_end; ++i) {  // a lone 16-row or 16-column block
-            for (int64_t j = 0; j < 2 && cb + j < n1; ++j) {
-              const int64_t r = row + 16 * i, cc = col + 16 * j;
-              AmxBlock1x1(a, b, rb + i, cb + j, stage, 16);
-              CopyOut(stage, 16, c + r * n + cc, n, std::min<int64_t>(16, m - r), std::min<int64_t>(16, n - cc));
-            }
-          }
+    if ((n1 - n0) * kRowBlock * b.k2p * 4 <= kChunkBytes) {
+      for (int64_t rb = m0; rb < m1; rb += 2) {
+        for (int64_t cb = n0; cb < n1; cb += 2) AmxPair(a, b, rb, cb, m1, n1, c, m, n, stage);
+      }
+    } else {
+      for (int64_t mc = m0; mc < m1; mc += chunk) {
+        const int64_t mc_end = std::min(m1, mc + chunk);
+        for (int64_t cb = n0; cb < n1; cb += 2) {
+          for (int64_t rb = mc; rb < mc_end; rb += 2) AmxPair(a, b, rb, cb, mc_end, n1, c, m, n, stage);
         }
       }
     }
@@ -316,10 +333,11 @@ void AmxProduct(const Packed& a, const Packed& b, float* c, int64_t m, int64_t n
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 constexpr int kAvxRows = 8;  // rows per vdpbf16ps tile: 8 x 2 accumulators
 
-// C[rows x cols] (rows <= 8, cols <= 16 NT) from A's rows at a (row stride k2p words) and NT column blocks of B
+// C[rows x cols] (rows <= 8, cols <= 16 NT) from 8 rows of a block of A (a: its block + AIndex(first row, 0)) and NT
+// column blocks of B
 template <int NT>
-inline void Avx512Tile(const uint32_t* a, const uint32_t* b0, const uint32_t* b1, int64_t k2, int64_t k2p, float* out,
-                       int64_t ldo, int64_t rows, int64_t cols) {
+inline void Avx512Tile(const uint32_t* a, const uint32_t* b0, const uint32_t* b1, int64_t k2, float* out, int64_t ldo,
+                       int64_t rows, int64_t cols) {
   __m512 acc[kAvxRows][NT];
   for (int r = 0; r < kAvxRows; ++r) {
     for (int j = 0; j < NT; ++j) acc[r][j] = _mm512_setzero_ps();
@@ -329,7 +347,7 @@ inline void Avx512Tile(const uint32_t* a, const uint32_t* b0, const uint32_t* b1
     w[0] = (__m512bh)_mm512_loadu_si512(b0 + kk * kRowBlock);
     if constexpr (NT == 2) w[1] = (__m512bh)_mm512_loadu_si512(b1 + kk * kRowBlock);
     for (int r = 0; r < kAvxRows; ++r) {
-      const __m512bh x = (__m512bh)_mm512_set1_epi32(static_cast<int>(a[r * k2p + kk]));
+      const __m512bh x = (__m512bh)_mm512_set1_epi32(static_cast<int>(a[AIndex(r, kk)]));
       for (int j = 0; j < NT; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], x, w[j]);
     }
   }
@@ -350,12 +368,12 @@ void Avx512Product(const Packed& a, const Packed& b, float* c, int64_t m, int64_
         const int64_t col = cb * kRowBlock, cols = std::min<int64_t>(32, n - col);
         const uint32_t* b0 = b.Block(cb);
         for (int64_t row = mc * kRowBlock; row < row_end; row += kAvxRows) {
-          const uint32_t* ap = a.words.get() + (row / kRowBlock) * kRowBlock * a.k2p + (row % kRowBlock) * a.k2p;
+          const uint32_t* ap = a.Block(row / kRowBlock) + AIndex(row % kRowBlock, 0);
           const int64_t rows = std::min<int64_t>(kAvxRows, row_end - row);
           if (cb + 1 < n1) {
-            Avx512Tile<2>(ap, b0, b.Block(cb + 1), k2, a.k2p, c + row * n + col, n, rows, cols);
+            Avx512Tile<2>(ap, b0, b.Block(cb + 1), k2, c + row * n + col, n, rows, cols);
           } else {
-            Avx512Tile<1>(ap, b0, b0, k2, a.k2p, c + row * n + col, n, rows, cols);
+            Avx512Tile<1>(ap, b0, b0, k2, c + row * n + col, n, rows, cols);
           }
         }
       }

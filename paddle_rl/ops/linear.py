@@ -251,10 +251,10 @@ def bf16_matmul(a, b, trans_a: bool = False, trans_b: bool = False):
 
 class _Bf16Linear(PyLayer):
     @staticmethod
-    def forward(ctx, x, weight):
+    def forward(ctx, x, weight, fused: bool):
         k, n = weight.shape
         ctx.needs = (not x.stop_gradient, not weight.stop_gradient)
-        ctx.fused = bf16_kernel(x, weight) != "emulated"
+        ctx.fused = fused
         if ctx.fused:  # the kernel rounds as it packs: keep the float32 operands
             ctx.save_for_backward(x, weight)
             return bf16_matmul_fused(x.reshape([-1, k]), weight).reshape(x.shape[:-1] + [n])
@@ -282,7 +282,7 @@ def bf16_linear_reference(x, weight):
     gradient from the rounded dy and W, the weight's from the rounded x and dy); float32 in and out."""
     if not paddle.is_grad_enabled() or (x.stop_gradient and weight.stop_gradient):
         return paddle.matmul(round_bf16(x), round_bf16(weight))
-    return _Bf16Linear.apply(x, weight)
+    return _Bf16Linear.apply(x, weight, False)
 
 
 def bf16_linear(x, weight):
@@ -293,4 +293,4 @@ def bf16_linear(x, weight):
     if not paddle.is_grad_enabled() or (x.stop_gradient and weight.stop_gradient):
         k, n = weight.shape
         return bf16_matmul_fused(x.reshape([-1, k]), weight).reshape(x.shape[:-1] + [n])
-    return _Bf16Linear.apply(x, weight)
+    return _Bf16Linear.apply(x, weight, True)
