@@ -107,21 +107,27 @@ Packed Pack(const float* src, int64_t rows, int64_t k, bool k_contiguous, bool a
       for (int64_t kk = i < valid ? k2 : 0; kk < k2p; ++kk) blk[a_layout ? AIndex(i, kk) : BIndex(i, kk)] = 0;
     }
   }
-  if (k_contiguous) {  // row by row: each row's pairs are contiguous
+  if (k_contiguous) {  // row by row: each row's pairs are contiguous; a block's 16 rows staged, then laid out
     prl::ParallelFor(blocks, kRowBlock * k2p * 2, [&](int, int64_t begin, int64_t end) {
-      std::vector<uint32_t> tmp(k2p);
+      std::vector<uint32_t> tmp(kRowBlock * k2p);
       for (int64_t rb = begin; rb < end; ++rb) {
         uint32_t* blk = base + rb * kRowBlock * k2p;
         const int64_t r0 = rb * kRowBlock, valid = std::min(kRowBlock, rows - r0);
-        for (int64_t i = 0; i < valid; ++i) {
-          const float* row = src + (r0 + i) * k;
-          RowPairs(row, k, tmp.data());
-          if (a_layout) {
+        for (int64_t i = 0; i < valid; ++i) RowPairs(src + (r0 + i) * k, k, tmp.data() + i * k2p);
+        if (a_layout) {
+          for (int64_t i = 0; i < valid; ++i) {
             for (int64_t kq = 0; kq < k2; kq += kPairStep) {
-              std::memcpy(blk + AIndex(i, kq), tmp.data() + kq, std::min(kPairStep, k2 - kq) * sizeof(uint32_t));
+              std::memcpy(blk + AIndex(i, kq), tmp.data() + i * k2p + kq,
+                          std::min(kPairStep, k2 - kq) * sizeof(uint32_t));
             }
-          } else {
-            for (int64_t kk = 0; kk < k2; ++kk) blk[BIndex(i, kk)] = tmp[kk];
+          }
+        } else if (valid == kRowBlock) {
+          for (int64_t kk = 0; kk < k2; ++kk) {
+            for (int64_t i = 0; i < kRowBlock; ++i) blk[BIndex(i, kk)] = tmp[i * k2p + kk];
+          }
+        } else {
+          for (int64_t kk = 0; kk < k2; ++kk) {
+            for (int64_t i = 0; i < valid; ++i) blk[BIndex(i, kk)] = tmp[i * k2p + kk];
           }
         }
       }
@@ -199,7 +205,7 @@ bool AmxUsable() {
 }
 
 // A's rows per chunk, in blocks of 16 (an even count, at least 2): its packed rows fit kChunkBytes
-int64_t ChunkBlocks(int64_t k2p) {
+inline int64_t ChunkBlocks(int64_t k2p) {
   const int64_t blocks = kChunkBytes / (kRowBlock * k2p * 4);
   return std::max<int64_t>(2, blocks / 2 * 2);
 }
