@@ -255,6 +255,40 @@ def peak_summary(before: list, after: list) -> dict:
     return out
 
 
+def linear_gflops(shape: dict, tokens: int, repeat: int = 2) -> dict:
+    """GFLOP/s of the decoder's linear layers' three products (y = x W, dx = dy W^T, dW = x^T dy) at the model's
+    shapes over `tokens` rows (best of `repeat`, summed over the layers' shapes): Paddle's float32 matmul against
+    the bf16 training products (ops.bf16_matmul: the kernel ops.bf16_kernel names, or its emulation)."""
+    import paddle
+    from . import ops
+    h, f = shape["hidden_size"], shape["intermediate_size"]
+    d = h // shape["num_attention_heads"]
+    qkv = h + 2 * shape["num_key_value_heads"] * d
+    shapes = [(h, qkv), (h, h), (h, 2 * f), (f, h)]    # qkv_proj, o_proj, gate_up_proj, down_proj: [K, N]
+    seconds = {"float32": 0.0, "bf16": 0.0}
+    flops = 0.0
+    kernel = None
+    for k, n in shapes:
+        x, w, dy = paddle.randn([tokens, k]), paddle.randn([k, n]), paddle.randn([tokens, n])
+        kernel = ops.bf16_kernel(x, w)
+        products = {"float32": (lambda: paddle.matmul(x, w), lambda: paddle.matmul(dy, w, transpose_y=True),
+                                lambda: paddle.matmul(x, dy, transpose_x=True)),
+                    "bf16": (lambda: ops.bf16_matmul(x, w), lambda: ops.bf16_matmul(dy, w, trans_b=True),
+                             lambda: ops.bf16_matmul(x, dy, trans_a=True))}
+        for name, fns in products.items():
+            for fn in fns:
+                fn().numpy()
+                best = float("inf")
+                for _ in range(repeat):
+                    start = time.perf_counter()
+                    fn().numpy()
+                    best = min(best, time.perf_counter() - start)
+                seconds[name] += best
+        flops += 3 * 2.0 * tokens * k * n
+    return {"tokens": tokens, "bf16_kernel": kernel, "float32_gflops": flops / seconds["float32"] / 1e9,
+            "bf16_gflops": flops / seconds["bf16"] / 1e9, "speedup": seconds["float32"] / seconds["bf16"]}
+
+
 def step_flops(shape: dict, prompt_tokens: float, response_tokens: float, rows: int, reference: bool,
                old_pass: bool, groups: int = 1, shared_prompts: bool = False, shared_update: bool = None,
                critic: bool = False, value_pass: bool = True) -> dict:
@@ -431,8 +465,12 @@ def run(args) -> dict:
         "stride_kernel": os.environ.get("FLAGS_use_stride_kernel"),
         "custom_ops": _custom_ops_status(), "overrides": args.set or [],
         "rollout_dtype": config.rollout_dtype, "rollout_quant_type": config.rollout_quant_type,
-        "cpu_flags": cpu_flags(),
+        "cpu_flags": cpu_flags(), "bf16": bool(config.bf16),
     }
+    if config.bf16:  # the bf16 products against float32's at this model's linear shapes, after the timed steps
+        micro = int(config.max_tokens_per_micro_batch or 0) if config.use_remove_padding else 0
+        tokens = int(round(mean("perf/trained_tokens")))
+        result["linear"] = linear_gflops(shape, min(tokens, micro) if micro > 0 else tokens)
     if critic:
         # the critic's passes, and their cost against the actor's update: its forward + backward over the same
         # tokens and micro-batches
@@ -568,6 +606,11 @@ def report(result: dict) -> str:
               f"  peak RSS      {result['peak_rss_mb']:8.0f} MB{worker} (optimizer state "
               f"{result['optimizer_state_mb']:.1f} MB, {result['trainable_params']:,} trained parameters)",
               f"  process CPU   {result['cpu_s_per_step']:8.3f} s per step (all threads)"]
+    if "linear" in result:
+        lin = result["linear"]
+        lines.append(f"  bf16 linear   {lin['bf16_gflops']:8.1f} GFLOP/s ({lin['bf16_kernel']}) against float32's "
+                     f"{lin['float32_gflops']:.1f}: {lin['speedup']:.2f}x (the layers' three products over "
+                     f"{lin['tokens']} tokens)")
     return "\n".join(lines)
 
 

@@ -26,12 +26,18 @@ def bf16_round(a: np.ndarray) -> np.ndarray:
     return (((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16).astype(np.uint32).view(np.float32)
 
 
-def test_bf16_linear_products_are_bf16_operands_with_fp32_sums():
+@pytest.mark.parametrize("path", ["kernel", "emulated"])
+def test_bf16_linear_products_are_bf16_operands_with_fp32_sums(path, monkeypatch):
     """y = x W, dx = dy W^T, dW = x^T dy equal NumPy's products of bf16-rounded operands summed in float64 (within
-    float32 summation-order rounding), and differ from float32's by a bounded, nonzero amount."""
+    float32 summation-order rounding), and differ from float32's by a bounded, nonzero amount: through the bf16
+    matmul kernel this CPU has (the emulation where it has none) and through the emulation forced."""
+    if path == "emulated":
+        monkeypatch.setenv("PADDLE_RL_BF16_EMULATE", "1")
     rng = np.random.default_rng(0)
     x, w, dy = (rng.standard_normal(s).astype(np.float32) for s in ([3, 5, 64], [64, 48], [3, 5, 48]))
     xt, wt = paddle.to_tensor(x, stop_gradient=False), paddle.to_tensor(w, stop_gradient=False)
+    print("bf16 kernel:", ops.bf16_kernel(xt, wt))
+    assert (ops.bf16_kernel(xt, wt) == "emulated") == (path == "emulated" or not ops.bf16_kernels())
     y = ops.bf16_linear(xt, wt)
     y.backward(paddle.to_tensor(dy))
     xr, wr, dyr = bf16_round(x).astype(np.float64), bf16_round(w).astype(np.float64), bf16_round(dy).astype(np.float64)
@@ -39,12 +45,44 @@ def test_bf16_linear_products_are_bf16_operands_with_fp32_sums():
     fp32 = {"y": x @ w, "dx": dy @ w.T, "dw": x.reshape(-1, 64).T @ dy.reshape(-1, 48)}
     got = {"y": y.numpy(), "dx": xt.grad.numpy(), "dw": wt.grad.numpy()}
     for name in got:
+        assert got[name].shape == expected[name].shape, name
         scale = np.abs(expected[name]).max()
         exact_gap = np.abs(got[name] - expected[name]).max() / scale
         fp32_gap = np.abs(got[name] - fp32[name]).max() / scale
         print(name, "gap to bf16 reference", exact_gap, "to float32", fp32_gap)
         assert exact_gap < 1e-6, name          # float32 sums of exact products: summation order only
         assert 1e-4 < fp32_gap < 3e-2, name     # bf16 operands: 8 significant bits, not float32's
+
+
+@pytest.mark.parametrize("kernel", list(ops.BF16_KERNELS) + ["emulated"])
+def test_bf16_matmul_paths_equal_the_rounded_product(kernel, monkeypatch):
+    """Each path of bf16_matmul (the AMX and AVX512-BF16 kernels where this CPU has them, the emulation forced by
+    PADDLE_RL_BF16_EMULATE) gives op(A) op(B) of the bf16-rounded operands within float32 summation rounding
+    (|error| <= K 2^-24 sum_k |a_k b_k|, per element), for all four transposes and sizes off the kernels' blocks."""
+    if kernel == "emulated":
+        monkeypatch.setenv("PADDLE_RL_BF16_EMULATE", "1")
+    elif kernel not in ops.bf16_kernels():
+        pytest.skip(f"{kernel} is not usable here (usable: {ops.bf16_kernels() or 'none'})")
+    rng = np.random.default_rng(3)
+    for m, n, k in ((37, 45, 67), (70, 33, 301), (1, 16, 2)):
+        for trans_a in (False, True):
+            for trans_b in (False, True):
+                a = rng.standard_normal([k, m] if trans_a else [m, k]).astype(np.float32)
+                b = rng.standard_normal([n, k] if trans_b else [k, n]).astype(np.float32)
+                at, bt = paddle.to_tensor(a), paddle.to_tensor(b)
+                if kernel == "emulated":
+                    assert ops.bf16_kernel(at, bt) == "emulated"
+                    got = ops.bf16_matmul(at, bt, trans_a, trans_b).numpy()
+                else:
+                    got = ops.bf16_matmul_fused(at, bt, trans_a, trans_b, kernel=kernel).numpy()
+                ar, br = bf16_round(a).astype(np.float64), bf16_round(b).astype(np.float64)
+                ar, br = (ar.T if trans_a else ar), (br.T if trans_b else br)
+                expected, magnitude = ar @ br, np.abs(ar) @ np.abs(br)
+                assert got.shape == (m, n)
+                excess = np.abs(got - expected) - k * 2.0 ** -24 * magnitude
+                assert excess.max() <= 1e-30, (m, n, k, trans_a, trans_b, excess.max())
+                fp32 = (a.T if trans_a else a).astype(np.float64) @ (b.T if trans_b else b).astype(np.float64)
+                assert np.abs(got - fp32).max() > 1e-3 * np.abs(fp32).max()   # bf16 operands, not float32's
 
 
 def test_lm_head_logprobs_bf16_matches_its_definition():

@@ -72,5 +72,12 @@ void PackWeightLowp(const float* w, LowpFormat format, void* packed, float* scal
 // always do).
 void PackedLinearLowp(const float* x, const void* packed, const float* scales, LowpFormat format, float* out,
                       int64_t rows, int64_t k_dim, int64_t n, bool bf16_act);
+// C [m, n] = op(A) op(B) with A [m, k] (or [k, m] with trans_a), B [k, n] (or [n, k] with trans_b), both rounded to
+// bfloat16 (nearest even), float32 sums. kernel kAuto: the best usable; false when the kernel asked for (or any,
+// for kAuto) is not usable on this CPU, OS and build. Bf16MatmulKernels: bit 0 AMX-BF16, bit 1 AVX512-BF16.
+enum class Bf16Kernel : int { kAuto = 0, kAmx = 1, kAvx512Bf16 = 2 };
+int Bf16MatmulKernels();
+bool Bf16Matmul(const float* a, const float* b, float* c, int64_t m, int64_t n, int64_t k, bool trans_a, bool trans_b,
+                Bf16Kernel kernel);
 
 }  // namespace prl_cpu

@@ -22,8 +22,9 @@ class ModelArgs:
     bf16: bool = arg(False, "bfloat16 for training and inference (PaddleNLP's bf16): the linear layers' products "
                             "(forward and both gradients) take bfloat16-rounded operands with float32 sums, the "
                             "parameters stay float32 master weights (optimizer moments float32); norms, attention, "
-                            "log-probs and losses float32. On a CPU build emulated (the numbers of bf16 training, "
-                            "not its speed); on a GPU, Paddle's AMP O2 with master weights. The rollout follows "
+                            "log-probs and losses float32. On a CPU the products run an AMX-BF16 or AVX512-BF16 "
+                            "kernel where the CPU has one, else they are emulated (the numbers of bf16 training, "
+                            "not its speed; one warning); on a GPU, Paddle's AMP O2 with master weights. The rollout follows "
                             "(rollout_dtype auto), checkpoints are written in save_dtype (docs/performance.md, bf16).")
     fp16_opt_level: str = arg("O1", acted=False)
     amp_master_grad: bool = arg(False, acted=False)

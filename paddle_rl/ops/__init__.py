@@ -11,7 +11,8 @@ when it is in use, else the reference). `configure("auto" | "on" | "off")` selec
 - packed_linear: the rollout's x @ W from a copy of W packed in 32-column panels (pack_weight), or from a copy in
   bfloat16 / int8 / int4 (pack_weight_lowp: rollout_dtype, rollout_quant_type)
 - bf16_linear: x W with bfloat16-rounded operands and float32 sums in the forward and both gradients (`bf16: true`
-  training on a CPU; emulated: no fused kernel yet)
+  training on a CPU), its products by bf16_matmul: AMX-BF16 or AVX512-BF16 kernels where the CPU has them, else
+  emulated (rounded copies, float32 matmul)
 - kv_place: the rollout's KV-cache relayout (rows' windows copied into another buffer, in place)
 - decode_attention: one decode step of grouped-query attention over the cache
 - masked_softmax: the training / prefill attention's softmax(scale * scores + bias), with its backward
@@ -24,7 +25,8 @@ from .attention import (decode_attention, decode_attention_fused, decode_attenti
                         masked_softmax_fused, masked_softmax_reference)
 from .build import CustomOpsError, available, configure, mode, status
 from .kv_cache import kv_place, kv_place_fused, kv_place_reference
-from .linear import (ROLLOUT_DTYPES, bf16_linear, bf16_linear_reference, round_bf16, ROLLOUT_QUANT_TYPES, LowpPacked, pack_weight, pack_weight_fused,
+from .linear import (ROLLOUT_DTYPES, BF16_KERNELS, bf16_kernel, bf16_kernels, bf16_linear, bf16_linear_reference,
+                     bf16_matmul, bf16_matmul_fused, bf16_matmul_reference, emulation_forced, round_bf16, ROLLOUT_QUANT_TYPES, LowpPacked, pack_weight, pack_weight_fused,
                      pack_weight_lowp, pack_weight_lowp_fused, pack_weight_lowp_reference, pack_weight_reference,
                      packed_linear, packed_linear_fused, packed_linear_lowp, packed_linear_lowp_fused,
                      packed_linear_lowp_reference, packed_linear_reference, packing_helps, rollout_weight_format)
@@ -43,7 +45,8 @@ __all__ = ["configure", "available", "mode", "status", "CustomOpsError",
            "kv_place", "kv_place_fused", "kv_place_reference",
            "pack_weight", "pack_weight_fused", "pack_weight_reference",
            "packed_linear", "packed_linear_fused", "packed_linear_reference", "packing_helps",
-           "bf16_linear", "bf16_linear_reference", "round_bf16",
+           "bf16_linear", "bf16_linear_reference", "round_bf16", "BF16_KERNELS", "bf16_kernel", "bf16_kernels",
+           "bf16_matmul", "bf16_matmul_fused", "bf16_matmul_reference", "emulation_forced",
            "ROLLOUT_DTYPES", "ROLLOUT_QUANT_TYPES", "LowpPacked", "rollout_weight_format",
            "pack_weight_lowp", "pack_weight_lowp_fused", "pack_weight_lowp_reference",
            "packed_linear_lowp", "packed_linear_lowp_fused", "packed_linear_lowp_reference",

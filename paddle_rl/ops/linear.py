@@ -1,6 +1,7 @@
 """y = x W from a packed copy of W: the rollout's linear layers (few rows per decode step); the bf16 training
 linear layer (bf16_linear)."""
 import logging
+import os
 
 import paddle
 from paddle.autograd import PyLayer
@@ -178,24 +179,101 @@ def packed_linear_lowp(x, packed: LowpPacked):
 # `bf16: true` on a CPU: a linear layer's three products (y = x W, dx = dy W^T, dW = x^T dy) take operands rounded
 # to bfloat16 (nearest even) and sum in float32, the parameters staying float32 (the master weights). A bf16 x bf16
 # product is exact in float32, so this is a bf16 matmul with float32 accumulation up to the order of the sums.
-# Paddle's CPU build has no bfloat16 matmul: the reference rounds and multiplies in float32 (no fused kernel yet,
-# so `bf16_linear` is the reference and says once that it emulates).
+# bf16_matmul runs csrc/cpu/bf16_matmul.cc where the CPU has AMX-BF16 (TDPBF16PS tiles) or AVX512-BF16
+# (vdpbf16ps); elsewhere, or with PADDLE_RL_BF16_EMULATE set (non-empty, not 0), the reference rounds copies of the
+# operands and multiplies them with Paddle's float32 matmul (one warning says it emulates).
+BF16_KERNELS = ("amx", "avx512_bf16")
+_KERNEL_CODES = {"auto": 0, "amx": 1, "avx512_bf16": 2}
+
+
+def bf16_matmul_reference(a, b, trans_a: bool = False, trans_b: bool = False):
+    """op(a) @ op(b) for 2-D float32 a, b (op: the transpose where asked) from bfloat16-rounded operands."""
+    return paddle.matmul(round_bf16(a), round_bf16(b), transpose_x=trans_a, transpose_y=trans_b)
+
+
+def bf16_matmul_fused(a, b, trans_a: bool = False, trans_b: bool = False, kernel: str = "auto"):
+    """The kernel's op(a) @ op(b); `kernel`: auto (the best usable) | amx | avx512_bf16 (an error where the CPU, OS
+    or build cannot run it)."""
+    if kernel not in _KERNEL_CODES:
+        raise ValueError(f"bf16_matmul kernel: must be one of {', '.join(_KERNEL_CODES)}, got {kernel!r}")
+    return build.run("prl_bf16_matmul", contiguous(a), contiguous(b), bool(trans_a), bool(trans_b),
+                     _KERNEL_CODES[kernel])[0]
+
+
+_usable_kernels = []
+
+
+def bf16_kernels() -> tuple:
+    """The bf16 matmul kernels this CPU, OS and build can run (a subset of BF16_KERNELS, best first); () when the
+    custom ops are not in use."""
+    if not build.available():
+        return ()
+    if not _usable_kernels:
+        flags = build.run("prl_bf16_kernels", paddle.zeros([1]))[0].numpy()
+        _usable_kernels.append(tuple(name for name, ok in zip(BF16_KERNELS, flags) if ok))
+    return _usable_kernels[0]
+
+
+def emulation_forced() -> bool:
+    """PADDLE_RL_BF16_EMULATE set (non-empty, not 0): the bfloat16 products run their emulation / portable code."""
+    value = os.environ.get("PADDLE_RL_BF16_EMULATE", "")
+    return bool(value) and value != "0"
+
+
+_warned_emulation = []
+
+
+def bf16_kernel(*tensors) -> str:
+    """What bf16_matmul runs for these tensors: the first of bf16_kernels() (amx | avx512_bf16), or "emulated"
+    (PADDLE_RL_BF16_EMULATE, no such kernel, the custom ops off, not float32 CPU tensors), which warns once."""
+    kernels = () if emulation_forced() or not fusable(*tensors) or not all(t.place.is_cpu_place() for t in tensors) \
+        else bf16_kernels()
+    if kernels:
+        return kernels[0]
+    if not _warned_emulation:
+        _warned_emulation.append(True)
+        why = ("PADDLE_RL_BF16_EMULATE is set" if emulation_forced() else
+               "the custom ops are not in use" if not build.available() else
+               "this CPU / OS / build has neither AMX-BF16 nor AVX512-BF16" if not bf16_kernels() else
+               "the operands are not float32 CPU tensors")
+        logger.warning("bf16: the linear layers' bfloat16 products are emulated (operands rounded to bfloat16, "
+                       "multiplied by Paddle's float32 matmul: %s): the numbers of bf16 training, not its speed", why)
+    return "emulated"
+
+
+def bf16_matmul(a, b, trans_a: bool = False, trans_b: bool = False):
+    """op(a) @ op(b) with bfloat16-rounded operands and float32 sums: the kernel where bf16_kernel says so, else
+    the reference."""
+    if bf16_kernel(a, b) == "emulated":
+        return bf16_matmul_reference(a, b, trans_a, trans_b)
+    return bf16_matmul_fused(a, b, trans_a, trans_b)
+
 
 class _Bf16Linear(PyLayer):
     @staticmethod
-    def forward(ctx, x, weight):
+    def forward(ctx, x, weight, fused: bool):
+        k, n = weight.shape
+        ctx.needs = (not x.stop_gradient, not weight.stop_gradient)
+        ctx.fused = fused
+        if ctx.fused:  # the kernel rounds as it packs: keep the float32 operands
+            ctx.save_for_backward(x, weight)
+            return bf16_matmul_fused(x.reshape([-1, k]), weight).reshape(x.shape[:-1] + [n])
         xr, wr = round_bf16(x), round_bf16(weight)
         ctx.save_for_backward(xr, wr)
-        ctx.needs = (not x.stop_gradient, not weight.stop_gradient)
         return paddle.matmul(xr, wr)
 
     @staticmethod
     def backward(ctx, dy):
-        xr, wr = ctx.saved_tensor()
+        x, w = ctx.saved_tensor()
+        k, n = w.shape
+        if ctx.fused:
+            dy2 = dy.reshape([-1, n])
+            dx = bf16_matmul_fused(dy2, w, trans_b=True).reshape(x.shape) if ctx.needs[0] else None
+            dw = bf16_matmul_fused(x.reshape([-1, k]), dy2, trans_a=True) if ctx.needs[1] else None
+            return dx, dw
         dyr = round_bf16(dy)
-        dx = paddle.matmul(dyr, wr, transpose_y=True) if ctx.needs[0] else None
-        k, n = wr.shape
-        dw = paddle.matmul(xr.reshape([-1, k]), dyr.reshape([-1, n]), transpose_x=True) if ctx.needs[1] else None
+        dx = paddle.matmul(dyr, w, transpose_y=True) if ctx.needs[0] else None
+        dw = paddle.matmul(x.reshape([-1, k]), dyr.reshape([-1, n]), transpose_x=True) if ctx.needs[1] else None
         return dx, dw
 
 
@@ -204,17 +282,15 @@ def bf16_linear_reference(x, weight):
     gradient from the rounded dy and W, the weight's from the rounded x and dy); float32 in and out."""
     if not paddle.is_grad_enabled() or (x.stop_gradient and weight.stop_gradient):
         return paddle.matmul(round_bf16(x), round_bf16(weight))
-    return _Bf16Linear.apply(x, weight)
-
-
-_warned_emulation = []
+    return _Bf16Linear.apply(x, weight, False)
 
 
 def bf16_linear(x, weight):
-    """The bf16 training linear layer (bf16_linear_reference: no fused kernel yet; one warning that it emulates)."""
-    if not _warned_emulation:
-        _warned_emulation.append(True)
-        logger.warning("bf16: the linear layers' bfloat16 products are emulated (operands rounded to bfloat16, "
-                       "multiplied in float32): numerics of bf16 training, not its speed (this build has no "
-                       "bfloat16 matmul kernel on the CPU)")
-    return bf16_linear_reference(x, weight)
+    """The bf16 training linear layer: bf16_linear_reference's numbers, its products by the bf16 kernel where
+    bf16_kernel(x, weight) names one (else the emulation, which warns once)."""
+    if bf16_kernel(x, weight) == "emulated":
+        return bf16_linear_reference(x, weight)
+    if not paddle.is_grad_enabled() or (x.stop_gradient and weight.stop_gradient):
+        k, n = weight.shape
+        return bf16_matmul_fused(x.reshape([-1, k]), weight).reshape(x.shape[:-1] + [n])
+    return _Bf16Linear.apply(x, weight, True)

@@ -8,7 +8,8 @@ extra LM-head matmul) so memory stays at one chunk. The per-chunk softmax work i
 available, else the same formulas in Paddle.
 `lm_head_logprobs_reference` is plain autograd over the full logits (the definition the tests hold it to).
 With `bf16` (bf16 training with the LM head in bfloat16) the head's three products take bfloat16-rounded operands
-(hidden, weight, d logits) with float32 sums, as ops.bf16_linear; the softmax and log-probs stay float32.
+(hidden, weight, d logits) with float32 sums, as ops.bf16_linear (by its bf16 matmul kernel where the CPU has
+one); the softmax and log-probs stay float32.
 """
 from typing import Optional
 
@@ -18,14 +19,22 @@ from paddle.autograd import PyLayer
 
 from . import build
 from ._util import contiguous, fusable
-from .linear import bf16_linear_reference, round_bf16
+from .linear import bf16_kernel, bf16_linear_reference, bf16_matmul_fused, round_bf16
 
 CHUNK_ELEMENTS = 1 << 24       # logits per chunk (64 MB of float32)
 SAVE_LOGITS_BYTES = 256 << 20  # keep the logits for the backward up to this size, else recompute them
 
 
-def _head(hidden, weight, transpose_weight: bool):
+def _head(hidden, weight, transpose_weight: bool, bf16_fused: bool = False):
+    """The logits; `bf16_fused`: by the bf16 matmul kernel (it rounds the operands to bfloat16 itself)."""
+    if bf16_fused:
+        return bf16_matmul_fused(hidden, weight, trans_b=transpose_weight)
     return paddle.matmul(hidden, weight, transpose_y=transpose_weight)
+
+
+def _bf16_fused(bf16: bool, hidden, weight) -> bool:
+    """Whether the head's bf16 products run the bf16 matmul kernel (else rounded copies and float32 matmuls)."""
+    return bf16 and bf16_kernel(hidden, weight) != "emulated"
 
 
 def lm_head_logprobs_reference(hidden, weight, labels, temperature: float, with_entropy: bool = False,
@@ -100,14 +109,14 @@ def _chunk_rows(rows: int, vocab: int, chunk_rows: Optional[int]) -> int:
 
 
 def _forward_chunks(hidden, weight, labels, scale, transpose, rows_per_chunk, fused, keep_logits=False,
-                    greedy=None):
+                    greedy=None, bf16_fused=False):
     """(logp, entropy, lse, mean_z) over all rows, and the list of chunk logits when keep_logits. `greedy`: a list
     that gets each chunk's argmax over the vocabulary (one more read of the chunk's logits)."""
     forward, _ = _kernels(fused)
     outs, kept = [], []
     for start in range(0, hidden.shape[0], rows_per_chunk):
         stop = min(start + rows_per_chunk, hidden.shape[0])
-        logits = _head(hidden[start:stop], weight, transpose)
+        logits = _head(hidden[start:stop], weight, transpose, bf16_fused)
         outs.append(forward(logits, labels[start:stop], scale))
         if keep_logits:
             kept.append(logits)
@@ -122,36 +131,42 @@ class _ChunkedLMHead(PyLayer):
     @staticmethod
     def forward(ctx, hidden, weight, labels, scale, transpose, rows_per_chunk, fused, bf16=False):
         ctx.needs = (not hidden.stop_gradient, not weight.stop_gradient)
-        if bf16:  # the products' operands in bfloat16 (d logits rounded in the backward)
+        bf16_fused = _bf16_fused(bf16, hidden, weight)
+        if bf16 and not bf16_fused:  # the products' operands in bfloat16 (d logits rounded in the backward)
             hidden, weight = round_bf16(hidden), round_bf16(weight)
         vocab = weight.shape[0] if transpose else weight.shape[1]
         keep = hidden.shape[0] * vocab * 4 <= SAVE_LOGITS_BYTES
         (logp, entropy, lse, mean_z), kept = _forward_chunks(hidden, weight, labels, scale, transpose,
-                                                             rows_per_chunk, fused, keep_logits=keep)
+                                                             rows_per_chunk, fused, keep_logits=keep,
+                                                             bf16_fused=bf16_fused)
         ctx.save_for_backward(hidden, weight, labels, lse, mean_z)
         ctx.kept_logits = kept
-        ctx.config = (scale, transpose, rows_per_chunk, fused, bf16)
+        ctx.config = (scale, transpose, rows_per_chunk, fused, bf16, bf16_fused)
         return logp, entropy
 
     @staticmethod
     def backward(ctx, grad_logp, grad_entropy):
         hidden, weight, labels, lse, mean_z = ctx.saved_tensor()
-        scale, transpose, rows_per_chunk, fused, bf16 = ctx.config
+        scale, transpose, rows_per_chunk, fused, bf16, bf16_fused = ctx.config
         _, backward = _kernels(fused)
         kept, ctx.kept_logits = ctx.kept_logits, None
         grad_hidden, grad_weight = [], None
         for index, start in enumerate(range(0, hidden.shape[0], rows_per_chunk)):
             stop = min(start + rows_per_chunk, hidden.shape[0])
             h = hidden[start:stop]
-            logits = kept[index] if kept else _head(h, weight, transpose)
+            logits = kept[index] if kept else _head(h, weight, transpose, bf16_fused)
             g_ent = None if grad_entropy is None else grad_entropy[start:stop]
             g = backward(logits, labels[start:stop], lse[start:stop], mean_z[start:stop], grad_logp[start:stop],
                          g_ent, scale)
-            g = round_bf16(g) if bf16 else g
             if kept:
                 kept[index] = None
-            grad_hidden.append(paddle.matmul(g, weight, transpose_y=not transpose))
-            part = paddle.matmul(g, h, transpose_x=True) if transpose else paddle.matmul(h, g, transpose_x=True)
+            if bf16_fused:  # the kernel rounds g, h and the weight
+                grad_hidden.append(bf16_matmul_fused(g, weight, trans_b=not transpose))
+                part = bf16_matmul_fused(g, h, trans_a=True) if transpose else bf16_matmul_fused(h, g, trans_a=True)
+            else:
+                g = round_bf16(g) if bf16 else g
+                grad_hidden.append(paddle.matmul(g, weight, transpose_y=not transpose))
+                part = paddle.matmul(g, h, transpose_x=True) if transpose else paddle.matmul(h, g, transpose_x=True)
             grad_weight = part if grad_weight is None else grad_weight + part
         grad_hidden = grad_hidden[0] if len(grad_hidden) == 1 else paddle.concat(grad_hidden)
         grads = []
@@ -182,11 +197,12 @@ def lm_head_logprobs(hidden, weight, labels, temperature: float, with_entropy: b
             raise ValueError("lm_head_logprobs: with_greedy is for no-grad passes (the old-policy log-probs)")
         logp, entropy = _ChunkedLMHead.apply(hidden, weight, labels, scale, transpose_weight, rows, fused, bf16)
         return logp, (entropy if with_entropy else None)
-    if bf16:
+    bf16_fused = _bf16_fused(bf16, hidden, weight)
+    if bf16 and not bf16_fused:
         hidden, weight = round_bf16(hidden), round_bf16(weight)
     greedy = [] if with_greedy else None
     (logp, entropy, _, _), _ = _forward_chunks(hidden, weight, labels, scale, transpose_weight, rows, fused,
-                                               greedy=greedy)
+                                               greedy=greedy, bf16_fused=bf16_fused)
     if not with_greedy:
         return logp, (entropy if with_entropy else None)
     return logp, (entropy if with_entropy else None), greedy[0] if len(greedy) == 1 else paddle.concat(greedy)

@@ -4,8 +4,9 @@
 - EmulatedBf16 (bf16: true on a CPU build): each linear layer's three products (y = x W, dx = dy W^T, dW = x^T dy)
   take bfloat16-rounded operands with float32 sums (ops.bf16_linear); the parameters stay float32 and are the
   master weights the optimizer updates (its moments float32); norms, attention, log-probs, advantages and losses
-  stay float32. The LM head too unless use_fp32_compute. Paddle's CPU build has no bfloat16 matmul: the rounding
-  is emulated (the numbers of bf16 training, not its speed).
+  stay float32. The LM head too unless use_fp32_compute. Paddle's CPU build has no bfloat16 matmul: the products
+  run the project's AMX-BF16 / AVX512-BF16 kernel where the CPU has one (ops.bf16_matmul), else they are emulated
+  (rounded copies, float32 matmuls: the numbers of bf16 training, not its speed; one warning says so).
 - AmpBf16 (bf16: true on a CUDA build with a GPU in use): Paddle's AMP O2, `paddle.amp.decorate(models,
   optimizers, level="O2", dtype="bfloat16", master_weight=True)` and `auto_cast` around the forward passes; the LM
   head's log-probs take float32 copies of the hidden states and head weight (bfloat16-rounded operands unless
@@ -18,6 +19,8 @@ import contextlib
 import logging
 
 import paddle
+
+from .. import ops
 
 logger = logging.getLogger("paddle_rl")
 
@@ -38,7 +41,7 @@ class Float32:
 
 
 class EmulatedBf16(Float32):
-    name = "bfloat16 (emulated: bf16-rounded operands, float32 sums)"
+    name = "bfloat16 on the CPU (bf16-rounded operands, float32 sums)"
 
     def __init__(self, fp32_head: bool):
         self.fp32_head = fp32_head
@@ -75,6 +78,13 @@ def _has_head(model) -> bool:
     return getattr(model, "is_last", True) and not model.config.sequence_classifier
 
 
+def _cpu_bf16_kernel() -> str:
+    """The bf16 matmul kernel the CPU strategy's products run (amx | avx512_bf16), or "the emulation"."""
+    if ops.emulation_forced() or not ops.bf16_kernels():
+        return "the emulation (PADDLE_RL_BF16_EMULATE set)" if ops.emulation_forced() else "the emulation"
+    return f"the {ops.bf16_kernels()[0]} kernel"
+
+
 def precision_for(config):
     """The strategy of `bf16` / `use_fp32_compute`: AMP on a CUDA build running on a GPU, else the emulation."""
     if not getattr(config, "bf16", False):
@@ -84,5 +94,6 @@ def precision_for(config):
         strategy = AmpBf16(fp32_head)
     else:
         strategy = EmulatedBf16(fp32_head)
-    logger.info("compute precision: %s; LM head %s", strategy.name, "float32" if fp32_head else "bfloat16")
+    logger.info("compute precision: %s; LM head %s%s", strategy.name, "float32" if fp32_head else "bfloat16",
+                "" if isinstance(strategy, AmpBf16) else f"; products by {_cpu_bf16_kernel()}")
     return strategy

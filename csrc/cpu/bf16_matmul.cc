@@ -1,0 +1,480 @@
+// C = op(A) op(B) with bfloat16 operands and float32 sums: the products of `bf16: true` training on a CPU (the
+// linear layers' y = x W, dx = dy W^T, dW = x^T dy; paddle_rl/ops/linear.py, bf16_matmul).
+//   A [M, K] (or [K, M] with trans_a), B [K, N] (or [N, K] with trans_b), C [M, N], all float32 row-major.
+// Both operands are first rounded to bfloat16 (nearest even; a NaN becomes 0x7fff as Paddle's cast) and packed in
+// pairs along K (a 32-bit word holds k = 2 kk in its low half, k = 2 kk + 1 in its high half), in blocks of 16
+// rows of M (A) or 16 columns of N (B), K padded with zeros to a multiple of 32:
+//   A: block [K / 32][16 rows][16 words]: 1 KB tiles, each an AMX tile of A (16 rows x 32 bfloat16)
+//   B: block [K / 2 words][16 columns]: 16 pairs of it an AMX tile of B, a pair one zmm of vdpbf16ps's operand
+// Two kernels multiply the packs; a bf16 x bf16 product is exact in float32, so both give the float32 sums of the
+// exact products, in their own order (pairs summed in hardware, the pairs in k order per 16 x 16 tile / lane):
+// - AMX (TDPBF16PS): C blocks of 32 x 32 in four tile registers, 16 k-pairs per step. Needs AMX-BF16 in cpuid,
+//   the OS's tile state in XCR0 and the process's permission (arch_prctl(ARCH_REQ_XCOMP_PERM, XTILEDATA), asked
+//   once); each thread loads the tile configuration before its part.
+// - AVX512-BF16 (vdpbf16ps): 8 rows x 32 columns in 16 zmm accumulators, a k-pair per step.
+// Both flush bfloat16 subnormal inputs and float32 subnormal results to zero (their hardware does; the reference
+// does not): the only difference beyond the order of the sums, and only below 1.2e-38.
+// Cache blocking: each thread takes a contiguous range of 32-column blocks (or of 32-row blocks when there are
+// few columns); where its part of B fits in ~1 MB of L2 the AMX kernel walks the row pairs over it, else it walks
+// the rows in chunks whose packed A fits in ~1 MB, so a chunk of A is read from memory once per thread and each
+// column block's B once per chunk.
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <cpuid.h>
+#include <memory>
+#include <mutex>
+
+#include "../prl_common.h"
+#include "kernels.h"
+
+namespace {
+
+constexpr int64_t kRowBlock = 16;  // rows (A) or columns (B) per packed block
+constexpr int64_t kPairStep = 16;  // k-pairs per AMX step: K is padded to 2 * 16
+constexpr int64_t kChunkBytes = int64_t{1} << 20;  // packed A per row chunk (L2)
+
+inline int64_t RoundUp(int64_t v, int64_t to) { return (v + to - 1) / to * to; }
+
+// v rounded to bfloat16 (nearest even; NaN -> 0x7fff) in the high half of a word, the low half zero
+inline uint32_t Bf16High(float v) {
+  const uint32_t u = prl::BitCast<uint32_t>(v);
+  const uint32_t r = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+  return (u & 0x7fffffffu) > 0x7f800000u ? 0x7fff0000u : r;
+}
+
+inline uint32_t Pair(float even, float odd) { return Bf16High(odd) | (Bf16High(even) >> 16); }
+
+struct FreeDeleter {
+  void operator()(void* p) const { std::free(p); }
+};
+
+// An operand packed as above: rows padded to 16, k2p = K / 2 padded to 16 words
+struct Packed {
+  std::unique_ptr<uint32_t[], FreeDeleter> words;
+  int64_t rows_p = 0, k2p = 0;
+  const uint32_t* Block(int64_t rb) const { return words.get() + rb * kRowBlock * k2p; }
+};
+
+// d[kk] = the pair (row[2 kk], row[2 kk + 1]) for kk < ceil(k / 2) (an odd k's last pair with a zero)
+inline void RowPairs(const float* row, int64_t k, uint32_t* d) {
+  int64_t kk = 0;
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+  // vcvtne2ps2bf16 rounds to nearest even as Bf16High does, but flushes subnormal inputs to zero (the products'
+  // hardware treats bfloat16 subnormals as zero anyway) and keeps a NaN's payload
+  for (; 2 * kk + 32 <= k; kk += 16) {
+    const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(row + 2 * kk + 16), _mm512_loadu_ps(row + 2 * kk));
+    _mm512_storeu_si512(d + kk, (__m512i)v);
+  }
+#endif
+  for (; 2 * kk + 1 < k; ++kk) d[kk] = Pair(row[2 * kk], row[2 * kk + 1]);
+  if (k % 2) d[kk] = Pair(row[k - 1], 0.0f);
+}
+
+// d[i] = the pair (even[i], odd[i]) for i < count (<= 16)
+inline void InterleavePairs(const float* even, const float* odd, int64_t count, uint32_t* d) {
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+  if (count == kRowBlock && odd) {
+    const __m512i order = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22,
+                                           6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(odd), _mm512_loadu_ps(even));
+    _mm512_storeu_si512(d, _mm512_permutexvar_epi16(order, (__m512i)v));
+    return;
+  }
+#endif
+  for (int64_t i = 0; i < count; ++i) d[i] = Pair(even[i], odd ? odd[i] : 0.0f);
+}
+
+// the word of row i < 16, pair kk of a block of A / B
+inline int64_t AIndex(int64_t i, int64_t kk) { return ((kk >> 4) << 8) + (i << 4) + (kk & 15); }
+inline int64_t BIndex(int64_t i, int64_t kk) { return kk * kRowBlock + i; }
+
+// src element (r, k), r < rows, k < k: src[r * k + k] when k_contiguous, else src[k * rows + r]; a_layout: the
+// blocks of A, else those of B
+Packed Pack(const float* src, int64_t rows, int64_t k, bool k_contiguous, bool a_layout) {
+  Packed p;
+  p.rows_p = RoundUp(rows, kRowBlock);
+  p.k2p = RoundUp((k + 1) / 2, kPairStep);
+  const int64_t k2p = p.k2p, k2 = (k + 1) / 2;
+  p.words.reset(static_cast<uint32_t*>(std::aligned_alloc(64, p.rows_p * k2p * sizeof(uint32_t))));
+  uint32_t* base = p.words.get();
+  const int64_t blocks = p.rows_p / kRowBlock;
+  // zeros: the padding rows, and the pairs past K's
+  for (int64_t rb = 0; rb < blocks; ++rb) {
+    uint32_t* blk = base + rb * kRowBlock * k2p;
+    const int64_t valid = std::min(kRowBlock, rows - rb * kRowBlock);
+    for (int64_t i = 0; i < kRowBlock; ++i) {
+      for (int64_t kk = i < valid ? k2 : 0; kk < k2p; ++kk) blk[a_layout ? AIndex(i, kk) : BIndex(i, kk)] = 0;
+    }
+  }
+  if (k_contiguous) {  // row by row: each row's pairs are contiguous; a block's 16 rows staged, then laid out
+    prl::ParallelFor(blocks, kRowBlock * k2p * 2, [&](int, int64_t begin, int64_t end) {
+      std::vector<uint32_t> tmp(kRowBlock * k2p);
+      for (int64_t rb = begin; rb < end; ++rb) {
+        uint32_t* blk = base + rb * kRowBlock * k2p;
+        const int64_t r0 = rb * kRowBlock, valid = std::min(kRowBlock, rows - r0);
+        for (int64_t i = 0; i < valid; ++i) RowPairs(src + (r0 + i) * k, k, tmp.data() + i * k2p);
+        if (a_layout) {
+          for (int64_t i = 0; i < valid; ++i) {
+            for (int64_t kq = 0; kq < k2; kq += kPairStep) {
+              std::memcpy(blk + AIndex(i, kq), tmp.data() + i * k2p + kq,
+                          std::min(kPairStep, k2 - kq) * sizeof(uint32_t));
+            }
+          }
+        } else if (valid == kRowBlock) {
+          for (int64_t kk = 0; kk < k2; ++kk) {
+            for (int64_t i = 0; i < kRowBlock; ++i) blk[BIndex(i, kk)] = tmp[i * k2p + kk];
+          }
+        } else {
+          for (int64_t kk = 0; kk < k2; ++kk) {
+            for (int64_t i = 0; i < valid; ++i) blk[BIndex(i, kk)] = tmp[i * k2p + kk];
+          }
+        }
+      }
+    });
+    return p;
+  }
+  // pair by pair: source rows 2 kk and 2 kk + 1 hold the pairs of all the rows; a group of 8 blocks reads 512
+  // contiguous bytes of each source row and writes 16 x 16 tiles of pairs (transposed for A's layout)
+  constexpr int64_t kGroup = 8;
+  prl::ParallelFor((blocks + kGroup - 1) / kGroup, kGroup * kRowBlock * k2p * 2, [&](int, int64_t begin,
+                                                                                      int64_t end) {
+    alignas(64) uint32_t tile[kPairStep][kRowBlock];
+    for (int64_t g = begin; g < end; ++g) {
+      for (int64_t kq = 0; kq < k2; kq += kPairStep) {
+        const int64_t pairs = std::min(kPairStep, k2 - kq);
+        for (int64_t rb = g * kGroup; rb < std::min(blocks, (g + 1) * kGroup); ++rb) {
+          uint32_t* blk = base + rb * kRowBlock * k2p;
+          const int64_t r0 = rb * kRowBlock, valid = std::min(kRowBlock, rows - r0);
+          for (int64_t j = 0; j < pairs; ++j) {
+            const int64_t kk = kq + j;
+            const float* even = src + 2 * kk * rows + r0;
+            InterleavePairs(even, 2 * kk + 1 < k ? even + rows : nullptr, valid, tile[j]);
+          }
+          if (a_layout) {
+            for (int64_t i = 0; i < valid; ++i) {
+              for (int64_t j = 0; j < pairs; ++j) blk[AIndex(i, kq + j)] = tile[j][i];
+            }
+          } else if (valid == kRowBlock) {
+            std::memcpy(blk + kq * kRowBlock, tile, pairs * kRowBlock * sizeof(uint32_t));
+          } else {
+            for (int64_t j = 0; j < pairs; ++j) std::memcpy(blk + (kq + j) * kRowBlock, tile[j], valid * 4);
+          }
+        }
+      }
+    }
+  });
+  return p;
+}
+
+// ---- what the CPU and the OS allow
+inline uint64_t Xcr0() {
+  uint32_t a = 0, b = 0, c = 0, d = 0;
+  if (!__get_cpuid(1, &a, &b, &c, &d) || !(c & (1u << 27))) return 0;  // OSXSAVE
+  uint32_t lo, hi;
+  __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+  return (static_cast<uint64_t>(hi) << 32) | lo;
+}
+
+bool Avx512Bf16Usable() {
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+  static const bool ok = [] {
+    uint32_t a = 0, b = 0, c = 0, d = 0;
+    if (!__get_cpuid_count(7, 1, &a, &b, &c, &d) || !(a & (1u << 5))) return false;
+    return (Xcr0() & 0xe6) == 0xe6;  // SSE, AVX, opmask and both halves of the zmm state
+  }();
+  return ok;
+#else
+  return false;
+#endif
+}
+
+bool AmxUsable() {
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+  static const bool ok = [] {
+    uint32_t a = 0, b = 0, c = 0, d = 0;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 22)) || !(d & (1u << 24))) return false;
+    if ((Xcr0() & 0x60000) != 0x60000) return false;  // XTILECFG and XTILEDATA
+    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return ok;
+#else
+  return false;
+#endif
+}
+
+// A's rows per chunk, in blocks of 16 (an even count, at least 2): its packed rows fit kChunkBytes
+inline int64_t ChunkBlocks(int64_t k2p) {
+  const int64_t blocks = kChunkBytes / (kRowBlock * k2p * 4);
+  return std::max<int64_t>(2, blocks / 2 * 2);
+}
+
+// fn(part, row_blocks [m_begin, m_end), column blocks [n_begin, n_end)) over the parts of the product, in
+// 16-row / 16-column block units: the column blocks split in pairs over the threads, or the row blocks when the
+// column pairs are fewer than the threads
+template <typename Fn>
+void OverParts(int64_t mb, int64_t nb, int64_t work_per_pair, Fn fn) {
+  const int64_t col_pairs = (nb + 1) / 2, row_pairs = (mb + 1) / 2;
+  if (col_pairs >= prl::NumThreads() || col_pairs >= row_pairs) {
+    prl::ParallelFor(col_pairs, work_per_pair * row_pairs, [&](int part, int64_t b, int64_t e) {
+      fn(part, int64_t{0}, mb, 2 * b, std::min(nb, 2 * e));
+    });
+  } else {
+    prl::ParallelFor(row_pairs, work_per_pair * col_pairs, [&](int part, int64_t b, int64_t e) {
+      fn(part, 2 * b, std::min(mb, 2 * e), int64_t{0}, nb);
+    });
+  }
+}
+
+// out[r, c] for r < rows, c < cols of a tile staged in buf (row stride ld floats)
+inline void CopyOut(const float* buf, int64_t ld, float* c, int64_t ldc, int64_t rows, int64_t cols) {
+  for (int64_t r = 0; r < rows; ++r) std::memcpy(c + r * ldc, buf + r * ld, cols * sizeof(float));
+}
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// tiles 0-3: C (16 x 16 float32), 4-5: A (16 rows x 32 bfloat16), 6-7: B (16 k-pairs x 16 columns)
+void AmxConfigure() {
+  TileConfig cfg;
+  for (int t = 0; t < 8; ++t) {
+    cfg.colsb[t] = 64;
+    cfg.rows[t] = 16;
+  }
+  _tile_loadconfig(&cfg);
+}
+
+// C[32 x 32] at (row block rb, column block cb) of the packs, both pairs of blocks present
+inline void AmxBlock2x2(const Packed& a, const Packed& b, int64_t rb, int64_t cb, float* out, int64_t ldo) {
+  const uint32_t* a0 = a.Block(rb);
+  const uint32_t* a1 = a.Block(rb + 1);
+  const uint32_t* b0 = b.Block(cb);
+  const uint32_t* b1 = b.Block(cb + 1);
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  for (int64_t kk = 0; kk < a.k2p; kk += kPairStep) {
+    _tile_loadd(4, a0 + kk * kRowBlock, 64);
+    _tile_loadd(6, b0 + kk * kRowBlock, 64);
+    _tile_loadd(5, a1 + kk * kRowBlock, 64);
+    _tile_loadd(7, b1 + kk * kRowBlock, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    _tile_dpbf16ps(2, 5, 6);
+    _tile_dpbf16ps(3, 5, 7);
+  }
+  const int64_t so = ldo * 4;
+  _tile_stored(0, out, so);
+  _tile_stored(1, out + 16, so);
+  _tile_stored(2, out + 16 * ldo, so);
+  _tile_stored(3, out + 16 * ldo + 16, so);
+}
+
+// C[16 x 16] at (rb, cb)
+inline void AmxBlock1x1(const Packed& a, const Packed& b, int64_t rb, int64_t cb, float* out, int64_t ldo) {
+  const uint32_t* a0 = a.Block(rb);
+  const uint32_t* b0 = b.Block(cb);
+  _tile_zero(0);
+  for (int64_t kk = 0; kk < a.k2p; kk += kPairStep) {
+    _tile_loadd(4, a0 + kk * kRowBlock, 64);
+    _tile_loadd(6, b0 + kk * kRowBlock, 64);
+    _tile_dpbf16ps(0, 4, 6);
+  }
+  _tile_stored(0, out, ldo * 4);
+}
+
+// C[32 x 32] (or its part in C) at row block pair rb, column block pair cb
+inline void AmxPair(const Packed& a, const Packed& b, int64_t rb, int64_t cb, int64_t m_end, int64_t n_end, float* c,
+                    int64_t m, int64_t n, float* stage) {
+  const int64_t row = rb * kRowBlock, col = cb * kRowBlock;
+  const int64_t rows = std::min<int64_t>(32, m - row), cols = std::min<int64_t>(32, n - col);
+  if (rb + 1 < m_end && cb + 1 < n_end) {
+    if (rows == 32 && cols == 32) {
+      AmxBlock2x2(a, b, rb, cb, c + row * n + col, n);
+    } else {
+      AmxBlock2x2(a, b, rb, cb, stage, 32);
+      CopyOut(stage, 32, c + row * n + col, n, rows, cols);
+    }
+    return;
+  }
+  for (int64_t i = 0; i < 2 && rb + i < m_end; ++i) {  // a lone 16-row or 16-column block
+    for (int64_t j = 0; j < 2 && cb + j < n_end; ++j) {
+      const int64_t r = row + 16 * i, cc = col + 16 * j;
+      AmxBlock1x1(a, b, rb + i, cb + j, stage, 16);
+      CopyOut(stage, 16, c + r * n + cc, n, std::min<int64_t>(16, m - r), std::min<int64_t>(16, n - cc));
+    }
+  }
+}
+
+// A part's B in L2 (its column blocks' packs within kChunkBytes): row pairs outer, so that C is written row by row
+// and each row pair of A is read once; else chunks of A's rows in L2, the column pairs over each chunk
+void AmxProduct(const Packed& a, const Packed& b, float* c, int64_t m, int64_t n) {
+  const int64_t mb = a.rows_p / kRowBlock, nb = b.rows_p / kRowBlock, chunk = ChunkBlocks(a.k2p);
+  OverParts(mb, nb, 32 * 32 * a.k2p, [&](int, int64_t m0, int64_t m1, int64_t n0, int64_t n1) {
+    AmxConfigure();
+    alignas(64) float stage[32 * 32];
+    if ((n1 - n0) * kRowBlock * b.k2p * 4 <= kChunkBytes) {
+      for (int64_t rb = m0; rb < m1; rb += 2) {
+        for (int64_t cb = n0; cb < n1; cb += 2) AmxPair(a, b, rb, cb, m1, n1, c, m, n, stage);
+      }
+    } else {
+      for (int64_t mc = m0; mc < m1; mc += chunk) {
+        const int64_t mc_end = std::min(m1, mc + chunk);
+        for (int64_t cb = n0; cb < n1; cb += 2) {
+          for (int64_t rb = mc; rb < mc_end; rb += 2) AmxPair(a, b, rb, cb, mc_end, n1, c, m, n, stage);
+        }
+      }
+    }
+    _tile_release();
+  });
+}
+#endif
+
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+constexpr int kAvxRows = 8;  // rows per vdpbf16ps tile: 8 x 2 accumulators
+
+// C[rows x cols] (rows <= 8, cols <= 16 NT) from 8 rows of a block of A (a: its block + AIndex(first row, 0)) and NT
+// column blocks of B
+template <int NT>
+inline void Avx512Tile(const uint32_t* a, const uint32_t* b0, const uint32_t* b1, int64_t k2, float* out, int64_t ldo,
+                       int64_t rows, int64_t cols) {
+  __m512 acc[kAvxRows][NT];
+  for (int r = 0; r < kAvxRows; ++r) {
+    for (int j = 0; j < NT; ++j) acc[r][j] = _mm512_setzero_ps();
+  }
+  for (int64_t kk = 0; kk < k2; ++kk) {
+    __m512bh w[NT];
+    w[0] = (__m512bh)_mm512_loadu_si512(b0 + kk * kRowBlock);
+    if constexpr (NT == 2) w[1] = (__m512bh)_mm512_loadu_si512(b1 + kk * kRowBlock);
+    for (int r = 0; r < kAvxRows; ++r) {
+      const __m512bh x = (__m512bh)_mm512_set1_epi32(static_cast<int>(a[AIndex(r, kk)]));
+      for (int j = 0; j < NT; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], x, w[j]);
+    }
+  }
+  for (int j = 0; j < NT; ++j) {
+    const int64_t c = std::max<int64_t>(0, std::min<int64_t>(16, cols - 16 * j));
+    const __mmask16 mask = c == 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << c) - 1);
+    for (int64_t r = 0; r < rows; ++r) _mm512_mask_storeu_ps(out + r * ldo + 16 * j, mask, acc[r][j]);
+  }
+}
+
+void Avx512Product(const Packed& a, const Packed& b, float* c, int64_t m, int64_t n, int64_t k) {
+  const int64_t mb = a.rows_p / kRowBlock, nb = b.rows_p / kRowBlock, chunk = ChunkBlocks(a.k2p);
+  const int64_t k2 = (k + 1) / 2;  // the pairs that hold data (the rest of k2p is zeros)
+  OverParts(mb, nb, 32 * 32 * a.k2p, [&](int, int64_t m0, int64_t m1, int64_t n0, int64_t n1) {
+    for (int64_t mc = m0; mc < m1; mc += chunk) {
+      const int64_t row_end = std::min(m, std::min(m1, mc + chunk) * kRowBlock);
+      for (int64_t cb = n0; cb < n1; cb += 2) {
+        const int64_t col = cb * kRowBlock, cols = std::min<int64_t>(32, n - col);
+        const uint32_t* b0 = b.Block(cb);
+        for (int64_t row = mc * kRowBlock; row < row_end; row += kAvxRows) {
+          const uint32_t* ap = a.Block(row / kRowBlock) + AIndex(row % kRowBlock, 0);
+          const int64_t rows = std::min<int64_t>(kAvxRows, row_end - row);
+          if (cb + 1 < n1) {
+            Avx512Tile<2>(ap, b0, b.Block(cb + 1), k2, c + row * n + col, n, rows, cols);
+          } else {
+            Avx512Tile<1>(ap, b0, b0, k2, c + row * n + col, n, rows, cols);
+          }
+        }
+      }
+    }
+  });
+}
+#endif
+
+}  // namespace
+
+int prl_cpu::Bf16MatmulKernels() {
+  return (AmxUsable() ? 1 : 0) | (Avx512Bf16Usable() ? 2 : 0);
+}
+
+bool prl_cpu::Bf16Matmul(const float* a, const float* b, float* c, int64_t m, int64_t n, int64_t k, bool trans_a,
+                         bool trans_b, Bf16Kernel kernel) {
+  if (kernel == Bf16Kernel::kAuto) kernel = AmxUsable() ? Bf16Kernel::kAmx : Bf16Kernel::kAvx512Bf16;
+  if ((kernel == Bf16Kernel::kAmx && !AmxUsable()) || (kernel == Bf16Kernel::kAvx512Bf16 && !Avx512Bf16Usable())) {
+    return false;
+  }
+  if (m == 0 || n == 0) return true;
+  if (k == 0) {
+    std::fill(c, c + m * n, 0.0f);
+    return true;
+  }
+  const Packed pa = Pack(a, m, k, !trans_a, true);
+  const Packed pb = Pack(b, n, k, trans_b, false);
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+  if (kernel == Bf16Kernel::kAmx) {
+    AmxProduct(pa, pb, c, m, n);
+    return true;
+  }
+#endif
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+  if (kernel == Bf16Kernel::kAvx512Bf16) {
+    Avx512Product(pa, pb, c, m, n, k);
+    return true;
+  }
+#endif
+  return false;
+}
+
+#ifndef PRL_NO_PADDLE
+// A [M, K] (or [K, M] with trans_a), B [K, N] (or [N, K] with trans_b), float32 -> C [M, N]; kernel: 0 the best
+// the CPU has, 1 AMX, 2 AVX512-BF16 (an error where it is not usable)
+std::vector<paddle::Tensor> Bf16MatmulOp(const paddle::Tensor& a, const paddle::Tensor& b, bool trans_a, bool trans_b,
+                                         int64_t kernel) {
+  const char* op = "prl_bf16_matmul";
+  prl::CheckCpuFloat(a, op, "a");
+  prl::CheckCpuFloat(b, op, "b");
+  PD_CHECK(a.shape().size() == 2 && b.shape().size() == 2, op, ": a and b must be 2-D");
+  PD_CHECK(kernel >= 0 && kernel <= 2, op, ": kernel must be 0 (auto), 1 (amx) or 2 (avx512_bf16), got ", kernel);
+  const int64_t m = a.shape()[trans_a ? 1 : 0], k = a.shape()[trans_a ? 0 : 1];
+  const int64_t kb = b.shape()[trans_b ? 1 : 0], n = b.shape()[trans_b ? 0 : 1];
+  PD_CHECK(k == kb, op, ": inner dimensions differ (a gives ", k, ", b gives ", kb, ")");
+  auto out = paddle::empty({m, n}, paddle::DataType::FLOAT32, a.place());
+  const bool done = prl_cpu::Bf16Matmul(a.data<float>(), b.data<float>(), out.data<float>(), m, n, k, trans_a,
+                                        trans_b, static_cast<prl_cpu::Bf16Kernel>(kernel));
+  PD_CHECK(done, op, ": the ", kernel == 1 ? "AMX-BF16" : kernel == 2 ? "AVX512-BF16" : "AMX-BF16 and AVX512-BF16",
+           " kernel is not usable here (CPU, OS or build: see prl_bf16_kernels)");
+  return {out};
+}
+
+std::vector<std::vector<int64_t>> Bf16MatmulInferShape(const std::vector<int64_t>& a, const std::vector<int64_t>& b,
+                                                       bool trans_a, bool trans_b, int64_t kernel) {
+  return {{a[trans_a ? 1 : 0], b[trans_b ? 0 : 1]}};
+}
+
+std::vector<paddle::DataType> Bf16MatmulInferDtype(paddle::DataType a, paddle::DataType b) { return {a}; }
+
+PD_BUILD_OP(prl_bf16_matmul)
+    .Inputs({"A", "B"})
+    .Outputs({"Out"})
+    .Attrs({"trans_a: bool", "trans_b: bool", "kernel: int64_t"})
+    .SetKernelFn(PD_KERNEL(Bf16MatmulOp))
+    .SetInferShapeFn(PD_INFER_SHAPE(Bf16MatmulInferShape))
+    .SetInferDtypeFn(PD_INFER_DTYPE(Bf16MatmulInferDtype));
+
+// [2] int32: whether the AMX-BF16 and the AVX512-BF16 kernels are usable (CPU, OS and build); x is not read
+std::vector<paddle::Tensor> Bf16KernelsOp(const paddle::Tensor& x) {
+  auto out = paddle::empty({2}, paddle::DataType::INT32, paddle::CPUPlace());
+  const int kernels = prl_cpu::Bf16MatmulKernels();
+  out.data<int32_t>()[0] = kernels & 1;
+  out.data<int32_t>()[1] = (kernels >> 1) & 1;
+  return {out};
+}
+
+std::vector<std::vector<int64_t>> Bf16KernelsInferShape(const std::vector<int64_t>& x) { return {{2}}; }
+
+std::vector<paddle::DataType> Bf16KernelsInferDtype(paddle::DataType x) { return {paddle::DataType::INT32}; }
+
+PD_BUILD_OP(prl_bf16_kernels)
+    .Inputs({"X"})
+    .Outputs({"Out"})
+    .SetKernelFn(PD_KERNEL(Bf16KernelsOp))
+    .SetInferShapeFn(PD_INFER_SHAPE(Bf16KernelsInferShape))
+    .SetInferDtypeFn(PD_INFER_DTYPE(Bf16KernelsInferDtype));
+#endif
