@@ -277,7 +277,11 @@ def run(args) -> dict:
             key, value = item.split("=", 1)
             import yaml
             overrides[key.strip()] = yaml.safe_load(value)
+        server_urls = server_list(overrides.pop("rollout_server_urls", None))
         config = load_config(None, overrides)
+        if server_urls and lengths is not None:
+            raise SystemExit("bench: W2's EOS schedule is applied to the trainer's own engine; it cannot reach a "
+                             "rollout server (use w1, w3 or w4 with rollout_server_urls)")
         peak = matmul_peak()
         load_before = os.getloadavg()[0]
         trainer = RLTrainer(config)
@@ -295,6 +299,8 @@ def run(args) -> dict:
         critic_optimizer_bytes = trainer.layout.optimizer_state_bytes(trainer.critic.optimizer)["total"] \
             if critic else 0
         records = _read_metrics(os.path.join(config.output_dir, "metrics.jsonl"))
+        del trainer
+        served = server_run(args, tmp, overrides, server_urls) if server_urls else None
     timed = records[args.warmup:] or records[-1:]
 
     def mean(key):
@@ -339,6 +345,9 @@ def run(args) -> dict:
         "rollout_dtype": config.rollout_dtype, "rollout_quant_type": config.rollout_quant_type,
         "cpu_flags": cpu_flags(),
     }
+    if served is not None:
+        result["rollout_server"] = served
+        served["step_over_inline"] = served["step_s"] / max(step_s, 1e-9)
     if critic:
         # the critic's passes, and their cost against the actor's update: its forward + backward over the same
         # tokens and micro-batches
@@ -349,6 +358,97 @@ def run(args) -> dict:
                       critic_update_gflops=flops["critic_update"] / max(mean("time/critic_update"), 1e-9) / 1e9,
                       critic_optimizer_state_mb=critic_optimizer_bytes / 2**20)
     return result
+
+
+LOCAL_SERVER = "local"   # a rollout_server_urls entry the bench starts itself: a server on 127.0.0.1
+
+
+def server_list(value) -> list:
+    """rollout_server_urls of `--set` (a YAML list or a comma-separated string), `local` entries kept by name."""
+    if value in (None, "", []):
+        return []
+    items = value if isinstance(value, list) else str(value).split(",")
+    return [str(u).strip() for u in items if str(u).strip()]
+
+
+def start_local_server(tmp: str, overrides: dict, index: int):
+    """`paddle-rl rollout-server` on 127.0.0.1 with the run's own config (its actor and rollout keys) -> (process,
+    URL, log path), once /health answers."""
+    import socket
+    import subprocess
+
+    import httpx
+    import yaml
+    path = os.path.join(tmp, f"rollout_server_{index}.yaml")
+    with open(path, "w", encoding="utf-8") as f:
+        yaml.safe_dump(overrides, f)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log_path = os.path.join(tmp, f"rollout_server_{index}.log")
+    log = open(log_path, "w", encoding="utf-8")
+    proc = subprocess.Popen([sys.executable, "-m", "paddle_rl", "rollout-server", path, "--port", str(port),
+                             "--log-level", "warning"], stdout=log, stderr=subprocess.STDOUT,
+                            env={**os.environ, "PADDLE_RL_ROLLOUT_API_KEY": ""})
+    log.close()
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            with open(log_path, encoding="utf-8") as f:
+                raise SystemExit(f"bench: the local rollout server exited ({proc.returncode}):\n{f.read()[-3000:]}")
+        try:
+            if httpx.get(url + "/health", timeout=1.0).status_code == 200:
+                return proc, url, log_path
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    proc.kill()
+    raise SystemExit(f"bench: the local rollout server did not answer /health in 600 s (log {log_path})")
+
+
+def server_run(args, tmp: str, overrides: dict, urls: list) -> dict:
+    """The same workload again with its rollout on `urls` (`local` entries started here, after the inline run,
+    and stopped after this one): step time, the servers' generation, the weight push's seconds and bytes."""
+    import signal
+
+    import numpy as np
+
+    from .config import load_config
+    from .trainer import RLTrainer
+    started = []
+    try:
+        resolved = []
+        for url in urls:
+            if url == LOCAL_SERVER:
+                proc, url, _ = start_local_server(tmp, overrides, len(started))
+                started.append(proc)
+            resolved.append(url)
+        out = os.path.join(tmp, "out_servers")
+        config = load_config(None, dict(overrides, rollout_server_urls=resolved, output_dir=out))
+        load_before = os.getloadavg()[0]
+        trainer = RLTrainer(config)
+        trainer.train()
+        del trainer
+        load_after = os.getloadavg()[0]
+    finally:
+        for proc in started:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(30)
+            except Exception:   # noqa: BLE001 - a server that does not stop is killed
+                proc.kill()
+    timed = _read_metrics(os.path.join(out, "metrics.jsonl"))[args.warmup:]
+
+    def mean(key):
+        values = [r[key] for r in timed if isinstance(r.get(key), (int, float))]
+        return float(np.mean(values)) if values else 0.0
+    return {"urls": urls, "local_servers": len(started), "steps_timed": len(timed), "step_s": mean("time/step"),
+            "rollout_s": mean("time/rollout"), "server_generate_s": mean("time/rollout_server_generate"),
+            "weights_push_s": mean("time/weights_push"), "weights_serialize_s": mean("time/weights_serialize"),
+            "weights_push_bytes": mean("rollout_server/weights_push_bytes"),
+            **{f"{s}_s": mean(f"time/{s}") for s in STAGES if s != "rollout"},
+            "load_avg": [load_before, load_after]}
 
 
 def cpu_flags() -> list:
@@ -472,6 +572,16 @@ def report(result: dict) -> str:
               f"  peak RSS      {result['peak_rss_mb']:8.0f} MB{worker} (optimizer state "
               f"{result['optimizer_state_mb']:.1f} MB, {result['trainable_params']:,} trained parameters)",
               f"  process CPU   {result['cpu_s_per_step']:8.3f} s per step (all threads)"]
+    served = result.get("rollout_server")
+    if served:
+        lines += [f"rollout on {len(served['urls'])} server(s) ({', '.join(served['urls'])}; {served['local_servers']} "
+                  f"started here), the same workload after the inline run above, load average "
+                  f"{served['load_avg'][0]:.1f} -> {served['load_avg'][1]:.1f}",
+                  f"  step          {served['step_s']:8.3f} s = {served['step_over_inline']:.3f} x inline",
+                  f"  rollout       {served['rollout_s']:8.3f} s (the servers generating {served['server_generate_s']:.3f} s; "
+                  f"weights push {served['weights_push_s']:.3f} s of it, serialising {served['weights_serialize_s']:.3f} s, "
+                  f"{served['weights_push_bytes'] / 2 ** 20:.1f} MiB per server)"]
+        lines += [f"  {stage:<13} {served[f'{stage}_s']:8.3f} s" for stage in STAGES if stage != "rollout"]
     return "\n".join(lines)
 
 

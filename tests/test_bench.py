@@ -62,3 +62,18 @@ def test_ppo_reports_the_critic_stages(bench_rule):
     # GRPO has no critic: no critic stages
     grpo = bench.run(args_for(*common))
     assert "values_s" not in grpo and "critic_s" not in grpo and "  values " not in bench.report(grpo)
+
+
+def test_a_local_rollout_server_is_timed_against_the_inline_rollout(bench_rule):
+    """rollout_server_urls=local: the bench starts a server on 127.0.0.1 with the run's config, runs the workload
+    inline and then on the server, and reports both steps and the push: its bytes are the model's float32 tensors
+    (W1: 5,001,472 parameters) and a safetensors header."""
+    result = bench.run(args_for("--workload", "w1", "--response-len", "4", "--steps", "1", "--warmup", "0",
+                                "--prompts", "2", "--rollout-n", "2", "--kl-loss-coeff", "0",
+                                "--set", "rollout_server_urls=local"))
+    served = result["rollout_server"]
+    assert served["urls"] == ["local"] and served["local_servers"] == 1 and served["steps_timed"] == 1
+    assert 5_001_472 * 4 < served["weights_push_bytes"] < 5_001_472 * 4 + 2 ** 16
+    assert served["step_s"] > 0 and served["weights_push_s"] > served["weights_serialize_s"] > 0
+    assert served["step_over_inline"] == served["step_s"] / result["step_s"]
+    assert "x inline" in bench.report(result) and "MiB per server" in bench.report(result)

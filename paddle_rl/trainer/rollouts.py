@@ -307,12 +307,16 @@ class ServerRollout(InlineRollout):
         trainer = self.trainer
         state = merge_state(trainer.layout.full_state(trainer.actor), trainer.actor.lora)
         body = safetensors_bytes({k: np.ascontiguousarray(v, dtype=np.float32) for k, v in state.items()})
+        serialized = time.perf_counter()
         for client, result in self._each(stale, lambda c: c.push_weights(body, version)):
             if isinstance(result, RolloutServerError):
                 self._drop(client, result)
         if not self.live:
             raise self._all_gone(f"pushing weights version {version}")
         self.metrics["time/weights_push"] = self.metrics.get("time/weights_push", 0.0) + time.perf_counter() - start
+        self.metrics["time/weights_serialize"] = self.metrics.get("time/weights_serialize", 0.0) + serialized - start
+        # one push's body (each stale server receives it once)
+        self.metrics["rollout_server/weights_push_bytes"] = float(len(body))
 
     def take(self, step: int, draw: Callable):
         if step != self._step:  # a step's generation rounds (dynamic sampling) add up in its metrics
