@@ -348,9 +348,10 @@ def plugin(tmp_path_factory):
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
 def test_a_run_on_a_server_equals_the_inline_run(micro, server, tmp_path, lora):
     """Same seeds, one server: every metric of 3 steps equals the inline run's (the server gets each step's
-    weights, version = RL steps applied). A LoRA actor sends its merged weights: the samples, and so every metric
-    but the rollout-vs-trainer gap, are equal; the gap differs at rounding (the trainer's rollout multiplies by
-    weights merged in Paddle, the pushed ones were merged in numpy: rollout_corr/ratio/max 1.0000005 against 1.0)."""
+    weights, version = RL steps applied; the whole model in float32). A LoRA actor sends its adapters alone, which the
+    server folds into its own base weights: the samples, and so every metric but the rollout-vs-trainer gap, are
+    equal; the gap differs at rounding (the trainer's rollout multiplies by weights merged in Paddle, the server's
+    were merged in numpy: rollout_corr/ratio/max 1.0000005 against 1.0)."""
     extra_values = dict(lora_rank=4, lora_alpha=8, learning_rate=1e-2) if lora else {}
     _train(_overrides(micro, tmp_path / "inline", **extra_values))
     versions = []
@@ -367,8 +368,36 @@ def test_a_run_on_a_server_equals_the_inline_run(micro, server, tmp_path, lora):
     assert all(r["time/weights_push"] > 0 for r in rows)
     assert versions == [0, 1, 2] and server.client().health()["version"] == 2
     assert trainer.rollout.gone == {}
-    if lora:  # the trainer's model has adapters; the server's weights are the merged ones of version 2
-        assert trainer.actor.lora is not None
+    full = sum(int(np.prod(p.shape)) for p in _engine(micro)[1].parameters()) * 4
+    pushed = [r["rollout_server/weights_push_bytes"] for r in rows]
+    if lora:  # the adapters alone travel; the server folds them into its own copy of the base weights
+        assert trainer.actor.lora is not None and all(b < full / 4 for b in pushed), (pushed, full)
+    else:
+        assert all(full < b < full + 2 ** 16 for b in pushed), (pushed, full)
+
+
+def test_an_adapter_push_folds_into_the_same_base_only(micro, tmp_path):
+    """A LoRA run pushes its adapters alone: a server whose own weights are not the trainer's base (the same
+    model and tokenizer, every tensor x 1.01) refuses the first push naming the mismatch, and the run stops."""
+    import shutil
+    from safetensors.numpy import save_file
+    from paddle_rl.models.safetensors_io import load_state
+    folder = str(tmp_path / "other" / "model")
+    shutil.copytree(micro["model"], folder)
+    for name in os.listdir(folder):
+        if name.endswith(".safetensors"):
+            os.remove(os.path.join(folder, name))
+    save_file({k: (v * 1.01).astype(np.float32) for k, v in load_state(micro["model"]).items()},
+              os.path.join(folder, "model.safetensors"))
+    s = Server(folder).wait()
+    try:
+        with pytest.raises(RolloutServerError, match="other base weights than this server's") as e:
+            _train(_overrides(micro, tmp_path / "run", max_steps=1, lora_rank=4, lora_alpha=8,
+                              rollout_server_urls=s.url, rollout_server_api_key=KEY))
+        assert s.url in str(e.value) and not e.value.unreachable
+        assert s.client().health()["version"] is None   # nothing was loaded
+    finally:
+        s.stop()
 
 
 def test_dynamic_sampling_rounds_on_a_server_equal_the_inline_run(micro, server, plugin, tmp_path):

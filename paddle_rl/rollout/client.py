@@ -11,6 +11,7 @@ import numpy as np
 from .wire import generate_request, part_from_safetensors
 
 VERSION_HEADER = "X-Policy-Version"
+KIND_HEADER = "X-Weights-Kind"
 
 
 def _slices(body: bytes, size: int = 16 * 2 ** 20):
@@ -60,12 +61,14 @@ class RolloutServerClient:
         extra = {} if timeout is None else {"timeout": httpx.Timeout(timeout)}
         self._request("GET", "/v1/models", "GET /v1/models (checking the API key)", **extra)
 
-    def push_weights(self, body: bytes, version: int) -> dict:
-        """`body`: a safetensors file (safetensors.numpy.save) of the whole model under Hugging Face names. Sent in
+    def push_weights(self, body: bytes, version: int, kind: str = "full") -> dict:
+        """`body`: a safetensors file (safetensors.numpy.save) of the whole model under Hugging Face names (`kind`
+        full), or of a LoRA actor's adapters with metadata lora_scaling and base_sha256 (`kind` lora). Sent in
         16 MiB slices: handed one bytes object, httpx sent 256 MiB to a server on 127.0.0.1 in 10-20 s (25 MB/s),
         in slices in 0.6 s."""
         out = self._request("POST", "/v1/weights", f"pushing weights version {version}", content=_slices(body),
-                            headers={VERSION_HEADER: str(version), "Content-Type": "application/octet-stream",
+                            headers={VERSION_HEADER: str(version), KIND_HEADER: kind,
+                                     "Content-Type": "application/octet-stream",
                                      "Content-Length": str(len(body))})
         if out.get("version") != version:
             raise RolloutServerError(f"rollout server {self.url}: pushing weights version {version}: the server "

@@ -26,7 +26,8 @@ import numpy as np
 from safetensors.numpy import save as safetensors_bytes
 
 from ..config import ConfigError
-from ..models.lora import merge_state
+from ..models.lora import adapted_modules, base_digest, is_adapter_name, merge_state
+from ..models.pretrained import hf_state
 from ..rollout.client import RolloutServerClient, RolloutServerError
 from ..rollout.wire import batch_from_parts, identity_differences, model_identity
 from ..rollout.worker import RolloutWorker
@@ -219,6 +220,12 @@ class ServerRollout(InlineRollout):
             logger.info("rollout server %s: %s, vocab %d, engine %s", client.url, self.identity["architecture"],
                         self.identity["vocab_size"], health.get("engine"))
         self._pool = ThreadPoolExecutor(len(self.clients), thread_name_prefix="rollout-server")
+        self.adapter_push = None   # a LoRA actor training its adapters alone: the metadata of adapter-only pushes
+        if trainer.actor.lora is not None and all(map(is_adapter_name, hf_state(trainer.actor, frozen=False))):
+            state = trainer.layout.full_state(trainer.actor)
+            modules = adapted_modules(state)
+            self.adapter_push = {"lora_scaling": repr(float(trainer.actor.lora.scaling)),
+                                 "base_sha256": base_digest(state, modules)}
 
     def _admit(self, client: RolloutServerClient, timeout: Optional[float] = None) -> dict:
         """The server's /health once its API key and its model and engine are checked against the trainer's: a
@@ -305,10 +312,15 @@ class ServerRollout(InlineRollout):
             return
         start = time.perf_counter()
         trainer = self.trainer
-        state = merge_state(trainer.layout.full_state(trainer.actor), trainer.actor.lora)
-        body = safetensors_bytes({k: np.ascontiguousarray(v, dtype=np.float32) for k, v in state.items()})
+        if self.adapter_push is not None:   # the adapters alone: the servers fold them into the same base weights
+            kind, state, metadata = "lora", hf_state(trainer.actor, frozen=False), self.adapter_push
+        else:
+            kind, metadata = "full", None
+            state = merge_state(trainer.layout.full_state(trainer.actor), trainer.actor.lora)
+        body = safetensors_bytes({k: np.ascontiguousarray(v, dtype=np.float32) for k, v in state.items()},
+                                 metadata=metadata)
         serialized = time.perf_counter()
-        for client, result in self._each(stale, lambda c: c.push_weights(body, version)):
+        for client, result in self._each(stale, lambda c: c.push_weights(body, version, kind)):
             if isinstance(result, RolloutServerError):
                 self._drop(client, result)
         if not self.live:
