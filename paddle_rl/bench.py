@@ -24,6 +24,12 @@ drifts between runs), per rollout precision (rollout_dtype, or a rollout_quant_t
 both) on the same prompts, keys and forced lengths (W3: exactly response_len; W4: the 64 quantiles of a log-normal
 with median 270 cut at 512, mean 294), and reports each one's seconds and its speed-up over the first.
 
+`--set rollout_server_urls=local` (or URLs of servers of the same model; each `local` entry is a `paddle-rl
+rollout-server` the bench starts on 127.0.0.1 with the run's config): a second trainer of the same config and seeds
+generates on the servers, and the two run step by step in turn (the same work, the same drift of a shared machine's
+load); printed below the inline run: its step, its ratio to the inline step, the servers' generation, the weight
+push's seconds (serialising apart) and bytes per server.
+
 Prints seconds per step and its split by stage, generated and trained tokens, rows processed by decode steps,
 effective GFLOP/s against a matmul peak measured in the same process, peak RSS; the last line is one JSON
 object.
@@ -290,17 +296,19 @@ def run(args) -> dict:
                 raise SystemExit("bench: W2's EOS schedule is applied to the trainer's own engine; it cannot reach "
                                  "the asynchronous rollout's worker (use w1, w3 or w4 with async_rollout)")
             trainer.engine.forced_lengths = keyed_schedule(lengths)
-        cpu_start = time.process_time()
-        trainer.train()
-        cpu_s = time.process_time() - cpu_start
+        if server_urls:
+            records, served, cpu_s = side_by_side(args, tmp, overrides, server_urls, trainer)
+        else:
+            cpu_start = time.process_time()
+            trainer.train()
+            cpu_s = time.process_time() - cpu_start
+            records, served = _read_metrics(os.path.join(config.output_dir, "metrics.jsonl")), None
         optimizer_bytes = trainer.layout.optimizer_state_bytes(trainer.optimizer)["total"]
         trainable = sum(int(np.prod(p.shape)) for p in trainer.actor.parameters() if not p.stop_gradient)
         critic = trainer.critic is not None
         critic_optimizer_bytes = trainer.layout.optimizer_state_bytes(trainer.critic.optimizer)["total"] \
             if critic else 0
-        records = _read_metrics(os.path.join(config.output_dir, "metrics.jsonl"))
         del trainer
-        served = server_run(args, tmp, overrides, server_urls) if server_urls else None
     timed = records[args.warmup:] or records[-1:]
 
     def mean(key):
@@ -407,16 +415,21 @@ def start_local_server(tmp: str, overrides: dict, index: int):
     raise SystemExit(f"bench: the local rollout server did not answer /health in 600 s (log {log_path})")
 
 
-def server_run(args, tmp: str, overrides: dict, urls: list) -> dict:
-    """The same workload again with its rollout on `urls` (`local` entries started here, after the inline run,
-    and stopped after this one): step time, the servers' generation, the weight push's seconds and bytes."""
+def side_by_side(args, tmp: str, overrides: dict, urls: list, inline) -> tuple:
+    """The workload twice in one process, step by step in turn: `inline` (the trainer generating itself) and a
+    second trainer of the same config and seeds whose rollout runs on `urls` (`local` entries started here on
+    127.0.0.1 and stopped at the end). Taking turns, both see the same drift of a shared machine's load, and both
+    do the same work (the same prompts and keys). -> (the inline steps' metrics, the server run's summary, the
+    inline steps' process CPU seconds)."""
+    import logging
     import signal
 
     import numpy as np
 
     from .config import load_config
     from .trainer import RLTrainer
-    started = []
+    logging.getLogger("httpx").setLevel(logging.WARNING)   # a line per request otherwise
+    started, inline_rows, server_rows, cpu_s = [], [], [], 0.0
     try:
         resolved = []
         for url in urls:
@@ -424,12 +437,24 @@ def server_run(args, tmp: str, overrides: dict, urls: list) -> dict:
                 proc, url, _ = start_local_server(tmp, overrides, len(started))
                 started.append(proc)
             resolved.append(url)
-        out = os.path.join(tmp, "out_servers")
-        config = load_config(None, dict(overrides, rollout_server_urls=resolved, output_dir=out))
+        config = load_config(None, dict(overrides, rollout_server_urls=resolved,
+                                        output_dir=os.path.join(tmp, "out_servers")))
+        served = RLTrainer(config)
         load_before = os.getloadavg()[0]
-        trainer = RLTrainer(config)
-        trainer.train()
-        del trainer
+        try:
+            while inline.step < inline.total_steps:
+                cpu_start = time.process_time()
+                inline_rows.append(inline.train_step())
+                inline.rollout.stepped()
+                cpu_s += time.process_time() - cpu_start
+                server_rows.append(served.train_step())
+                served.rollout.stepped()
+                logging.getLogger("paddle_rl").info(
+                    "step %d: inline %.2f s, on servers %.2f s", inline.step, inline_rows[-1]["time/step"],
+                    server_rows[-1]["time/step"])
+        finally:
+            served.rollout.close()
+            inline.rollout.close()
         load_after = os.getloadavg()[0]
     finally:
         for proc in started:
@@ -438,17 +463,21 @@ def server_run(args, tmp: str, overrides: dict, urls: list) -> dict:
                 proc.wait(30)
             except Exception:   # noqa: BLE001 - a server that does not stop is killed
                 proc.kill()
-    timed = _read_metrics(os.path.join(out, "metrics.jsonl"))[args.warmup:]
+    timed, base = server_rows[args.warmup:], inline_rows[args.warmup:]
 
     def mean(key):
         values = [r[key] for r in timed if isinstance(r.get(key), (int, float))]
         return float(np.mean(values)) if values else 0.0
-    return {"urls": urls, "local_servers": len(started), "steps_timed": len(timed), "step_s": mean("time/step"),
-            "rollout_s": mean("time/rollout"), "server_generate_s": mean("time/rollout_server_generate"),
-            "weights_push_s": mean("time/weights_push"), "weights_serialize_s": mean("time/weights_serialize"),
-            "weights_push_bytes": mean("rollout_server/weights_push_bytes"),
-            **{f"{s}_s": mean(f"time/{s}") for s in STAGES if s != "rollout"},
-            "load_avg": [load_before, load_after]}
+    ratios = [s["time/step"] / i["time/step"] for s, i in zip(timed, base)]
+    summary = {"urls": urls, "local_servers": len(started), "steps_timed": len(timed), "step_s": mean("time/step"),
+               "steps_s": [r["time/step"] for r in timed], "inline_steps_s": [r["time/step"] for r in base],
+               "step_ratio_median": float(np.median(ratios)) if ratios else 0.0,
+               "rollout_s": mean("time/rollout"), "server_generate_s": mean("time/rollout_server_generate"),
+               "weights_push_s": mean("time/weights_push"), "weights_serialize_s": mean("time/weights_serialize"),
+               "weights_push_bytes": mean("rollout_server/weights_push_bytes"),
+               **{f"{s}_s": mean(f"time/{s}") for s in STAGES if s != "rollout"},
+               "load_avg": [load_before, load_after]}
+    return inline_rows, summary, cpu_s
 
 
 def cpu_flags() -> list:
@@ -575,9 +604,10 @@ def report(result: dict) -> str:
     served = result.get("rollout_server")
     if served:
         lines += [f"rollout on {len(served['urls'])} server(s) ({', '.join(served['urls'])}; {served['local_servers']} "
-                  f"started here), the same workload after the inline run above, load average "
+                  f"started here), the same workload step by step in turn with the inline run above, load average "
                   f"{served['load_avg'][0]:.1f} -> {served['load_avg'][1]:.1f}",
-                  f"  step          {served['step_s']:8.3f} s = {served['step_over_inline']:.3f} x inline",
+                  f"  step          {served['step_s']:8.3f} s = {served['step_over_inline']:.3f} x inline (median of the "
+                  f"steps' ratios {served['step_ratio_median']:.3f})",
                   f"  rollout       {served['rollout_s']:8.3f} s (the servers generating {served['server_generate_s']:.3f} s; "
                   f"weights push {served['weights_push_s']:.3f} s of it, serialising {served['weights_serialize_s']:.3f} s, "
                   f"{served['weights_push_bytes'] / 2 ** 20:.1f} MiB per server)"]

@@ -66,8 +66,8 @@ def test_ppo_reports_the_critic_stages(bench_rule):
 
 def test_a_local_rollout_server_is_timed_against_the_inline_rollout(bench_rule):
     """rollout_server_urls=local: the bench starts a server on 127.0.0.1 with the run's config, runs the workload
-    inline and then on the server, and reports both steps and the push: its bytes are the model's float32 tensors
-    (W1: 5,001,472 parameters) and a safetensors header."""
+    inline and on the server step by step in turn, and reports both steps and the push: its bytes are the model's
+    float32 tensors (W1: 5,001,472 parameters) and a safetensors header."""
     result = bench.run(args_for("--workload", "w1", "--response-len", "4", "--steps", "1", "--warmup", "0",
                                 "--prompts", "2", "--rollout-n", "2", "--kl-loss-coeff", "0",
                                 "--set", "rollout_server_urls=local"))
@@ -76,4 +76,6 @@ def test_a_local_rollout_server_is_timed_against_the_inline_rollout(bench_rule):
     assert 5_001_472 * 4 < served["weights_push_bytes"] < 5_001_472 * 4 + 2 ** 16
     assert served["step_s"] > 0 and served["weights_push_s"] > served["weights_serialize_s"] > 0
     assert served["step_over_inline"] == served["step_s"] / result["step_s"]
+    assert served["inline_steps_s"] == [result["step_s"]] and served["steps_s"] == [served["step_s"]]
+    assert result["generated_tokens"] == 2 * 2 * 4   # the inline trainer's steps (not the server run's too)
     assert "x inline" in bench.report(result) and "MiB per server" in bench.report(result)
