@@ -471,6 +471,8 @@ def side_by_side(args, tmp: str, overrides: dict, urls: list, inline) -> tuple:
     ratios = [s["time/step"] / i["time/step"] for s, i in zip(timed, base)]
     summary = {"urls": urls, "local_servers": len(started), "steps_timed": len(timed), "step_s": mean("time/step"),
                "steps_s": [r["time/step"] for r in timed], "inline_steps_s": [r["time/step"] for r in base],
+               "generate_steps_s": [r.get("time/rollout_server_generate", 0.0) for r in timed],
+               "inline_rollout_steps_s": [r["time/rollout"] for r in base],
                "step_ratio_median": float(np.median(ratios)) if ratios else 0.0,
                "rollout_s": mean("time/rollout"), "server_generate_s": mean("time/rollout_server_generate"),
                "weights_push_s": mean("time/weights_push"), "weights_serialize_s": mean("time/weights_serialize"),
