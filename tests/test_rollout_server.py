@@ -466,6 +466,26 @@ def test_start_up_faults_name_the_server(micro, server, tmp_path):
         _train(_overrides(micro, tmp_path / "c", rollout_server_urls=server.url, rollout_server_api_key="wrong"))
 
 
+def test_a_server_that_stops_answering_is_dropped_after_the_timeout(micro, tmp_path):
+    """A server stopped (SIGSTOP: it accepts connections, the kernel queues them, nothing answers) before step 2
+    counts as gone once rollout_server_timeout passes: the run stops naming its URL and the timeout, instead of
+    waiting for ever."""
+    s = Server(micro["model"]).wait()
+    try:
+        def stop_before_step_2(trainer, step):
+            if step == 2:
+                s.proc.send_signal(signal.SIGSTOP)
+        with pytest.raises(RolloutServerError) as e:
+            _train(_overrides(micro, tmp_path / "run", max_steps=2, rollout_server_urls=s.url,
+                              rollout_server_api_key=KEY, rollout_server_timeout=2), before_take=stop_before_step_2)
+        message = str(e.value)
+        assert f"every rollout server is gone ({s.url})" in message and "Timeout" in message, message
+        assert len(read_metrics(str(tmp_path / "run" / "metrics.jsonl"))) == 1
+    finally:
+        s.proc.send_signal(signal.SIGCONT)
+        s.stop()
+
+
 def test_a_killed_server_is_resent_rejoins_after_its_weights_and_losing_all_stops_the_run(micro, tmp_path):
     """Two servers. Step 2: kill -9 a while it generates; its groups go to b. Before step 3: a is restarted on its
     port; the probe between steps takes it back, and it loads version 2 before it gets any prompt. Before step 4:
