@@ -208,7 +208,7 @@ class ServerRollout(InlineRollout):
         self.gone: Dict[str, str] = {}   # url -> why it was dropped
         self._step = None                # the step whose metrics self.metrics holds
         self.identity = model_identity(trainer.actor.config, trainer.tokenizer)
-        self.engine = {server: getattr(cfg, key) for server, key in self.ENGINE_KEYS}
+        self.engine_expected = {server: getattr(cfg, key) for server, key in self.ENGINE_KEYS}
         for client in self.clients:
             try:
                 health = self._admit(client)
@@ -240,8 +240,8 @@ class ServerRollout(InlineRollout):
                               f"(rollout_server_api_key or $PADDLE_RL_ROLLOUT_API_KEY): {e}") from None
         engine = health.get("engine") or {}
         differences = identity_differences(self.identity, health.get("model") or {})
-        differences += [f"{key}: trainer {self.engine[key]!r}, server {engine.get(key)!r}"
-                        for key in self.engine if engine.get(key) != self.engine[key]]
+        differences += [f"{key}: trainer {self.engine_expected[key]!r}, server {engine.get(key)!r}"
+                        for key in self.engine_expected if engine.get(key) != self.engine_expected[key]]
         if differences:
             raise ConfigError(f"rollout_server_urls: {client.url} serves another model or engine than the "
                               f"trainer's ({self.trainer.actor.base_folder}): " + "; ".join(differences))
