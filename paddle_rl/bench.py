@@ -608,11 +608,12 @@ def report(result: dict) -> str:
         lines += [f"rollout on {len(served['urls'])} server(s) ({', '.join(served['urls'])}; {served['local_servers']} "
                   f"started here), the same workload step by step in turn with the inline run above, load average "
                   f"{served['load_avg'][0]:.1f} -> {served['load_avg'][1]:.1f}",
-                  f"  step          {served['step_s']:8.3f} s = {served['step_over_inline']:.3f} x inline (median of the "
-                  f"steps' ratios {served['step_ratio_median']:.3f})",
-                  f"  rollout       {served['rollout_s']:8.3f} s (the servers generating {served['server_generate_s']:.3f} s; "
-                  f"weights push {served['weights_push_s']:.3f} s of it, serialising {served['weights_serialize_s']:.3f} s, "
-                  f"{served['weights_push_bytes'] / 2 ** 20:.1f} MiB per server)"]
+                  f"  step          {served['step_s']:8.3f} s = {served['step_over_inline']:.3f} x inline "
+                  f"(median of the steps' ratios {served['step_ratio_median']:.3f})",
+                  f"  rollout       {served['rollout_s']:8.3f} s (the servers generating "
+                  f"{served['server_generate_s']:.3f} s; weights push {served['weights_push_s']:.3f} s of it, "
+                  f"serialising {served['weights_serialize_s']:.3f} s, {served['weights_push_bytes'] / 2 ** 20:.1f} "
+                  "MiB per server)"]
         lines += [f"  {stage:<13} {served[f'{stage}_s']:8.3f} s" for stage in STAGES if stage != "rollout"]
     return "\n".join(lines)
 
