@@ -25,6 +25,12 @@ drifts between runs), per rollout precision (rollout_dtype, or a rollout_quant_t
 both) on the same prompts, keys and forced lengths (W3: exactly response_len; W4: the 64 quantiles of a log-normal
 with median 270 cut at 512, mean 294), and reports each one's seconds and its speed-up over the first.
 
+`--set rollout_server_urls=local` (or URLs of servers of the same model; each `local` entry is a `paddle-rl
+rollout-server` the bench starts on 127.0.0.1 with the run's config): a second trainer of the same config and seeds
+generates on the servers, and the two run step by step in turn (the same work, the same drift of a shared machine's
+load); printed below the inline run: its step, its ratio to the inline step, the servers' generation, the weight
+push's seconds (serialising apart) and bytes per server.
+
 Prints seconds per step and its split by stage, generated and trained tokens, rows processed by decode steps,
 effective GFLOP/s against the fp32 matmul peak measured in the same process, peak RSS; the last line is one JSON
 object. Matmul peaks (`matmul_peaks`): square products and the workload's own linear shapes, measured before the
@@ -403,7 +409,11 @@ def run(args) -> dict:
             key, value = item.split("=", 1)
             import yaml
             overrides[key.strip()] = yaml.safe_load(value)
+        server_urls = server_list(overrides.pop("rollout_server_urls", None))
         config = load_config(None, overrides)
+        if server_urls and lengths is not None:
+            raise SystemExit("bench: W2's EOS schedule is applied to the trainer's own engine; it cannot reach a "
+                             "rollout server (use w1, w3 or w4 with rollout_server_urls)")
         load_before = os.getloadavg()[0]
         peaks_before = matmul_peaks(shape)
         trainer = RLTrainer(config)
@@ -412,9 +422,13 @@ def run(args) -> dict:
                 raise SystemExit("bench: W2's EOS schedule is applied to the trainer's own engine; it cannot reach "
                                  "the asynchronous rollout's worker (use w1, w3 or w4 with async_rollout)")
             trainer.engine.forced_lengths = keyed_schedule(lengths)
-        cpu_start = time.process_time()
-        trainer.train()
-        cpu_s = time.process_time() - cpu_start
+        if server_urls:
+            records, served, cpu_s = side_by_side(args, tmp, overrides, server_urls, trainer)
+        else:
+            cpu_start = time.process_time()
+            trainer.train()
+            cpu_s = time.process_time() - cpu_start
+            records, served = _read_metrics(os.path.join(config.output_dir, "metrics.jsonl")), None
         peaks = peak_summary(peaks_before, matmul_peaks(shape))
         peak = peaks["fp32_peak_gflops"]
         optimizer_bytes = trainer.layout.optimizer_state_bytes(trainer.optimizer)["total"]
@@ -422,7 +436,7 @@ def run(args) -> dict:
         critic = trainer.critic is not None
         critic_optimizer_bytes = trainer.layout.optimizer_state_bytes(trainer.critic.optimizer)["total"] \
             if critic else 0
-        records = _read_metrics(os.path.join(config.output_dir, "metrics.jsonl"))
+        del trainer
     timed = records[args.warmup:] or records[-1:]
 
     def mean(key):
@@ -471,6 +485,9 @@ def run(args) -> dict:
         micro = int(config.max_tokens_per_micro_batch or 0) if config.use_remove_padding else 0
         tokens = int(round(mean("perf/trained_tokens")))
         result["linear"] = linear_gflops(shape, min(tokens, micro) if micro > 0 else tokens)
+    if served is not None:
+        result["rollout_server"] = served
+        served["step_over_inline"] = served["step_s"] / max(step_s, 1e-9)
     if critic:
         # the critic's passes, and their cost against the actor's update: its forward + backward over the same
         # tokens and micro-batches
@@ -481,6 +498,120 @@ def run(args) -> dict:
                       critic_update_gflops=flops["critic_update"] / max(mean("time/critic_update"), 1e-9) / 1e9,
                       critic_optimizer_state_mb=critic_optimizer_bytes / 2**20)
     return result
+
+
+LOCAL_SERVER = "local"   # a rollout_server_urls entry the bench starts itself: a server on 127.0.0.1
+
+
+def server_list(value) -> list:
+    """rollout_server_urls of `--set` (a YAML list or a comma-separated string), `local` entries kept by name."""
+    if value in (None, "", []):
+        return []
+    items = value if isinstance(value, list) else str(value).split(",")
+    return [str(u).strip() for u in items if str(u).strip()]
+
+
+def start_local_server(tmp: str, overrides: dict, index: int):
+    """`paddle-rl rollout-server` on 127.0.0.1 with the run's own config (its actor and rollout keys) -> (process,
+    URL, log path), once /health answers."""
+    import socket
+    import subprocess
+
+    import httpx
+    import yaml
+    path = os.path.join(tmp, f"rollout_server_{index}.yaml")
+    with open(path, "w", encoding="utf-8") as f:
+        yaml.safe_dump(overrides, f)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log_path = os.path.join(tmp, f"rollout_server_{index}.log")
+    log = open(log_path, "w", encoding="utf-8")
+    proc = subprocess.Popen([sys.executable, "-m", "paddle_rl", "rollout-server", path, "--port", str(port),
+                             "--log-level", "warning"], stdout=log, stderr=subprocess.STDOUT,
+                            env={**os.environ, "PADDLE_RL_ROLLOUT_API_KEY": ""})
+    log.close()
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            with open(log_path, encoding="utf-8") as f:
+                raise SystemExit(f"bench: the local rollout server exited ({proc.returncode}):\n{f.read()[-3000:]}")
+        try:
+            if httpx.get(url + "/health", timeout=1.0).status_code == 200:
+                return proc, url, log_path
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    proc.kill()
+    raise SystemExit(f"bench: the local rollout server did not answer /health in 600 s (log {log_path})")
+
+
+def side_by_side(args, tmp: str, overrides: dict, urls: list, inline) -> tuple:
+    """The workload twice in one process, step by step in turn: `inline` (the trainer generating itself) and a
+    second trainer of the same config and seeds whose rollout runs on `urls` (`local` entries started here on
+    127.0.0.1 and stopped at the end). Taking turns, both see the same drift of a shared machine's load, and both
+    do the same work (the same prompts and keys). -> (the inline steps' metrics, the server run's summary, the
+    inline steps' process CPU seconds)."""
+    import logging
+    import signal
+
+    import numpy as np
+
+    from .config import load_config
+    from .trainer import RLTrainer
+    logging.getLogger("httpx").setLevel(logging.WARNING)   # a line per request otherwise
+    started, inline_rows, server_rows, cpu_s = [], [], [], 0.0
+    try:
+        resolved = []
+        for url in urls:
+            if url == LOCAL_SERVER:
+                proc, url, _ = start_local_server(tmp, overrides, len(started))
+                started.append(proc)
+            resolved.append(url)
+        config = load_config(None, dict(overrides, rollout_server_urls=resolved,
+                                        output_dir=os.path.join(tmp, "out_servers")))
+        served = RLTrainer(config)
+        load_before = os.getloadavg()[0]
+        try:
+            while inline.step < inline.total_steps:
+                cpu_start = time.process_time()
+                inline_rows.append(inline.train_step())
+                inline.rollout.stepped()
+                cpu_s += time.process_time() - cpu_start
+                server_rows.append(served.train_step())
+                served.rollout.stepped()
+                logging.getLogger("paddle_rl").info(
+                    "step %d: inline %.2f s, on servers %.2f s", inline.step, inline_rows[-1]["time/step"],
+                    server_rows[-1]["time/step"])
+        finally:
+            served.rollout.close()
+            inline.rollout.close()
+        load_after = os.getloadavg()[0]
+    finally:
+        for proc in started:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(30)
+            except Exception:   # noqa: BLE001 - a server that does not stop is killed
+                proc.kill()
+    timed, base = server_rows[args.warmup:], inline_rows[args.warmup:]
+
+    def mean(key):
+        values = [r[key] for r in timed if isinstance(r.get(key), (int, float))]
+        return float(np.mean(values)) if values else 0.0
+    ratios = [s["time/step"] / i["time/step"] for s, i in zip(timed, base)]
+    summary = {"urls": urls, "local_servers": len(started), "steps_timed": len(timed), "step_s": mean("time/step"),
+               "steps_s": [r["time/step"] for r in timed], "inline_steps_s": [r["time/step"] for r in base],
+               "generate_steps_s": [r.get("time/rollout_server_generate", 0.0) for r in timed],
+               "inline_rollout_steps_s": [r["time/rollout"] for r in base],
+               "step_ratio_median": float(np.median(ratios)) if ratios else 0.0,
+               "rollout_s": mean("time/rollout"), "server_generate_s": mean("time/rollout_server_generate"),
+               "weights_push_s": mean("time/weights_push"), "weights_serialize_s": mean("time/weights_serialize"),
+               "weights_push_bytes": mean("rollout_server/weights_push_bytes"),
+               **{f"{s}_s": mean(f"time/{s}") for s in STAGES if s != "rollout"},
+               "load_avg": [load_before, load_after]}
+    return inline_rows, summary, cpu_s
 
 
 def cpu_flags() -> list:
@@ -611,6 +742,18 @@ def report(result: dict) -> str:
         lines.append(f"  bf16 linear   {lin['bf16_gflops']:8.1f} GFLOP/s ({lin['bf16_kernel']}) against float32's "
                      f"{lin['float32_gflops']:.1f}: {lin['speedup']:.2f}x (the layers' three products over "
                      f"{lin['tokens']} tokens)")
+    served = result.get("rollout_server")
+    if served:
+        lines += [f"rollout on {len(served['urls'])} server(s) ({', '.join(served['urls'])}; {served['local_servers']} "
+                  f"started here), the same workload step by step in turn with the inline run above, load average "
+                  f"{served['load_avg'][0]:.1f} -> {served['load_avg'][1]:.1f}",
+                  f"  step          {served['step_s']:8.3f} s = {served['step_over_inline']:.3f} x inline "
+                  f"(median of the steps' ratios {served['step_ratio_median']:.3f})",
+                  f"  rollout       {served['rollout_s']:8.3f} s (the servers generating "
+                  f"{served['server_generate_s']:.3f} s; weights push {served['weights_push_s']:.3f} s of it, "
+                  f"serialising {served['weights_serialize_s']:.3f} s, {served['weights_push_bytes'] / 2 ** 20:.1f} "
+                  "MiB per server)"]
+        lines += [f"  {stage:<13} {served[f'{stage}_s']:8.3f} s" for stage in STAGES if stage != "rollout"]
     return "\n".join(lines)
 
 

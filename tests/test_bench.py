@@ -82,3 +82,20 @@ def test_matmul_peaks_cover_the_workload_shapes_before_and_after():
         assert summary[f"{kind}_peak_before_gflops"] == max(r["gflops"] for r in before if r["kind"] == kind)
     lines = "\n".join(bench.peak_lines(summary))
     assert "fp32 paddle.matmul" in lines and "bf16 suite bf16_linear" in lines and "outside reference" in lines
+
+
+def test_a_local_rollout_server_is_timed_against_the_inline_rollout(bench_rule):
+    """rollout_server_urls=local: the bench starts a server on 127.0.0.1 with the run's config, runs the workload
+    inline and on the server step by step in turn, and reports both steps and the push: its bytes are the model's
+    float32 tensors (W1: 5,001,472 parameters) and a safetensors header."""
+    result = bench.run(args_for("--workload", "w1", "--response-len", "4", "--steps", "1", "--warmup", "0",
+                                "--prompts", "2", "--rollout-n", "2", "--kl-loss-coeff", "0",
+                                "--set", "rollout_server_urls=local"))
+    served = result["rollout_server"]
+    assert served["urls"] == ["local"] and served["local_servers"] == 1 and served["steps_timed"] == 1
+    assert 5_001_472 * 4 < served["weights_push_bytes"] < 5_001_472 * 4 + 2 ** 16
+    assert served["step_s"] > 0 and served["weights_push_s"] > served["weights_serialize_s"] > 0
+    assert served["step_over_inline"] == served["step_s"] / result["step_s"]
+    assert served["inline_steps_s"] == [result["step_s"]] and served["steps_s"] == [served["step_s"]]
+    assert result["generated_tokens"] == 2 * 2 * 4   # the inline trainer's steps (not the server run's too)
+    assert "x inline" in bench.report(result) and "MiB per server" in bench.report(result)

@@ -38,12 +38,24 @@ class Server:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.api_key = api_key
-        cmd = [sys.executable, "-m", "paddle_rl", "rollout-server", _config(model_dir), *overrides,
-               "--port", str(self.port), *args]
-        self.log = open(os.path.join(os.path.dirname(model_dir), f"server-{self.port}.log"), "w+")
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT,
-                                                         "PADDLE_RL_ROLLOUT_API_KEY": api_key},
+        self.cmd = [sys.executable, "-m", "paddle_rl", "rollout-server", _config(model_dir), *overrides,
+                    "--port", str(self.port), *args]
+        self.log_path = os.path.join(os.path.dirname(model_dir), f"server-{self.port}.log")
+        self.log = open(self.log_path, "w+")
+        self._start()
+
+    def _start(self) -> None:
+        self.proc = subprocess.Popen(self.cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT,
+                                                              "PADDLE_RL_ROLLOUT_API_KEY": self.api_key},
                                      stdout=self.log, stderr=subprocess.STDOUT)
+
+    def restart(self) -> "Server":
+        """The same command on the same port, after the process is gone (its log starts afresh)."""
+        assert self.proc.poll() is not None
+        self.log.close()
+        self.log = open(self.log_path, "w+")
+        self._start()
+        return self
 
     def wait(self, timeout: float = 120.0) -> "Server":
         deadline = time.monotonic() + timeout
@@ -336,9 +348,10 @@ def plugin(tmp_path_factory):
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
 def test_a_run_on_a_server_equals_the_inline_run(micro, server, tmp_path, lora):
     """Same seeds, one server: every metric of 3 steps equals the inline run's (the server gets each step's
-    weights, version = RL steps applied). A LoRA actor sends its merged weights: the samples, and so every metric
-    but the rollout-vs-trainer gap, are equal; the gap differs at rounding (the trainer's rollout multiplies by
-    weights merged in Paddle, the pushed ones were merged in numpy: rollout_corr/ratio/max 1.0000005 against 1.0)."""
+    weights, version = RL steps applied; the whole model in float32). A LoRA actor sends its adapters alone, which the
+    server folds into its own base weights: the samples, and so every metric but the rollout-vs-trainer gap, are
+    equal; the gap differs at rounding (the trainer's rollout multiplies by weights merged in Paddle, the server's
+    were merged in numpy: rollout_corr/ratio/max 1.0000005 against 1.0)."""
     extra_values = dict(lora_rank=4, lora_alpha=8, learning_rate=1e-2) if lora else {}
     _train(_overrides(micro, tmp_path / "inline", **extra_values))
     versions = []
@@ -355,8 +368,36 @@ def test_a_run_on_a_server_equals_the_inline_run(micro, server, tmp_path, lora):
     assert all(r["time/weights_push"] > 0 for r in rows)
     assert versions == [0, 1, 2] and server.client().health()["version"] == 2
     assert trainer.rollout.gone == {}
-    if lora:  # the trainer's model has adapters; the server's weights are the merged ones of version 2
-        assert trainer.actor.lora is not None
+    full = sum(int(np.prod(p.shape)) for p in _engine(micro)[1].parameters()) * 4
+    pushed = [r["rollout_server/weights_push_bytes"] for r in rows]
+    if lora:  # the adapters alone travel; the server folds them into its own copy of the base weights
+        assert trainer.actor.lora is not None and all(b < full / 4 for b in pushed), (pushed, full)
+    else:
+        assert all(full < b < full + 2 ** 16 for b in pushed), (pushed, full)
+
+
+def test_an_adapter_push_folds_into_the_same_base_only(micro, tmp_path):
+    """A LoRA run pushes its adapters alone: a server whose own weights are not the trainer's base (the same
+    model and tokenizer, every tensor x 1.01) refuses the first push naming the mismatch, and the run stops."""
+    import shutil
+    from safetensors.numpy import save_file
+    from paddle_rl.models.safetensors_io import load_state
+    folder = str(tmp_path / "other" / "model")
+    shutil.copytree(micro["model"], folder)
+    for name in os.listdir(folder):
+        if name.endswith(".safetensors"):
+            os.remove(os.path.join(folder, name))
+    save_file({k: (v * 1.01).astype(np.float32) for k, v in load_state(micro["model"]).items()},
+              os.path.join(folder, "model.safetensors"))
+    s = Server(folder).wait()
+    try:
+        with pytest.raises(RolloutServerError, match="other base weights than this server's") as e:
+            _train(_overrides(micro, tmp_path / "run", max_steps=1, lora_rank=4, lora_alpha=8,
+                              rollout_server_urls=s.url, rollout_server_api_key=KEY))
+        assert s.url in str(e.value) and not e.value.unreachable
+        assert s.client().health()["version"] is None   # nothing was loaded
+    finally:
+        s.stop()
 
 
 def test_dynamic_sampling_rounds_on_a_server_equal_the_inline_run(micro, server, plugin, tmp_path):
@@ -408,6 +449,16 @@ def test_start_up_faults_name_the_server(micro, server, tmp_path):
         message = str(e.value)
         assert s.url in message and "hidden_size: trainer 32, server 48" in message
         assert "tokenizer_vocab_sha256" in message
+        # a dropped server that answers again with another model stays out of the run, the warning naming why
+        from paddle_rl.trainer import RLTrainer
+        trainer = RLTrainer(load_config(None, _overrides(micro, tmp_path / "d", rollout_server_urls=server.url,
+                                                         rollout_server_api_key=KEY)))
+        rollout = trainer.rollout
+        rollout.clients.append(RolloutServerClient(s.url, KEY))
+        rollout.gone[s.url] = "killed"
+        assert rollout._rejoin() == 0 and [c.url for c in rollout.live] == [server.url]
+        assert "hidden_size: trainer 32, server 48" in rollout.gone[s.url]
+        rollout.close()
     finally:
         s.stop()
     # a wrong key is refused at start-up
@@ -415,18 +466,40 @@ def test_start_up_faults_name_the_server(micro, server, tmp_path):
         _train(_overrides(micro, tmp_path / "c", rollout_server_urls=server.url, rollout_server_api_key="wrong"))
 
 
-def test_a_killed_server_has_its_groups_resent_and_losing_all_stops_the_run(micro, tmp_path):
-    """Two servers; kill -9 one while it generates step 2: its groups go to the other and the run's metrics
-    still equal the inline run's. Kill the other before step 3: the run stops naming both URLs."""
+def test_a_server_that_stops_answering_is_dropped_after_the_timeout(micro, tmp_path):
+    """A server stopped (SIGSTOP: it accepts connections, the kernel queues them, nothing answers) before step 2
+    counts as gone once rollout_server_timeout passes: the run stops naming its URL and the timeout, instead of
+    waiting for ever."""
+    s = Server(micro["model"]).wait()
+    try:
+        def stop_before_step_2(trainer, step):
+            if step == 2:
+                s.proc.send_signal(signal.SIGSTOP)
+        with pytest.raises(RolloutServerError) as e:
+            _train(_overrides(micro, tmp_path / "run", max_steps=2, rollout_server_urls=s.url,
+                              rollout_server_api_key=KEY, rollout_server_timeout=2), before_take=stop_before_step_2)
+        message = str(e.value)
+        assert f"every rollout server is gone ({s.url})" in message and "Timeout" in message, message
+        assert len(read_metrics(str(tmp_path / "run" / "metrics.jsonl"))) == 1
+    finally:
+        s.proc.send_signal(signal.SIGCONT)
+        s.stop()
+
+
+def test_a_killed_server_is_resent_rejoins_after_its_weights_and_losing_all_stops_the_run(micro, tmp_path):
+    """Two servers. Step 2: kill -9 a while it generates; its groups go to b. Before step 3: a is restarted on its
+    port; the probe between steps takes it back, and it loads version 2 before it gets any prompt. Before step 4:
+    kill b (its push fails; a generates everything). Before step 5: kill a: the run stops naming both URLs. The
+    four steps' metrics equal the inline run's (keyed per sample: who generates which group changes nothing)."""
     # 64 tokens per response (min_dec_len = max_dec_len), 4 prompts: a server's share takes long enough to be killed in
     long = dict(max_dec_len=64, min_dec_len=64, global_batch_size=4, global_mini_batch_size=2)
-    a, b = Server(micro["model"]), Server(micro["model"])
+    a, b = Server(micro["model"], "--access-log"), Server(micro["model"])
     a.wait(), b.wait()
     try:
-        _train(_overrides(micro, tmp_path / "inline", max_steps=2, **long))
+        _train(_overrides(micro, tmp_path / "inline", max_steps=4, **long))
         killed = {}
 
-        def kill_in_flight(trainer, step):
+        def faults(trainer, step):
             if step == 2:
                 def watch():  # kill a once step 2's weights are in and its share is queued or generating
                     probe = httpx.Client(timeout=5.0)
@@ -439,17 +512,30 @@ def test_a_killed_server_has_its_groups_resent_and_losing_all_stops_the_run(micr
                         time.sleep(0.002)
                 threading.Thread(target=watch, daemon=True).start()
             if step == 3:
+                assert a.proc.poll() == -signal.SIGKILL and a.url in trainer.rollout.gone
+                a.restart().wait()
+                assert a.client().health()["version"] is None   # the config's weights, not the run's
+            if step == 4:
                 b.kill()
+            if step == 5:
+                a.kill()
 
         with pytest.raises(RolloutServerError) as e:
-            _train(_overrides(micro, tmp_path / "servers", max_steps=3, rollout_server_urls=f"{a.url},{b.url}",
-                              rollout_server_api_key=KEY, **long), before_take=kill_in_flight)
-        assert killed == {"queued": True} and a.proc.returncode == -signal.SIGKILL
-        assert f"every rollout server is gone ({a.url}, {b.url})" in str(e.value)
+            _train(_overrides(micro, tmp_path / "servers", max_steps=5, rollout_server_urls=f"{a.url},{b.url}",
+                              rollout_server_api_key=KEY, **long), before_take=faults)
+        assert killed == {"queued": True}
+        assert f"every rollout server is gone ({b.url}, {a.url})" in str(e.value)
         rows = read_metrics(str(tmp_path / "servers" / "metrics.jsonl"))
-        assert [r["rollout_server/resent_groups"] for r in rows] == [0.0, 2.0]   # a's share: groups 0 and 2
-        assert [r["rollout_server/servers_alive"] for r in rows] == [2.0, 1.0]
+        assert [r["rollout_server/resent_groups"] for r in rows] == [0.0, 2.0, 0.0, 0.0]   # a's share: groups 0, 2
+        assert [r["rollout_server/rejoined"] for r in rows] == [0.0, 0.0, 1.0, 0.0]
+        assert [r["rollout_server/servers_alive"] for r in rows] == [2.0, 1.0, 2.0, 1.0]
         assert _rows(tmp_path / "servers") == _rows(tmp_path / "inline")
+        # the restarted a: the probe, then version 2's weights, then step 3's prompts; version 3, step 4's (all)
+        log = a.output()
+        posts = [line.split('"POST ')[1].split(" ")[0] for line in log.splitlines() if '"POST ' in line]
+        assert posts == ["/v1/weights", "/v1/generate", "/v1/weights", "/v1/generate"], log
+        assert log.index("weights version 2 loaded") < log.index('"POST /v1/generate')
+        assert "weights version 3 loaded" in log
     finally:
         a.stop()
         b.stop()

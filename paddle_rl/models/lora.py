@@ -21,6 +21,7 @@ Three ways to run an adapted layer:
 - off (`adapters_off`): the base model itself, which is the reference policy: no second copy is loaded.
 """
 import contextlib
+import hashlib
 import json
 import math
 import os
@@ -328,17 +329,40 @@ def is_adapter_name(hf_name: str) -> bool:
     return ".lora_A." in hf_name or ".lora_B." in hf_name
 
 
+def adapted_modules(state: Dict[str, np.ndarray]) -> List[str]:
+    """The modules a state holds adapters of (`model.layers.0.self_attn.q_proj`), sorted."""
+    return sorted(k[:-len(".lora_A.weight")] for k in state if k.endswith(".lora_A.weight"))
+
+
+def fold_adapters(base: Dict[str, np.ndarray], adapters: Dict[str, np.ndarray], scaling: float
+                  ) -> Dict[str, np.ndarray]:
+    """{module.weight: W + B A * scaling} (float32, HF orientation) for each module `adapters` adapts, W from `base`
+    (a KeyError names a module without its weight or its lora_B)."""
+    out = {}
+    for module in adapted_modules(adapters):
+        w, a, b = base[f"{module}.weight"], adapters[f"{module}.lora_A.weight"], adapters[f"{module}.lora_B.weight"]
+        out[f"{module}.weight"] = (w + scaling * (b @ a)).astype(np.float32)
+    return out
+
+
+def base_digest(state: Dict[str, np.ndarray], modules: Sequence[str]) -> str:
+    """sha256 of the named modules' base weights (name, shape and float32 bytes, in order): an adapter-only push
+    checks with it that the receiver's base is the sender's."""
+    digest = hashlib.sha256()
+    for module in modules:
+        w = np.ascontiguousarray(state[f"{module}.weight"], dtype=np.float32)
+        digest.update(f"{module}.weight{list(w.shape)}".encode())
+        digest.update(memoryview(w).cast("B"))
+    return digest.hexdigest()
+
+
 def merge_state(state: Dict[str, np.ndarray], settings: Optional[LoraSettings]) -> Dict[str, np.ndarray]:
     """A Hugging Face state with its adapters folded in (W += B A * scaling, HF orientation) and their tensors
     removed: what transformers loads without PEFT (PEFT's merge_and_unload)."""
     if settings is None:
         return state
     out = {k: v for k, v in state.items() if not is_adapter_name(k)}
-    for key, a in state.items():
-        if key.endswith(".lora_A.weight"):
-            module = key[:-len(".lora_A.weight")]
-            b = state[f"{module}.lora_B.weight"]
-            out[f"{module}.weight"] = (out[f"{module}.weight"] + settings.scaling * (b @ a)).astype(np.float32)
+    out.update(fold_adapters(out, state, settings.scaling))
     return out
 
 
@@ -378,4 +402,5 @@ def has_adapter(folder: str) -> bool:
 
 
 __all__ = ["LoraSettings", "lora_settings", "AdapterError", "add_adapters", "adapters", "merged_weights",
-           "adapters_off", "merge_state", "save_adapter", "read_adapter", "has_adapter", "is_adapter_name", "ALL_LINEAR"]
+           "adapters_off", "merge_state", "fold_adapters", "adapted_modules", "base_digest", "save_adapter",
+           "read_adapter", "has_adapter", "is_adapter_name", "ALL_LINEAR"]

@@ -11,6 +11,7 @@ import numpy as np
 from .wire import generate_request, part_from_safetensors
 
 VERSION_HEADER = "X-Policy-Version"
+KIND_HEADER = "X-Weights-Kind"
 
 
 def _slices(body: bytes, size: int = 16 * 2 ** 20):
@@ -50,20 +51,28 @@ class RolloutServerClient:
                                      self.url, unreachable=resp.status_code >= 500)
         return resp.content if raw else resp.json()
 
-    def health(self) -> dict:
-        return self._request("GET", "/health", "GET /health")
+    def health(self, timeout: Optional[float] = None) -> dict:
+        """GET /health; `timeout`: seconds for this request alone (a probe of a dropped server), else the client's."""
+        extra = {} if timeout is None else {"timeout": httpx.Timeout(timeout)}
+        return self._request("GET", "/health", "GET /health", **extra)
 
-    def check_key(self) -> None:
+    def check_key(self, timeout: Optional[float] = None) -> None:
         """GET /v1/models, which needs the API key (GET /health does not): a wrong or missing key is a 401."""
-        self._request("GET", "/v1/models", "GET /v1/models (checking the API key)")
+        extra = {} if timeout is None else {"timeout": httpx.Timeout(timeout)}
+        self._request("GET", "/v1/models", "GET /v1/models (checking the API key)", **extra)
 
-    def push_weights(self, body: bytes, version: int) -> dict:
-        """`body`: a safetensors file (safetensors.numpy.save) of the whole model under Hugging Face names. Sent in
+    def push_weights(self, body: bytes, version: int, kind: str = "full") -> dict:
+        """`body`: a safetensors file (safetensors.numpy.save) of the whole model under Hugging Face names (`kind`
+        full), or of a LoRA actor's adapters with metadata lora_scaling and base_sha256 (`kind` lora). Sent in
         16 MiB slices: handed one bytes object, httpx sent 256 MiB to a server on 127.0.0.1 in 10-20 s (25 MB/s),
         in slices in 0.6 s."""
         out = self._request("POST", "/v1/weights", f"pushing weights version {version}", content=_slices(body),
-                            headers={VERSION_HEADER: str(version), "Content-Type": "application/octet-stream",
+                            headers={VERSION_HEADER: str(version), KIND_HEADER: kind,
+                                     "Content-Type": "application/octet-stream",
                                      "Content-Length": str(len(body))})
+        if out.get("version") != version:
+            raise RolloutServerError(f"rollout server {self.url}: pushing weights version {version}: the server "
+                                     f"answered version {out.get('version')!r}", self.url, unreachable=False)
         self.version = version
         return out
 

@@ -39,6 +39,8 @@ from safetensors.numpy import load as load_safetensors
 
 from ..http_auth import key_matches, read_body, replaying
 from ..models import load_weights
+from ..models.lora import adapted_modules, base_digest, fold_adapters, is_adapter_name
+from ..models.safetensors_io import load_state
 from ..rollout.openai_api import (CHAT_FIELDS, COMPLETION_FIELDS, RequestError, chat_logprobs, chat_messages,
                                   check_fields, check_tokens, choices_of, completion_logprobs, completion_prompts,
                                   openai_keys, render_chat, sampling_from_openai)
@@ -49,6 +51,8 @@ from ..rollout.wire import (FORMATS, WireError, batch_to_rows, batch_to_safetens
 logger = logging.getLogger("paddle_rl.rollout_server")
 
 VERSION_HEADER = "X-Policy-Version"
+KIND_HEADER = "X-Weights-Kind"   # full: the whole model; lora: adapters to fold into the actor's own weights
+WEIGHT_KINDS = ("full", "lora")
 WEIGHTS_PATH = "/v1/weights"
 DOCS_ASSETS = "/docs-assets"   # Swagger UI / ReDoc files, served from the fastapi-offline package (no CDN)
 OPEN_PATHS = ("/health", "/docs", "/redoc", "/openapi.json", "/docs/oauth2-redirect")   # no key needed
@@ -110,8 +114,12 @@ def _set_device(device: str) -> None:
 class RolloutService:
     """The engine and its state; every call that touches the model runs on the one engine thread."""
 
-    def __init__(self, engine, tokenizer, stop_ids, default_max_tokens: int, device: str = "cpu"):
+    def __init__(self, engine, tokenizer, stop_ids, default_max_tokens: int, device: str = "cpu",
+                 base_folder: Optional[str] = None):
         self.engine = engine
+        self.base_folder = base_folder   # the actor's own weights (no lora_path): what adapter pushes fold into
+        self._base = None                # its tensors, read at the first adapter push
+        self._digests = {}               # modules -> base_digest of their base weights
         self.device = device
         self.tokenizer = tokenizer
         self.stop_ids = list(stop_ids)
@@ -149,12 +157,14 @@ class RolloutService:
         self.served["tokens"] += int(batch["lengths"].sum())
         return batch, version, stats
 
-    def load(self, body: bytes, version: int) -> float:
+    def load(self, body: bytes, version: int, kind: str = "full") -> float:
         start = time.perf_counter()
         try:
             state = load_safetensors(body)
         except Exception as e:  # noqa: BLE001 - the body is the client's: a 400 naming why
             raise RequestError(f"weights: the body is not a safetensors file ({e})") from None
+        if kind == "lora":
+            state = self._fold(state, safetensors_metadata(body))
         try:
             load_weights(self.engine.model, state)
         except (KeyError, ValueError) as e:
@@ -162,6 +172,44 @@ class RolloutService:
         self.version = version
         self.served["weight_pushes"] += 1
         return time.perf_counter() - start
+
+
+    def _fold(self, adapters: dict, metadata: dict) -> dict:
+        """The whole model of an adapter-only push: the actor's own weights with W + B A * scaling folded into each
+        adapted module, once the base the trainer's adapters train on (metadata base_sha256) is this one."""
+        if not self.base_folder:
+            raise RequestError("weights: this server holds no base weights to fold adapters into")
+        other = sorted(k for k in adapters if not is_adapter_name(k))
+        if other:
+            raise RequestError(f"weights: an adapter push holds only lora_A / lora_B tensors, not {other[0]}")
+        try:
+            scaling = float(metadata["lora_scaling"])
+            digest = metadata["base_sha256"]
+        except (KeyError, ValueError) as e:
+            raise RequestError(f"weights: an adapter push needs metadata lora_scaling and base_sha256 ({e})") from None
+        if self._base is None:
+            self._base = load_state(self.base_folder)
+        modules = tuple(adapted_modules(adapters))
+        missing = [m for m in modules if f"{m}.weight" not in self._base or f"{m}.lora_B.weight" not in adapters]
+        if missing:
+            raise RequestError(f"weights: adapters of {missing[0]}, which has no weight in {self.base_folder} or "
+                               "no lora_B in the push")
+        if modules not in self._digests:
+            self._digests[modules] = base_digest(self._base, modules)
+        if self._digests[modules] != digest:
+            raise RequestError(f"weights: the trainer's adapters train on other base weights than this server's "
+                               f"({self.base_folder}: sha256 {self._digests[modules][:16]}..., the trainer's "
+                               f"{digest[:16]}...)")
+        try:
+            return {**self._base, **fold_adapters(self._base, adapters, scaling)}
+        except ValueError as e:   # shapes that do not multiply
+            raise RequestError(f"weights: {e}") from None
+
+
+def safetensors_metadata(body: bytes) -> dict:
+    """The `__metadata__` of a safetensors file's header (8 bytes of length, then JSON)."""
+    size = int.from_bytes(body[:8], "little")
+    return json.loads(body[8:8 + size]).get("__metadata__") or {}
 
 
 # ---------------------------------------------------------------- the application
@@ -247,9 +295,12 @@ def create_app(service: RolloutService, settings: ServerSettings) -> FastAPI:
             version = int(raw)
         except (TypeError, ValueError):
             raise RequestError(f"{VERSION_HEADER}: expected an integer header, got {raw!r}") from None
+        kind = request.headers.get(KIND_HEADER, "full")
+        if kind not in WEIGHT_KINDS:
+            raise RequestError(f"{KIND_HEADER}: expected one of {', '.join(WEIGHT_KINDS)}, got {kind!r}")
         body = request.scope["gate_body"]   # RequestGate's copy (Starlette's request.body() would make another)
-        load_s = await service.run(service.load, body, version)
-        logger.info("weights version %d loaded (%.1f MB, %.2f s)", version, len(body) / 2 ** 20, load_s)
+        load_s = await service.run(service.load, body, version, kind)
+        logger.info("weights version %d loaded (%s, %.1f MB, %.2f s)", version, kind, len(body) / 2 ** 20, load_s)
         return {"version": version, "load_s": load_s}
 
     async def complete(body: dict, prompts, chat: bool, logprobs: bool):

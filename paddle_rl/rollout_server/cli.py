@@ -73,7 +73,7 @@ def build_service(config_path: str, overrides):
     if not stop_ids:
         raise ValueError(f"{config.tokenizer_name_or_path or folder}: no EOS token")
     engine = RolloutEngine(model, settings=EngineSettings.from_config(config, tokenizer.pad_token_id, stop_ids))
-    return RolloutService(engine, tokenizer, stop_ids, config.max_dec_len, device), folder
+    return RolloutService(engine, tokenizer, stop_ids, config.max_dec_len, device, base_folder=folder), folder
 
 
 def run_rollout_server(args) -> int:

@@ -20,13 +20,14 @@ import logging
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, Dict, List
+from typing import Callable, Dict, List, Optional
 
 import numpy as np
 from safetensors.numpy import save as safetensors_bytes
 
 from ..config import ConfigError
-from ..models.lora import merge_state
+from ..models.lora import adapted_modules, base_digest, is_adapter_name, merge_state
+from ..models.pretrained import hf_state
 from ..rollout.client import RolloutServerClient, RolloutServerError
 from ..rollout.wire import batch_from_parts, identity_differences, model_identity
 from ..rollout.worker import RolloutWorker
@@ -184,12 +185,16 @@ class ServerRollout(InlineRollout):
     group and sample and form the StepBatch the engine would have written (rollout/wire.py). The rollout is
     batch-invariant and keyed per sample, so any split gives the inline rollout's values.
 
-    A server that stops answering (connection refused or reset, rollout_server_timeout, a 5xx answer) is dropped
-    for the rest of the run and its groups go to the others in the same step (`rollout_server/resent_groups`); a
-    request a server refuses (4xx) stops the run, as does the loss of every server (the error names each URL)."""
+    A server that stops answering (connection refused or reset, rollout_server_timeout, a 5xx answer, or an answer
+    generated with other weights than the pushed ones) is dropped and its groups go to the others in the same step
+    (`rollout_server/resent_groups`). Before each step's push the dropped servers are probed: one that answers
+    again (restarted on its URL, or back on the network) and passes the start-up checks rejoins, gets the current
+    weights in that push and only then prompt groups (`rollout_server/rejoined`). A request a server refuses (4xx)
+    stops the run, as does the loss of every server during a step (the error names each URL)."""
 
     ENGINE_KEYS = (("rollout_dtype", "rollout_dtype"), ("quant_type", "rollout_quant_type"),
                    ("kv_cache_dtype", "kv_cache_paddle_dtype"))
+    PROBE_S = 5.0   # seconds a dropped server's probe waits (connect and answer), between steps
 
     def __init__(self, trainer):
         super().__init__(trainer)
@@ -202,30 +207,75 @@ class ServerRollout(InlineRollout):
                         for u in cfg.rollout_server_urls]
         self.gone: Dict[str, str] = {}   # url -> why it was dropped
         self._step = None                # the step whose metrics self.metrics holds
-        identity = model_identity(trainer.actor.config, trainer.tokenizer)
-        engine = {server: getattr(cfg, key) for server, key in self.ENGINE_KEYS}
+        self.identity = model_identity(trainer.actor.config, trainer.tokenizer)
+        self.engine_expected = {server: getattr(cfg, key) for server, key in self.ENGINE_KEYS}
         for client in self.clients:
             try:
-                health = client.health()
-            except RolloutServerError as e:
+                health = self._admit(client)
+            except (RolloutServerError, ConfigError) as e:
                 self.close()
+                if isinstance(e, ConfigError):
+                    raise
                 raise ConfigError(f"rollout_server_urls: {client.url} cannot be reached at start-up ({e})") from None
-            try:
-                client.check_key()
-            except RolloutServerError as e:
-                self.close()
-                raise ConfigError(f"rollout_server_urls: {client.url} refuses the trainer's API key "
-                                  f"(rollout_server_api_key or $PADDLE_RL_ROLLOUT_API_KEY): {e}") from None
-            differences = identity_differences(identity, health.get("model") or {})
-            differences += [f"{key}: trainer {engine[key]!r}, server {(health.get('engine') or {}).get(key)!r}"
-                            for key in engine if (health.get("engine") or {}).get(key) != engine[key]]
-            if differences:
-                self.close()
-                raise ConfigError(f"rollout_server_urls: {client.url} serves another model or engine than the "
-                                  f"trainer's ({trainer.actor.base_folder}): " + "; ".join(differences))
-            logger.info("rollout server %s: %s, vocab %d, engine %s", client.url, identity["architecture"],
-                        identity["vocab_size"], health.get("engine"))
+            logger.info("rollout server %s: %s, vocab %d, engine %s", client.url, self.identity["architecture"],
+                        self.identity["vocab_size"], health.get("engine"))
         self._pool = ThreadPoolExecutor(len(self.clients), thread_name_prefix="rollout-server")
+        self.adapter_push = None   # a LoRA actor training its adapters alone: the metadata of adapter-only pushes
+        if trainer.actor.lora is not None and all(map(is_adapter_name, hf_state(trainer.actor, frozen=False))):
+            state = trainer.layout.full_state(trainer.actor)
+            modules = adapted_modules(state)
+            self.adapter_push = {"lora_scaling": repr(float(trainer.actor.lora.scaling)),
+                                 "base_sha256": base_digest(state, modules)}
+
+    def _admit(self, client: RolloutServerClient, timeout: Optional[float] = None) -> dict:
+        """The server's /health once its API key and its model and engine are checked against the trainer's: a
+        RolloutServerError if it cannot be reached, a ConfigError naming each difference if it is refused."""
+        health = client.health(timeout)
+        try:
+            client.check_key(timeout)
+        except RolloutServerError as e:
+            if e.unreachable:
+                raise
+            raise ConfigError(f"rollout_server_urls: {client.url} refuses the trainer's API key "
+                              f"(rollout_server_api_key or $PADDLE_RL_ROLLOUT_API_KEY): {e}") from None
+        engine = health.get("engine") or {}
+        differences = identity_differences(self.identity, health.get("model") or {})
+        differences += [f"{key}: trainer {self.engine_expected[key]!r}, server {engine.get(key)!r}"
+                        for key in self.engine_expected if engine.get(key) != self.engine_expected[key]]
+        if differences:
+            raise ConfigError(f"rollout_server_urls: {client.url} serves another model or engine than the "
+                              f"trainer's ({self.trainer.actor.base_folder}): " + "; ".join(differences))
+        return health
+
+    def _rejoin(self) -> int:
+        """Probe each dropped server (GET /health and the checks of start-up, PROBE_S seconds at most, all at once);
+        the ones that answer and fit rejoin the live set with no weights known (client.version None), so the push
+        that follows gives them the current version before any prompt goes to them. A server that answers with
+        another model or key stays out, the warning naming why. How many rejoined."""
+        dropped = [c for c in self.clients if c.url in self.gone]
+        if not dropped:
+            return 0
+
+        def probe(client):
+            try:
+                return self._admit(client, self.PROBE_S)
+            except ConfigError as e:
+                return e
+        rejoined = 0
+        for client, result in self._each(dropped, probe):
+            if isinstance(result, RolloutServerError):
+                continue   # still gone
+            if isinstance(result, ConfigError):
+                if self.gone[client.url] != str(result):
+                    logger.warning("rollout server %s answers again but stays out of the run: %s", client.url, result)
+                self.gone[client.url] = str(result)
+                continue
+            del self.gone[client.url]
+            client.version = None
+            rejoined += 1
+            logger.warning("rollout server %s answers again (holding weights version %s): it rejoins the run once "
+                           "it has loaded version %d", client.url, result.get("version"), self.trainer.step)
+        return rejoined
 
     @property
     def live(self) -> List[RolloutServerClient]:
@@ -233,7 +283,8 @@ class ServerRollout(InlineRollout):
 
     def _drop(self, client: RolloutServerClient, error: RolloutServerError) -> None:
         self.gone[client.url] = str(error)
-        logger.warning("rollout server %s dropped for the rest of the run: %s", client.url, error)
+        client.version = None
+        logger.warning("rollout server %s dropped (probed again between steps): %s", client.url, error)
 
     def _all_gone(self, doing: str) -> RolloutServerError:
         reasons = "\n".join(f"  {url}: {why}" for url, why in self.gone.items())
@@ -261,20 +312,31 @@ class ServerRollout(InlineRollout):
             return
         start = time.perf_counter()
         trainer = self.trainer
-        state = merge_state(trainer.layout.full_state(trainer.actor), trainer.actor.lora)
-        body = safetensors_bytes({k: np.ascontiguousarray(v, dtype=np.float32) for k, v in state.items()})
-        for client, result in self._each(stale, lambda c: c.push_weights(body, version)):
+        if self.adapter_push is not None:   # the adapters alone: the servers fold them into the same base weights
+            kind, state, metadata = "lora", hf_state(trainer.actor, frozen=False), self.adapter_push
+        else:
+            kind, metadata = "full", None
+            state = merge_state(trainer.layout.full_state(trainer.actor), trainer.actor.lora)
+        body = safetensors_bytes({k: np.ascontiguousarray(v, dtype=np.float32) for k, v in state.items()},
+                                 metadata=metadata)
+        serialized = time.perf_counter()
+        for client, result in self._each(stale, lambda c: c.push_weights(body, version, kind)):
             if isinstance(result, RolloutServerError):
                 self._drop(client, result)
         if not self.live:
             raise self._all_gone(f"pushing weights version {version}")
         self.metrics["time/weights_push"] = self.metrics.get("time/weights_push", 0.0) + time.perf_counter() - start
+        self.metrics["time/weights_serialize"] = self.metrics.get("time/weights_serialize", 0.0) + serialized - start
+        # one push's body (each stale server receives it once)
+        self.metrics["rollout_server/weights_push_bytes"] = float(len(body))
 
     def take(self, step: int, draw: Callable):
         if step != self._step:  # a step's generation rounds (dynamic sampling) add up in its metrics
             self._step, self.metrics = step, {"rollout_server/resent_groups": 0.0, "time/rollout_server_generate": 0.0}
+            self.metrics["rollout_server/rejoined"] = float(self._rejoin())   # between steps: before the push
         items, prompts, keys, params = draw(step)
         n = self.trainer.config.rollout_n
+        version = self.trainer.step
         self._push()
         pending, parts, resent, generate_s = list(range(len(prompts))), [], 0, []
         first = True
@@ -296,6 +358,12 @@ class ServerRollout(InlineRollout):
                                        groups=share, fmt="safetensors")
             pending = []
             for client, answer in self._each(busy, send):
+                if not isinstance(answer, RolloutServerError) and answer["version"] != version:
+                    # it lost the pushed weights (restarted between the push and the request): its rows are not
+                    # the step's; it rejoins, and gets the weights again, at the next step's probe
+                    answer = RolloutServerError(f"rollout server {client.url}: generated with weights version "
+                                                f"{answer['version']!r}, not the pushed {version} (restarted?)",
+                                                client.url, unreachable=True)
                 if isinstance(answer, RolloutServerError):
                     self._drop(client, answer)
                     pending += shares[client.url]
