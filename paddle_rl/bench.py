@@ -110,6 +110,42 @@ def long_tail_lengths(count: int, median: float = 96.0, sigma: float = 1.0, cap:
             for i in range(count)]
 
 
+class ForcedLengths:
+    """A stage of the rollout engine (rollout/engine.py) that makes each sample stop at exactly the length
+    `schedule(keys)` gives it (an EOS schedule): the stop tokens banned until the row is one token short of it, then
+    every token but the first stop token (drawn with log-prob 0). Touches only the stop tokens' columns and the rows
+    at their target."""
+
+    def __init__(self, schedule):
+        self.schedule = schedule
+        self.targets = {}
+
+    def start(self, seqs, keys, params) -> None:
+        import numpy as np
+        targets = np.asarray(self.schedule(keys), dtype=np.int64)
+        if targets.min() < 1 or targets.max() > params.max_dec_len:
+            raise ValueError(f"forced lengths must lie in [1, max_dec_len {params.max_dec_len}]")
+        self.targets = {seq.row: int(targets[seq.row]) for seq in seqs}
+
+    def logits(self, seqs, logits, generated, stop_ids):
+        import numpy as np
+        import paddle   # the bench's parser and report stay without Paddle
+        from .ops.sampling import NEG_INF
+        targets = np.array([self.targets[s.row] for s in seqs])
+        before = generated + 1 < targets
+        if before.any():
+            ban = paddle.to_tensor(before.reshape(-1, 1))
+            for col in stop_ids:
+                logits[:, col:col + 1] = paddle.where(ban, paddle.full([1, 1], NEG_INF, logits.dtype),
+                                                      logits[:, col:col + 1])
+        first = int(stop_ids[0])
+        for r in np.flatnonzero(~before):
+            row = paddle.full([logits.shape[-1]], NEG_INF, logits.dtype)
+            row[first] = logits[int(r), first]
+            logits[int(r)] = row
+        return logits
+
+
 def keyed_schedule(lengths):
     """A forced-length schedule for the rollout engine: the i-th smallest sampling key of a generate call gets
     the i-th length, so the lengths do not depend on batch order (keys are fixed by seed, step, prompt, sample)."""
@@ -421,7 +457,7 @@ def run(args) -> dict:
             if config.async_rollout:
                 raise SystemExit("bench: W2's EOS schedule is applied to the trainer's own engine; it cannot reach "
                                  "the asynchronous rollout's worker (use w1, w3 or w4 with async_rollout)")
-            trainer.engine.forced_lengths = keyed_schedule(lengths)
+            trainer.engine.stages.append(ForcedLengths(keyed_schedule(lengths)))
         if server_urls:
             records, served, cpu_s = side_by_side(args, tmp, overrides, server_urls, trainer)
         else:
@@ -678,8 +714,8 @@ def rollout_precisions(args, spec, precisions) -> dict:
             for dtype, quant in settings]
     for _ in range(max(args.steps, 1)):
         for r in runs:
-            engine = RolloutEngine(model, 0, [1], rollout_dtype=r["rollout_dtype"], quant_type=r["rollout_quant_type"])
-            engine.forced_lengths = keyed_schedule(lengths)
+            engine = RolloutEngine(model, 0, [1], rollout_dtype=r["rollout_dtype"], quant_type=r["rollout_quant_type"],
+                                   stages=[ForcedLengths(keyed_schedule(lengths))])
             start = time.perf_counter()
             out = engine.generate(prompts, args.rollout_n, params, keys)
             seconds = time.perf_counter() - start

@@ -166,15 +166,19 @@ def test_partial_rollout_switches_weights_between_decode_steps(micro):
              for k, v in hf_state(model, False).items()}
 
     def run(switch_after):
-        engine = RolloutEngine(load_model(micro["model"]), tok.pad_token_id, tok.eos_token_ids)
         calls = []
 
-        def between_steps():
-            calls.append(1)
-            if len(calls) == switch_after:
-                load_weights(engine.model, newer)
-                engine.version = 1
-        engine.between_steps = between_steps
+        class Switch:   # a stage between decode steps, as the worker's partial rollout
+            tags_versions = True
+
+            def between_steps(self):
+                calls.append(1)
+                if len(calls) == switch_after:
+                    load_weights(engine.model, newer)
+                    engine.version = 1
+                    return True
+                return False
+        engine = RolloutEngine(load_model(micro["model"]), tok.pad_token_id, tok.eos_token_ids, stages=[Switch()])
         return engine.generate(prompts, 2, params, keys)
 
     old, mixed = run(switch_after=10 ** 6), run(switch_after=3)

@@ -167,7 +167,7 @@ def test_continuous_batching_is_layout_invariant(model):
     """Rows of very different lengths (an EOS schedule up to 200 tokens, past the cache's growth step): every
     layout of the rollout (rows decoded at once, KV budget, prompts split as over two ranks) gives the same tokens
     and log-probs; rows leave as they finish and waiting prompts join within the limits."""
-    from paddle_rl.bench import keyed_schedule, long_tail_lengths
+    from paddle_rl.bench import ForcedLengths, keyed_schedule, long_tail_lengths
 
     prompts = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14], [20, 21, 22, 23], [30], [40, 41, 42, 43, 44, 45]]
     n = 4
@@ -177,8 +177,8 @@ def test_continuous_batching_is_layout_invariant(model):
     params = SamplingParams(max_dec_len=200, temperature=1.0)
 
     def run(prompt_rows=slice(None), **limits):
-        engine = RolloutEngine(model, 0, [1], **limits)
-        engine.forced_lengths = lambda ks: [by_key[tuple(k.tolist())] for k in ks]
+        engine = RolloutEngine(model, 0, [1], stages=[ForcedLengths(lambda ks: [by_key[tuple(k.tolist())] for k in ks])],
+                               **limits)
         rows = range(len(prompts))[prompt_rows]
         out = engine.generate([prompts[i] for i in rows], n, params, [keys[i * n + j] for i in rows for j in range(n)])
         return out, engine.stats
@@ -252,16 +252,20 @@ def test_engine_repacks_weights_loaded_mid_generation():
     """Partial rollouts load new weights between decode steps (and bump `version`): the packed copies the next
     steps multiply by are the new weights'."""
     model = _small_model()
-    engine = RolloutEngine(model, 0, [1])
     down = model.layers[1].mlp.down_proj
     calls = []
 
-    def between_steps():
-        calls.append(down.packed.numpy().copy())
-        if len(calls) == 3:
-            down.weight.set_value(down.weight * 2.0)
-            engine.version += 1
-    engine.between_steps = between_steps
+    class Switch:   # a stage between decode steps, as the worker's partial rollout
+        tags_versions = True
+
+        def between_steps(self):
+            calls.append(down.packed.numpy().copy())
+            if len(calls) == 3:
+                down.weight.set_value(down.weight * 2.0)
+                engine.version += 1
+                return True
+            return False
+    engine = RolloutEngine(model, 0, [1], stages=[Switch()])
     params = SamplingParams(max_dec_len=6, min_dec_len=6, temperature=1.0)
     engine.generate(PROMPTS[:1], 2, params, [sample_key(1, 0, 0, j) for j in range(2)])
     assert len(calls) >= 4

@@ -315,7 +315,7 @@ class AgentEpisodes:
             if len(context) > self.settings.max_prompt_len:
                 raise RequestError(f"prompt: {len(context)} tokens, more than max_prompt_len "
                                    f"{self.settings.max_prompt_len}")
-            episode.seq = Sequence(episode.row, episode.group, episode.sample, list(context), None, None)
+            episode.seq = Sequence(episode.row, episode.group, episode.sample, list(context), None)
             episode.seq.stopped = True
         else:
             if fed:
@@ -558,7 +558,7 @@ class AgentEpisodes:
         for episode, (i, j) in zip(episodes, ((i, j) for i in range(len(prompts)) for j in range(n))):
             seq = episode.seq
             if seq is None:   # no request: the dataset prompt and one fed-in end token, nothing to train
-                seq = Sequence(episode.row, episode.group, episode.sample, list(prompts[i]), None, None)
+                seq = Sequence(episode.row, episode.group, episode.sample, list(prompts[i]), None)
                 seq.append(self.stop_ids[0], 0.0, policy=False)
             if not seq.tokens:   # requests that were all answered empty (past the budget)
                 seq.append(self.stop_ids[0], 0.0, policy=False)

@@ -8,7 +8,13 @@ and runs the loop
       len(tokens) of its own key, so the draw never depends on the batch it ran in)
     drop the rows that stopped or reached max_dec_len (relayout)
     one decode step of the model for the rows left
-until nothing waits or runs. The output is a StepBatch with the rollout's columns (prompt_ids, response_ids,
+until nothing waits or runs. Features that are not generation itself wrap the loop as stages (`stages`, each
+with any of these verbs): `start(seqs, keys, params)` once per call, before decoding; `logits(seqs, logits,
+generated, stop_ids) -> logits` before each sampling step (a benchmark's forced response lengths: bench.py
+`ForcedLengths`); `between_steps() -> bool` between decode steps, True when the model's weights changed (the packed
+copies are rebuilt; partial rollouts load new weights there: worker.py); a stage with `tags_versions` makes
+every token carry `engine.version` (column token_version). A multi-turn environment (`episodes`) is given per
+call. The output is a StepBatch with the rollout's columns (prompt_ids, response_ids,
 response_mask, rollout_logp, lengths, truncated, group and sample: who each row is, decode_steps: how many decode
 steps processed the row, rollout_greedy: the argmax of the rollout's logits at each response token, before any
 sampling setting or forced length acts, -1 where nothing was sampled; the trainer compares it with its own,
@@ -26,15 +32,15 @@ from ..models.lora import merged_weights
 from ..ops.kv_cache import kv_place
 from .keys import uniforms_for
 from .running import RunningBatch
-from .sampling import SamplingParams, force_lengths
+from .sampling import SamplingParams
 from .sequence import Scheduler, Sequence, sequences_batch
 from .settings import EngineSettings
 
 
 class RolloutEngine:
-    def __init__(self, model: CausalLM, *args, settings: Optional[EngineSettings] = None, **kwargs):
+    def __init__(self, model: CausalLM, *args, settings: Optional[EngineSettings] = None, stages=(), **kwargs):
         """RolloutEngine(model, settings=EngineSettings(...)), or the settings' fields directly
-        (RolloutEngine(model, pad_id, eos_ids, ...))."""
+        (RolloutEngine(model, pad_id, eos_ids, ...)); `stages`: what wraps the loop (see above)."""
         settings = settings if settings is not None else EngineSettings(*args, **kwargs)
         ops.rollout_weight_format(settings.rollout_dtype, settings.quant_type)  # checks both
         self.model = model
@@ -46,34 +52,31 @@ class RolloutEngine:
         self.kv_cache_dtype = settings.kv_cache_dtype   # what the KV cache stores (None: the model's compute dtype)
         self.rollout_dtype = settings.rollout_dtype     # the packed weights' and activations' precision
         self.quant_type = settings.quant_type           # the packed weights' quantization ('' | weight_only_int8 | int4)
-        self.forced_lengths = None   # benchmark only: keys -> response lengths (an EOS schedule)
+        self.stages = list(stages)
         self._episodes = None
-        # partial rollouts: `between_steps()` runs between decode steps and may load new weights into the model
-        # (and set `version`); each token is tagged with the version that produced it (`token_version`)
-        self.between_steps = None
-        self.version = 0
+        self.version = 0   # the weights' version, tagged on each token when a stage asks (tags_versions)
         self.stats = {}   # the last generate's counters: peak_rows, decode_steps, prefills, relayouts, copied_slots,
         #                   peak_slots, peak_kv_bytes
 
     def bind(self, model: CausalLM) -> "RolloutEngine":
         """The same settings, decoding with another model (a resharded rollout copy)."""
-        engine = RolloutEngine(model, settings=self.settings)
-        engine.forced_lengths = self.forced_lengths
-        return engine
+        return RolloutEngine(model, settings=self.settings, stages=self.stages)
+
+    def _stages_with(self, verb: str) -> list:
+        return [s for s in self.stages if hasattr(s, verb)]
 
     # ---------------------------------------------------------------- sequences
     def _sequences(self, prompts, n: int, params: SamplingParams, keys, groups):
         if not params.greedy and keys is None:
             raise ValueError("sampling needs one key per sample")
         uniforms = None if params.greedy else uniforms_for(keys, params.max_dec_len)
-        targets = None if self.forced_lengths is None else np.asarray(self.forced_lengths(keys), dtype=np.int64)
-        if targets is not None and (targets.min() < 1 or targets.max() > params.max_dec_len):
-            raise ValueError(f"forced lengths must lie in [1, max_dec_len {params.max_dec_len}]")
         ids = groups
         groups = []
         for i, prompt in enumerate(prompts):
-            groups.append([Sequence(i * n + j, ids[i], j, list(prompt), None if uniforms is None else uniforms[i * n + j],
-                                    None if targets is None else int(targets[i * n + j])) for j in range(n)])
+            groups.append([Sequence(i * n + j, ids[i], j, list(prompt), None if uniforms is None else uniforms[i * n + j])
+                           for j in range(n)])
+        for stage in self._stages_with("start"):
+            stage.start([s for g in groups for s in g], keys, params)
         return groups
 
     # ---------------------------------------------------------------- the loop
@@ -132,11 +135,9 @@ class RolloutEngine:
                 continue
             if batch.slot >= batch.capacity:
                 batch.relayout(np.arange(len(batch)), decode_count=stats["decode_steps"])
-            if self.between_steps is not None:
-                version = self.version
-                self.between_steps()  # rows keep their KV caches, written by the weights they were decoded with
-                if self.version != version:
-                    repack()  # the packed copies follow the new weights
+            # rows keep their KV caches, written by the weights they were decoded with
+            if any([stage.between_steps() for stage in self._stages_with("between_steps")]):
+                repack()  # the packed copies follow the new weights
             last = paddle.to_tensor(np.array([s.tokens[-1] for s in batch.seqs], dtype=np.int64))
             positions = paddle.to_tensor(batch.positions().reshape(-1, 1))
             batch.logits = model.decode_step(last, positions, batch.layers, batch.start_tensor())
@@ -195,8 +196,8 @@ class RolloutEngine:
         lengths = paddle.to_tensor(generated)
         logits = batch.logits
         greedy_np = paddle.argmax(logits, axis=-1).numpy()  # the distribution's own greedy choice, per row
-        if self.forced_lengths is not None:
-            logits = force_lengths(logits, np.array([s.target for s in batch.seqs]), generated, stop_ids)
+        for stage in self._stages_with("logits"):
+            logits = stage.logits(batch.seqs, logits, generated, stop_ids)
         uniforms = None
         if batch.uniforms is not None:
             uniforms = paddle.take_along_axis(batch.uniforms, lengths.unsqueeze(-1), axis=1).squeeze(-1)
@@ -229,4 +230,5 @@ class RolloutEngine:
         return finished
 
     def _output(self, done, rows: int) -> StepBatch:
-        return sequences_batch(done, rows, self.pad_id, token_versions=self.between_steps is not None)
+        return sequences_batch(done, rows, self.pad_id,
+                               token_versions=any(getattr(s, "tags_versions", False) for s in self.stages))

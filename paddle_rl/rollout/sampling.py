@@ -8,12 +8,7 @@ kernel with a pure-Paddle reference.
 from dataclasses import dataclass, field
 from typing import List
 
-import numpy as np
-import paddle
-
 from .. import ops
-from ..ops.sampling import (NEG_INF, apply_repetition_penalty, ban_tokens, draw, sampled_logprob,  # noqa: F401
-                            top_k_filter, top_p_filter)
 
 
 @dataclass
@@ -42,22 +37,3 @@ def next_tokens(logits, params: SamplingParams, seen, uniforms, ban_eos_rows=Non
     """One decode step: (tokens [B], logprob [B]) from raw logits [B, V]."""
     return ops.sample(logits, uniforms, seen, ban_eos_rows, eos_ids, params.temperature, params.top_k, params.top_p,
                       params.repetition_penalty)
-
-
-def force_lengths(logits, targets: np.ndarray, generated: np.ndarray, stop_ids):
-    """Make each row stop at exactly `targets` [B] response tokens (a benchmark's EOS schedule), in place on the
-    step's `logits` [B, V]: the stop tokens banned while `generated` [B] + 1 < target; at the target every token but
-    the first stop token banned (it is drawn with log-prob 0). Touches only the stop tokens' columns and the rows
-    at their target."""
-    before = generated + 1 < targets
-    if before.any():
-        ban = paddle.to_tensor(before.reshape(-1, 1))
-        for col in stop_ids:
-            logits[:, col:col + 1] = paddle.where(ban, paddle.full([1, 1], NEG_INF, logits.dtype),
-                                                  logits[:, col:col + 1])
-    first = int(stop_ids[0])
-    for r in np.flatnonzero(~before):
-        row = paddle.full([logits.shape[-1]], NEG_INF, logits.dtype)
-        row[first] = logits[int(r), first]
-        logits[int(r)] = row
-    return logits

@@ -16,17 +16,15 @@ from ..batch import StepBatch, rollout_batch
 
 
 class Sequence:
-    __slots__ = ("row", "group", "sample", "prompt", "uniforms", "target", "tokens", "logprobs", "stopped",
+    __slots__ = ("row", "group", "sample", "prompt", "uniforms", "tokens", "logprobs", "stopped",
                  "joined_at", "decode_steps", "policy", "forced", "turn_start", "versions", "greedy")
 
-    def __init__(self, row: int, group: int, sample: int, prompt: List[int], uniforms: Optional[np.ndarray],
-                 target: Optional[int]):
+    def __init__(self, row: int, group: int, sample: int, prompt: List[int], uniforms: Optional[np.ndarray]):
         self.row = row                 # its row in the rollout's output (group * n + sample)
         self.group = group
         self.sample = sample
         self.prompt = prompt
         self.uniforms = uniforms       # [max_dec_len] float32 of its key, None when greedy
-        self.target = target           # a forced response length (benchmark EOS schedule), else None
         self.tokens: List[int] = []
         self.logprobs: List[float] = []
         self.stopped = False           # ended with a stop token (else truncated at max_dec_len)

@@ -160,7 +160,9 @@ def _serve(conn) -> None:
 class _Server:
     """The worker's side: answers the trainer's messages in order. With `partial` (partial rollouts) a weights
     message that arrives while a batch is being generated is applied between two decode steps, and the batch goes on
-    under the new weights (each token tagged with its version); other messages wait their turn."""
+    under the new weights (each token tagged with its version); other messages wait their turn. For that it is a
+    stage of its engine (rollout/engine.py): `between_steps`, `tags_versions`."""
+    tags_versions = True
 
     def __init__(self, conn):
         self.conn = conn
@@ -184,13 +186,18 @@ class _Server:
         self.engine.version = version
         self.load_s += time.perf_counter() - start
 
-    def _between_steps(self) -> None:
+    def between_steps(self) -> bool:
+        """The engine's stage of a partial rollout: weights the trainer sent meanwhile are loaded between decode
+        steps (True when they were: the engine repacks); other messages wait in the inbox."""
+        loaded = False
         while self.conn.poll(0):
             message = self.conn.recv()
             if message[0] == "weights":
                 self._load(message[1], message[2])
+                loaded = True
             else:
                 self.inbox.append(message)
+        return loaded
 
     def _init(self, spec: dict) -> None:
         from ..models import load_model
@@ -200,9 +207,8 @@ class _Server:
         model.eval()
         for p in model.parameters():
             p.stop_gradient = True
-        self.engine = RolloutEngine(model, settings=EngineSettings(**spec["settings"]))
-        if spec.get("partial"):
-            self.engine.between_steps = self._between_steps
+        self.engine = RolloutEngine(model, settings=EngineSettings(**spec["settings"]),
+                                    stages=[self] if spec.get("partial") else [])
 
     def _generate(self, request, prompts, n, params, keys) -> None:
         start = time.perf_counter()
