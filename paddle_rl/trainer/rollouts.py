@@ -20,7 +20,8 @@ import logging
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, Dict, List, Optional
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional
 
 import numpy as np
 from safetensors.numpy import save as safetensors_bytes
@@ -37,23 +38,41 @@ from .state_files import has_state, read_state
 logger = logging.getLogger("paddle_rl")
 
 
+@dataclass
+class RolloutParts:
+    """What a rollout source reads of its run, and nothing else of the trainer: the run's config and layout, the
+    engine and the model it decodes with (the actor, whose weights it pushes to a worker or servers), the sampler
+    (which epoch a batch ended), the tokenizer and pad id, the run's length, the multi-turn episodes of a draw, and
+    `version()`: the RL steps applied so far (the version of the actor's weights now)."""
+    config: Any
+    layout: Any
+    engine: Any
+    actor: Any
+    sampler: Any
+    tokenizer: Any
+    pad_id: int
+    total_steps: int
+    episodes_for: Callable
+    version: Callable[[], int]
+
+
 class InlineRollout:
     """The rollout in the trainer's process, on the layout's rollout model."""
 
-    def __init__(self, trainer):
-        self.trainer = trainer
+    def __init__(self, run: "RolloutParts"):
+        self.run = run
         self.metrics: Dict[str, float] = {}
 
     @property
     def sampler_point(self):
         """(epoch, epoch_done) of the sampler as the batch last taken left it: what the step trains on."""
-        return self.trainer.sampler.epoch, self.trainer.sampler.epoch_done
+        return self.run.sampler.epoch, self.run.sampler.epoch_done
 
     def take(self, step: int, draw: Callable):
         items, prompts, keys, params = draw(step)
-        trainer = self.trainer
-        return items, trainer.layout.generate(trainer.engine, prompts, trainer.config.rollout_n, params, keys,
-                                              trainer.episodes_for(items))
+        run = self.run
+        return items, run.layout.generate(run.engine, prompts, run.config.rollout_n, params, keys,
+                                              run.episodes_for(items))
 
     def stepped(self) -> None:
         """Called after each RL step's update."""
@@ -72,15 +91,15 @@ class InlineRollout:
 
 
 class AsyncRollout(InlineRollout):
-    def __init__(self, trainer):
-        super().__init__(trainer)
-        cfg = trainer.config
-        if trainer.layout.is_parallel:
+    def __init__(self, run: "RolloutParts"):
+        super().__init__(run)
+        cfg = run.config
+        if run.layout.is_parallel:
             raise ValueError("async_rollout: runs in a single trainer process for now (its worker is one more "
                              "process); launch without data / sharding / tensor / pipeline parallelism")
         self.k = cfg.max_staleness
         os.makedirs(cfg.output_dir, exist_ok=True)
-        self.worker = RolloutWorker(trainer.actor.base_folder, trainer.engine.settings, cfg.async_rollout_threads,
+        self.worker = RolloutWorker(run.actor.base_folder, run.engine.settings, cfg.async_rollout_threads,
                                     log_path=os.path.join(cfg.output_dir, "rollout_worker.log"),
                                     partial=cfg.partial_rollout)
         self.partial = cfg.partial_rollout
@@ -92,14 +111,14 @@ class AsyncRollout(InlineRollout):
 
     # ---------------------------------------------------------------- requests
     def _version(self) -> int:
-        return self.trainer.step  # the weights after this many RL steps
+        return self.run.version()  # the weights after this many RL steps
 
     def _push(self) -> None:
         if self.worker.version == self._version():
             return
         start = time.perf_counter()
-        trainer = self.trainer
-        state = merge_state(trainer.layout.full_state(trainer.actor), trainer.actor.lora)
+        run = self.run
+        state = merge_state(run.layout.full_state(run.actor), run.actor.lora)
         self.worker.push_weights(state, self._version())
         self._push_s += time.perf_counter() - start
 
@@ -111,7 +130,7 @@ class AsyncRollout(InlineRollout):
     def _request(self, step: int, draw: Callable) -> None:
         items, prompts, keys, params = draw(step)
         self._push()
-        self.worker.submit(step, prompts, self.trainer.config.rollout_n, params, keys)
+        self.worker.submit(step, prompts, self.run.config.rollout_n, params, keys)
         # the sampler runs k steps ahead: each step keeps the point its own draw left
         self.pending[step] = {"items": items, "batch": None, "sampler": super().sampler_point}
 
@@ -127,7 +146,7 @@ class AsyncRollout(InlineRollout):
         self._receive(step)
         entry = self.pending.pop(step)
         self._taken_point = entry.get("sampler")
-        last = self.trainer.total_steps
+        last = self.run.total_steps
         for ahead in range(step + 1, min(step + self.k, last) + 1):
             if ahead not in self.pending:
                 self._request(ahead, draw)
@@ -180,7 +199,7 @@ class AsyncRollout(InlineRollout):
 
 class ServerRollout(InlineRollout):
     """The rollout on rollout servers (`rollout_server_urls`, `paddle-rl rollout-server`): each step the weights
-    after the RL steps applied so far (version = trainer.step; a LoRA actor's merged weights) go to every server,
+    after the RL steps applied so far (version = the RL steps applied; a LoRA actor's merged weights) go to every server,
     then the step's prompt groups are split round-robin over them and sent at once; the rows come back keyed by
     group and sample and form the StepBatch the engine would have written (rollout/wire.py). The rollout is
     batch-invariant and keyed per sample, so any split gives the inline rollout's values.
@@ -196,10 +215,10 @@ class ServerRollout(InlineRollout):
                    ("kv_cache_dtype", "kv_cache_paddle_dtype"))
     PROBE_S = 5.0   # seconds a dropped server's probe waits (connect and answer), between steps
 
-    def __init__(self, trainer):
-        super().__init__(trainer)
-        cfg = trainer.config
-        if trainer.layout.is_parallel:
+    def __init__(self, run: "RolloutParts"):
+        super().__init__(run)
+        cfg = run.config
+        if run.layout.is_parallel:
             raise ConfigError("rollout_server_urls: the trainer runs as one process for now; launch without data / "
                               "sharding / tensor / pipeline parallelism (the servers hold the rollout's devices)")
         api_key = cfg.rollout_server_api_key or os.environ.get("PADDLE_RL_ROLLOUT_API_KEY", "")
@@ -207,7 +226,7 @@ class ServerRollout(InlineRollout):
                         for u in cfg.rollout_server_urls]
         self.gone: Dict[str, str] = {}   # url -> why it was dropped
         self._step = None                # the step whose metrics self.metrics holds
-        self.identity = model_identity(trainer.actor.config, trainer.tokenizer)
+        self.identity = model_identity(run.actor.config, run.tokenizer)
         self.engine_expected = {server: getattr(cfg, key) for server, key in self.ENGINE_KEYS}
         for client in self.clients:
             try:
@@ -221,10 +240,10 @@ class ServerRollout(InlineRollout):
                         self.identity["vocab_size"], health.get("engine"))
         self._pool = ThreadPoolExecutor(len(self.clients), thread_name_prefix="rollout-server")
         self.adapter_push = None   # a LoRA actor training its adapters alone: the metadata of adapter-only pushes
-        if trainer.actor.lora is not None and all(map(is_adapter_name, hf_state(trainer.actor, frozen=False))):
-            state = trainer.layout.full_state(trainer.actor)
+        if run.actor.lora is not None and all(map(is_adapter_name, hf_state(run.actor, frozen=False))):
+            state = run.layout.full_state(run.actor)
             modules = adapted_modules(state)
-            self.adapter_push = {"lora_scaling": repr(float(trainer.actor.lora.scaling)),
+            self.adapter_push = {"lora_scaling": repr(float(run.actor.lora.scaling)),
                                  "base_sha256": base_digest(state, modules)}
 
     def _admit(self, client: RolloutServerClient, timeout: Optional[float] = None) -> dict:
@@ -244,7 +263,7 @@ class ServerRollout(InlineRollout):
                         for key in self.engine_expected if engine.get(key) != self.engine_expected[key]]
         if differences:
             raise ConfigError(f"rollout_server_urls: {client.url} serves another model or engine than the "
-                              f"trainer's ({self.trainer.actor.base_folder}): " + "; ".join(differences))
+                              f"trainer's ({self.run.actor.base_folder}): " + "; ".join(differences))
         return health
 
     def _rejoin(self) -> int:
@@ -274,7 +293,7 @@ class ServerRollout(InlineRollout):
             client.version = None
             rejoined += 1
             logger.warning("rollout server %s answers again (holding weights version %s): it rejoins the run once "
-                           "it has loaded version %d", client.url, result.get("version"), self.trainer.step)
+                           "it has loaded version %d", client.url, result.get("version"), self.run.version())
         return rejoined
 
     @property
@@ -306,17 +325,17 @@ class ServerRollout(InlineRollout):
         return out
 
     def _push(self) -> None:
-        version = self.trainer.step  # the weights after this many RL steps
+        version = self.run.version()  # the weights after this many RL steps
         stale = [c for c in self.live if c.version != version]
         if not stale:
             return
         start = time.perf_counter()
-        trainer = self.trainer
+        run = self.run
         if self.adapter_push is not None:   # the adapters alone: the servers fold them into the same base weights
-            kind, state, metadata = "lora", hf_state(trainer.actor, frozen=False), self.adapter_push
+            kind, state, metadata = "lora", hf_state(run.actor, frozen=False), self.adapter_push
         else:
             kind, metadata = "full", None
-            state = merge_state(trainer.layout.full_state(trainer.actor), trainer.actor.lora)
+            state = merge_state(run.layout.full_state(run.actor), run.actor.lora)
         body = safetensors_bytes({k: np.ascontiguousarray(v, dtype=np.float32) for k, v in state.items()},
                                  metadata=metadata)
         serialized = time.perf_counter()
@@ -335,8 +354,8 @@ class ServerRollout(InlineRollout):
             self._step, self.metrics = step, {"rollout_server/resent_groups": 0.0, "time/rollout_server_generate": 0.0}
             self.metrics["rollout_server/rejoined"] = float(self._rejoin())   # between steps: before the push
         items, prompts, keys, params = draw(step)
-        n = self.trainer.config.rollout_n
-        version = self.trainer.step
+        n = self.run.config.rollout_n
+        version = self.run.version()
         self._push()
         pending, parts, resent, generate_s = list(range(len(prompts))), [], 0, []
         first = True
@@ -372,7 +391,7 @@ class ServerRollout(InlineRollout):
                 generate_s.append(float(answer["stats"].get("generate_s", 0.0)))
             pending.sort()
             first = False
-        batch = batch_from_parts(parts, prompts, n, self.trainer.pad_id)
+        batch = batch_from_parts(parts, prompts, n, self.run.pad_id)
         self.metrics["rollout_server/resent_groups"] += float(resent)
         self.metrics["time/rollout_server_generate"] += max(generate_s)
         self.metrics["rollout_server/servers_alive"] = float(len(self.live))
@@ -385,10 +404,10 @@ class ServerRollout(InlineRollout):
             self._pool.shutdown(wait=False)
 
 
-def build_rollout(trainer) -> InlineRollout:
-    if trainer.config.rollout_server_urls:
-        return ServerRollout(trainer)
-    return AsyncRollout(trainer) if trainer.config.async_rollout else InlineRollout(trainer)
+def build_rollout(run: RolloutParts) -> InlineRollout:
+    if run.config.rollout_server_urls:
+        return ServerRollout(run)
+    return AsyncRollout(run) if run.config.async_rollout else InlineRollout(run)
 
 
-__all__ = ["InlineRollout", "AsyncRollout", "ServerRollout", "build_rollout"]
+__all__ = ["RolloutParts", "InlineRollout", "AsyncRollout", "ServerRollout", "build_rollout"]

@@ -29,7 +29,7 @@ from .critic import build_critic, check_critic_config
 from .evaluate import episode_maker
 from .logprobs import reuses_rollout_logprobs
 from .loop import StepLoop
-from .rollouts import build_rollout
+from .rollouts import RolloutParts, build_rollout
 from .scoring import metric_columns, per_function_scores, reward_result, score
 
 logger = logging.getLogger("paddle_rl")
@@ -84,7 +84,10 @@ class RLTrainer:
             self.precision.prepare_model(self.critic.model)
             self.critic.model, self.critic.optimizer = self.precision.prepare_training(self.critic.model,
                                                                                        self.critic.optimizer)
-        self.rollout = build_rollout(self)
+        # the rollout source reads these parts of the run, not the trainer
+        self.rollout = build_rollout(RolloutParts(config, self.layout, self.engine, self.actor, self.sampler,
+                                                  self.tokenizer, self.pad_id, self.total_steps, self.episodes_for,
+                                                  lambda: loop.step))
         loop.resume(resolve_resume(config.resume_from_checkpoint, config.output_dir), self._resume)
 
     @property
