@@ -63,9 +63,9 @@ if mode == "probe":   # the proxy's refusals, written where the test reads them
         json.dump(found, f)
 if mode == "hang":
     with open(record["out"], "w") as f:
-        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
         f.write(f"{os.getpid()} {child.pid}")
-    time.sleep(60)
+    time.sleep(300)
 if mode == "exit":
     print("something broke", file=sys.stderr)
     sys.exit(3)
@@ -241,7 +241,10 @@ def test_a_misbehaving_program_gives_a_zero_reward_sample_or_a_named_error(tool_
     # programs short on a loaded machine
     records = _records(1, mode=mode, out=str(tmp_path / "pids")) + ([] if mode == "hang" else _records(2)[1:])
     timeout = 5.0 if mode == "hang" else 120.0   # the well-behaved programs finish well within it
+    start = time.monotonic()
     out, _ = _rollout(tool_model, program, records, 2, program_reward=True, timeout=timeout)
+    if mode == "hang":   # agent_timeout is enforced: the rollout does not wait for the programs' own 300 s
+        assert time.monotonic() - start < 120, time.monotonic() - start
     assert out["agent_failed"].tolist() == [True, True] + ([] if mode == "hang" else [False, False])
     out["item"] = np.array([{"prompt": r["src"], "record": r, "ground_truth": r["tgt"]} for r in records
                             for _ in range(2)], dtype=object)

@@ -482,6 +482,8 @@ class AgentEpisodes:
             self.processes[episode.row] = process
         try:
             out, err, timed_out = _communicate(process, stdin, time.monotonic() + s.timeout)
+            if timed_out:   # killed now: waiting first would wait for the program to end by itself
+                _kill(process)
             status = process.wait()
         finally:
             _kill(process)   # the program's children too (its own process group)
