@@ -320,10 +320,20 @@ def test_data_parallel_ppo_one_update_pass(setup):
     critic_parity(single, out_dir)
 
 
+def critic_adapter_parity(single: str, out_dir: str, label: str) -> None:
+    """The LoRA critic of checkpoint-3 (a PEFT adapter with its value head) equals one process's."""
+    from paddle_rl.models.lora import read_adapter
+    ref, got = (read_adapter(os.path.join(d, "checkpoint-3", "critic")) for d in (single, out_dir))
+    assert set(ref) == set(got) and "score.weight" in ref and any("lora_B" in k for k in ref)
+    errors = {k: rel_err(ref[k], got[k]) for k in ref}
+    worst = max(errors, key=errors.get)
+    print(f"{label}: max critic adapter / head rel err {errors[worst]:.2e} ({worst})")
+    assert errors[worst] <= REL_TOL, (worst, errors[worst])
+
+
 def test_lora_critic_tensor_parallel(setup):
     """A LoRA critic (adapters + whole value head) under TP=2 equals one process: its adapters and head (read back
     from checkpoint-3/critic, a PEFT adapter) and the actor's merged weights."""
-    from paddle_rl.models.lora import read_adapter
     lora = dict(PPO_CRITIC, lora_rank=4, lora_alpha=8, merge_lora="true")
     single = str(setup["root"] / "single-ppo-lora")
     os.makedirs(single, exist_ok=True)
@@ -331,12 +341,7 @@ def test_lora_critic_tensor_parallel(setup):
                     single, setup["prompts"])
     out_dir, _ = run_layout(setup, "ppo-lora-tp2", algo="ppo", tensor_parallel_degree=2, **lora)
     assert_parity(single, out_dir)
-    ref, got = (read_adapter(os.path.join(d, "checkpoint-3", "critic")) for d in (single, out_dir))
-    assert set(ref) == set(got) and "score.weight" in ref and any("lora_B" in k for k in ref)
-    errors = {k: rel_err(ref[k], got[k]) for k in ref}
-    worst = max(errors, key=errors.get)
-    print(f"ppo-lora-tp2: max critic adapter / head rel err {errors[worst]:.2e} ({worst})")
-    assert errors[worst] <= REL_TOL, (worst, errors[worst])
+    critic_adapter_parity(single, out_dir, "ppo-lora-tp2")
 
 
 def test_pipeline_parallel_ppo_with_a_critic_and_resume(setup, ppo_single):
@@ -525,7 +530,6 @@ def test_pipeline_parallel_ppo_variants(setup, tied, variant):
     table: its value head does not read it), with a LoRA critic (adapters on each stage, the value head whole on
     the last; saved as a PEFT adapter gathered from both stages) and with one update pass per step (the critic
     update's forward gives the rollout values on the last stage, which sends them to the first)."""
-    from paddle_rl.models.lora import read_adapter
     base, extra = {"tied": (tied[0], dict(PPO_CRITIC)),
                    "lora": (setup, dict(PPO_CRITIC, lora_rank=4, lora_alpha=8, merge_lora="true")),
                    "one-pass": (setup, dict(PPO_CRITIC, global_mini_batch_size=4))}[variant]
@@ -542,12 +546,7 @@ def test_pipeline_parallel_ppo_variants(setup, tied, variant):
     if variant != "lora":
         critic_parity(single, out_dir)
         return
-    ref, got = (read_adapter(os.path.join(d, "checkpoint-3", "critic")) for d in (single, out_dir))
-    assert set(ref) == set(got) and "score.weight" in ref and any("lora_B" in k for k in ref)
-    errors = {k: rel_err(ref[k], got[k]) for k in ref}
-    worst = max(errors, key=errors.get)
-    print(f"pp-ppo-lora: max critic adapter / head rel err {errors[worst]:.2e} ({worst})")
-    assert errors[worst] <= REL_TOL, (worst, errors[worst])
+    critic_adapter_parity(single, out_dir, "pp-ppo-lora")
 
 
 @pytest.fixture(scope="module")

@@ -76,7 +76,7 @@ class RolloutArgs:
     agent_on_failure: str = arg("zero", "With env_plugin: agent, a program that fails (timeout, non-zero exit, a last "
                                         "stdout line that is not the JSON it must be, no request): zero (a sample of "
                                         "reward 0, counted in episode/agent_failed_share) | error (stop the run, "
-                                        "naming it).")
+                                        "naming it).", choices=AGENT_ON_FAILURE)
     async_rollout: bool = arg(False, "Generate in a worker process of its own, ahead of the trainer by up to "
                                      "max_staleness policy versions (docs/algorithms.md, Asynchronous rollout).")
     max_staleness: int = arg(1, "With async_rollout: the most policy versions a trained batch may lag the trainer "
@@ -133,9 +133,6 @@ class RolloutArgs:
                 errors.append(f"agent_timeout: must be > 0, got {self.agent_timeout}")
             if self.agent_concurrency < 1:
                 errors.append(f"agent_concurrency: must be >= 1, got {self.agent_concurrency}")
-            if self.agent_on_failure not in AGENT_ON_FAILURE:
-                errors.append(f"agent_on_failure: must be {' or '.join(AGENT_ON_FAILURE)}, got "
-                              f"{self.agent_on_failure!r}")
         elif str(self.agent_command).strip():
             errors.append(f"agent_command: acts only with env_plugin: agent (env_plugin is {self.env_plugin!r})")
         if self.env_plugin and self.repetition_penalty != 1.0:

@@ -35,10 +35,12 @@ from ..monitor.progress import progress_bar
 from ..parallel import watchdog
 from ..parallel.device import select_device
 from ..parallel.topology import topology_from_config, world_size_from_env
+from ..rewards import build_reward
+from ..rollout import EngineSettings, RolloutEngine
 from . import faults
 from .checkpoint import (CheckpointError, check_shared_folder, checkpoint_dirs, load_optimizer, load_trainer_state,
                          master_state, save_checkpoint, seed_rngs, set_rng_state, warn_pickled)
-from .evaluate import evaluate
+from .evaluate import episode_maker, evaluate
 from .nonfinite import NonFiniteGuard, first_nonfinite_grad
 from .precision import precision_for
 from .preflight import check_paths
@@ -235,6 +237,14 @@ class StepLoop:
                 raise
             logger.error("%s; training goes on (save_error: continue)", e)
             return None
+
+    def generation_parts(self):
+        """(make_episodes, engine, reward_fn) of the run: the multi-turn episode maker (None without env_plugin),
+        the rollout engine on the actor and the reward: what RL's rollout and any held-out evaluation use."""
+        cfg = self.config
+        return (episode_maker(cfg, self.tokenizer, self.stop_ids),
+                RolloutEngine(self.actor, settings=EngineSettings.from_config(cfg, self.pad_id, self.stop_ids)),
+                build_reward(cfg, broadcast_group=self.layout.reward_group))
 
     # ---------------------------------------------------------------- held-out prompts
     def evaluate(self, engine, reward_fn, make_episodes) -> dict:

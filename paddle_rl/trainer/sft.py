@@ -21,10 +21,8 @@ from ..config import ConfigError
 from ..data.loader import load_sft_dataset
 from ..monitor import StageTimer
 from ..parallel import watchdog
-from ..rewards import build_reward, check_reward_config
-from ..rollout import EngineSettings, RolloutEngine
+from ..rewards import check_reward_config
 from .checkpoint import resolve_resume
-from .evaluate import episode_maker
 from .loop import StepLoop
 
 
@@ -54,10 +52,7 @@ class SFTTrainer:
         self.total_steps, self.pad_id = loop.total_steps, loop.pad_id
         self.engine = self.reward_fn = self.make_episodes = None
         if loop.eval_data is not None:
-            self.make_episodes = episode_maker(config, self.tokenizer, loop.stop_ids)
-            self.engine = RolloutEngine(loop.actor, settings=EngineSettings.from_config(config, loop.pad_id,
-                                                                                        loop.stop_ids))
-            self.reward_fn = build_reward(config, broadcast_group=self.layout.reward_group)
+            self.make_episodes, self.engine, self.reward_fn = loop.generation_parts()
         loop.build_optimizer()
         self.actor, self.optimizer, self.scheduler, self.log = loop.actor, loop.optimizer, loop.scheduler, loop.log
         loop.resume(resolve_resume(config.resume_from_checkpoint, config.output_dir))

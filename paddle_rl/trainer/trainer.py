@@ -21,12 +21,11 @@ from ..data.loader import load_prompt_dataset
 from ..models import adapters_off
 from ..monitor import StageTimer
 from ..parallel import watchdog
-from ..rewards import build_reward, check_reward_config
-from ..rollout import EngineSettings, RolloutEngine, SamplingParams, sample_key
+from ..rewards import check_reward_config
+from ..rollout import SamplingParams, sample_key
 from . import faults
 from .checkpoint import resolve_resume
 from .critic import build_critic, check_critic_config
-from .evaluate import episode_maker
 from .logprobs import reuses_rollout_logprobs
 from .loop import StepLoop
 from .rollouts import RolloutParts, build_rollout
@@ -72,10 +71,7 @@ class RLTrainer:
                 for p in self.reference.parameters():
                     p.stop_gradient = True
                 self.precision.prepare_model(self.reference)
-        self.make_episodes = episode_maker(config, self.tokenizer, self.stop_ids)
-        self.engine = RolloutEngine(loop.actor, settings=EngineSettings.from_config(config, self.pad_id,
-                                                                                    self.stop_ids))
-        self.reward_fn = build_reward(config, broadcast_group=self.layout.reward_group)
+        self.make_episodes, self.engine, self.reward_fn = loop.generation_parts()
         loop.build_optimizer()
         self.actor, self.optimizer, self.scheduler = loop.actor, loop.optimizer, loop.scheduler
         self.nonfinite, self.log = loop.nonfinite, loop.log
