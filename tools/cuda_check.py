@@ -29,7 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CSRC = os.path.join(ROOT, "csrc")
 CHECK_SOURCE = os.path.join(CSRC, "cuda", "test", "prl_cuda_check.cu")
-CPU_KERNELS = ("attention", "kv_cache", "linear", "logprob", "rms_norm", "rollout_state", "rotary", "sampling", "swiglu")
+CPU_KERNELS = ("attention", "bf16_matmul", "kv_cache", "linear", "logprob", "rms_norm", "rollout_state", "rotary", "sampling", "swiglu")
 DEFAULT_ARCHS = ("sm_80", "sm_90")
 NO_DEVICE = 77
 

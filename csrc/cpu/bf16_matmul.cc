@@ -336,6 +336,49 @@ void AmxProduct(const Packed& a, const Packed& b, float* c, int64_t m, int64_t n
 }
 #endif
 
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+// The rollout's bfloat16 product (PackedLinearBF16Amx): A the activations' pairs, zero-padded to 16-row blocks
+// and 16-pair steps (row stride k2p words); B read in place from the rollout's packed panels, each k-pair row of a
+// panel 32 columns x 2 bfloat16 = 128 bytes, so a tile of B is 16 such rows at stride 128 and its left or right
+// 64 bytes. A panel's last partial step (k2 not a multiple of 16) is staged in 16 zero-padded rows.
+constexpr int64_t kPanelCols = 32;
+
+// C[16 r x 32] of a panel for r = 1 or 2 row blocks at row block rb: tiles 0-3 C, 4-5 A, 6-7 B
+template <int R>
+inline void AmxPanel(const uint32_t* a, int64_t k2p, int64_t rb, const uint16_t* panel, int64_t k2,
+                     const uint16_t* tail, float* out, int64_t ldo) {
+  const uint32_t* a0 = a + rb * kRowBlock * k2p;
+  const uint32_t* a1 = a0 + kRowBlock * k2p;
+  const int64_t sa = k2p * 4;
+  _tile_zero(0);
+  _tile_zero(1);
+  if (R == 2) {
+    _tile_zero(2);
+    _tile_zero(3);
+  }
+  for (int64_t kk = 0; kk < k2p; kk += kPairStep) {
+    const uint16_t* b = kk + kPairStep <= k2 ? panel + kk * 2 * kPanelCols : tail;
+    _tile_loadd(4, a0 + kk, sa);
+    _tile_loadd(6, b, 128);
+    _tile_loadd(7, b + kPanelCols, 128);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    if (R == 2) {
+      _tile_loadd(5, a1 + kk, sa);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  const int64_t so = ldo * 4;
+  _tile_stored(0, out, so);
+  _tile_stored(1, out + 16, so);
+  if (R == 2) {
+    _tile_stored(2, out + 16 * ldo, so);
+    _tile_stored(3, out + 16 * ldo + 16, so);
+  }
+}
+#endif
+
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 constexpr int kAvxRows = 8;  // rows per vdpbf16ps tile: 8 x 2 accumulators
 
@@ -478,3 +521,46 @@ PD_BUILD_OP(prl_bf16_kernels)
     .SetInferShapeFn(PD_INFER_SHAPE(Bf16KernelsInferShape))
     .SetInferDtypeFn(PD_INFER_DTYPE(Bf16KernelsInferDtype));
 #endif
+
+bool prl_cpu::PackedLinearBF16Amx(const uint32_t* xp, const uint16_t* packed, float* out, int64_t rows, int64_t k2,
+                                  int64_t n) {
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+  if (!AmxUsable()) return false;
+  const int64_t k2p = RoundUp(k2, kPairStep), rows_p = RoundUp(rows, kRowBlock), blocks = rows_p / kRowBlock;
+  const int64_t panels = (n + kPanelCols - 1) / kPanelCols;
+  std::unique_ptr<uint32_t[], FreeDeleter> a(static_cast<uint32_t*>(std::aligned_alloc(64, rows_p * k2p * 4)));
+  std::memset(a.get(), 0, rows_p * k2p * 4);
+  for (int64_t m = 0; m < rows; ++m) std::memcpy(a.get() + m * k2p, xp + m * k2, k2 * 4);
+  const int64_t tail_kk = k2 / kPairStep * kPairStep;  // the first pair of a partial last step
+  prl::ParallelFor(panels, rows_p * k2p * 2 * kPanelCols, [&](int, int64_t begin, int64_t end) {
+    AmxConfigure();
+    alignas(64) float stage[32 * 32];
+    alignas(64) uint16_t tail[kPairStep * 2 * kPanelCols];
+    for (int64_t p = begin; p < end; ++p) {
+      const uint16_t* panel = packed + p * k2 * 2 * kPanelCols;
+      if (tail_kk < k2) {
+        std::memset(tail, 0, sizeof(tail));
+        std::memcpy(tail, panel + tail_kk * 2 * kPanelCols, (k2 - tail_kk) * 2 * kPanelCols * 2);
+      }
+      const int64_t col = p * kPanelCols, cols = std::min(kPanelCols, n - col);
+      for (int64_t rb = 0; rb < blocks; rb += 2) {
+        const int64_t row = rb * kRowBlock, r = std::min<int64_t>(2 * kRowBlock, rows - row);
+        const bool pair = rb + 1 < blocks, direct = cols == kPanelCols && r == (pair ? 32 : 16);
+        float* dst = direct ? out + row * n + col : stage;
+        const int64_t ld = direct ? n : 32;
+        if (pair) {
+          AmxPanel<2>(a.get(), k2p, rb, panel, k2, tail, dst, ld);
+        } else {
+          AmxPanel<1>(a.get(), k2p, rb, panel, k2, tail, dst, ld);
+        }
+        if (!direct) CopyOut(stage, 32, out + row * n + col, n, r, cols);
+      }
+    }
+    _tile_release();
+  });
+  return true;
+#else
+  (void)xp, (void)packed, (void)out, (void)rows, (void)k2, (void)n;
+  return false;
+#endif
+}

@@ -79,5 +79,10 @@ enum class Bf16Kernel : int { kAuto = 0, kAmx = 1, kAvx512Bf16 = 2 };
 int Bf16MatmulKernels();
 bool Bf16Matmul(const float* a, const float* b, float* c, int64_t m, int64_t n, int64_t k, bool trans_a, bool trans_b,
                 Bf16Kernel kernel);
+// The bfloat16 rollout product by AMX tiles where the CPU, OS and build run them (false, nothing written, where
+// they do not): xp [rows, k2] the activations as bfloat16 pairs (k = 2 kk in the low half), packed the bfloat16
+// panels of PackWeightLowp ([panels][k2][32 columns x 2]), out [rows, n]. Each row's sums run over k in the same
+// order whatever the other rows are.
+bool PackedLinearBF16Amx(const uint32_t* xp, const uint16_t* packed, float* out, int64_t rows, int64_t k2, int64_t n);
 
 }  // namespace prl_cpu

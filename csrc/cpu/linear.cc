@@ -197,6 +197,13 @@ bool EmulationForced() {
   return env && *env && std::strcmp(env, "0") != 0;
 }
 
+// Whether the bfloat16 product may run AMX tiles (where the CPU has them): PADDLE_RL_BF16_AMX=0 keeps it on the
+// AVX-512 tile (the one of CPUs without AMX; tests compare the two)
+bool AmxAllowed() {
+  const char* env = std::getenv("PADDLE_RL_BF16_AMX");
+  return !(env && std::strcmp(env, "0") == 0);
+}
+
 // Whether this call runs the AVX-512 bfloat16 tile; the first call that runs the portable one says why, once.
 bool WideBF16() {
   const bool forced = EmulationForced();
@@ -550,6 +557,7 @@ void prl_cpu::PackedLinearLowp(const float* xs, const void* packed, const float*
       }
     }
     const uint16_t* pw = static_cast<const uint16_t*>(packed);
+    if (!EmulationForced() && AmxAllowed() && PackedLinearBF16Amx(xp.data(), pw, o, rows, k2, n)) return;
     const bool wide = WideBF16();
 #ifdef __AVX512F__
     std::vector<float> xf;  // the pairs as float32: what the AVX-512 tile broadcasts
