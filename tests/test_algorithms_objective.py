@@ -8,6 +8,7 @@ import pytest
 
 from paddle_rl.algorithms import (ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, LOSS_AGG_MODES, POLICY_LOSSES, Objective,
                                   compute_advantages, soft_overlong_penalty)
+from paddle_rl.algorithms.advantages import SCALE_REWARDS
 from paddle_rl.config import ConfigError, load_config
 from paddle_rl.config import algorithm_args
 
@@ -44,7 +45,7 @@ CHOICES = ([("advantage_estimator", n) for n in ADVANTAGE_ESTIMATORS]
            + [("kl_loss_type", n) for n in KL_ESTIMATORS]
            + [("kl_penalty", n) for n in KL_ESTIMATORS]
            + [("algorithm_preset", n) for n in algorithm_args.ALGORITHM_PRESETS]
-           + [("scale_rewards", n) for n in algorithm_args.SCALE_REWARDS])
+           + [("scale_rewards", n) for n in SCALE_REWARDS])
 
 
 @pytest.mark.parametrize("key, value", CHOICES)
@@ -92,17 +93,17 @@ def test_bad_name_is_one_line_with_the_choices(key, value, registry):
 
 def test_registered_functions_get_only_their_declared_options():
     # each estimator / loss declares the options it reads; nothing is swallowed by **kwargs
-    assert ADVANTAGE_ESTIMATORS["dr_grpo"].options == ("old_logp", "ref_logp", "kl_coeff", "kl_penalty_kind")
+    assert ADVANTAGE_ESTIMATORS["dr_grpo"].options == ("old_logp", "ref_logp", "kl_coeff", "kl_penalty")
     assert POLICY_LOSSES["sapo"].options == ("tau_pos", "tau_neg")
     obj = objective("policy_loss=sapo", "advantage_estimator=dr_grpo")
     assert obj._loss_options == {"tau_pos": 1.0, "tau_neg": 1.05}
-    assert obj._estimator_options == {"kl_penalty_kind": "kl"}
+    assert obj._estimator_options == {"kl_penalty": "kl"}
     from paddle_rl.algorithms import policy_loss
     scores, mask, groups, old, ref = tiny_batch()
-    with pytest.raises(TypeError, match="advantage estimator 'dr_grpo' does not read eps"):
-        compute_advantages("dr_grpo", scores, mask, groups, eps=1e-6)
-    with pytest.raises(TypeError, match="policy_loss 'sapo' does not read clip_low"):
-        policy_loss("sapo", old, old, np.zeros_like(old), mask, clip_low=0.2)
+    with pytest.raises(TypeError, match="advantage estimator 'dr_grpo' does not read grpo_eps"):
+        compute_advantages("dr_grpo", scores, mask, groups, grpo_eps=1e-6)
+    with pytest.raises(TypeError, match="policy_loss 'sapo' does not read clip_range_ratio_low"):
+        policy_loss("sapo", old, old, np.zeros_like(old), mask, clip_range_ratio_low=0.2)
 
 
 def test_cross_key_validation():
@@ -331,7 +332,7 @@ def test_gdpo_leaves_not_applicable_scores_out():
     total = np.array([a + b, -a - b, a, -a])   # samples 2, 3 get 0 from fmt
     expected = total / (np.sqrt((2 * (a + b) ** 2 + 2 * a * a) / 3) + eps)   # batch mean 0
     mask = np.ones((4, 2), np.float32)
-    out = compute_advantages("gdpo", np.zeros(4), mask, [0, 0, 0, 0], per_function_scores=GDPO_FUNCTIONS, eps=eps)
+    out = compute_advantages("gdpo", np.zeros(4), mask, [0, 0, 0, 0], per_function_scores=GDPO_FUNCTIONS, grpo_eps=eps)
     np.testing.assert_allclose(out.numpy(), expected[:, None] * mask, rtol=1e-6)
     # the trainer's path: the reward result's per-function scores, NaN included, go to step_advantages
     obj = objective("advantage_estimator=gdpo")
