@@ -84,8 +84,12 @@ class Registry(dict):
             _check_signature(fn, self.positional, tuple(names), label)
             if name in self:
                 self.remove(name)
-            for key in keys:
-                PIECE_OPTIONS.declare(key, (self.what, name))
+            try:
+                for key in keys:
+                    PIECE_OPTIONS.declare(key, (self.what, name))
+            except TypeError:
+                PIECE_OPTIONS.withdraw((self.what, name))
+                raise
             self[name] = Entry(name, fn, tuple(names), self.what, dict(traits), tuple(keys))
             return fn
         return wrap
