@@ -81,7 +81,8 @@ def test_reward_kl_lowers_outcome_scores():
     a = 0.15 / (0.3 / np.sqrt(2) + EPS)
     np.testing.assert_allclose(out, [[a, a], [-a, -a]], rtol=1e-5)
     # ... and not where they are equal (the next test): the penalty centered, as dr_grpo gives it
-    out = compute_advantages("grpo", scores, mask, groups, old_logp=old, ref_logp=ref, kl_coeff=0.1, grpo_eps=EPS).numpy()
+    out = compute_advantages("grpo", scores, mask, groups, old_logp=old, ref_logp=ref, kl_coeff=0.1,
+                             grpo_eps=EPS).numpy()
     np.testing.assert_allclose(out, [[0.05, 0.05], [-0.05, -0.05]], rtol=1e-5)
     with pytest.raises(ValueError, match="old_logp and ref_logp"):
         compute_advantages("grpo", scores, mask, groups, kl_coeff=0.1)
