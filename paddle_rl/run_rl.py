@@ -13,13 +13,14 @@ configure_threads()
 def build_trainer(config_path, overrides, sft: bool = False):
     """Config -> RLTrainer (SFTTrainer with `sft`): every check that can fail before the first step (config,
     dashboards, paths, data, process grid, models)."""
-    # after the thread settings of the launcher's process (paddle_rl/env.py), before Paddle loads
+    # after the thread settings of the launcher's process (paddle_rl/env.py), before Paddle loads; the trainer
+    # before the config: the algorithm's pieces (paddle_rl/algorithms) declare keys of the config as they register
     from paddle_rl.config import load_config
     from paddle_rl.monitor import resolve_dashboards
+    from paddle_rl.trainer import RLTrainer, SFTTrainer
 
     config = load_config(config_path, overrides)
     resolve_dashboards(config.report_to)  # on every rank, before any model loads
-    from paddle_rl.trainer import RLTrainer, SFTTrainer
     return (SFTTrainer if sft else RLTrainer)(config)
 
 

@@ -100,6 +100,7 @@ def report_lines(reward_fn, located):
 
 def _run(args) -> int:
     configure_threads()
+    from . import algorithms  # noqa: F401  (its pieces declare keys of the config as they register)
     from .config import load_config
     from .errors import setup_error_types
     from .rewards import build_reward

@@ -77,15 +77,18 @@ def reward_config_values(config_path=None, overrides=None) -> dict:
     Keys of other groups are read (max_dec_len, overlong_* matter to some rewards) but only the reward group is
     validated, so a training config without model paths serves as well.
     """
-    # `paddle-rl --help` registers this parser: the config and rewards load only when the server starts
-    from paddle_rl.config import ConfigError, RLConfig
+    # `paddle-rl --help` registers this parser: the config and rewards load only when the server starts; the
+    # algorithm's pieces too, which declare keys of a training config as they register (this process then holds
+    # Paddle; the workers, which get the values read here, do not)
+    import paddle_rl.algorithms  # noqa: F401
+    from paddle_rl.config import ConfigError, config_from_values
     from paddle_rl.config.loader import read_values
     from paddle_rl.rewards.check import reward_config_errors
 
     values, errors = read_values(config_path, dict(overrides or {}))
     values["use_rm_server"] = False
     if not errors:
-        config = RLConfig(**values)
+        config = config_from_values(values)
         config._validate_reward(errors)
         if config.max_dec_len < 1:
             errors.append(f"max_dec_len: must be >= 1, got {config.max_dec_len}")

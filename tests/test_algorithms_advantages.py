@@ -32,7 +32,7 @@ def adv(name, scores=SCORES, mask=MASK, groups=GROUPS, **options):
 def test_grpo_group_std():
     a = 0.5 / (np.sqrt(1 / 3) + EPS)
     expected = rows([a, -a, -a, a, 0.0, 0.0, 5.0 / (1.0 + EPS)])
-    out = adv("grpo", eps=EPS)
+    out = adv("grpo", grpo_eps=EPS)
     assert out.dtype == np.float32 and out.shape == (7, 2)
     np.testing.assert_allclose(out, expected, rtol=1e-6, atol=1e-6)
 
@@ -40,7 +40,7 @@ def test_grpo_group_std():
 def test_grpo_eps_option_and_tensor_inputs():
     a = 0.5 / (np.sqrt(1 / 3) + 1e-4)
     out = compute_advantages("grpo", paddle.to_tensor(SCORES[:4]), paddle.to_tensor(MASK[:4]),
-                             np.array([7, 7, 7, 7]), eps=1e-4).numpy()
+                             np.array([7, 7, 7, 7]), grpo_eps=1e-4).numpy()
     np.testing.assert_allclose(out, rows([a, -a, -a, a], MASK[:4]), rtol=1e-6)
 
 
@@ -48,7 +48,7 @@ def test_grpo_scale_rewards_batch_and_none():
     # batch std of [1, 0, 0, 1, 3, 3, 5]: mean 13/7, sum of squared deviations 1022/49, unbiased var 1022/294
     batch_std = np.sqrt(1022 / 294)
     centered = [0.5, -0.5, -0.5, 0.5, 0.0, 0.0, 5.0]   # a group of one keeps mean 0
-    np.testing.assert_allclose(adv("grpo", eps=EPS, scale_rewards="batch"),
+    np.testing.assert_allclose(adv("grpo", grpo_eps=EPS, scale_rewards="batch"),
                                rows(np.array(centered) / (batch_std + EPS)), rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose(adv("grpo", scale_rewards="none"), rows(centered), atol=1e-7)
     np.testing.assert_allclose(adv("grpo", norm_adv_by_std=False), rows(centered), atol=1e-7)
@@ -77,11 +77,12 @@ def test_reward_kl_lowers_outcome_scores():
     np.testing.assert_allclose(out, [[0.05, 0.05], [-0.05, -0.05]], rtol=1e-5)
     # grpo divides by the group's std where the scores differ: 1.2 and 1.0 become 1.1 and 0.8, std 0.3 / sqrt(2)
     out = compute_advantages("grpo", np.array([1.2, 1.0]), mask, groups, old_logp=old, ref_logp=ref, kl_coeff=0.1,
-                             eps=EPS).numpy()
+                             grpo_eps=EPS).numpy()
     a = 0.15 / (0.3 / np.sqrt(2) + EPS)
     np.testing.assert_allclose(out, [[a, a], [-a, -a]], rtol=1e-5)
     # ... and not where they are equal (the next test): the penalty centered, as dr_grpo gives it
-    out = compute_advantages("grpo", scores, mask, groups, old_logp=old, ref_logp=ref, kl_coeff=0.1, eps=EPS).numpy()
+    out = compute_advantages("grpo", scores, mask, groups, old_logp=old, ref_logp=ref, kl_coeff=0.1,
+                             grpo_eps=EPS).numpy()
     np.testing.assert_allclose(out, [[0.05, 0.05], [-0.05, -0.05]], rtol=1e-5)
     with pytest.raises(ValueError, match="old_logp and ref_logp"):
         compute_advantages("grpo", scores, mask, groups, kl_coeff=0.1)
@@ -98,7 +99,7 @@ def test_grpo_equal_score_group_keeps_reward_kl_noise_at_its_size(scale_rewards)
     ref = old + rng.normal(0.0, 1e-7, (8, 6))                     # fp32 rounding-sized gap
     scores = np.array([1.0] * 4 + [0.0, 1.0, 0.0, 1.0])           # group 0 equal, group 1 with a signal
     groups = np.array([0] * 4 + [1] * 4)
-    options = dict(old_logp=old, ref_logp=ref, kl_coeff=0.05, eps=EPS, scale_rewards=scale_rewards)
+    options = dict(old_logp=old, ref_logp=ref, kl_coeff=0.05, grpo_eps=EPS, scale_rewards=scale_rewards)
     out = compute_advantages("grpo", scores, mask, groups, **options).numpy()
     penalty = 0.05 * (old - ref).sum(-1)
     np.testing.assert_allclose(out[:4], rows(penalty[:4].mean() - penalty[:4], mask[:4]), rtol=1e-5, atol=1e-14)
@@ -112,7 +113,7 @@ def test_grpo_equal_score_group_keeps_reward_kl_noise_at_its_size(scale_rewards)
             "batch": 0.5 / np.std([1.0] * 5 + [0.0, 0.0, 1.0], ddof=1)}[scale_rewards]
     np.testing.assert_allclose(out[4:, 0], size * np.array([-1, 1, -1, 1]), rtol=1e-5)
     # without the KL an equal group's advantages are exactly 0
-    plain = compute_advantages("grpo", scores, mask, groups, eps=EPS, scale_rewards=scale_rewards).numpy()
+    plain = compute_advantages("grpo", scores, mask, groups, grpo_eps=EPS, scale_rewards=scale_rewards).numpy()
     assert not plain[:4].any()
 
 
@@ -124,7 +125,7 @@ def test_gdpo_per_function_group_then_batch_zscore():
     total = np.array([a, -a, -0.5 * a, 0.5 * a])        # acc (weight 1) + fmt (weight 0.5); equal pairs give 0
     std = np.sqrt((2 * a * a + 2 * 0.25 * a * a) / 3)   # batch mean is 0
     out = compute_advantages("gdpo", np.zeros(4), mask, groups, per_function_scores=functions,
-                             reward_weights={"acc": 1.0, "fmt": 0.5}, eps=EPS).numpy()
+                             reward_weights={"acc": 1.0, "fmt": 0.5}, grpo_eps=EPS).numpy()
     np.testing.assert_allclose(out, rows(total / (std + EPS), mask), rtol=1e-6)
 
 
@@ -280,7 +281,7 @@ def test_whitening_is_global_across_real_ranks(tmp_path):
 # --- GAE (rl_algorithm ppo) ----------------------------------------------------------------------
 
 def gae(scores, mask, values, **options):
-    options.setdefault("whiten", False)
+    options.setdefault("whiten_advantages", False)
     adv_t, returns = compute_advantages("gae", np.asarray(scores, np.float64), np.asarray(mask, np.float32), None,
                                         values=np.asarray(values, np.float64), **options)
     return adv_t.numpy().astype(np.float64), returns
@@ -321,7 +322,7 @@ def test_gae_whitening_is_an_option_and_leaves_returns():
     mask = np.array([[1, 1, 1], [1, 1, 0]], np.float32)
     values = np.array([[0.1, 0.3, -0.2], [0.4, 0.0, 5.0]])
     raw, r_raw = gae([1.0, -1.0], mask, values, gamma=0.95, lam=0.9)
-    white, r_white = gae([1.0, -1.0], mask, values, gamma=0.95, lam=0.9, whiten=True)
+    white, r_white = gae([1.0, -1.0], mask, values, gamma=0.95, lam=0.9, whiten_advantages=True)
     np.testing.assert_allclose(white, masked_whiten(raw, mask), atol=1e-6)
     assert abs(white[mask > 0].mean()) < 1e-6 and not np.allclose(white, raw)
     np.testing.assert_array_equal(r_raw, r_white)

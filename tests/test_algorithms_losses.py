@@ -28,7 +28,8 @@ MASK = np.ones((1, 5))
 
 def test_ppo_asymmetric_clip_by_hand():
     # clip range [0.8, 1.28]: max(-A r, -A clip(r))
-    loss, m = policy_loss("ppo", t64(LOGP), t64(OLD), t64(ADV), MASK, clip_low=0.2, clip_high=0.28)
+    loss, m = policy_loss("ppo", t64(LOGP), t64(OLD), t64(ADV), MASK, clip_range_ratio_low=0.2,
+                          clip_range_ratio_high=0.28)
     np.testing.assert_allclose(loss.numpy(), [[-1.28, 0.8, -1.1, 4.0, -0.9]], rtol=1e-12)
     assert m["clipfrac_low"] == pytest.approx(1 / 5)     # r = 0.5 with A < 0
     assert m["clipfrac_high"] == pytest.approx(1 / 5)    # r = 1.5 with A > 0
@@ -40,7 +41,8 @@ def test_ppo_asymmetric_clip_by_hand():
 
 def test_ppo_dual_clip_by_hand():
     # r = 4 with A = -1: max(4, 1.28) = 4, bounded by -A c = 3
-    loss, m = policy_loss("ppo", t64(LOGP), t64(OLD), t64(ADV), MASK, clip_low=0.2, clip_high=0.28, clip_ratio_c=3.0)
+    loss, m = policy_loss("ppo", t64(LOGP), t64(OLD), t64(ADV), MASK, clip_range_ratio_low=0.2,
+                          clip_range_ratio_high=0.28, clip_ratio_c=3.0)
     np.testing.assert_allclose(loss.numpy(), [[-1.28, 0.8, -1.1, 3.0, -0.9]], rtol=1e-12)
     assert m["clipfrac_dual"] == pytest.approx(1 / 5)
 
@@ -143,8 +145,9 @@ def autograd(f_tensor, x0):
 
 
 @pytest.mark.parametrize("name, options", [
-    ("ppo", {"clip_low": 0.2, "clip_high": 0.28}),
-    ("ppo", {"clip_low": 0.2, "clip_high": 0.2, "clip_ratio_c": 1.05}),  # the dual clip caps token (1, 1)
+    ("ppo", {"clip_range_ratio_low": 0.2, "clip_range_ratio_high": 0.28}),
+    # the dual clip caps token (1, 1)
+    ("ppo", {"clip_range_ratio_low": 0.2, "clip_range_ratio_high": 0.2, "clip_ratio_c": 1.05}),
     ("sapo", {"tau_pos": 1.0, "tau_neg": 1.05}),
 ])
 def test_policy_loss_finite_differences(name, options):
@@ -170,7 +173,8 @@ def test_gspo_gradient_is_the_sequence_objective():
 
     # the first sequence's ratio exp(0.28 / 3) = 1.098 and the second's exp(-0.26 / 2) = 0.878 are unclipped
     def f_tensor(x):
-        loss, _ = policy_loss("gspo", x, t64(FD_OLD), t64(FD_ADV), FD_MASK, clip_low=0.2, clip_high=0.2)
+        loss, _ = policy_loss("gspo", x, t64(FD_OLD), t64(FD_ADV), FD_MASK, clip_range_ratio_low=0.2,
+                              clip_range_ratio_high=0.2)
         return aggregate_loss(loss, FD_MASK, "seq-mean-token-mean")
 
     np.testing.assert_allclose(float(f_tensor(t64(FD_LOGP))), sequence_objective(FD_LOGP), rtol=1e-12)

@@ -8,8 +8,11 @@ import pytest
 
 from paddle_rl.algorithms import (ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, LOSS_AGG_MODES, POLICY_LOSSES, Objective,
                                   compute_advantages, soft_overlong_penalty)
-from paddle_rl.config import ConfigError, load_config
+from paddle_rl.algorithms.advantages import SCALE_REWARDS, broadcast, group_mean_std, register_advantage
+from paddle_rl.config import ConfigError, RLConfig, config_to_dict, load_config
 from paddle_rl.config import algorithm_args
+from paddle_rl.config.fields import above
+from paddle_rl.config.options import PIECE_OPTIONS, option
 
 BASE = ["actor_model_name_or_path=x"]
 
@@ -44,7 +47,7 @@ CHOICES = ([("advantage_estimator", n) for n in ADVANTAGE_ESTIMATORS]
            + [("kl_loss_type", n) for n in KL_ESTIMATORS]
            + [("kl_penalty", n) for n in KL_ESTIMATORS]
            + [("algorithm_preset", n) for n in algorithm_args.ALGORITHM_PRESETS]
-           + [("scale_rewards", n) for n in algorithm_args.SCALE_REWARDS])
+           + [("scale_rewards", n) for n in SCALE_REWARDS])
 
 
 @pytest.mark.parametrize("key, value", CHOICES)
@@ -92,17 +95,65 @@ def test_bad_name_is_one_line_with_the_choices(key, value, registry):
 
 def test_registered_functions_get_only_their_declared_options():
     # each estimator / loss declares the options it reads; nothing is swallowed by **kwargs
-    assert ADVANTAGE_ESTIMATORS["dr_grpo"].options == ("old_logp", "ref_logp", "kl_coeff", "kl_penalty_kind")
+    assert ADVANTAGE_ESTIMATORS["dr_grpo"].options == ("old_logp", "ref_logp", "kl_coeff", "kl_penalty")
     assert POLICY_LOSSES["sapo"].options == ("tau_pos", "tau_neg")
     obj = objective("policy_loss=sapo", "advantage_estimator=dr_grpo")
     assert obj._loss_options == {"tau_pos": 1.0, "tau_neg": 1.05}
-    assert obj._estimator_options == {"kl_penalty_kind": "kl"}
+    assert obj._estimator_options == {"kl_penalty": "kl"}
     from paddle_rl.algorithms import policy_loss
     scores, mask, groups, old, ref = tiny_batch()
-    with pytest.raises(TypeError, match="advantage estimator 'dr_grpo' does not read eps"):
-        compute_advantages("dr_grpo", scores, mask, groups, eps=1e-6)
-    with pytest.raises(TypeError, match="policy_loss 'sapo' does not read clip_low"):
-        policy_loss("sapo", old, old, np.zeros_like(old), mask, clip_low=0.2)
+    with pytest.raises(TypeError, match="advantage estimator 'dr_grpo' does not read grpo_eps"):
+        compute_advantages("dr_grpo", scores, mask, groups, grpo_eps=1e-6)
+    with pytest.raises(TypeError, match="policy_loss 'sapo' does not read clip_range_ratio_low"):
+        policy_loss("sapo", old, old, np.zeros_like(old), mask, clip_range_ratio_low=0.2)
+
+
+def test_an_estimator_with_a_new_key_is_one_registration(tmp_path):
+    # the estimator and its key are declared here, after RLConfig and the loader were imported: the loader looks
+    # the registered pieces' keys up on every read, so the key loads, is checked and reaches the function
+    before = RLConfig()
+    seen = {}
+    temperature = option("adv_temperature", float, 1.0, "Divides the centered scores.", check=above(0))
+
+    @register_advantage("tempered_test", (temperature, "gamma", "reduce"))
+    def tempered(scores, response_mask, group_ids, adv_temperature: float = 1.0, gamma: float = 1.0, reduce=None):
+        seen.update(adv_temperature=adv_temperature, gamma=gamma)
+        mean, _ = group_mean_std(scores, group_ids)
+        return broadcast((np.asarray(scores) - mean) / adv_temperature, response_mask)
+
+    try:
+        assert before.adv_temperature == 1.0            # a config made before the piece registered: the default
+        path = tmp_path / "run.yaml"
+        path.write_text("actor_model_name_or_path: x\nadvantage_estimator: tempered_test\nadv_temperature: 4\n"
+                        "gamma: 0.5\n")
+        config = load_config(str(path))
+        assert config.adv_temperature == 4.0 and config_to_dict(config)["adv_temperature"] == 4.0
+        obj = Objective(config, reduce=None)
+        scores, mask, groups, _, _ = tiny_batch()
+        adv = obj.advantages(scores, mask, groups).numpy()
+        assert seen == {"adv_temperature": 4.0, "gamma": 0.5}   # the new key, and an existing one read by name
+        np.testing.assert_allclose(adv[:, 0], [0.125, -0.125, -0.0625, 0.0625])   # group means 0.5, 2.25; / 4
+        for bad, message in (("-1", "adv_temperature: must be > 0, got -1.0"),
+                             ("warm", "adv_temperature: expected a number, got 'warm'")):
+            with pytest.raises(ConfigError) as error:
+                load_config(None, BASE + ["advantage_estimator=tempered_test", f"adv_temperature={bad}"])
+            assert message in str(error.value)
+        Objective(load_config(None, BASE + ["advantage_estimator=tempered_test"]), reduce=None).advantages(
+            scores, mask, groups)
+        assert seen == {"adv_temperature": 1.0, "gamma": 1.0}   # unset: the declared defaults
+        # a key is declared once: another piece reads the same declaration, never a second one or a group's key
+        with pytest.raises(TypeError, match="'adv_temperature' is already declared by advantage estimator"):
+            register_advantage("tempered_twice", (option("adv_temperature", float, 2.0),))(
+                lambda scores, response_mask, group_ids, adv_temperature=2.0: None)
+        with pytest.raises(TypeError, match="'kl_coeff' is a key of a config group"):
+            register_advantage("kl_again", (option("kl_coeff", float, 0.0),))(
+                lambda scores, response_mask, group_ids, kl_coeff=0.0: None)
+    finally:
+        ADVANTAGE_ESTIMATORS.remove("tempered_test")
+    assert "adv_temperature" not in PIECE_OPTIONS and "gamma" in PIECE_OPTIONS   # gamma: still read by others
+    assert "tempered_twice" not in ADVANTAGE_ESTIMATORS and "kl_again" not in ADVANTAGE_ESTIMATORS
+    with pytest.raises(ConfigError, match="unknown key 'adv_temperature'"):
+        load_config(None, BASE + ["adv_temperature=4"])
 
 
 def test_cross_key_validation():
@@ -331,7 +382,7 @@ def test_gdpo_leaves_not_applicable_scores_out():
     total = np.array([a + b, -a - b, a, -a])   # samples 2, 3 get 0 from fmt
     expected = total / (np.sqrt((2 * (a + b) ** 2 + 2 * a * a) / 3) + eps)   # batch mean 0
     mask = np.ones((4, 2), np.float32)
-    out = compute_advantages("gdpo", np.zeros(4), mask, [0, 0, 0, 0], per_function_scores=GDPO_FUNCTIONS, eps=eps)
+    out = compute_advantages("gdpo", np.zeros(4), mask, [0, 0, 0, 0], per_function_scores=GDPO_FUNCTIONS, grpo_eps=eps)
     np.testing.assert_allclose(out.numpy(), expected[:, None] * mask, rtol=1e-6)
     # the trainer's path: the reward result's per-function scores, NaN included, go to step_advantages
     obj = objective("advantage_estimator=gdpo")

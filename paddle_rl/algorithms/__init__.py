@@ -13,10 +13,11 @@ def compute_advantages(name, scores, response_mask, group_ids, **options):
     """Advantages [B, T] (float32 Paddle tensor) of the named estimator.
 
     scores [B]; response_mask [B, T]; group_ids [B] (any hashable ids). Options: the ones the estimator
-    declares (ADVANTAGE_ESTIMATORS[name].options; any other is a TypeError): eps, scale_rewards
-    (group|batch|none), norm_adv_by_std (grpo); old_logp, ref_logp, kl_coeff, kl_penalty_kind (reward KL,
-    all); gamma, clip_range_score (REINFORCE++); per_function_scores (NaN: not applicable), reward_weights
-    (gdpo); reduce (batch statistics across ranks: None = this call holds the whole batch, or a group).
+    declares (ADVANTAGE_ESTIMATORS[name].options; any other is a TypeError), named as the config keys: grpo_eps,
+    scale_rewards (group|batch|none), norm_adv_by_std (grpo); old_logp, ref_logp, kl_coeff, kl_penalty (reward
+    KL, all); gamma, clip_range_score (REINFORCE++, gae); lam, whiten_advantages (gae); per_function_scores (NaN:
+    not applicable), reward_weights (gdpo); reduce (batch statistics across ranks: None = this call holds the
+    whole batch, or a group).
     """
     return ADVANTAGE_ESTIMATORS.lookup(name)(scores, response_mask, group_ids, **options)
 

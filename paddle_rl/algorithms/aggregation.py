@@ -4,13 +4,19 @@ Each mode returns this micro-batch's share of the mini-batch loss: summed over t
 (and data-parallel ranks) of a mini-batch it equals the loss of the whole mini-batch, provided
 num_tokens / num_seqs are the mini-batch totals (see `loss_normalizers`).
 """
+from typing import Optional
+
 import numpy as np
 import paddle
 
+from ..config.fields import above
+from ..config.options import option
 from ._tensor import as_tensor, to_numpy
 from .registry import Registry
 
 LOSS_AGG_MODES = Registry("loss_agg_mode", positional=4)   # (loss, mask, num_tokens, num_seqs)
+LOSS_SCALE_FACTOR = option("loss_scale_factor", Optional[float], None, "Divisor of seq-mean-token-sum-norm (default "
+                           "max_dec_len).", check=above(0), when_unset=lambda config: float(config.max_dec_len))
 
 
 def register_aggregation(name, options=()):
@@ -50,7 +56,7 @@ def seq_mean_token_sum(loss, mask, num_tokens, num_seqs):
     return (loss * mask).sum() / _scalar(num_seqs, loss)
 
 
-@register_aggregation("seq-mean-token-sum-norm", ("loss_scale_factor",))
+@register_aggregation("seq-mean-token-sum-norm", (LOSS_SCALE_FACTOR,))
 def seq_mean_token_sum_norm(loss, mask, num_tokens, num_seqs, loss_scale_factor: float = 1.0):
     """Dr.GRPO: sum(L m) / (global sequence count * loss_scale_factor)."""
     return (loss * mask).sum() / (_scalar(num_seqs, loss) * float(loss_scale_factor))
@@ -73,7 +79,7 @@ def aggregate_loss(per_token_loss, response_mask, mode: str = "token-mean", num_
     num_seqs = local_seqs if num_seqs is None else num_seqs
     factor = mask.shape[-1] if loss_scale_factor is None else loss_scale_factor
     return aggregate(loss, mask, _to_float(num_tokens), _to_float(num_seqs),
-                     **aggregate.bind({"loss_scale_factor": factor}))
+                     **aggregate.pick({"loss_scale_factor": factor}))
 
 
 def _to_float(x) -> float:

@@ -3,7 +3,8 @@
 The trainer talks only to `Objective`; the math lives in the registries of advantages.py, kl.py,
 losses.py and aggregation.py (registry.py), and the DAPO pieces in dapo.py. Building an Objective checks
 every configured name against those registries (a ConfigError naming the key, the value and the
-choices), before any model loads, and binds each registered function's declared options once.
+choices), before any model loads, and binds each registered function's declared options once: each key it
+declares as `{key: value in effect}` (the key's own default rule fills in a null), the Objective's inputs by name.
 
 Data-parallel contract: every call sees this rank's shard of the batch, with every response of a
 prompt group on the same rank. Batch-wide statistics (REINFORCE++ whitening, scale_rewards=batch,
@@ -18,9 +19,10 @@ import numpy as np
 import paddle
 
 from ..config import ConfigError
+from ..config.options import PIECE_OPTIONS
 from ._tensor import as_tensor, metrics_to_floats, to_numpy
-from .advantages import ADVANTAGE_ESTIMATORS, reward_kl_per_token
-from .aggregation import LOSS_AGG_MODES, aggregate_loss, loss_normalizers
+from .advantages import ADVANTAGE_ESTIMATORS, GRPO_EPS, reward_kl_per_token
+from .aggregation import LOSS_AGG_MODES, LOSS_SCALE_FACTOR, aggregate_loss, loss_normalizers
 from .correction import GAP_METRICS, SUMMED, correction_metrics, rollout_correction
 from .dapo import overlong_filtered_mask, select_groups, soft_overlong_penalty, zero_variance_groups
 from .kl import KL_ESTIMATORS, AdaptiveKLController, FixedKLController, kl_penalty
@@ -31,8 +33,8 @@ from .value import clipped_value_loss, value_statistics
 logger = logging.getLogger("paddle_rl")
 
 REWARD_NORM_EPS = 1e-8
-# Estimator options that change with every call (the step's data and the current reward KL coefficient);
-# every other declared option is bound once from the config.
+# Estimator inputs that change with every call (the step's data and the current reward KL coefficient); the
+# other inputs (reduce, reward_weights) and every declared key are bound once.
 STEP_INPUTS = ("old_logp", "ref_logp", "per_function_scores", "kl_coeff", "values")
 
 
@@ -79,31 +81,32 @@ class Objective:
         if self.loss_agg_mode not in LOSS_AGG_MODES:
             raise ConfigError(f"algorithm_preset: its loss_agg_mode {self.loss_agg_mode!r} is not one of "
                               f"{LOSS_AGG_MODES.choices}")
-        self.loss_scale_factor = config.resolved_loss_scale_factor
-        self.grpo_eps = config.resolved_grpo_eps
+        self.loss_scale_factor = LOSS_SCALE_FACTOR.value(config)
+        self.grpo_eps = GRPO_EPS.value(config)
         self.kl_loss_coeff = config.loss_kl_coeff
         self.normalize_reward, self.normalize_advantage = config.score_normalization
-        low, high = config.clip_range_ratio_low, config.clip_range_ratio_high
-        self.clip_low = config.clip_range_ratio if low is None else low
-        self.clip_high = config.clip_range_ratio if high is None else high
         self.kl_controller = (AdaptiveKLController(config.kl_coeff, config.kl_target, config.kl_horizon)
                               if config.adaptive_kl else FixedKLController(config.kl_coeff))
         self.reward_moments = RunningMoments()
-        # every option a registered function may declare, resolved from the config once
-        settings = {"eps": self.grpo_eps, "scale_rewards": config.scale_rewards,
-                    "norm_adv_by_std": config.norm_adv_by_std, "gamma": config.gamma, "lam": config.lam,
-                    "whiten": config.whiten_advantages,
-                    "clip_range_score": config.clip_range_score, "kl_penalty_kind": config.kl_penalty,
-                    "reward_weights": self._reward_weights(), "reduce": reduce,
-                    "clip_low": self.clip_low, "clip_high": self.clip_high, "clip_ratio_c": config.clip_ratio_c,
-                    "tau_pos": config.tau_pos, "tau_neg": config.tau_neg}
-        self._estimator_options = self._estimator.bind(settings, STEP_INPUTS)
-        self._loss_options = self._policy_loss.bind(settings)
-        if config.clip_ratio_c is not None and "clip_ratio_c" not in self._policy_loss.options:
-            readers = [name for name, entry in POLICY_LOSSES.items() if "clip_ratio_c" in entry.options]
-            raise ConfigError(f"clip_ratio_c: read by policy_loss {', '.join(readers)} only (its registered options), "
-                              f"not by {config.policy_loss!r}")
+        # the declared keys of each chosen piece, each resolved once; the estimator's inputs by name
+        inputs = {"reduce": reduce, "reward_weights": self._reward_weights()}
+        self._estimator_options = self._estimator.bind(config, inputs, STEP_INPUTS)
+        self._loss_options = self._policy_loss.bind(config, {})
+        self._check_unread((self._estimator, self._policy_loss, LOSS_AGG_MODES[self.loss_agg_mode]))
         self._warn_ignored()
+
+    def _check_unread(self, chosen):
+        """A key declared `error_when_unread` (its null means off) set while none of the chosen pieces reads it."""
+        for declared in PIECE_OPTIONS:
+            if not declared.error_when_unread or getattr(self.config, declared.key) is None:
+                continue
+            if any(declared in entry.keys for entry in chosen):
+                continue
+            what = PIECE_OPTIONS.readers(declared.key)[0][0]   # the registry whose pieces read it
+            names = ", ".join(name for w, name in PIECE_OPTIONS.readers(declared.key) if w == what)
+            instead = next(entry.name for entry in chosen if entry.what == what)
+            raise ConfigError(f"{declared.key}: read by {what} {names} only (its registered options), not by "
+                              f"{instead!r}")
 
     def _warn_ignored(self):
         cfg = self.config
@@ -261,7 +264,7 @@ class Objective:
         """The critic's targets of some rows alone ([b, T] float32 numpy): what `step_advantages_and_returns` returns
         for them (returns are per row: no whitening, no sums over ranks, no controller move, no metrics)."""
         step = {"old_logp": old_logp, "ref_logp": ref_logp, "kl_coeff": self.kl_coeff, "values": values,
-                "whiten": False, "reduce": None}
+                "whiten_advantages": False, "reduce": None}
         options = dict(self._estimator_options, **{k: step[k] for k in self._estimator.options if k in step})
         _, returns = self._estimator(scores, to_numpy(response_mask), group_ids, **options)
         return returns.astype(np.float32)

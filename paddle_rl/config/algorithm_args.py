@@ -6,10 +6,12 @@ from .fields import arg
 # The names of estimators, policy losses, KL estimators and aggregation modes are not listed here: the
 # registries of paddle_rl/algorithms are the one list, and building the Objective (before any model loads)
 # checks advantage_estimator / rl_algorithm, policy_loss, kl_penalty, kl_loss_type and loss_agg_mode against
-# them. This file checks types, ranges and its own presets.
+# them. Nor are the keys those pieces read (grpo_eps, scale_rewards, norm_adv_by_std, gamma, lam,
+# whiten_advantages, clip_range_score, kl_penalty, clip_range_ratio_low / _high, clip_ratio_c, tau_pos, tau_neg,
+# loss_scale_factor): each piece declares them, with their checks, where it registers (config/options.py), and the
+# loader reads them from that registry. This group holds the keys no piece reads as an option, and checks them.
 RL_ALGORITHMS = ("grpo", "reinforce_plus_plus", "ppo")   # PaddleNLP's presets (their meaning is below), not a registry
 PRESET_ESTIMATORS = {"ppo": "gae"}   # rl_algorithm -> its advantage estimator where the names differ
-SCALE_REWARDS = ("group", "batch", "none")
 DYNAMIC_SAMPLING_FALLBACKS = ("error", "keep")
 
 # Conventions an `algorithm_preset` fills in for keys left unset (None). docs/algorithms.md has the table.
@@ -20,6 +22,11 @@ ALGORITHM_PRESETS = {
 }
 
 
+def preset_value(config, key: str):
+    """`key`'s convention in the config's algorithm_preset (the default rule of a preset-governed key)."""
+    return ALGORITHM_PRESETS.get(config.algorithm_preset, ALGORITHM_PRESETS["paddlenlp"])[key]
+
+
 @dataclass
 class AlgorithmArgs:
     rl_algorithm: str = arg("grpo", "Preset: grpo (KL in the loss) | reinforce_plus_plus (KL in the reward, "
@@ -27,24 +34,13 @@ class AlgorithmArgs:
     advantage_estimator: Optional[str] = arg(None, "Overrides the preset's estimator (names: docs/algorithms.md).")
     algorithm_preset: str = arg("paddlenlp", "Conventions for keys left unset: paddlenlp | verl | trl "
                                 "(grpo_eps, loss_agg_mode; see docs/algorithms.md).")
-    # advantages
-    grpo_eps: Optional[float] = arg(None, "Epsilon added to the std in GRPO-family estimators "
-                                    "(default from algorithm_preset: 1e-6, trl 1e-4).")
-    scale_rewards: str = arg("group", "GRPO std: group (group std) | batch (batch std) | none (no division).")
-    norm_adv_by_std: bool = arg(True, "GRPO divides by the std (false: Dr.GRPO-style, like scale_rewards: none).")
-    gamma: float = arg(1.0, "Discount of the REINFORCE++ token return and of GAE (rl_algorithm ppo).")
-    lam: float = arg(1.0, "GAE lambda (rl_algorithm ppo / advantage_estimator gae; verl's algorithm.lam).",
-                     aliases=("gae_lambda",))
-    whiten_advantages: bool = arg(True, "GAE: whiten the advantages over every response token of the global batch "
-                                  "(masked mean / std).")
+    # advantages (the estimators' own keys: paddle_rl/algorithms/advantages.py)
     normalize_reward: bool = arg(False, "Running mean/std normalization of scores (REINFORCE++; ignored by the "
                                  "rl_algorithm grpo preset, as in PaddleNLP).")
     normalize_advantage: bool = arg(False, "Global masked mean/std normalization of advantages (REINFORCE++; "
                                     "ignored by the rl_algorithm grpo preset, as in PaddleNLP).")
-    clip_range_score: float = arg(10.0, "Scores are clipped to [-clip_range_score, clip_range_score].")
     # KL
     kl_coeff: float = arg(0.0, "KL penalty folded into the rewards (old vs reference policy).")
-    kl_penalty: str = arg("kl", "Estimator of the reward KL (names: docs/algorithms.md).")
     adaptive_kl: bool = arg(False, "Adapt kl_coeff toward kl_target (PPO proportional controller).")
     kl_target: float = arg(0.1, "Target reward KL of the adaptive controller.")
     kl_horizon: float = arg(10000.0, "Horizon (samples) of the adaptive controller.")
@@ -54,15 +50,10 @@ class AlgorithmArgs:
     policy_loss: str = arg("ppo", "Policy loss (names: docs/algorithms.md).")
     pg_loss_coeff: float = arg(1.0, "Weight of the policy-gradient loss.")
     entropy_coeff: float = arg(0.0, "Entropy bonus weight.")
-    clip_range_ratio: float = arg(0.2, "Ratio clip.")
-    clip_range_ratio_low: Optional[float] = arg(None, "Lower ratio clip (default clip_range_ratio).")
-    clip_range_ratio_high: Optional[float] = arg(None, "Upper ratio clip (default clip_range_ratio; DAPO uses 0.28).")
-    clip_ratio_c: Optional[float] = arg(None, "Dual-clip bound for negative advantages (> 1, e.g. 3; policy_loss ppo).")
-    tau_pos: float = arg(1.0, "SAPO gate temperature for positive advantages.")
-    tau_neg: float = arg(1.05, "SAPO gate temperature for negative advantages.")
+    clip_range_ratio: float = arg(0.2, "Ratio clip (the default of clip_range_ratio_low / _high, which the policy "
+                                  "losses declare: paddle_rl/algorithms/losses.py).")
     loss_agg_mode: Optional[str] = arg(None, "Loss aggregation (names and defaults: docs/algorithms.md; unset: the "
                                        "estimator's or policy loss's own, else the preset's).")
-    loss_scale_factor: Optional[float] = arg(None, "Divisor of seq-mean-token-sum-norm (default max_dec_len).")
     clip_range_value: float = arg(5.0, "Value clip of the critic's loss (rl_algorithm ppo): the new value is kept "
                                   "within clip_range_value of the rollout-time value in the clipped term.",
                                   aliases=("cliprange_value",))
@@ -89,38 +80,20 @@ class AlgorithmArgs:
 
     def _validate_algorithm(self, errors):
         for key, allowed in (("rl_algorithm", RL_ALGORITHMS), ("algorithm_preset", tuple(ALGORITHM_PRESETS)),
-                             ("scale_rewards", SCALE_REWARDS),
                              ("dynamic_sampling_fallback", DYNAMIC_SAMPLING_FALLBACKS)):
             if getattr(self, key) not in allowed:
                 errors.append(f"{key}: {getattr(self, key)!r} is not one of {', '.join(allowed)}")
         for key in ("kl_coeff", "kl_loss_coeff", "entropy_coeff", "pg_loss_coeff", "clip_range_ratio",
-                    "clip_range_score", "overlong_penalty_factor"):
+                    "overlong_penalty_factor"):
             if getattr(self, key) < 0:
                 errors.append(f"{key}: must be >= 0, got {getattr(self, key)}")
-        for key in ("clip_range_ratio_low", "clip_range_ratio_high", "grpo_eps"):
-            value = getattr(self, key)
-            if value is not None and value < 0:
-                errors.append(f"{key}: must be >= 0, got {value}")
-        low = self.clip_range_ratio if self.clip_range_ratio_low is None else self.clip_range_ratio_low
-        if low > 1:
-            errors.append(f"clip_range_ratio_low: must be <= 1 (the ratio floor is 1 - clip), got {low}")
-        if self.clip_ratio_c is not None and self.clip_ratio_c <= 1:
-            errors.append(f"clip_ratio_c: must be > 1, got {self.clip_ratio_c}")
-        for key in ("tau_pos", "tau_neg", "kl_target", "kl_horizon"):
+        for key in ("kl_target", "kl_horizon"):
             if getattr(self, key) <= 0:
                 errors.append(f"{key}: must be > 0, got {getattr(self, key)}")
-        if not 0 <= self.gamma <= 1:
-            errors.append(f"gamma: must be in [0, 1], got {self.gamma}")
-        if not 0 <= self.lam <= 1:
-            errors.append(f"lam: must be in [0, 1], got {self.lam}")
         if self.clip_range_value <= 0:
             errors.append(f"clip_range_value: must be > 0, got {self.clip_range_value}")
-        if self.loss_scale_factor is not None and self.loss_scale_factor <= 0:
-            errors.append(f"loss_scale_factor: must be > 0, got {self.loss_scale_factor}")
         if self.adaptive_kl and self.kl_coeff <= 0:
             errors.append("adaptive_kl: needs kl_coeff > 0 (the controller's starting value)")
-        if not self.norm_adv_by_std and self.scale_rewards == "batch":
-            errors.append("norm_adv_by_std: false contradicts scale_rewards: batch (use scale_rewards: none)")
         if self.max_gen_batches < 1:
             errors.append(f"max_gen_batches: must be >= 1, got {self.max_gen_batches}")
         if self.enable_overlong_reward_buffer and self.overlong_reward_buffer < 1:
@@ -158,16 +131,10 @@ class AlgorithmArgs:
         return self.advantage_estimator is None
 
     @property
-    def resolved_grpo_eps(self) -> float:
-        if self.grpo_eps is not None:
-            return self.grpo_eps
-        return ALGORITHM_PRESETS.get(self.algorithm_preset, ALGORITHM_PRESETS["paddlenlp"])["grpo_eps"]
-
-    @property
     def preset_loss_agg_mode(self) -> str:
         """The preset's loss_agg_mode. The mode in effect (Objective.loss_agg_mode) is loss_agg_mode when set,
         else the default the estimator or the policy loss registers (dr_grpo, gspo), else this."""
-        return ALGORITHM_PRESETS.get(self.algorithm_preset, ALGORITHM_PRESETS["paddlenlp"])["loss_agg_mode"]
+        return preset_value(self, "loss_agg_mode")
 
     @property
     def loss_kl_coeff(self) -> float:

@@ -1,4 +1,7 @@
-"""YAML + overrides -> RLConfig, with errors that name the key and suggest the right one."""
+"""YAML + overrides -> RLConfig, with errors that name the key and suggest the right one.
+
+The keys are RLConfig's fields and the options of registered pieces (options.py), both looked up on each read.
+"""
 import dataclasses
 import difflib
 import logging
@@ -9,6 +12,7 @@ from typing import Any, Iterable, Optional
 import yaml
 
 from .fields import ACTED, ALIASES, chosen
+from .options import PIECE_OPTIONS
 from .rl_config import RLConfig
 
 logger = logging.getLogger("paddle_rl")
@@ -26,8 +30,17 @@ def _fields():
     return {f.name: f for f in dataclasses.fields(_config_class())}
 
 
-def _aliases():
-    return {alias: f.name for f in dataclasses.fields(_config_class()) for alias in f.metadata.get(ALIASES, ())}
+def _keys():
+    """key -> (type, declaration metadata): the groups' fields, then the options of the pieces registered now."""
+    cls = _config_class()
+    keys = {f.name: (typing.get_type_hints(cls)[f.name] if isinstance(f.type, str) else f.type, f.metadata)
+            for f in dataclasses.fields(cls)}
+    keys.update({o.key: (o.annotation, o.metadata) for o in PIECE_OPTIONS})
+    return keys
+
+
+def _aliases(keys):
+    return {alias: name for name, (_, metadata) in keys.items() for alias in metadata.get(ALIASES, ())}
 
 
 def _suggest(key: str, names: Iterable[str]) -> str:
@@ -121,8 +134,8 @@ def _read_yaml(path: str) -> dict:
 def read_values(path: Optional[str] = None, overrides: Optional[Iterable[str] | dict] = None):
     """(values by field name, errors): a YAML file's keys plus overrides, aliases resolved, each value coerced to
     its field's type; unknown keys and bad values become error lines (with the closest name)."""
-    cls = _config_class()
-    fields, aliases = _fields(), _aliases()
+    keys = _keys()
+    aliases = _aliases(keys)
     raw = _read_yaml(path) if path else {}
     if overrides:
         raw.update(overrides if isinstance(overrides, dict) else parse_overrides(overrides))
@@ -130,12 +143,14 @@ def read_values(path: Optional[str] = None, overrides: Optional[Iterable[str] | 
     errors, values = [], {}
     for key, value in raw.items():
         name = aliases.get(key, key)
-        if name not in fields:
-            errors.append(f"{where}unknown key {key!r}{_suggest(key, list(fields) + list(aliases))}")
+        if name not in keys:
+            hint = "" if len(PIECE_OPTIONS) else (" (no algorithm piece has declared its options yet: import "
+                                                 "paddle_rl.algorithms before reading a config)")
+            errors.append(f"{where}unknown key {key!r}{_suggest(key, list(keys) + list(aliases))}{hint}")
             continue
+        annotation, metadata = keys[name]
         try:
-            values[name] = chosen(key, _coerce(key, value, fields[name].type if not isinstance(fields[name].type, str)
-                                               else typing.get_type_hints(cls)[name]), fields[name].metadata)
+            values[name] = chosen(key, _coerce(key, value, annotation), metadata)
         except ValueError as e:  # ConfigError or a value outside the key's choices
             errors.append(f"{where}{e}")
     return values, errors
@@ -144,11 +159,11 @@ def read_values(path: Optional[str] = None, overrides: Optional[Iterable[str] | 
 def load_config(path: Optional[str] = None, overrides: Optional[Iterable[str] | dict] = None, warn_unused: bool = True):
     """Read `path` (YAML) and apply overrides; raise ConfigError listing every bad key or value."""
     cls = _config_class()
-    fields = _fields()
+    keys = _keys()
     values, errors = read_values(path, overrides)
     if errors:
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(errors))
-    config = cls(**values)
+    config = config_from_values(values)
     for resolve in cls.RESOLVERS:  # keys whose value, left unset, follows from others
         resolve(config, frozenset(values))
     problems = []
@@ -157,15 +172,31 @@ def load_config(path: Optional[str] = None, overrides: Optional[Iterable[str] | 
     if problems:
         raise ConfigError("invalid configuration" + (f" in {path}" if path else "") + ":\n  " + "\n  ".join(problems))
     if warn_unused:
-        ignored = sorted(k for k in values if not fields[k].metadata.get(ACTED, True))
+        ignored = sorted(k for k in values if not keys[k][1].get(ACTED, True))
         if ignored:
             logger.warning("accepted but not acted on in this build: %s", ", ".join(ignored))
-    config.unacted_keys = sorted(k for k in values if not fields[k].metadata.get(ACTED, True))
+    config.unacted_keys = sorted(k for k in values if not keys[k][1].get(ACTED, True))
+    return config
+
+
+def config_from_values(values: dict):
+    """The config of values `read_values` gave: the groups' fields through the constructor, the options of
+    registered pieces as attributes (also where no piece is registered, e.g. a reward-server worker: the values
+    were read and checked where they were)."""
+    cls = _config_class()
+    fields = _fields()
+    config = cls(**{k: v for k, v in values.items() if k in fields})
+    for key, value in values.items():
+        if key not in fields:
+            setattr(config, key, value)
     return config
 
 
 def config_to_dict(config) -> dict:
-    return {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
+    """Every key and its value: the groups' fields, then the options of the pieces registered now."""
+    out = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
+    out.update({o.key: getattr(config, o.key) for o in PIECE_OPTIONS})
+    return out
 
 
 def dataset_paths(spec: str):

@@ -5,10 +5,14 @@ method; the loader runs the RESOLVERS (keys whose value, left unset, follows fro
 own keys) and then the CHECKS, listed here, in order. A check reads and reports, never writes. What concerns
 keys of several groups is resolved and checked here, naming every group it reads.
 
-Options of the algorithm's registered pieces (estimators, losses, KL estimators, aggregations) and of the reward
-rules are checked where those pieces are registered, when the Objective and the reward are built (before any
-model loads): the registries declare which options each piece reads.
+The keys the algorithm's registered pieces read (estimators, policy losses, aggregation modes: `grpo_eps`,
+`gamma`, `clip_range_ratio_low`, ...) are no group's fields: each piece declares them where it registers
+(options.py), the loader reads them from that registry, RLConfig answers them (`config.gamma`), and their declared
+checks run here with the groups' (`_check_declared`). The names a config chooses (advantage_estimator,
+policy_loss, ...) and the reward rules' names are checked by their registries when the Objective and the reward
+are built (before any model loads).
 """
+import dataclasses
 import logging
 from dataclasses import dataclass
 
@@ -16,7 +20,9 @@ from .algorithm_args import AlgorithmArgs
 from .critic_args import CriticArgs
 from .data_args import DataArgs
 from .logging_args import LoggingArgs
+from .fields import ALIASES, declared_errors
 from .model_args import ModelArgs
+from .options import PIECE_OPTIONS
 from .parallel_args import ParallelArgs
 from .reward_args import RewardArgs
 from .rollout_args import RolloutArgs
@@ -28,7 +34,14 @@ logger = logging.getLogger("paddle_rl")
 @dataclass
 class RLConfig(ModelArgs, DataArgs, RolloutArgs, AlgorithmArgs, CriticArgs, RewardArgs, TrainingArgs, ParallelArgs,
                LoggingArgs):
-    """Every key of a run."""
+    """Every key of a run: the groups' fields, and the options of registered pieces (options.py), which a config
+    holds as attributes once a file sets them and answers with their declared default before."""
+
+    def __getattr__(self, name):   # only for a name that is no field and was not set
+        declared = PIECE_OPTIONS.get(name)
+        if declared is None:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        return declared.default
 
     # ---------------------------------------------------------------- across groups
     def _resolve_precision_dtypes(self, given) -> None:
@@ -64,16 +77,22 @@ class RLConfig(ModelArgs, DataArgs, RolloutArgs, AlgorithmArgs, CriticArgs, Rewa
             errors.append("use_remove_padding: packed micro-batches are not supported with pipeline_parallel_degree "
                           f"{self.pipeline_parallel_degree} (the stages exchange padded activations); set it to false")
 
-    @property
-    def resolved_loss_scale_factor(self) -> float:
-        """loss_scale_factor (algorithm), default max_dec_len (rollout)."""
-        return float(self.max_dec_len if self.loss_scale_factor is None else self.loss_scale_factor)
+    def _check_declared(self, errors) -> None:
+        """The checks declared beside keys (fields.arg's `check`): the options of registered pieces, and any group
+        field that declares one."""
+        for f in dataclasses.fields(RLConfig):
+            errors += declared_errors(f.name, getattr(self, f.name), self, f.metadata)
+        for declared in PIECE_OPTIONS:
+            errors += declared.errors(self)
 
 
 # run by the loader in this order (explicit: nothing is found by its name)
 RLConfig.RESOLVERS = (CriticArgs._resolve_critic, RewardArgs._resolve_reward_model,
                       ParallelArgs._resolve_sharding_degree, RLConfig._resolve_precision_dtypes)
 RLConfig.CHECKS = (ModelArgs._validate_model, DataArgs._validate_data, RolloutArgs._validate_rollout,
-                   AlgorithmArgs._validate_algorithm, AlgorithmArgs._validate_rollout_correction,
-                   CriticArgs._validate_critic, RewardArgs._validate_reward, TrainingArgs._validate_training,
-                   ParallelArgs._validate_parallel, LoggingArgs._validate_logging, RLConfig._check_across)
+                   AlgorithmArgs._validate_algorithm, RLConfig._check_declared,
+                   AlgorithmArgs._validate_rollout_correction, CriticArgs._validate_critic, RewardArgs._validate_reward,
+                   TrainingArgs._validate_training, ParallelArgs._validate_parallel, LoggingArgs._validate_logging,
+                   RLConfig._check_across)
+PIECE_OPTIONS.group_keys = frozenset(f.name for f in dataclasses.fields(RLConfig)) | frozenset(
+    alias for f in dataclasses.fields(RLConfig) for alias in f.metadata.get(ALIASES, ()))
