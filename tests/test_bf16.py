@@ -58,7 +58,8 @@ def test_bf16_linear_products_are_bf16_operands_with_fp32_sums(path, monkeypatch
 def test_bf16_matmul_paths_equal_the_rounded_product(kernel, monkeypatch):
     """Each path of bf16_matmul (the AMX and AVX512-BF16 kernels where this CPU has them, the emulation forced by
     PADDLE_RL_BF16_EMULATE) gives op(A) op(B) of the bf16-rounded operands within float32 summation rounding
-    (|error| <= K 2^-24 sum_k |a_k b_k|, per element), for all four transposes and sizes off the kernels' blocks."""
+    (|error| <= K 2^-24 sum_k |a_k b_k|, per element), for all four transposes and sizes off the kernels' blocks;
+    a kernel's product from B packed once (bf16_pack_b, bf16_matmul_packed) gives the same bits."""
     if kernel == "emulated":
         monkeypatch.setenv("PADDLE_RL_BF16_EMULATE", "1")
     elif kernel not in ops.bf16_kernels():
@@ -75,6 +76,10 @@ def test_bf16_matmul_paths_equal_the_rounded_product(kernel, monkeypatch):
                     got = ops.bf16_matmul(at, bt, trans_a, trans_b).numpy()
                 else:
                     got = ops.bf16_matmul_fused(at, bt, trans_a, trans_b, kernel=kernel).numpy()
+                    # B packed once (the LM head's weight over its chunks): the same bits
+                    packed = ops.bf16_pack_b(bt, trans_b)
+                    np.testing.assert_array_equal(ops.bf16_matmul_packed(at, packed, trans_a, kernel=kernel).numpy(),
+                                                  got)
                 ar, br = bf16_round(a).astype(np.float64), bf16_round(b).astype(np.float64)
                 ar, br = (ar.T if trans_a else ar), (br.T if trans_b else br)
                 expected, magnitude = ar @ br, np.abs(ar) @ np.abs(br)

@@ -51,9 +51,10 @@ struct FreeDeleter {
 
 // An operand packed as above: rows padded to 16, k2p = K / 2 padded to 16 words
 struct Packed {
-  std::unique_ptr<uint32_t[], FreeDeleter> words;
+  std::unique_ptr<uint32_t[], FreeDeleter> words;  // owned (null when data is the caller's)
+  const uint32_t* data = nullptr;
   int64_t rows_p = 0, k2p = 0;
-  const uint32_t* Block(int64_t rb) const { return words.get() + rb * kRowBlock * k2p; }
+  const uint32_t* Block(int64_t rb) const { return data + rb * kRowBlock * k2p; }
 };
 
 // d[kk] = the pair (row[2 kk], row[2 kk + 1]) for kk < ceil(k / 2) (an odd k's last pair with a zero)
@@ -91,13 +92,18 @@ inline int64_t BIndex(int64_t i, int64_t kk) { return kk * kRowBlock + i; }
 
 // src element (r, k), r < rows, k < k: src[r * k + k] when k_contiguous, else src[k * rows + r]; a_layout: the
 // blocks of A, else those of B
-Packed Pack(const float* src, int64_t rows, int64_t k, bool k_contiguous, bool a_layout) {
+// dst: where to write (PackedWords(rows, k) words), else a buffer of its own
+Packed Pack(const float* src, int64_t rows, int64_t k, bool k_contiguous, bool a_layout, uint32_t* dst = nullptr) {
   Packed p;
   p.rows_p = RoundUp(rows, kRowBlock);
   p.k2p = RoundUp((k + 1) / 2, kPairStep);
   const int64_t k2p = p.k2p, k2 = (k + 1) / 2;
-  p.words.reset(static_cast<uint32_t*>(std::aligned_alloc(64, p.rows_p * k2p * sizeof(uint32_t))));
-  uint32_t* base = p.words.get();
+  if (!dst) {
+    p.words.reset(static_cast<uint32_t*>(std::aligned_alloc(64, p.rows_p * k2p * sizeof(uint32_t))));
+    dst = p.words.get();
+  }
+  p.data = dst;
+  uint32_t* base = dst;
   const int64_t blocks = p.rows_p / kRowBlock;
   // zeros: the padding rows, and the pairs past K's
   for (int64_t rb = 0; rb < blocks; ++rb) {
@@ -448,8 +454,35 @@ bool prl_cpu::Bf16Matmul(const float* a, const float* b, float* c, int64_t m, in
     std::fill(c, c + m * n, 0.0f);
     return true;
   }
-  const Packed pa = Pack(a, m, k, !trans_a, true);
   const Packed pb = Pack(b, n, k, trans_b, false);
+  return Bf16MatmulPacked(a, pb.data, c, m, n, k, trans_a, kernel);
+}
+
+int64_t prl_cpu::Bf16PackedWords(int64_t n, int64_t k) {
+  return RoundUp(n, kRowBlock) * RoundUp((k + 1) / 2, kPairStep);
+}
+
+int64_t prl_cpu::Bf16PackB(const float* b, uint32_t* packed, int64_t n, int64_t k, bool trans_b) {
+  Pack(b, n, k, trans_b, false, packed);
+  return Bf16PackedWords(n, k);
+}
+
+bool prl_cpu::Bf16MatmulPacked(const float* a, const uint32_t* packed_b, float* c, int64_t m, int64_t n, int64_t k,
+                               bool trans_a, Bf16Kernel kernel) {
+  if (kernel == Bf16Kernel::kAuto) kernel = AmxUsable() ? Bf16Kernel::kAmx : Bf16Kernel::kAvx512Bf16;
+  if ((kernel == Bf16Kernel::kAmx && !AmxUsable()) || (kernel == Bf16Kernel::kAvx512Bf16 && !Avx512Bf16Usable())) {
+    return false;
+  }
+  if (m == 0 || n == 0) return true;
+  if (k == 0) {
+    std::fill(c, c + m * n, 0.0f);
+    return true;
+  }
+  const Packed pa = Pack(a, m, k, !trans_a, true);
+  Packed pb;
+  pb.data = packed_b;
+  pb.rows_p = RoundUp(n, kRowBlock);
+  pb.k2p = RoundUp((k + 1) / 2, kPairStep);
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
   if (kernel == Bf16Kernel::kAmx) {
     AmxProduct(pa, pb, c, m, n);
@@ -500,6 +533,73 @@ PD_BUILD_OP(prl_bf16_matmul)
     .SetKernelFn(PD_KERNEL(Bf16MatmulOp))
     .SetInferShapeFn(PD_INFER_SHAPE(Bf16MatmulInferShape))
     .SetInferDtypeFn(PD_INFER_DTYPE(Bf16MatmulInferDtype));
+
+// B [K, N] (or [N, K] with trans_b) float32 -> its pack for prl_bf16_matmul_packed: [N padded to 16, K / 2 padded to
+// 16] int32 words (pairs of bfloat16, the layout above): a weight packed once and multiplied many times
+std::vector<paddle::Tensor> Bf16PackBOp(const paddle::Tensor& b, bool trans_b) {
+  const char* op = "prl_bf16_pack_b";
+  prl::CheckCpuFloat(b, op, "b");
+  PD_CHECK(b.shape().size() == 2, op, ": b must be 2-D");
+  const int64_t k = b.shape()[trans_b ? 1 : 0], n = b.shape()[trans_b ? 0 : 1];
+  auto out = paddle::empty({RoundUp(n, kRowBlock), RoundUp((k + 1) / 2, kPairStep)}, paddle::DataType::INT32,
+                           b.place());
+  prl_cpu::Bf16PackB(b.data<float>(), reinterpret_cast<uint32_t*>(out.data<int32_t>()), n, k, trans_b);
+  return {out};
+}
+
+std::vector<std::vector<int64_t>> Bf16PackBInferShape(const std::vector<int64_t>& b, bool trans_b) {
+  const int64_t k = b[trans_b ? 1 : 0], n = b[trans_b ? 0 : 1];
+  return {{RoundUp(n, kRowBlock), RoundUp((k + 1) / 2, kPairStep)}};
+}
+
+std::vector<paddle::DataType> Bf16PackBInferDtype(paddle::DataType b) { return {paddle::DataType::INT32}; }
+
+PD_BUILD_OP(prl_bf16_pack_b)
+    .Inputs({"B"})
+    .Outputs({"Out"})
+    .Attrs({"trans_b: bool"})
+    .SetKernelFn(PD_KERNEL(Bf16PackBOp))
+    .SetInferShapeFn(PD_INFER_SHAPE(Bf16PackBInferShape))
+    .SetInferDtypeFn(PD_INFER_DTYPE(Bf16PackBInferDtype));
+
+// op(A) times a B packed by prl_bf16_pack_b (n its columns): prl_bf16_matmul's numbers, B packed once
+std::vector<paddle::Tensor> Bf16MatmulPackedOp(const paddle::Tensor& a, const paddle::Tensor& packed_b, bool trans_a,
+                                               int64_t n, int64_t kernel) {
+  const char* op = "prl_bf16_matmul_packed";
+  prl::CheckCpuFloat(a, op, "a");
+  PD_CHECK(a.shape().size() == 2, op, ": a must be 2-D");
+  PD_CHECK(packed_b.dtype() == paddle::DataType::INT32 && packed_b.shape().size() == 2 && packed_b.is_cpu(), op,
+           ": packed_b must be prl_bf16_pack_b's int32 [N16, K2] CPU tensor");
+  PD_CHECK(kernel >= 0 && kernel <= 2, op, ": kernel must be 0 (auto), 1 (amx) or 2 (avx512_bf16), got ", kernel);
+  const int64_t m = a.shape()[trans_a ? 1 : 0], k = a.shape()[trans_a ? 0 : 1];
+  PD_CHECK(packed_b.shape()[0] == RoundUp(n, kRowBlock) && packed_b.shape()[1] == RoundUp((k + 1) / 2, kPairStep), op,
+           ": packed_b [", packed_b.shape()[0], ", ", packed_b.shape()[1], "] is not the pack of a [", k, ", ", n,
+           "] operand");
+  auto out = paddle::empty({m, n}, paddle::DataType::FLOAT32, a.place());
+  const bool done = prl_cpu::Bf16MatmulPacked(a.data<float>(),
+                                              reinterpret_cast<const uint32_t*>(packed_b.data<int32_t>()),
+                                              out.data<float>(), m, n, k, trans_a,
+                                              static_cast<prl_cpu::Bf16Kernel>(kernel));
+  PD_CHECK(done, op, ": the ", kernel == 1 ? "AMX-BF16" : kernel == 2 ? "AVX512-BF16" : "AMX-BF16 and AVX512-BF16",
+           " kernel is not usable here (CPU, OS or build: see prl_bf16_kernels)");
+  return {out};
+}
+
+std::vector<std::vector<int64_t>> Bf16MatmulPackedInferShape(const std::vector<int64_t>& a,
+                                                             const std::vector<int64_t>& packed_b, bool trans_a,
+                                                             int64_t n, int64_t kernel) {
+  return {{a[trans_a ? 1 : 0], n}};
+}
+
+std::vector<paddle::DataType> Bf16MatmulPackedInferDtype(paddle::DataType a, paddle::DataType b) { return {a}; }
+
+PD_BUILD_OP(prl_bf16_matmul_packed)
+    .Inputs({"A", "PackedB"})
+    .Outputs({"Out"})
+    .Attrs({"trans_a: bool", "n: int64_t", "kernel: int64_t"})
+    .SetKernelFn(PD_KERNEL(Bf16MatmulPackedOp))
+    .SetInferShapeFn(PD_INFER_SHAPE(Bf16MatmulPackedInferShape))
+    .SetInferDtypeFn(PD_INFER_DTYPE(Bf16MatmulPackedInferDtype));
 
 // [2] int32: whether the AMX-BF16 and the AVX512-BF16 kernels are usable (CPU, OS and build); x is not read
 std::vector<paddle::Tensor> Bf16KernelsOp(const paddle::Tensor& x) {

@@ -200,6 +200,28 @@ def bf16_matmul_fused(a, b, trans_a: bool = False, trans_b: bool = False, kernel
                      _KERNEL_CODES[kernel])[0]
 
 
+class Bf16PackedB:
+    """A right operand B [K, N] rounded to bfloat16 and packed once (prl_bf16_pack_b) for many products
+    (bf16_matmul_packed): `words` the pack, `n` its columns, `k` its inner dimension."""
+
+    def __init__(self, words, n: int, k: int):
+        self.words, self.n, self.k = words, n, k
+
+
+def bf16_pack_b(b, trans_b: bool = False) -> Bf16PackedB:
+    """op(b) packed for bf16_matmul_packed (the kernel's own copy of it; bf16_matmul packs it on every call)."""
+    k, n = (b.shape[1], b.shape[0]) if trans_b else (b.shape[0], b.shape[1])
+    return Bf16PackedB(build.run("prl_bf16_pack_b", contiguous(b), bool(trans_b))[0], int(n), int(k))
+
+
+def bf16_matmul_packed(a, packed: Bf16PackedB, trans_a: bool = False, kernel: str = "auto"):
+    """bf16_matmul_fused(a, b, trans_a, trans_b)'s numbers, with b packed once by bf16_pack_b."""
+    if kernel not in _KERNEL_CODES:
+        raise ValueError(f"bf16_matmul kernel: must be one of {', '.join(_KERNEL_CODES)}, got {kernel!r}")
+    return build.run("prl_bf16_matmul_packed", contiguous(a), packed.words, bool(trans_a), int(packed.n),
+                     _KERNEL_CODES[kernel])[0]
+
+
 _usable_kernels = []
 
 

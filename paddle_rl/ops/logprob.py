@@ -19,14 +19,18 @@ from paddle.autograd import PyLayer
 
 from . import build
 from ._util import contiguous, fusable
-from .linear import bf16_kernel, bf16_linear_reference, bf16_matmul_fused, round_bf16
+from .linear import (bf16_kernel, bf16_linear_reference, bf16_matmul_fused, bf16_matmul_packed, bf16_pack_b,
+                     round_bf16)
 
 CHUNK_ELEMENTS = 1 << 24       # logits per chunk (64 MB of float32)
 SAVE_LOGITS_BYTES = 256 << 20  # keep the logits for the backward up to this size, else recompute them
 
 
-def _head(hidden, weight, transpose_weight: bool, bf16_fused: bool = False):
-    """The logits; `bf16_fused`: by the bf16 matmul kernel (it rounds the operands to bfloat16 itself)."""
+def _head(hidden, weight, transpose_weight: bool, bf16_fused: bool = False, packed=None):
+    """The logits; `bf16_fused`: by the bf16 matmul kernel (it rounds the operands to bfloat16 itself), from
+    `packed` (the weight's bf16_pack_b, made once per pass) when given."""
+    if packed is not None:
+        return bf16_matmul_packed(hidden, packed)
     if bf16_fused:
         return bf16_matmul_fused(hidden, weight, trans_b=transpose_weight)
     return paddle.matmul(hidden, weight, transpose_y=transpose_weight)
@@ -114,9 +118,11 @@ def _forward_chunks(hidden, weight, labels, scale, transpose, rows_per_chunk, fu
     that gets each chunk's argmax over the vocabulary (one more read of the chunk's logits)."""
     forward, _ = _kernels(fused)
     outs, kept = [], []
+    # the head's weight rounded and packed once for all the chunks (bf16_matmul would pack it for each)
+    packed = bf16_pack_b(weight, trans_b=transpose) if bf16_fused and hidden.shape[0] > rows_per_chunk else None
     for start in range(0, hidden.shape[0], rows_per_chunk):
         stop = min(start + rows_per_chunk, hidden.shape[0])
-        logits = _head(hidden[start:stop], weight, transpose, bf16_fused)
+        logits = _head(hidden[start:stop], weight, transpose, bf16_fused, packed)
         outs.append(forward(logits, labels[start:stop], scale))
         if keep_logits:
             kept.append(logits)
@@ -151,17 +157,22 @@ class _ChunkedLMHead(PyLayer):
         _, backward = _kernels(fused)
         kept, ctx.kept_logits = ctx.kept_logits, None
         grad_hidden, grad_weight = [], None
+        # over several chunks, the weight packed once for the logits (unless kept) and once for d hidden
+        many = bf16_fused and hidden.shape[0] > rows_per_chunk
+        packed = bf16_pack_b(weight, trans_b=transpose) if many and not kept else None
+        packed_dx = bf16_pack_b(weight, trans_b=not transpose) if many and ctx.needs[0] else None
         for index, start in enumerate(range(0, hidden.shape[0], rows_per_chunk)):
             stop = min(start + rows_per_chunk, hidden.shape[0])
             h = hidden[start:stop]
-            logits = kept[index] if kept else _head(h, weight, transpose, bf16_fused)
+            logits = kept[index] if kept else _head(h, weight, transpose, bf16_fused, packed)
             g_ent = None if grad_entropy is None else grad_entropy[start:stop]
             g = backward(logits, labels[start:stop], lse[start:stop], mean_z[start:stop], grad_logp[start:stop],
                          g_ent, scale)
             if kept:
                 kept[index] = None
             if bf16_fused:  # the kernel rounds g, h and the weight
-                grad_hidden.append(bf16_matmul_fused(g, weight, trans_b=not transpose))
+                grad_hidden.append(bf16_matmul_packed(g, packed_dx) if packed_dx is not None
+                                   else bf16_matmul_fused(g, weight, trans_b=not transpose))
                 part = bf16_matmul_fused(g, h, trans_a=True) if transpose else bf16_matmul_fused(h, g, trans_a=True)
             else:
                 g = round_bf16(g) if bf16 else g
