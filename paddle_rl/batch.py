@@ -71,10 +71,12 @@ COLUMNS: Dict[str, Column] = _columns(
     Column("skipped", "row", "bool", REWARD, optional=True),     # the reward server skipped it (on_failure skip)
     Column("scores", "row", "float", TRAINER),                   # the shaped scores advantages are computed from
     Column("mini_batch", "row", "int", LAYOUT),
+    # the row's index in the step's placed batch: the update's own old log-probs go back to it (old_logprob_pass)
+    Column("row_index", "row", "int", TRAINER, optional=True),
     Column("prompt_tokens", "prompt", "int", "StepBatch.with_prompt_layout"),
     Column("prompt_mask", "prompt", "int", "StepBatch.with_prompt_layout"),
     Column("ref_logp", "token", "float", "the reference pass", optional=True),
-    Column("old_logp", "token", "float", "the old-policy pass (or the rollout's log-probs)"),
+    Column("old_logp", "token", "float", "the old-policy pass (or the rollout's log-probs, or the update's own)"),
     Column("is_weight", "token", "float", "rollout correction (rollout_is / rollout_rs)", optional=True),
     Column("values", "token", "float", "the critic's value pass (rl_algorithm ppo)", optional=True),
     Column("returns", "token", "float", "the advantage estimator, with a critic", optional=True),

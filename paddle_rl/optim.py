@@ -5,19 +5,28 @@ from typing import Callable, Iterable, Optional
 import paddle
 
 
-def lr_factor(schedule: str, total_steps: int, warmup_steps: int, min_lr_ratio: float = 0.0) -> Callable[[int], float]:
-    """Multiplier of the peak learning rate at optimizer step `step` (0-based)."""
+def lr_factor(schedule: str, total_steps: int, warmup_steps: int, min_lr_ratio: float = 0.0,
+              decay_steps: int = 0) -> Callable[[int], float]:
+    """Multiplier of the peak learning rate at optimizer step `step` (0-based). warmup_stable_decay: the peak
+    after the warm-up, then a cosine decay over the last `decay_steps` steps (transformers' WSD schedule)."""
     total_steps = max(total_steps, 1)
+    decay_start = max(total_steps - decay_steps, warmup_steps) if schedule == "warmup_stable_decay" else warmup_steps
 
     def factor(step: int) -> float:
         if warmup_steps > 0 and step < warmup_steps:
             return (step + 1) / warmup_steps
         if schedule in ("constant", "constant_with_warmup"):
             return 1.0
-        progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
-        if schedule == "linear":
+        if schedule == "warmup_stable_decay":
+            if step < decay_start:
+                return 1.0
+            schedule_ = "cosine"
+        else:
+            schedule_ = schedule
+        progress = min(1.0, (step - decay_start) / max(1, total_steps - decay_start))
+        if schedule_ == "linear":
             return min_lr_ratio + (1.0 - min_lr_ratio) * (1.0 - progress)
-        if schedule == "cosine":
+        if schedule_ == "cosine":
             return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
         raise ValueError(f"lr_scheduler_type: unknown {schedule!r}")
     return factor
@@ -28,7 +37,8 @@ def build_optimizer(model, config, total_optimizer_steps: int, parameters=None):
     its shard); frozen parameters (a LoRA model's base) get no optimizer state."""
     warmup = config.warmup_steps or int(config.warmup_ratio * total_optimizer_steps)
     scheduler = paddle.optimizer.lr.LambdaDecay(
-        config.learning_rate, lr_factor(config.lr_scheduler_type, total_optimizer_steps, warmup, config.min_lr_ratio))
+        config.learning_rate, lr_factor(config.lr_scheduler_type, total_optimizer_steps, warmup, config.min_lr_ratio,
+                                       config.lr_decay_steps))
     no_decay = {p.name for n, p in model.named_parameters() if "norm" in n or n.endswith("bias")}
     parameters = [p for p in (model.parameters() if parameters is None else parameters) if not p.stop_gradient]
     optimizer = paddle.optimizer.AdamW(

@@ -1,5 +1,6 @@
 """The argument set: PaddleNLP files load, typos get suggestions, bad values are named before any model loads."""
 import logging
+import math
 import os
 
 import pytest
@@ -186,3 +187,20 @@ def test_rollout_precision_keys():
         load_config(None, [MODEL, "rollout_quant_type=a8w8"])
     with pytest.raises(ConfigError, match="rollout_dtype: must be auto, float32 or bfloat16, got 'float16'"):
         load_config(None, [MODEL, "rollout_dtype=float16"])
+
+
+def test_warmup_stable_decay_schedule():
+    """lr_scheduler_type warmup_stable_decay: the warm-up, the peak, then a cosine decay over the last lr_decay_steps
+    optimizer steps to min_lr_ratio; lr_decay_steps is required with it and refused without it."""
+    from paddle_rl.optim import lr_factor
+    f = lr_factor("warmup_stable_decay", 45, 3, 0.1, 15)
+    assert [f(i) for i in (0, 1, 2)] == pytest.approx([1 / 3, 2 / 3, 1.0])
+    assert all(f(i) == 1.0 for i in range(2, 31))        # the first 30 steps as a constant schedule
+    assert f(37) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 7 / 15)))
+    assert f(44) < 0.12 and f(45) == pytest.approx(0.1)
+    cfg = load_config(None, [MODEL, "lr_scheduler_type=warmup_stable_decay", "lr_decay_steps=15"])
+    assert cfg.lr_scheduler_type == "warmup_stable_decay" and cfg.lr_decay_steps == 15
+    with pytest.raises(ConfigError, match="lr_decay_steps: warmup_stable_decay needs lr_decay_steps > 0"):
+        load_config(None, [MODEL, "lr_scheduler_type=warmup_stable_decay"])
+    with pytest.raises(ConfigError, match="lr_decay_steps: read by lr_scheduler_type warmup_stable_decay only"):
+        load_config(None, [MODEL, "lr_scheduler_type=cosine", "lr_decay_steps=15"])

@@ -282,3 +282,23 @@ def test_greedy_choices_differ_under_a_low_precision_rollout(micro, tmp_path, va
     # measured: 0.0, 0.0046 (7 of 1,536 tokens), 0.163
     assert share["float32"] == 0.0
     assert 0.0 < share["bfloat16"] < 0.02 and 0.08 < share["int4"] < 0.3
+
+
+def test_on_policy_old_logprobs_come_from_the_update(micro, tmp_path, varied_reward):
+    """old_logprob_pass auto: on-policy (one mini-batch, update_iters 1) with a bfloat16 rollout, the old log-probs
+    are the update's own forward's, detached: no old-log-prob pass runs (no time/old_logprob), yet the step reports
+    what the pass would (the rollout_corr gap, greedy_differs, the token KL against the reference) to float
+    rounding, and trains as the run with the pass (old_logprob_pass on) does. With the KL in the reward (kl_coeff >
+    0) the advantages need them first, so the pass runs."""
+    keys = dict(rollout_dtype="bfloat16", kl_loss_coeff=0.05, max_dec_len=24, min_dec_len=24)
+    auto = _train(micro, tmp_path / "auto", **keys)
+    with_pass = _train(micro, tmp_path / "on", old_logprob_pass="on", **keys)
+    assert all("time/old_logprob" not in r for r in auto) and all("time/old_logprob" in r for r in with_pass)
+    for step in (0, 1):
+        for key in GAP + ("rollout_corr/greedy_differs", "kl", "actor/pg_loss", "actor/kl_loss", "actor/grad_norm"):
+            assert auto[step][key] == pytest.approx(with_pass[step][key], rel=1e-4, abs=1e-7), (step, key)
+    print("kl", auto[0]["kl"], auto[1]["kl"], "k3", auto[0]["rollout_corr/k3_kl"])
+    assert auto[0]["rollout_corr/k3_kl"] > 0 and abs(auto[0]["kl"]) < 1e-6   # step 1: the reference is the actor
+    assert abs(auto[1]["kl"]) > 1e-5
+    reward_kl = _train(micro, tmp_path / "reward_kl", kl_coeff=0.05, max_steps=1, **keys)
+    assert "time/old_logprob" in reward_kl[0]

@@ -315,6 +315,16 @@ class Objective:
             metrics["kl"] = float(total / max(tokens, 1.0))
         return metrics, num_seqs
 
+    def old_policy_kl(self, response_mask, old_logp, ref_logp) -> dict:
+        """{"kl": the token mean of old_logp - ref_logp over the global batch} when ref_logp is given (what
+        `step_advantages_and_returns` reports, for old log-probs that come after it: the update's own)."""
+        if ref_logp is None:
+            return {}
+        mask = to_numpy(response_mask)
+        total, tokens = global_sum([((to_numpy(old_logp) - to_numpy(ref_logp)) * mask).sum(), mask.sum()],
+                                   self.reduce)
+        return {"kl": float(total / max(tokens, 1.0))}
+
     def update_kl_controller(self, observed_kl: float, n_steps: int) -> float:
         """Adaptive KL: coeff *= 1 + clip(observed/target - 1, -0.2, 0.2) * n_steps / kl_horizon; a no-op without
         adaptive_kl. `step_advantages` calls it (observed_kl = reward_kl, n_steps = sequences in the global

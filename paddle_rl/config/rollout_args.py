@@ -55,6 +55,11 @@ class RolloutArgs:
                                               "instead of a second forward pass: auto (when the update is on-policy: "
                                               "one mini-batch per step and update_iters 1) | on | off.",
                                       choices=("auto", "on", "off"), spellings=ON_OFF)
+    old_logprob_pass: str = arg("auto", "The old-policy log-prob pass when the rollout's log-probs are not reused: "
+                                        "auto (skipped when the update is on-policy and nothing reads them before "
+                                        "it: the update's forward gives them, detached; ratio exactly 1) | on "
+                                        "(always run; it also gives rollout_corr/greedy_differs).",
+                                choices=("auto", "on"), spellings=ON_OFF)
     env_plugin: str = arg("", "Multi-turn episodes: `tools` (the built-in tool environment: Hermes <tool_call> turns "
                               "answered with tool results), `agent` (a program of agent_command per sample, talking "
                               "to the policy through an OpenAI-compatible endpoint) or path/to/file.py:ClassName "

@@ -3,7 +3,7 @@ from typing import Optional
 
 from .fields import arg
 
-LR_SCHEDULES = ("constant", "constant_with_warmup", "linear", "cosine")
+LR_SCHEDULES = ("constant", "constant_with_warmup", "linear", "cosine", "warmup_stable_decay")
 
 
 @dataclass
@@ -36,9 +36,13 @@ class TrainingArgs:
                               ">= max_prompt_len + max_dec_len, the longest sequence a step builds; -1: "
                               "max_prompt_len + max_dec_len.")
     learning_rate: float = arg(5e-7, "Peak learning rate.")
-    lr_scheduler_type: str = arg("constant", "constant | constant_with_warmup | linear | cosine.")
+    lr_scheduler_type: str = arg("constant", "constant | constant_with_warmup | linear | cosine | "
+                                             "warmup_stable_decay (the peak after the warm-up, then a cosine decay "
+                                             "over the last lr_decay_steps steps).")
     warmup_steps: int = arg(0, "Linear warm-up steps (optimizer steps).")
     warmup_ratio: float = arg(0.0, "Warm-up as a share of all optimizer steps (used when warmup_steps is 0).")
+    lr_decay_steps: int = arg(0, "warmup_stable_decay: the optimizer steps at the end that decay to min_lr_ratio "
+                                 "(required, > 0, with that schedule).")
     min_lr_ratio: float = arg(0.0, "Final learning rate of linear / cosine decay, as a share of the peak.")
     weight_decay: float = arg(0.0, "AdamW decoupled weight decay (not applied to norms and biases).")
     adam_beta1: float = arg(0.9)
@@ -90,6 +94,11 @@ class TrainingArgs:
                 errors.append(f"{key}: must be >= 1, got {getattr(self, key)}")
         if self.lr_scheduler_type not in LR_SCHEDULES:
             errors.append(f"lr_scheduler_type: {self.lr_scheduler_type!r} is not one of {', '.join(LR_SCHEDULES)}")
+        if self.lr_scheduler_type == "warmup_stable_decay" and self.lr_decay_steps <= 0:
+            errors.append(f"lr_decay_steps: warmup_stable_decay needs lr_decay_steps > 0, got {self.lr_decay_steps}")
+        elif self.lr_decay_steps and self.lr_scheduler_type != "warmup_stable_decay":
+            errors.append(f"lr_decay_steps: read by lr_scheduler_type warmup_stable_decay only, not by "
+                          f"{self.lr_scheduler_type!r}")
         if self.learning_rate < 0:
             errors.append(f"learning_rate: must be >= 0, got {self.learning_rate}")
         if self.save_strategy not in ("steps", "no", "epoch"):

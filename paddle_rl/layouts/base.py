@@ -286,10 +286,11 @@ class Layout(abc.ABC):
 
     @abc.abstractmethod
     def forward_backward(self, model, mini: StepBatch, keys: List[str], micro: int, temperature: float,
-                         loss_fn: Callable) -> list:
+                         loss_fn: Callable, with_greedy: bool = False) -> list:
         """Forward + backward of every micro-batch of a mini-batch (`micro` rows, or the token budget);
         loss_fn(part, logp, entropy) -> LossOutput with `part` the micro-batch's tensors (StepBatch.tensors of
-        StepBatch.micro). Returns this rank's LossOutputs (under a pipeline only the last stage has them)."""
+        StepBatch.micro; with `with_greedy` also part["greedy"], the argmax of the logits [b, W]). Returns this
+        rank's LossOutputs (under a pipeline only the last stage has them)."""
 
     # ---------------------------------------------------------------- a critic's passes
     @paddle.no_grad()

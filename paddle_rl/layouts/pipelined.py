@@ -96,7 +96,11 @@ class Pipelined(Layout):
             chunks.append((rows, logp, ent, *greedy))
         return chunks
 
-    def forward_backward(self, model, mini, keys, micro: int, temperature: float, loss_fn) -> list:
+    def forward_backward(self, model, mini, keys, micro: int, temperature: float, loss_fn,
+                         with_greedy: bool = False) -> list:
+        if with_greedy:
+            raise ValueError("forward_backward: with_greedy is not supported under a pipeline (only its last stage "
+                             "sees the logits)")
         parts = self._parts(mini, self.micro.plan(mini, micro), keys)
         outputs = []
 

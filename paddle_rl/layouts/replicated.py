@@ -30,12 +30,16 @@ class Replicated(Layout):
             chunks.append((rows, *(None if x is None else x.numpy() for x in out)))
         return chunks
 
-    def forward_backward(self, model, mini, keys, micro: int, temperature: float, loss_fn) -> list:
+    def forward_backward(self, model, mini, keys, micro: int, temperature: float, loss_fn,
+                         with_greedy: bool = False) -> list:
         outs = []
         for rows in self.micro.plan(mini, micro):
             part = mini.micro(rows)
-            logp, entropy = self.micro.logprobs(model, part, temperature, True)
-            out = loss_fn(part.tensors(keys=keys), logp, entropy)
+            logp, entropy, *greedy = self.micro.logprobs(model, part, temperature, True, with_greedy)
+            tensors = part.tensors(keys=keys)
+            if with_greedy:
+                tensors["greedy"] = greedy[0]
+            out = loss_fn(tensors, logp, entropy)
             out.loss.backward()
             outs.append(out)
         return outs

@@ -135,7 +135,7 @@ def _forward_chunks(hidden, weight, labels, scale, transpose, rows_per_chunk, fu
 
 class _ChunkedLMHead(PyLayer):
     @staticmethod
-    def forward(ctx, hidden, weight, labels, scale, transpose, rows_per_chunk, fused, bf16=False):
+    def forward(ctx, hidden, weight, labels, scale, transpose, rows_per_chunk, fused, bf16=False, greedy=None):
         ctx.needs = (not hidden.stop_gradient, not weight.stop_gradient)
         bf16_fused = _bf16_fused(bf16, hidden, weight)
         if bf16 and not bf16_fused:  # the products' operands in bfloat16 (d logits rounded in the backward)
@@ -144,7 +144,7 @@ class _ChunkedLMHead(PyLayer):
         keep = hidden.shape[0] * vocab * 4 <= SAVE_LOGITS_BYTES
         (logp, entropy, lse, mean_z), kept = _forward_chunks(hidden, weight, labels, scale, transpose,
                                                              rows_per_chunk, fused, keep_logits=keep,
-                                                             bf16_fused=bf16_fused)
+                                                             greedy=greedy, bf16_fused=bf16_fused)
         ctx.save_for_backward(hidden, weight, labels, lse, mean_z)
         ctx.kept_logits = kept
         ctx.config = (scale, transpose, rows_per_chunk, fused, bf16, bf16_fused)
@@ -194,26 +194,25 @@ def lm_head_logprobs(hidden, weight, labels, temperature: float, with_entropy: b
     """Chunked (logp [N], entropy [N] or None) of labels under softmax(hidden @ weight / temperature).
 
     Differentiable in hidden and weight. `fused` forces the kernel choice (default: the fused kernels when
-    available); `bf16`: the head's products from bfloat16-rounded operands. `with_greedy` (no-grad passes only)
-    adds a third output: the argmax over the vocabulary of each row's logits [N] int64 (the distribution's
-    greedy choice; the first index of a tie, as paddle.argmax), from the same chunks."""
+    available); `bf16`: the head's products from bfloat16-rounded operands. `with_greedy` adds a third output: the
+    argmax over the vocabulary of each row's logits [N] int64 (the distribution's greedy choice; the first index of
+    a tie, as paddle.argmax), from the same chunks (no gradient)."""
     scale = 1.0 / temperature if temperature > 0 else 1.0
     if fused is None:
         fused = fusable(hidden, weight)
     vocab = weight.shape[0] if transpose_weight else weight.shape[1]
     rows = _chunk_rows(hidden.shape[0], vocab, chunk_rows)
     needs_grad = paddle.is_grad_enabled() and not (hidden.stop_gradient and weight.stop_gradient)
-    if needs_grad:
-        if with_greedy:
-            raise ValueError("lm_head_logprobs: with_greedy is for no-grad passes (the old-policy log-probs)")
-        logp, entropy = _ChunkedLMHead.apply(hidden, weight, labels, scale, transpose_weight, rows, fused, bf16)
-        return logp, (entropy if with_entropy else None)
-    bf16_fused = _bf16_fused(bf16, hidden, weight)
-    if bf16 and not bf16_fused:
-        hidden, weight = round_bf16(hidden), round_bf16(weight)
     greedy = [] if with_greedy else None
-    (logp, entropy, _, _), _ = _forward_chunks(hidden, weight, labels, scale, transpose_weight, rows, fused,
-                                               greedy=greedy, bf16_fused=bf16_fused)
+    if needs_grad:
+        logp, entropy = _ChunkedLMHead.apply(hidden, weight, labels, scale, transpose_weight, rows, fused, bf16,
+                                             greedy)
+    else:
+        bf16_fused = _bf16_fused(bf16, hidden, weight)
+        if bf16 and not bf16_fused:
+            hidden, weight = round_bf16(hidden), round_bf16(weight)
+        (logp, entropy, _, _), _ = _forward_chunks(hidden, weight, labels, scale, transpose_weight, rows, fused,
+                                                   greedy=greedy, bf16_fused=bf16_fused)
     if not with_greedy:
         return logp, (entropy if with_entropy else None)
     return logp, (entropy if with_entropy else None), greedy[0] if len(greedy) == 1 else paddle.concat(greedy)

@@ -1,4 +1,4 @@
-"""Whether the old-policy log-probs come from the rollout or from a pass of their own."""
+"""Where the old-policy log-probs come from: the rollout, the update's own forward, or a pass of their own."""
 
 
 def reuses_rollout_logprobs(config, mini_batches_per_step: int) -> bool:
@@ -25,3 +25,19 @@ def reuses_rollout_logprobs(config, mini_batches_per_step: int) -> bool:
                  and not getattr(config, "rollout_quant_type", ""))
         return exact and mini_batches_per_step == 1 and config.update_iters == 1
     return False
+
+
+def old_logprobs_from_update(config, mini_batches_per_step: int, uses_critic: bool) -> bool:
+    """Whether the old-policy log-probs are the update's own forward's, gradient stopped, with no pass of their own
+    (`old_logprob_pass: auto`). On-policy (one mini-batch per step, update_iters 1) the weights that pass would run
+    are the ones the update's forward runs, so pi_old is pi_theta detached and the PPO ratio is exactly 1. Not when
+    something reads them before the update: the reward KL (kl_coeff > 0), a critic's returns, rollout correction (its
+    weights and rejections enter the loss), an asynchronous rollout that may lag; nor under a pipeline (only its last
+    stage sees the log-probs). The trainer then logs the pass's metrics after the update (`kl`, the rollout_corr gap
+    metrics), except rollout_corr/greedy_differs, which needs the pass's argmax (`old_logprob_pass: on` keeps it)."""
+    if str(getattr(config, "old_logprob_pass", "on")) != "auto":
+        return False
+    lagging = getattr(config, "async_rollout", False) and config.max_staleness > 0
+    return (mini_batches_per_step == 1 and config.update_iters == 1 and config.kl_coeff == 0 and not uses_critic
+            and not getattr(config, "rollout_correction", False) and not lagging
+            and config.pipeline_parallel_degree == 1)

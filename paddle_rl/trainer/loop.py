@@ -119,11 +119,12 @@ class StepLoop:
 
     # ---------------------------------------------------------------- the update
     def update(self, batch: StepBatch, timer: StageTimer, keys: list, micro_loss: Callable, temperature: float,
-               normalizers: Callable) -> dict:
+               normalizers: Callable, with_greedy: bool = False) -> dict:
         """update_iters passes over the batch's mini-batches (column `mini_batch`), one optimizer step each.
         `micro_loss(part, logp, entropy, num_tokens, num_seqs)`: a micro-batch's LossOutput, given the mini-batch's
         totals over every rank from `normalizers(response_mask) -> (tokens, sequences)`; `keys`: the per-token
-        columns it reads besides the response mask; `temperature`: the log-probs' (logits / temperature)."""
+        columns it reads besides the response mask; `temperature`: the log-probs' (logits / temperature);
+        `with_greedy`: micro_loss's part also holds "greedy", the argmax of the logits (Layout.forward_backward)."""
         cfg = self.config
         batch.require(["mini_batch", "prompt_tokens", "response_mask", *keys], by="the update")
         minis = [np.flatnonzero(batch["mini_batch"] == m) for m in np.unique(batch["mini_batch"])]
@@ -148,7 +149,7 @@ class StepLoop:
                     finite_loss = True
                     with self.precision.autocast():
                         outs = self.layout.forward_backward(self.actor, mini, keys, cfg.per_device_train_batch_size,
-                                                            temperature, loss_fn)
+                                                            temperature, loss_fn, with_greedy)
                     for out in outs:
                         for k, v in out.metrics.items():
                             collected.setdefault(k, []).append(v)

@@ -26,7 +26,7 @@ from ..rollout import SamplingParams, sample_key
 from . import faults
 from .checkpoint import resolve_resume
 from .critic import build_critic, check_critic_config
-from .logprobs import reuses_rollout_logprobs
+from .logprobs import old_logprobs_from_update, reuses_rollout_logprobs
 from .loop import StepLoop
 from .rollouts import RolloutParts, build_rollout
 from .scoring import metric_columns, per_function_scores, reward_result, score
@@ -80,6 +80,10 @@ class RLTrainer:
             self.precision.prepare_model(self.critic.model)
             self.critic.model, self.critic.optimizer = self.precision.prepare_training(self.critic.model,
                                                                                        self.critic.optimizer)
+        self.old_logp_from_update = old_logprobs_from_update(config, self.mini_batches_per_step,
+                                                             self.objective.uses_critic)
+        # the update's own log-probs of the step's rows and their argmax (old_logp_from_update)
+        self._update_logp = self._update_greedy = None
         # the rollout source reads these parts of the run, not the trainer
         self.rollout = build_rollout(RolloutParts(config, self.layout, self.engine, self.actor, self.sampler,
                                                   self.tokenizer, self.pad_id, self.total_steps, self.episodes_for,
@@ -191,16 +195,25 @@ class RLTrainer:
         """The actor's update over the placed batch (StepLoop.update) with the Objective's loss."""
         # the update's log-probs are of logits / the sampling temperature, as the rollout's and the old policy's are
         return self.loop.update(batch, timer, self._loss_keys(batch), self._micro_loss, self.config.temperature,
-                                self.objective.loss_normalizers)
+                                self.objective.loss_normalizers, with_greedy=self._update_greedy is not None)
 
     @staticmethod
     def _loss_keys(batch: StepBatch) -> list:
-        """The per-token columns `_micro_loss` reads besides the response mask."""
-        return ["old_logp", "advantages"] + [k for k in ("ref_logp", "is_weight") if batch.has(k)]
+        """The columns `_micro_loss` reads besides the response mask (row_index: the rows the update's own old
+        log-probs go back to, when it gives them)."""
+        return ["advantages"] + [k for k in ("old_logp", "ref_logp", "is_weight", "row_index") if batch.has(k)]
 
     def _micro_loss(self, part, logp, entropy, num_tokens: float, num_seqs: float):
-        """One micro-batch's share of the mini-batch loss (a LossOutput): the Objective's."""
-        return self.objective.loss(logp, part["old_logp"], part.get("ref_logp"), part["advantages"],
+        """One micro-batch's share of the mini-batch loss (a LossOutput): the Objective's. Without old_logp
+        (old_logprob_pass auto, on-policy) the old policy is this forward's, detached, kept for the step's metrics."""
+        old_logp = part.get("old_logp")
+        if old_logp is None:
+            old_logp = logp.detach()
+            rows = part["row_index"].numpy()
+            self._update_logp[rows, :logp.shape[1]] = old_logp.numpy()
+            if "greedy" in part:
+                self._update_greedy[rows, :logp.shape[1]] = part["greedy"].numpy()
+        return self.objective.loss(logp, old_logp, part.get("ref_logp"), part["advantages"],
                                    part["response_mask"], entropy, num_tokens, num_seqs, part.get("is_weight"))
 
     # ---------------------------------------------------------------- one step
@@ -255,10 +268,19 @@ class RLTrainer:
                 batch["ref_logp"] = self.layout.logprobs(reference, batch, cfg.temperature,
                                                          cfg.per_device_logprob_batch_size)
         rollout_greedy, greedy = batch.pop("rollout_greedy", None), None
-        with timer.stage("old_logprob"):
-            if batch.has("rollout_logp") and reuses_rollout_logprobs(cfg, self.mini_batches_per_step):
+        reuse = batch.has("rollout_logp") and reuses_rollout_logprobs(cfg, self.mini_batches_per_step)
+        from_update = self.old_logp_from_update and not reuse
+        if from_update:  # on-policy: the update's forward gives them (old_logprob_pass auto), no pass, no stage
+            rollout_logp = batch.pop("rollout_logp", None)
+            batch["row_index"] = np.arange(batch.size, dtype=np.int64)
+            self._update_logp = np.zeros(mask.shape, dtype=np.float32)
+            if rollout_greedy is not None and rollout_logp is not None:
+                self._update_greedy = np.full(mask.shape, -1, dtype=np.int64)
+        elif reuse:
+            with timer.stage("old_logprob"):
                 batch["old_logp"] = batch.pop("rollout_logp") * mask
-            else:
+        else:
+            with timer.stage("old_logprob"):
                 # with the rollout's greedy choices, the pass gives the trainer's (argmax of the same logits)
                 with_greedy = rollout_greedy is not None and batch.has("rollout_logp")
                 with self.precision.autocast():
@@ -286,7 +308,7 @@ class RLTrainer:
                     batch["values"] = self.critic.values(batch)
         with timer.stage("advantage"):
             adv, returns, adv_metrics = self.objective.step_advantages_and_returns(
-                batch["scores"], mask, batch["group"], batch["old_logp"], batch.get("ref_logp"),
+                batch["scores"], mask, batch["group"], batch.get("old_logp"), batch.get("ref_logp"),
                 per_function_scores=per_function_scores(batch), values=batch.get("values"))
             batch["advantages"] = adv.numpy().astype(np.float32) if isinstance(adv, paddle.Tensor) else adv
         metrics.update(self.layout.batch.reduce_metrics(adv_metrics))
@@ -301,6 +323,16 @@ class RLTrainer:
                 metrics["actor/critic_warmup"] = 1.0
                 return metrics
         metrics.update(self._update(batch, timer))
+        if from_update:  # what the old-log-prob pass reports, from the update's own log-probs
+            batch["old_logp"], self._update_logp = self._update_logp * mask, None
+            metrics.update(self.layout.batch.reduce_metrics(
+                self.objective.old_policy_kl(mask, batch["old_logp"], batch.get("ref_logp"))))
+            if rollout_logp is not None:
+                greedy = None if self._update_greedy is None else (rollout_greedy,
+                                                                   np.where(mask > 0, self._update_greedy, -1))
+                self._update_greedy = None
+                metrics.update(self.layout.batch.reduce_metrics(
+                    self.objective.rollout_correction(batch["old_logp"], rollout_logp, mask, greedy=greedy)[2]))
         return metrics
 
     @staticmethod
