@@ -87,20 +87,6 @@ CHAT_PROMPTS = [
 ]
 
 
-def _register_bench_rule():
-    """A reward defined on any text: the share of distinct characters (varies between samples)."""
-    import numpy as np
-    # each workload imports what it runs (the CLI parser and --help stay without Paddle and the model code)
-    from .rewards.rules import RULE_REWARDS, register_rule
-    if "bench_distinct_chars" in RULE_REWARDS:
-        return
-
-    @register_rule("bench_distinct_chars")
-    def bench_distinct_chars(samples):
-        """Share of distinct characters in the response (synthetic benchmark reward)."""
-        return np.array([len(set(s.response)) / max(1, len(s.response)) for s in samples], np.float32), None
-
-
 def long_tail_lengths(count: int, median: float = 96.0, sigma: float = 1.0, cap: int = 1024):
     """`count` response lengths: the quantiles (i + 0.5) / count of a log-normal with this median and sigma, cut
     to [1, cap] (W2: median 96, the longest 1024 for 64 samples)."""
@@ -415,7 +401,6 @@ def run(args) -> dict:
     from .trainer import RLTrainer
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    _register_bench_rule()
     spec = resolve_args(args)
     steps = args.warmup + args.steps
     rows = args.prompts * args.rollout_n
@@ -438,7 +423,7 @@ def run(args) -> dict:
             "update_iters": 1, "per_device_train_batch_size": rows, "per_device_logprob_batch_size": rows,
             "per_device_value_batch_size": rows,
             "kl_loss_coeff": args.kl_loss_coeff, "learning_rate": 1e-5, "max_steps": steps, "save_strategy": "no",
-            "do_eval": False, "report_to": "none", "disable_tqdm": True, "reward_funcs": ["bench_distinct_chars"],
+            "do_eval": False, "report_to": "none", "disable_tqdm": True, "reward_funcs": ["distinct_chars"],
             "seed": args.seed, **spec["settings"],
         }
         for item in args.set or []:

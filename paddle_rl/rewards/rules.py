@@ -131,6 +131,13 @@ def format_rule(samples: List[RewardSample]):
     return _each(samples, lambda i, s: format_score(s.response)), None
 
 
+@register_rule("distinct_chars")
+def distinct_chars_rule(samples: List[RewardSample]):
+    """The share of distinct characters in the response (0 for an empty one): defined on any text and varying
+    between samples, a reward for benchmarks and smoke tests, not for learning anything useful."""
+    return _each(samples, lambda i, s: len(set(s.response)) / max(1, len(s.response))), None
+
+
 # ----------------------------------------------------------------------------------------------- env
 
 @register_rule("env")
