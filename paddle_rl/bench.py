@@ -50,6 +50,9 @@ import tempfile
 import time
 from typing import Optional
 
+from .config import load_config
+from .env import configure_threads
+
 MODELS = {
     "w1": dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=4,
                num_key_value_heads=2, vocab_size=4096, tie_word_embeddings=False),
@@ -115,7 +118,8 @@ class ForcedLengths:
 
     def logits(self, seqs, logits, generated, stop_ids):
         import numpy as np
-        import paddle   # the bench's parser and report stay without Paddle
+        # deferred: Paddle and ops/ load when a workload runs; the bench's parser and report stay without them
+        import paddle
         from .ops.sampling import NEG_INF
         targets = np.array([self.targets[s.row] for s in seqs])
         before = generated + 1 < targets
@@ -152,6 +156,7 @@ def build_workload(folder: str, model: str, prompts: int, prompt_len: int, seed:
     import paddle
     from tokenizers import Tokenizer as HFTokenizer, models, pre_tokenizers
 
+    # deferred: models/ loads Paddle, only when a workload runs
     from .models import CausalLM, ModelConfig
     from .models.pretrained import save_model, write_generation_config
 
@@ -228,6 +233,7 @@ def _peak_products(kind: str, m: int, k: int, n: int):
     where the kind cannot run here."""
     import paddle
 
+    # deferred: ops/ loads Paddle, only when a measurement runs
     from . import ops
     x, w = paddle.randn([m, k]), paddle.randn([k, n]) * 0.05
     if kind == "fp32":
@@ -287,6 +293,7 @@ def linear_gflops(shape: dict, tokens: int, repeat: int = 2) -> dict:
     """GFLOP/s of the decoder's linear layers' three products (y = x W, dx = dy W^T, dW = x^T dy) at the model's
     shapes over `tokens` rows (best of `repeat`, summed over the layers' shapes): Paddle's float32 matmul against
     the bf16 training products (ops.bf16_matmul: the kernel ops.bf16_kernel names, or its emulation)."""
+    # deferred: Paddle and ops/ load only when a measurement runs
     import paddle
     from . import ops
     h, f = shape["hidden_size"], shape["intermediate_size"]
@@ -357,6 +364,7 @@ def _read_metrics(path: str) -> list:
 def chat_workload(folder: str, model_dir: str, prompts: int) -> dict:
     """W3 / W4: a real model folder and a jsonl of `prompts` chat prompts (CHAT_PROMPTS, rendered with the
     model's chat template by the data loader)."""
+    # deferred: models/ loads Paddle, only when a workload runs
     from .models.hub import resolve_model
     data = os.path.join(folder, "chat_prompts.jsonl")
     with open(data, "w", encoding="utf-8") as f:
@@ -367,6 +375,7 @@ def chat_workload(folder: str, model_dir: str, prompts: int) -> dict:
 
 
 def model_shape(model_dir: str) -> dict:
+    # deferred: models/ loads Paddle, only when a workload runs
     from .models import ModelConfig
     config = ModelConfig.from_pretrained(model_dir)
     keys = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
@@ -391,13 +400,12 @@ def run(args) -> dict:
     # strided views make Paddle's CPU transposes/reshapes copy element by element (~10x slower than a real
     # transpose): the decoder's attention is much faster with them off (see docs/performance.md)
     os.environ.setdefault("FLAGS_use_stride_kernel", "0")
-    from .env import configure_threads
     configure_threads()
     import logging
 
     import numpy as np
 
-    from .config import load_config
+    # deferred: the trainer loads Paddle, only when a workload runs (after configure_threads)
     from .trainer import RLTrainer
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
@@ -579,7 +587,7 @@ def side_by_side(args, tmp: str, overrides: dict, urls: list, inline) -> tuple:
 
     import numpy as np
 
-    from .config import load_config
+    # deferred: the trainer loads Paddle, only when a workload runs (after configure_threads)
     from .trainer import RLTrainer
     logging.getLogger("httpx").setLevel(logging.WARNING)   # a line per request otherwise
     started, inline_rows, server_rows, cpu_s = [], [], [], 0.0
@@ -648,6 +656,7 @@ def cpu_flags() -> list:
 
 def _precision(name: str):
     """`float32` | `bfloat16` | a quant type | `<dtype>+<quant type>` -> (rollout_dtype, rollout_quant_type)."""
+    # deferred: ops/ loads Paddle, only when a rollout comparison runs
     from . import ops
     parts = name.split("+")
     quants = [q for q in ops.ROLLOUT_QUANT_TYPES if q]
@@ -663,11 +672,11 @@ def rollout_precisions(args, spec, precisions) -> dict:
     """The workload's rollout alone per precision (same prompts, keys and forced lengths), --steps interleaved
     rounds; the best round's seconds each."""
     os.environ.setdefault("FLAGS_use_stride_kernel", "0")
-    from .env import configure_threads
     configure_threads()
     import numpy as np
     import paddle
 
+    # deferred: ops/, models/ and the rollout load Paddle, only when a rollout comparison runs
     from . import ops
     from .models import CausalLM, ModelConfig
     from .models.pretrained import load_model
@@ -720,6 +729,7 @@ def rollout_precisions(args, spec, precisions) -> dict:
 
 def _custom_ops_status() -> str:
     try:
+        # deferred: ops/ loads Paddle, only for the report of a run
         from . import ops
     except ImportError:
         return "absent"

@@ -6,7 +6,9 @@ import re
 import subprocess
 import sys
 
+from .config import ConfigError, load_config
 from .env import configure_threads
+from .errors import setup_error_types
 
 # A key=value override; anything else among train / eval's positional words is the CONFIG file.
 OVERRIDE = re.compile(r"^[A-Za-z_][A-Za-z0-9_.\-]*=")
@@ -73,7 +75,7 @@ def _train(args) -> int:
                "--log_dir", args.log_dir, script, *words]
         return subprocess.call(cmd)
     configure_threads()
-    # each subcommand imports what it runs: `paddle-rl --help` stays without Paddle and the model code
+    # deferred: run_rl loads the trainer and Paddle, only when training runs (after configure_threads)
     from .run_rl import main
     return main(words)
 
@@ -94,9 +96,7 @@ def _eval(args) -> int:
     configure_threads()
     import json
 
-    # imported when the subcommand runs (see train above)
-    from .config import ConfigError, load_config
-    from .errors import setup_error_types
+    # deferred: the trainer loads Paddle, only when evaluation runs (after configure_threads)
     from .trainer.evaluate import run_eval
     try:
         config = load_config(args.config, args.overrides)

@@ -5,13 +5,13 @@ message names the key, file or package at fault. Everything else, and everything
 evaluation runs, keeps its traceback: a ValueError or KeyError deep in a step is a bug to locate, not a
 message to the user.
 """
+from .config import ConfigError
+from .data.loader import DatasetError
+from .parallel.topology import TopologyError
+from .rewards.plugins import PluginError
 
 
 def setup_error_types() -> tuple:
-    # each command imports what it runs; this list must not import every package for `paddle-rl --help`
-    from .config import ConfigError
-    from .data.loader import DatasetError
+    # deferred: ops/ loads Paddle, which `paddle-rl --help` and the reward server's parent process do without
     from .ops.build import CustomOpsError
-    from .parallel.topology import TopologyError
-    from .rewards.plugins import PluginError
     return ConfigError, DatasetError, TopologyError, PluginError, CustomOpsError, FileNotFoundError

@@ -9,16 +9,18 @@ from paddle_rl.env import configure_threads  # noqa: E402
 
 configure_threads()
 
+# after the thread settings of the launcher's process (paddle_rl/env.py), before Paddle loads
+from paddle_rl.config import load_config  # noqa: E402
+from paddle_rl.errors import setup_error_types  # noqa: E402
+from paddle_rl.monitor import resolve_dashboards  # noqa: E402
+from paddle_rl.trainer import RLTrainer, SFTTrainer  # noqa: E402
+
 
 def build_trainer(config_path, overrides, sft: bool = False):
     """Config -> RLTrainer (SFTTrainer with `sft`): every check that can fail before the first step (config,
     dashboards, paths, data, process grid, models)."""
-    # after the thread settings of the launcher's process (paddle_rl/env.py), before Paddle loads; the trainer
-    # before the config: the algorithm's pieces (paddle_rl/algorithms) declare keys of the config as they register
-    from paddle_rl.config import load_config
-    from paddle_rl.monitor import resolve_dashboards
-    from paddle_rl.trainer import RLTrainer, SFTTrainer
-
+    # the trainer is imported above: the algorithm's pieces (paddle_rl/algorithms) declare keys of the config as
+    # they register
     config = load_config(config_path, overrides)
     resolve_dashboards(config.report_to)  # on every rank, before any model loads
     return (SFTTrainer if sft else RLTrainer)(config)
@@ -27,8 +29,6 @@ def build_trainer(config_path, overrides, sft: bool = False):
 def main(argv=None) -> int:
     import argparse
     import logging
-
-    from paddle_rl.errors import setup_error_types
 
     parser = argparse.ArgumentParser(prog="run_rl.py", description="GRPO / REINFORCE++ training from a YAML file.")
     parser.add_argument("config", help="YAML argument file (PaddleNLP key names)")

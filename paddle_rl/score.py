@@ -18,15 +18,16 @@ import json
 import math
 import sys
 
+from .config import load_config
+from .data.loader import DatasetError, iter_records
+from .data.records import RecordError, to_prompt_record
 from .env import configure_threads
+from .errors import setup_error_types
+from .rewards import RewardError, RewardSample, RewardServerError, build_reward
 
 
 def load_scoring_records(path: str, config, tokenizer):
     """(location, RewardSample) per line of `path`: the prompt as the trainer renders it, the record's response."""
-    # `paddle-rl score` imports what it runs when it runs: the CLI parser stays without Paddle
-    from .data.loader import DatasetError, iter_records
-    from .data.records import RecordError, to_prompt_record
-    from .rewards import RewardSample
     chat = tokenizer is not None and getattr(tokenizer, "chat_template", None)
     render = (lambda messages: tokenizer.apply_chat_template(messages, add_generation_prompt=True)) if chat else None
     out = []
@@ -54,7 +55,6 @@ def _number(value):
 def score_samples(reward_fn, samples):
     """(RewardResult or None, {index: reason}): the batch at once; when a function raises, each sample alone, so
     the error lands on the samples it belongs to."""
-    from .rewards import RewardError, RewardServerError
     try:
         return reward_fn(samples), {}
     except (RewardError, RewardServerError):
@@ -100,10 +100,8 @@ def report_lines(reward_fn, located):
 
 def _run(args) -> int:
     configure_threads()
-    from . import algorithms  # noqa: F401  (its pieces declare keys of the config as they register)
-    from .config import load_config
-    from .errors import setup_error_types
-    from .rewards import build_reward
+    # deferred: algorithms/ loads Paddle (after configure_threads); its pieces declare keys of the config
+    from . import algorithms  # noqa: F401
     try:
         config = load_config(args.config, args.overrides)
         tokenizer = _tokenizer(config)
@@ -126,6 +124,7 @@ def _tokenizer(config):
     """The config's tokenizer when its folder exists (chat prompts need its template; lengths its tokens)."""
     import os
 
+    # deferred: models/ loads Paddle, only when the config names a tokenizer
     from .models import Tokenizer
     folder = config.tokenizer_name_or_path or config.actor_model_name_or_path
     if folder and os.path.isfile(os.path.join(folder, "tokenizer.json")):

@@ -29,7 +29,9 @@ from fastapi.responses import JSONResponse
 from fastapi_offline import FastAPIOffline
 from pydantic import BaseModel, ConfigDict, Field
 
+from paddle_rl.config import config_from_values
 from paddle_rl.http_auth import key_matches, read_body, replaying
+from paddle_rl.rewards import build_local_reward
 
 from .pool import ScoringFailure, ScoringPool
 
@@ -136,10 +138,6 @@ class RequestGate:
 
 def create_app(settings: ServerSettings, pool: Optional[ScoringPool] = None) -> FastAPI:
     """The application; its lifespan starts and stops the scoring pool."""
-    # the rewards load with the application, not with the parser
-    from paddle_rl.config import config_from_values
-    from paddle_rl.rewards import build_local_reward
-
     scorer = build_local_reward(config_from_values(settings.config_values))  # fail at start-up on a bad configuration
     description = {"reward_funcs": [f"{n} x {w:g}" for n, w in zip(scorer.names, scorer.weights)],
                    "reward_routes": {k: [n for n, _ in v] for k, v in scorer.routes.items()}}

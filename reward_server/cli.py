@@ -7,7 +7,10 @@ import argparse
 import logging
 import os
 
+from paddle_rl.config import ConfigError, config_from_values, parse_overrides
+from paddle_rl.config.loader import read_values
 from paddle_rl.http_auth import bind_problem, is_loopback
+from paddle_rl.rewards.check import reward_config_errors
 from paddle_rl.rewards.client import API_KEY_ENV
 
 DEFAULT_MAX_CONNECTIONS = 128
@@ -77,13 +80,9 @@ def reward_config_values(config_path=None, overrides=None) -> dict:
     Keys of other groups are read (max_dec_len, overlong_* matter to some rewards) but only the reward group is
     validated, so a training config without model paths serves as well.
     """
-    # `paddle-rl --help` registers this parser: the config and rewards load only when the server starts; the
-    # algorithm's pieces too, which declare keys of a training config as they register (this process then holds
-    # Paddle; the workers, which get the values read here, do not)
+    # deferred: algorithms/ (Paddle) loads when the server starts, its pieces declaring keys of a training config
+    # as they register (this process then holds Paddle; the workers, which get the values read here, do not)
     import paddle_rl.algorithms  # noqa: F401
-    from paddle_rl.config import ConfigError, config_from_values
-    from paddle_rl.config.loader import read_values
-    from paddle_rl.rewards.check import reward_config_errors
 
     values, errors = read_values(config_path, dict(overrides or {}))
     values["use_rm_server"] = False
@@ -100,7 +99,7 @@ def reward_config_values(config_path=None, overrides=None) -> dict:
 
 
 def settings_from_args(args):
-    from paddle_rl.config import parse_overrides
+    # deferred: the application loads FastAPI, only when the server starts
     from .app import ServerSettings
 
     overrides = parse_overrides(args.overrides)
@@ -139,16 +138,14 @@ def settings_from_args(args):
 
 def check_bind(host: str, api_key: str, allow_no_key: bool) -> None:
     """A server reachable from other machines needs an API key unless --allow-no-key says otherwise (ConfigError)."""
-    from paddle_rl.config import ConfigError
-
     problem = bind_problem(host, api_key, allow_no_key, "make the server run its reward functions", API_KEY_ENV)
     if problem:
         raise ConfigError(problem)
 
 
 def run_reward_server(args) -> int:
+    # deferred: FastAPI and uvicorn load when the server starts, not with the parser
     import uvicorn
-    from paddle_rl.config import ConfigError
     from .app import create_app
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -15,6 +15,9 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
+from paddle_rl.config import config_from_values
+from paddle_rl.rewards import RewardSample, build_local_reward
+
 logger = logging.getLogger("reward_server")
 
 STARTUP_TIMEOUT = 120.0
@@ -79,9 +82,6 @@ class Task:
 def _worker_main(conn, config_values: dict):
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
-        # in the worker process, after it started (the rewards load there, not in the server's process)
-        from paddle_rl.config import config_from_values
-        from paddle_rl.rewards import RewardSample, build_local_reward
         scorer = build_local_reward(config_from_values(config_values))
     except Exception as e:  # noqa: BLE001 - reported to the parent
         conn.send(("fatal", f"{type(e).__name__}: {e}"))

@@ -18,13 +18,15 @@ from paddle_rl.env import configure_threads  # noqa: E402
 
 configure_threads()
 
+from paddle_rl import ops  # noqa: E402  (after the thread settings, as Paddle loads)
+from paddle_rl.ops import build  # noqa: E402
+
 
 def smoke_test() -> dict:
     """Every op once against its reference on small random inputs; returns the largest differences."""
     import numpy as np
     import paddle
 
-    from paddle_rl import ops
     rng = np.random.default_rng(0)
 
     def t(a, dtype="float32"):
@@ -50,8 +52,6 @@ def main(argv=None) -> int:
     ap.add_argument("--force", action="store_true", help="rebuild even if a cached library exists")
     ap.add_argument("--verbose", action="store_true", help="print the compiler's output")
     args = ap.parse_args(argv)
-    from paddle_rl import ops
-    from paddle_rl.ops import build
     start = time.perf_counter()
     path = build.build(force=args.force, verbose=args.verbose)
     built_s = time.perf_counter() - start

@@ -39,11 +39,14 @@ from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizer
 from paddle_rl.data.arith import generate_problems  # noqa: E402
 from paddle_rl.data.kk import generate_puzzles, render_prompt  # noqa: E402
 from paddle_rl.data.kk.english import COMPACT_INTRO, COMPACT_QUESTION, sentence  # noqa: E402
+from paddle_rl.config import load_config  # noqa: E402
 from paddle_rl.models import CausalLM, ModelConfig, Tokenizer  # noqa: E402
 from paddle_rl.models.pretrained import save_model, write_generation_config  # noqa: E402
 from paddle_rl.rewards.kk import CORRECT_SCORE, kk_score  # noqa: E402
 from paddle_rl.rewards.rules import format_score, math_score  # noqa: E402
 from paddle_rl.rollout import RolloutEngine, SamplingParams  # noqa: E402
+from paddle_rl.rollout.episodes import EpisodeRunner, load_environment  # noqa: E402
+from paddle_rl.trainer import SFTTrainer  # noqa: E402
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>", "<answer>", "</answer>"]
 CHAT_TEMPLATE = (
@@ -200,8 +203,6 @@ def supervised(model_dir, records, work_dir, steps, batch_size, lr, seed, warmup
     """`paddle-rl sft` (paddle_rl.trainer.SFTTrainer) on `records` from the model in `model_dir`: AdamW on the
     response tokens, linear warm-up then a constant rate or cosine decay. `on_log(model, step)` runs every
     `log_every` steps; when it returns True the pass stops there. Returns (the trained model, steps taken)."""
-    from paddle_rl.config import load_config
-    from paddle_rl.trainer import SFTTrainer
     data = os.path.join(work_dir, "sft.jsonl")
     write_jsonl(data, [{"src": r["src"], "tgt": record_response(r)} for r in records])
     overrides = {"actor_model_name_or_path": model_dir, "train_datasets": data, "output_dir": os.path.join(work_dir, "run"),
@@ -239,7 +240,6 @@ def greedy_eval(model, tokenizer, records, max_dec_len=40, task="kk"):
     model.eval()
     episodes = None
     if task == "tool":
-        from paddle_rl.rollout.episodes import EpisodeRunner, load_environment
         episodes = EpisodeRunner(load_environment("tools", ("calculator",)), records, 1, tokenizer, stop, 3)
     out = engine.generate([tokenizer.encode(r["src"]) for r in records], 1,
                           SamplingParams(max_dec_len=max_dec_len, temperature=0.0, stop_token_ids=stop), None, episodes)

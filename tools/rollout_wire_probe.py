@@ -23,6 +23,9 @@ import numpy as np  # noqa: E402
 from safetensors.numpy import load, save  # noqa: E402
 
 from paddle_rl.batch import rollout_batch  # noqa: E402
+from paddle_rl.models import CausalLM, ModelConfig  # noqa: E402
+from paddle_rl.models.pretrained import hf_state, save_model, write_generation_config  # noqa: E402
+from paddle_rl.rollout.client import RolloutServerClient  # noqa: E402
 from paddle_rl.rollout.wire import batch_from_rows, batch_to_rows  # noqa: E402
 
 
@@ -43,9 +46,6 @@ def push() -> None:
     import paddle
 
     from make_tiny_model import build_tokenizer
-    from paddle_rl.models import CausalLM, ModelConfig
-    from paddle_rl.models.pretrained import hf_state, save_model, write_generation_config
-    from paddle_rl.rollout.client import RolloutServerClient
 
     root = tempfile.mkdtemp(prefix="rollout_push_")
     model_dir = os.path.join(root, "model")

@@ -26,6 +26,7 @@ from typing import List, Optional, Tuple
 
 import numpy as np
 
+from ..parallel.watchdog import watched
 from .base import RewardResult, RewardSample, concat_results
 
 logger = logging.getLogger("paddle_rl")
@@ -324,10 +325,8 @@ def broadcast_result(result: Optional[RewardResult], failure: Optional[str], gro
     """The group's first rank's (result, failure message) on every rank of `group`: scores, per-function scores
     (names and NaNs included), correctness and skip marks, so ranks holding the same responses agree exactly.
     Every rank of the group must call it; the arguments of the other ranks are ignored."""
-    import paddle.distributed as dist
+    import paddle.distributed as dist  # only where the trainer calls: reward-server workers run without Paddle
 
-    # the watchdog (and Paddle) only where the trainer calls: reward-server workers import rewards without them
-    from ..parallel.watchdog import watched
     src = group.ranks[0]
     payload = [pack_result(result, failure) if dist.get_rank() == src else None]
     with watched(f"broadcast of rewards from rank {src}", group):

@@ -29,6 +29,10 @@ from typing import Dict, Optional
 
 import numpy as np
 
+from ..env import configure_threads
+from ..models import load_model, load_weights
+from ..models.safetensors_io import read_file
+from .engine import RolloutEngine
 from .settings import EngineSettings
 
 
@@ -176,9 +180,6 @@ class _Server:
         return self.inbox.popleft() if self.inbox else self.conn.recv()
 
     def _load(self, path: str, version: int) -> None:
-        # the worker process loads models only when its parent says so (its module is imported by the parent too)
-        from ..models import load_weights
-        from ..models.safetensors_io import read_file
         start = time.perf_counter()
         load_weights(self.engine.model, read_file(path))
         os.remove(path)
@@ -200,8 +201,6 @@ class _Server:
         return loaded
 
     def _init(self, spec: dict) -> None:
-        from ..models import load_model
-        from .engine import RolloutEngine
         self.weights_dir = spec["weights_dir"]
         model = load_model(spec["model_dir"])
         model.eval()
@@ -246,7 +245,6 @@ class _Server:
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    from ..env import configure_threads
     configure_threads()
     conn = Client((argv[0], int(argv[1])), authkey=bytes.fromhex(os.environ.pop("PADDLE_RL_WORKER_KEY")))
     print(f"rollout worker pid {os.getpid()}, OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}", flush=True)

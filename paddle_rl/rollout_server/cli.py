@@ -7,6 +7,8 @@ import logging
 import os
 import sys
 
+from ..config import load_config
+from ..errors import setup_error_types
 from ..http_auth import bind_problem, is_loopback
 
 DEFAULT_PORT = 8732
@@ -44,8 +46,7 @@ def add_rollout_server_subparser(subparsers):
 def build_service(config_path: str, overrides):
     """(RolloutService, the actor folder) of a config: its actor (a LoRA adapter of lora_path merged in), tokenizer
     and the rollout engine with the config's rollout settings."""
-    # `paddle-rl --help` registers this parser: Paddle and the model code load only when the server starts
-    from ..config import load_config
+    # deferred: Paddle, the model code and FastAPI load when the server starts, not when the CLI builds its parser
     from ..models import Tokenizer, load_model
     from ..models.lora import merge_state
     from ..models.pretrained import hf_state, load_weights
@@ -77,9 +78,6 @@ def build_service(config_path: str, overrides):
 
 
 def run_rollout_server(args) -> int:
-    # imported when the server starts, not when `paddle-rl --help` builds this parser
-    from ..errors import setup_error_types
-
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log = logging.getLogger("paddle_rl.rollout_server")
     api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV, "")
@@ -93,7 +91,8 @@ def run_rollout_server(args) -> int:
     except setup_error_types() as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    import uvicorn  # FastAPI and uvicorn load with the server, not with the parser
+    # deferred: FastAPI and uvicorn load with the server, not with the parser
+    import uvicorn
     from .app import ServerSettings, create_app
     settings = ServerSettings(max_request_bytes=int(args.max_request_mb * 2 ** 20),
                               max_weights_bytes=int(args.max_weights_mb * 2 ** 20), api_key=api_key,
