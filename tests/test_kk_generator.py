@@ -1,6 +1,7 @@
 """Knights-and-Knaves generator: uniqueness checked independently, determinism, layouts, CLI."""
 
 import argparse
+import dataclasses
 import itertools
 import json
 import re
@@ -19,8 +20,10 @@ from paddle_rl.data.kk import (
     think_text,
     write_dataset,
 )
+from paddle_rl.data.kk.reasoning import deduce, reasoning_text
 from paddle_rl.data.kk_cli import add_kk_subparser, run_kk
 from paddle_rl.rewards.kk import kk_score
+from make_tiny_model import build_data, record_response
 
 # ---------------------------------------------------------------------------
 # An independent reader: parse the English wording back into a formula and
@@ -301,3 +304,138 @@ def test_ground_truth_scores_full_marks_with_kk_reward():
     for people in (2, 5, 8):
         tgt = generate_puzzles(people, 1, seed=9)[0].ground_truth()
         assert kk_score("reasoning</think>\n<answer>" + tgt + "</answer>", tgt) == 3.0
+
+
+# ---------------------------------------------------------------------------
+# Reasoning that reaches the answer, checked sentence by sentence by an independent reader.
+# ---------------------------------------------------------------------------
+
+SENTENCE = re.compile(r"(Suppose|So) ([A-Z][a-z]+) is a (knight|knave)\.|([A-Z][a-z]+)'s claim is (true|false)"
+                      r"(?:, so (.*?)|: (fits|contradiction))\.(?= |$)")
+
+
+def _decided(formula, names, known):
+    """The claim's truth values over every completion of the partial assignment `known`."""
+    rest = [n for n in names if n not in known]
+    return {holds(formula, {**known, **dict(zip(rest, values))})
+            for values in itertools.product([True, False], repeat=len(rest))}
+
+
+def check_reasoning(text, names, formulas):
+    """Replays `text` against the formulas read back from the puzzle's wording: every supposition names one undecided
+    person, every "so" follows from the claim it cites (in every assignment that extends what is known), a
+    contradiction ends the innermost supposition and the next sentence takes its opposite, "fits" is a decided claim
+    that agrees with its speaker. Returns the roles known at the end, which must decide every claim."""
+    claims = dict(zip(names, formulas))
+    frames = [{}]  # the known roles, one frame per open supposition
+    pos, refuted = 0, None
+    while pos < len(text):
+        m = SENTENCE.match(text, pos)
+        assert m, f"cannot read the reasoning at {text[pos:pos + 60]!r}"
+        pos = m.end() + 1
+        known = frames[-1]
+        if refuted is not None:  # a contradiction must be followed by the opposite of the refuted supposition
+            assert m.group(1) == "So" and (m.group(2), m.group(3) == "knight") == (refuted[0], not refuted[1]), m[0]
+            refuted = None
+            frames[-1][m.group(2)] = m.group(3) == "knight"
+            continue
+        if m.group(1):
+            assert m.group(1) == "Suppose", f"'So' without a refuted supposition: {m[0]}"
+            assert m.group(2) not in known, m[0]
+            frames.append({**known, m.group(2): m.group(3) == "knight"})
+            continue
+        speaker, value = m.group(4), m.group(5) == "true"
+        if m.group(7):  # fits / contradiction: the claim is decided
+            assert speaker in known and _decided(claims[speaker], names, known) == {value}, m[0]
+            if m.group(7) == "fits":
+                assert value == known[speaker], m[0]
+            else:
+                assert value != known[speaker], m[0]
+                assert len(frames) > 1, "a contradiction outside any supposition"
+                frames.pop()
+                refuted = _supposition_of(text, m.start())
+            continue
+        # "X's claim is V, so Y is a R and Z is a R"
+        forced = {n: r == "knight" for n, r in re.findall(r"([A-Z][a-z]+) is a (knight|knave)", m.group(6))}
+        if speaker in known:
+            assert value == known[speaker], m[0]
+        else:
+            assert _decided(claims[speaker], names, known) == {value} and forced.get(speaker) == value, m[0]
+        assert not forced.keys() & (known.keys() - {speaker}), m[0]
+        rest = [n for n in names if n not in known]
+        worlds = [w for w in ({**known, **dict(zip(rest, values))}
+                              for values in itertools.product([True, False], repeat=len(rest)))
+                  if holds(claims[speaker], w) == value and w[speaker] == value]
+        assert worlds and all(all(w[n] == r for n, r in forced.items()) for w in worlds), m[0]
+        known.update(forced)
+    assert refuted is None, "the reasoning ends on a contradiction"
+    final = frames[-1]
+    assert set(final) == set(names), f"undecided at the end: {set(names) - set(final)}"
+    assert all(holds(claims[n], final) == final[n] for n in names)
+    return final
+
+
+def _supposition_of(text, end):
+    """The (name, role) of the innermost supposition still open before offset `end`."""
+    open_ = []
+    for m in SENTENCE.finditer(text[:end]):
+        if m.group(1) == "Suppose":
+            open_.append((m.group(2), m.group(3) == "knight"))
+        elif m.group(1) == "So":
+            open_.pop()
+    return open_[-1]
+
+
+def test_reasoning_reaches_the_solvers_solution_step_by_step():
+    """For 600 random 2-4 people puzzles the reasoning replays step by step under an independent reader of the puzzle
+    text, ends with every person decided, and what it reaches is the brute-force solution."""
+    splits = 0
+    for people in (2, 3, 4):
+        for puzzle in generate_puzzles(people, 200, seed=11):
+            names, formulas = read_compact_text(puzzle.text(compact=True))
+            steps, reached = deduce(puzzle)
+            text = reasoning_text(puzzle)
+            final = check_reasoning(text, names, formulas)
+            assert tuple(final[n] for n in names) == reached == puzzle.solution == solve(puzzle)[0]
+            assert [tuple(final[n] for n in names)] == brute_force(names, formulas)
+            # the last role each name gets in the text is its answer (what the answer lines copy)
+            for name, knight in zip(names, puzzle.solution):
+                last = re.findall(rf"\b{name} is a (knight|knave)", text)[-1]
+                assert last == ("knight" if knight else "knave"), (name, text)
+            splits += "contradiction" in text
+    assert splits > 200, "most puzzles should need a refuted supposition"
+
+
+def test_reasoning_is_worked_out_not_told(puzzles_by_people):
+    """The reasoning reads the statements only: the same text with the puzzle's solution field replaced by any other
+    assignment (think_text, which states the solution first, changes), and a puzzle whose first person is a knave
+    begins by supposing a knight and refuting it, unless a claim decides it first."""
+    knave_first = 0
+    for people in (2, 3):
+        for puzzle in puzzles_by_people[people]:
+            text = reasoning_text(puzzle)
+            for other in itertools.product([True, False], repeat=people):
+                assert reasoning_text(dataclasses.replace(puzzle, solution=other)) == text
+            first = puzzle.names[0]
+            if not puzzle.solution[0] and text.startswith(f"Suppose {first} is a knight."):
+                knave_first += 1
+                refuted = text.index(f"So {first} is a knave.")
+                assert "contradiction" in text[:refuted]
+    assert knave_first >= 10
+
+
+def test_reasoning_records_in_the_tiny_builder(tmp_path):
+    """make_tiny_model --reasoning: the supervised records think through the puzzle before the answer; the RL and
+    test files the configs read hold prompts and answers only."""
+    splits = build_data(str(tmp_path / "kk"), [2, 3], 5, n_sft=20, n_train=10, n_test=10, write_sft=True,
+                        reasoning=True)
+    for record in splits["sft"]:
+        response = record_response(record)
+        assert response.startswith(" Suppose ") or "'s claim is " in response.split(".")[0]
+        assert response.endswith(f"</think>\n<answer>{record['tgt']}</answer><|im_end|>")
+        assert kk_score(response, record["tgt"]) == 3.0
+    for name in ("train", "test"):
+        rows = [json.loads(line) for line in open(tmp_path / "kk" / f"{name}.jsonl")]
+        assert rows and all(set(r) == {"src", "tgt"} for r in rows)
+    plain = build_data(str(tmp_path / "plain"), [2, 3], 5, n_sft=20, n_train=10, n_test=10)
+    assert all("think" not in r for r in plain["sft"])

@@ -3,6 +3,7 @@ warm-started by a short supervised pass so it writes the <think>...</think><answ
 
     python tools/make_tiny_model.py --task arith --out data/tiny_arith    # the learning default
     python tools/make_tiny_model.py --task kk --out data/tiny              # 2-3 people Knights-and-Knaves
+    python tools/make_tiny_model.py --task kk --reasoning --out data/tiny  # the same, worked out before answering
     python tools/make_tiny_model.py --task tool --out data/tiny_tool       # five-operand sums with a calculator
 
 Writes OUT/model (Hugging Face layout), OUT/TASK/{train,test}.jsonl (OUT/TASK/sft.jsonl too with
@@ -12,7 +13,9 @@ kk: the prompts number the speakers in order ("(1) Zoey: ... (2) Oliver: ..."), 
 answer can be copied from the prompt; the puzzle statements use the compact wording of paddle_rl.data.kk.
 The supervised responses carry no reasoning, only the answer. The supervised pass stops at the first check (every
 50 steps) where greedy accuracy on a dev split reaches 0.28; test_4p.jsonl holds 4-people puzzles, a count neither
-pass trains on.
+pass trains on. With --reasoning the supervised responses work the puzzle out first (paddle_rl.data.kk.reasoning:
+suppose a role for the first undecided person, follow what each claim forces, drop a supposition that meets a
+contradiction) and the defaults change (TASK_DEFAULTS["kk_reasoning"]: longer decoding, its own stop accuracy).
 
 arith: three-operand addition of 10..99 ("What is 51 + 29 + 60?"); the supervised responses carry the running
 sums (" 51 + 29 = 80. 80 + 60 = 140."), digits are single tokens. With --stop-accuracy the supervised pass
@@ -40,6 +43,7 @@ from paddle_rl.data.arith import generate_problems  # noqa: E402
 from paddle_rl.data.kk import generate_puzzles, render_prompt  # noqa: E402
 from paddle_rl.data.kk.english import COMPACT_INTRO, COMPACT_QUESTION, sentence  # noqa: E402
 from paddle_rl.config import load_config  # noqa: E402
+from paddle_rl.data.kk.reasoning import reasoning_text  # noqa: E402
 from paddle_rl.models import CausalLM, ModelConfig, Tokenizer  # noqa: E402
 from paddle_rl.models.pretrained import save_model, write_generation_config  # noqa: E402
 from paddle_rl.rewards.kk import CORRECT_SCORE, kk_score  # noqa: E402
@@ -107,9 +111,13 @@ def puzzle_text(puzzle) -> str:
     return " ".join(parts)
 
 
-def render(puzzle) -> dict:
-    """PaddleNLP record in the tiny chat layout: {"src": prompt ending in "<think>", "tgt": ground truth}."""
-    return {"src": render_prompt(puzzle_text(puzzle), "tiny"), "tgt": puzzle.ground_truth()}
+def render(puzzle, reasoning=False) -> dict:
+    """PaddleNLP record in the tiny chat layout: {"src": prompt ending in "<think>", "tgt": ground truth}; with
+    `reasoning`, "think" too: the case split of paddle_rl.data.kk.reasoning that reaches the answer."""
+    record = {"src": render_prompt(puzzle_text(puzzle), "tiny"), "tgt": puzzle.ground_truth()}
+    if reasoning:
+        record["think"] = " " + reasoning_text(puzzle)
+    return record
 
 
 def write_jsonl(path, records):
@@ -118,12 +126,13 @@ def write_jsonl(path, records):
             f.write(json.dumps(r, ensure_ascii=False, sort_keys=True) + "\n")
 
 
-def build_data(out_dir, people, seed, n_sft, n_train, n_test, n_dev=0, unseen=(), write_sft=True):
+def build_data(out_dir, people, seed, n_sft, n_train, n_test, n_dev=0, unseen=(), write_sft=True, reasoning=False):
     """Disjoint SFT / RL-train / held-out test / dev puzzles, rendered with the tiny chat template.
 
     Each split holds an equal share of every inhabitant count in `people`. The dev split (not written) decides
     when the supervised pass stops. Each count in `unseen` gets a held-out file of its own, test_<p>p.jsonl
-    (n_test puzzles), for accuracy on a people count that neither SFT nor RL sees."""
+    (n_test puzzles), for accuracy on a people count that neither SFT nor RL sees. With `reasoning` the supervised
+    records carry the worked case split ("think"); the written RL and test files never do."""
     os.makedirs(out_dir, exist_ok=True)
     splits = {"sft": [], "train": [], "test": [], "dev": []}
     seen = set()
@@ -131,7 +140,7 @@ def build_data(out_dir, people, seed, n_sft, n_train, n_test, n_dev=0, unseen=()
         pool = generate_puzzles(p, (n_sft + n_train + n_test) // len(people) * 2, seed + k)
         recs = []
         for puzzle in pool:
-            rec = render(puzzle)
+            rec = render(puzzle, reasoning)
             if rec["src"] not in seen:
                 seen.add(rec["src"])
                 recs.append(rec)
@@ -144,7 +153,8 @@ def build_data(out_dir, people, seed, n_sft, n_train, n_test, n_dev=0, unseen=()
         splits["dev"] += recs[c + b + a:c + b + a + d]
     for name, recs in splits.items():
         if name == "test" or name == "train" or (name == "sft" and write_sft):
-            write_jsonl(os.path.join(out_dir, f"{name}.jsonl"), recs)
+            write_jsonl(os.path.join(out_dir, f"{name}.jsonl"),
+                        recs if name == "sft" else [{"src": r["src"], "tgt": r["tgt"]} for r in recs])
     for k, p in enumerate(unseen):
         recs = [render(puzzle) for puzzle in generate_puzzles(p, n_test, seed + 100 + k)]
         splits[f"test_{p}p"] = recs
@@ -273,6 +283,9 @@ TASK_DEFAULTS = {
                stop_accuracy=0.28, eval_every=50),
     "arith": dict(out="data/tiny_arith", test_examples=400, vocab_size=512, sft_steps=4000, lr=2e-3,
                   max_dec_len=48, stop_accuracy=0.3, eval_every=25),
+    # kk with --reasoning: the responses are the case split then the answer (up to ~150 tokens for 3 people)
+    "kk_reasoning": dict(out="data/tiny", test_examples=200, vocab_size=1024, sft_steps=3000, lr=2e-3,
+                         max_dec_len=192, stop_accuracy=0.3, eval_every=50),
     "tool": dict(out="data/tiny_tool", test_examples=200, vocab_size=512, sft_steps=3000, lr=2e-3,
                  max_dec_len=120, eval_every=500),
 }
@@ -286,7 +299,10 @@ def write_readme(args, argv, tokenizer, model, splits, steps, result):
                            for k, v in splits.items() if k.startswith("test_"))
         content = (f"- {args.task}/: {args.people.replace(',', '-')} people puzzles: train ({len(splits['train'])}, "
                    f"for RL), test ({len(splits['test'])}, held out){', ' + unseen if unseen else ''}; a separate "
-                   f"dev split ({len(splits['dev'])}, not written) decides when the supervised pass stops")
+                   f"dev split ({len(splits['dev'])}, not written) decides when the supervised pass stops; the "
+                   + ("supervised responses work the puzzle out (paddle_rl.data.kk.reasoning: a case split that "
+                      "reaches the answer) before answering" if args.reasoning else
+                      "supervised responses carry no reasoning, only the answer"))
     elif args.task == "tool":
         content = (f"- {args.task}/: five-operand addition of 10..99, answered with the calculator tool "
                    f"(env_plugin: tools): train ({len(splits['train'])}, for RL), test ({len(splits['test'])}, held "
@@ -308,7 +324,7 @@ def write_readme(args, argv, tokenizer, model, splits, steps, result):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--task", choices=sorted(TASK_DEFAULTS), default="arith")
+    ap.add_argument("--task", choices=sorted(k for k in TASK_DEFAULTS if k != "kk_reasoning"), default="arith")
     ap.add_argument("--out", help="output folder (kk: data/tiny, arith: data/tiny_arith)")
     ap.add_argument("--people", default="2,3", help="kk: inhabitant counts")
     ap.add_argument("--unseen-people", default="4", help="kk: counts that get a held-out file of their own "
@@ -329,10 +345,14 @@ def main(argv=None):
     ap.add_argument("--lr", type=float, help="supervised learning rate (2e-3)")
     ap.add_argument("--eval-every", type=int, help="greedy dev eval every N SFT steps (kk: 50, arith: 25)")
     ap.add_argument("--keep-sft", action="store_true", help="also write OUT/TASK/sft.jsonl")
+    ap.add_argument("--reasoning", action="store_true", help="kk: the supervised responses work the puzzle out (a "
+                                                             "case split that reaches the answer) before answering")
     ap.add_argument("--tool-share", type=float, default=0.25, help="tool: the share of supervised examples that are "
                                                                    "calculator episodes")
     args = ap.parse_args(argv)
-    for key, value in TASK_DEFAULTS[args.task].items():
+    if args.reasoning and args.task != "kk":
+        ap.error(f"--reasoning is for --task kk, not {args.task}")
+    for key, value in TASK_DEFAULTS["kk_reasoning" if args.reasoning else args.task].items():
         if getattr(args, key, None) is None:
             setattr(args, key, value)
     args.eval_every = args.eval_every or 0
@@ -342,7 +362,8 @@ def main(argv=None):
     if args.task == "kk":
         splits = build_data(data_dir, [int(p) for p in args.people.split(",")], args.seed, args.sft_examples,
                             args.train_examples, args.test_examples, args.dev_examples,
-                            [int(p) for p in args.unseen_people.split(",") if p], write_sft=args.keep_sft)
+                            [int(p) for p in args.unseen_people.split(",") if p], write_sft=args.keep_sft,
+                            reasoning=args.reasoning)
     elif args.task == "tool":
         splits = build_tool_data(data_dir, args.seed, args.sft_examples, args.train_examples, args.test_examples,
                                  args.dev_examples, tool_share=args.tool_share, write_sft=args.keep_sft)

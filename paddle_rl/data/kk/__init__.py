@@ -11,7 +11,7 @@ from .generate import SamplingStats, generate_puzzles, sample_puzzle
 from .logic import And, Iff, Implies, Is, Not, Or, Statement, evaluate, solve
 from .names import NAMES
 from .puzzle import Puzzle
-from .reasoning import think_text
+from .reasoning import deduce, reasoning_text, think_text
 from .render import SYSTEM_PROMPT, TEMPLATES, render_chat, render_paddlenlp, render_prompt
 
 __all__ = [
@@ -28,10 +28,12 @@ __all__ = [
     "SamplingStats",
     "Statement",
     "TEMPLATES",
+    "deduce",
     "evaluate",
     "generate_puzzles",
     "render_chat",
     "render_paddlenlp",
+    "reasoning_text",
     "render_prompt",
     "sample_puzzle",
     "solve",
