@@ -379,7 +379,7 @@ def test_lm_head_logprob_gradient_of_logp_only(rng):
 @pytest.mark.parametrize("tied", [False, True])
 def test_lm_head_greedy_is_the_argmax_of_each_row(rng, fused, tied):
     """with_greedy: the argmax of each row's logits, chunk by chunk (4 chunks of 5 rows here), equal to NumPy's
-    (first index of a tie); the log-probs unchanged; a pass with gradients refuses it."""
+    (first index of a tie); the log-probs unchanged; a pass with gradients gives the same and still back-propagates."""
     hidden = t(rng.standard_normal((20, 12)))
     weight = t(rng.standard_normal((40, 12) if tied else (12, 40)))
     hidden[3] = 0.0   # every logit 0: a 40-way tie, argmax 0
@@ -392,9 +392,14 @@ def test_lm_head_greedy_is_the_argmax_of_each_row(rng, fused, tied):
     np.testing.assert_array_equal(greedy.numpy(), logits.argmax(-1))
     assert greedy.numpy()[3] == 0
     np.testing.assert_array_equal(logp.numpy(), plain.numpy())
+    # a pass with gradients (the update's forward, old_logprob_pass auto) gives the same argmax and log-probs
     hidden.stop_gradient = False
-    with pytest.raises(ValueError, match="with_greedy is for no-grad passes"):
-        ops.lm_head_logprobs(hidden, weight, labels, 1.0, transpose_weight=tied, with_greedy=True)
+    logp_g, _, greedy_g = ops.lm_head_logprobs(hidden, weight, labels, 0.7, transpose_weight=tied, chunk_rows=5,
+                                               fused=fused, with_greedy=True)
+    np.testing.assert_array_equal(greedy_g.numpy(), greedy.numpy())
+    np.testing.assert_allclose(logp_g.numpy(), logp.numpy(), rtol=1e-6, atol=1e-6)
+    logp_g.sum().backward()
+    assert hidden.grad is not None and np.abs(hidden.grad.numpy()).max() > 0
 
 
 # ------------------------------------------------------------------------------------------------ modes and cache
