@@ -11,6 +11,7 @@ from paddle_rl.config import ConfigError, config_from_values, parse_overrides
 from paddle_rl.config.loader import read_values
 from paddle_rl.http_auth import bind_problem, is_loopback
 from paddle_rl.rewards.check import reward_config_errors
+from paddle_rl.rewards.rules import rule_option_errors
 from paddle_rl.rewards.client import API_KEY_ENV
 
 DEFAULT_MAX_CONNECTIONS = 128
@@ -89,6 +90,7 @@ def reward_config_values(config_path=None, overrides=None) -> dict:
     if not errors:
         config = config_from_values(values)
         config._validate_reward(errors)
+        errors += rule_option_errors(config)   # the keys the rules declare (cosine_max_len, repetition_n_grams, ...)
         if config.max_dec_len < 1:
             errors.append(f"max_dec_len: must be >= 1, got {config.max_dec_len}")
         if not errors:

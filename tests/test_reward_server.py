@@ -579,3 +579,6 @@ def test_cli_settings(tmp_path):
     with pytest.raises(ConfigError, match="soft_overlong.*enable_overlong_reward_buffer"):
         settings_from_args(parser.parse_args(["reward-server", "--reward", "kk,soft_overlong",
                                               "--set", "enable_overlong_reward_buffer=true"]))
+    # the keys the rules declare where they register are checked here too (the server checks only reward keys)
+    with pytest.raises(ConfigError, match="cosine_max_len: must be > 0 or -1, got 0"):
+        settings_from_args(parser.parse_args(["reward-server", "--reward", "cosine", "--set", "cosine_max_len=0"]))

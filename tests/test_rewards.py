@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from paddle_rl.algorithms.dapo import soft_overlong_penalty
-from paddle_rl.config import ConfigError, RLConfig, load_config
+from paddle_rl.config import ConfigError, RLConfig, config_from_values, load_config
 from paddle_rl.rewards import (RewardError, RewardResult, RewardSample, RuleReward, build_reward,
                                check_reward_config, concat_results, load_plugins)
 from paddle_rl.rewards.kk import kk_score
@@ -26,7 +26,8 @@ def sample(response, length=0, **record):
 
 
 def score(names, samples, **config):
-    return build_reward(RLConfig(reward_funcs=list(names), **config))(samples)
+    # config_from_values: the rules' declared keys (cosine_max_len, ...) are no fields of RLConfig's groups
+    return build_reward(config_from_values(dict(reward_funcs=list(names), **config)))(samples)
 
 
 # ---------------------------------------------------------------------------------------------------- kk
@@ -266,6 +267,63 @@ def test_config_keys_and_validation():
     assert config.reward_server_retries == 3 and config.reward_server_on_failure == "error"
     with pytest.raises(ValueError, match="unknown"):
         RuleReward(["nonsense"])
+
+    # the built-in rules' keys are declared beside the rules; the loader checks them with the same messages
+    for key, bad, message in (("cosine_max_len", 0, "cosine_max_len: must be > 0 or -1, got 0"),
+                              ("cosine_max_len", -2, "cosine_max_len: must be > 0 or -1, got -2"),
+                              ("repetition_n_grams", 0, "repetition_n_grams: must be >= 1, got 0")):
+        with pytest.raises(ConfigError) as error:
+            load_config(overrides={"actor_model_name_or_path": "m", key: bad})
+        assert message in str(error.value)
+
+
+def test_a_rule_with_a_new_key_is_one_registration(tmp_path):
+    """A rule declares the key it reads where it registers (here, after RLConfig and the loader were imported): the
+    key loads from YAML, is checked and dumped, and reaches the rule's factory; it leaves with the rule."""
+    from paddle_rl.config import config_to_dict
+    from paddle_rl.config.fields import above
+    from paddle_rl.config.options import PIECE_OPTIONS, option
+    from paddle_rl.rewards.rules import RULE_REWARDS, register_rule, remove_rule, rule_option_errors
+    before = RLConfig()
+    seen = []
+
+    @register_rule("length_bonus_test", needs_config=True, options=(
+            option("length_bonus_scale", float, 1.0, "Divides the response length.", check=above(0)),))
+    def length_bonus(config):
+        scale = config.length_bonus_scale
+        seen.append(scale)
+        return lambda samples: (np.array([len(s.response) / scale for s in samples], np.float32), None)
+    try:
+        assert before.length_bonus_scale == 1.0          # a config made before the rule registered: the default
+        path = tmp_path / "run.yaml"
+        path.write_text("actor_model_name_or_path: m\nreward_funcs: [length_bonus_test]\nlength_bonus_scale: 4\n")
+        config = load_config(str(path))
+        assert config.length_bonus_scale == 4.0 and config_to_dict(config)["length_bonus_scale"] == 4.0
+        result = build_reward(config)([sample("abcdefgh"), sample("ab")])
+        assert seen == [4.0]
+        np.testing.assert_allclose(result.scores, [2.0, 0.5])
+        for bad, message in (("-1", "length_bonus_scale: must be > 0, got -1.0"),
+                             ("big", "length_bonus_scale: expected a number, got 'big'")):
+            with pytest.raises(ConfigError) as error:
+                load_config(str(path), [f"length_bonus_scale={bad}"])
+            assert message in str(error.value)
+        config.length_bonus_scale = -3.0                 # the reward server checks the rules' keys on their own
+        assert rule_option_errors(config) == ["length_bonus_scale: must be > 0, got -3.0"]
+        build_reward(load_config(None, {"actor_model_name_or_path": "m", "reward_funcs": ["length_bonus_test"]}))
+        assert seen == [4.0, 1.0]                        # unset: the declared default
+        with pytest.raises(TypeError, match="'length_bonus_scale' is already declared by reward rule"):
+            register_rule("length_bonus_twice", needs_config=True,
+                          options=(option("length_bonus_scale", float, 2.0),))(lambda config: None)
+        with pytest.raises(TypeError, match="'kl_coeff' is a key of a config group"):
+            register_rule("kl_again", needs_config=True, options=(option("kl_coeff", float, 0.0),))(
+                lambda config: None)
+    finally:
+        remove_rule("length_bonus_test")
+    assert "length_bonus_test" not in RULE_REWARDS and "length_bonus_scale" not in PIECE_OPTIONS
+    assert "length_bonus_twice" not in RULE_REWARDS and "kl_again" not in RULE_REWARDS
+    assert "cosine_max_len" in PIECE_OPTIONS
+    with pytest.raises(ConfigError, match="unknown key 'length_bonus_scale'"):
+        load_config(None, {"actor_model_name_or_path": "m", "length_bonus_scale": 4})
 
 
 def test_reward_names_are_checked_by_the_rewards_package(plugin_file):

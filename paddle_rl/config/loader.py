@@ -144,8 +144,9 @@ def read_values(path: Optional[str] = None, overrides: Optional[Iterable[str] | 
     for key, value in raw.items():
         name = aliases.get(key, key)
         if name not in keys:
-            hint = "" if len(PIECE_OPTIONS) else (" (no algorithm piece has declared its options yet: import "
-                                                 "paddle_rl.algorithms before reading a config)")
+            hint = "" if len(PIECE_OPTIONS) else (" (no algorithm piece or reward rule has declared its options "
+                                                 "yet: import paddle_rl.algorithms and paddle_rl.rewards before "
+                                                 "reading a config)")
             errors.append(f"{where}unknown key {key!r}{_suggest(key, list(keys) + list(aliases))}{hint}")
             continue
         annotation, metadata = keys[name]

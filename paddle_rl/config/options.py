@@ -1,7 +1,8 @@
 """Options of registered pieces: configuration keys declared where the piece that reads them is registered.
 
-An advantage estimator, policy loss or aggregation mode of paddle_rl/algorithms declares each key it reads with
-`option(key, type, default, help, ...)` (the keyword arguments of `fields.arg`: aliases, choices, `check`,
+An advantage estimator, policy loss or aggregation mode of paddle_rl/algorithms (and a built-in reward rule of
+paddle_rl/rewards/rules.py, `register_rule(..., options=)`, whose factory reads `config.<key>`) declares each key
+it reads with `option(key, type, default, help, ...)` (the keyword arguments of `fields.arg`: aliases, choices, `check`,
 `when_unset`) and names it among its options when it registers; its function's parameter has the key's name, so
 the Objective passes `{key: Option.value(config)}` and nothing is renamed. Registering adds the option to
 `PIECE_OPTIONS` with the piece as a reader; a second piece reading the same key names the same declaration.
@@ -10,8 +11,8 @@ The keys of a config are the fields of RLConfig's groups plus this registry, loo
 a file (never frozen into a class when a module is imported): a piece registered at any time before
 `load_config` is read, coerced, checked and dumped like any other key, and `RLConfig` answers `config.<key>` with
 the declared default until a file sets it. The config package imports nothing above it, so the algorithm's
-pieces register when `paddle_rl.algorithms` is imported; every command that reads a config imports it first, and
-a key the loader does not know while nothing has registered says so.
+pieces register when `paddle_rl.algorithms` (the reward rules: `paddle_rl.rewards`) is imported; every command
+that reads a config imports both first, and a key the loader does not know while nothing has registered says so.
 """
 import dataclasses
 from dataclasses import dataclass

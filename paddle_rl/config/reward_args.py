@@ -22,14 +22,7 @@ class RewardArgs:
                                    "(ms-swift or verl signature).")
     reward_routes: dict = arg({}, "data_source -> reward functions (list, or mapping name: weight) for records "
                                   "with that data_source; others use reward_funcs.")
-    cosine_max_len: int = arg(-1, "Length T of the cosine reward (-1: max_dec_len).")
     cosine_accuracy: str = arg("math", "Correctness behind the cosine reward: a rule with the correctness trait (math | gsm8k | gsm8k_flexible | kk).")
-    cosine_min_len_value_correct: float = arg(1.0, "Cosine reward of a correct answer at length 0.")
-    cosine_max_len_value_correct: float = arg(0.5, "Cosine reward of a correct answer at length T.")
-    cosine_min_len_value_wrong: float = arg(-0.5, "Cosine reward of a wrong answer at length 0.")
-    cosine_max_len_value_wrong: float = arg(0.0, "Cosine reward of a wrong answer at length T.")
-    repetition_n_grams: int = arg(3, "n of the repetition reward's word n-grams.")
-    repetition_max_penalty: float = arg(1.0, "Magnitude of the repetition penalty (its sign is ignored).")
     use_rm_server: bool = arg(False, "Score through the HTTP reward server at reward_server.")
     use_rule_reward: bool = arg(False, "PaddleNLP's switch to its built-in gsm8k rule; here reward_funcs names the rules.",
                                 acted=False)
@@ -101,10 +94,6 @@ class RewardArgs:
                 spec = str(spec)
                 if (spec.endswith(".py") or os.sep in spec) and not os.path.isfile(spec):
                     errors.append(f"reward_plugins: file not found: {spec}")
-        if self.cosine_max_len == 0 or self.cosine_max_len < -1:
-            errors.append(f"cosine_max_len: must be > 0 or -1, got {self.cosine_max_len}")
-        if self.repetition_n_grams < 1:
-            errors.append(f"repetition_n_grams: must be >= 1, got {self.repetition_n_grams}")
         if self.reward_server_protocol not in SERVER_PROTOCOLS:
             errors.append(f"reward_server_protocol: {self.reward_server_protocol!r} is not one of "
                           f"{', '.join(SERVER_PROTOCOLS)}")

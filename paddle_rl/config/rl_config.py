@@ -6,7 +6,8 @@ own keys) and then the CHECKS, listed here, in order. A check reads and reports,
 keys of several groups is resolved and checked here, naming every group it reads.
 
 The keys the algorithm's registered pieces read (estimators, policy losses, aggregation modes: `grpo_eps`,
-`gamma`, `clip_range_ratio_low`, ...) are no group's fields: each piece declares them where it registers
+`gamma`, `clip_range_ratio_low`, ...), and those the built-in reward rules read (`cosine_max_len`,
+`repetition_n_grams`, ...), are no group's fields: each piece declares them where it registers
 (options.py), the loader reads them from that registry, RLConfig answers them (`config.gamma`), and their declared
 checks run here with the groups' (`_check_declared`). The names a config chooses (advantage_estimator,
 policy_loss, ...) and the reward rules' names are checked by their registries when the Objective and the reward

@@ -4,6 +4,13 @@ A rule is registered under a name with a factory `make(config) -> fn(samples) ->
 [B] bool or None)`. A NaN score means "does not apply to this sample". Rules that need no configuration are
 registered with `register_rule(name)` around `fn(samples)` directly.
 
+A rule with settings declares each config key it reads where it registers, `register_rule(name, needs_config=True,
+options=(option(key, type, default, help, check=...), ...))` (config/options.py): the key joins `PIECE_OPTIONS` with
+the rule as its reader, so the loader reads, coerces, checks and dumps it, and the factory reads `config.<key>`.
+Importing paddle_rl.rewards registers the built-in rules, so a command imports it before it reads a config (the
+reward server's command line and workers, the trainer, `paddle-rl score` do). Plugin functions (reward_plugins)
+declare no keys.
+
 A rule reports a problem with one sample by raising `SampleError(index, message)`; the caller turns it into
 an error naming the reward function and the sample's index in the batch.
 """
@@ -12,10 +19,12 @@ import re
 import threading
 from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
+from ..config.fields import at_least
+from ..config.options import PIECE_OPTIONS, Option, option
 from .base import RewardSample
 from .kk import ANSWER, CORRECT_SCORE, kk_score, scored_text
 
@@ -37,21 +46,56 @@ class Rule:
     # trait: the rule decides correctness on its own, score_one(response, ground_truth) -> 1.0 when correct
     # (what `cosine_accuracy` may name); None for rules that score something else (format, length, ...)
     correctness: Optional[Callable] = None
+    keys: Tuple[Option, ...] = ()      # the config keys the rule's factory reads (declared where it registers)
 
 
 RULE_REWARDS: Dict[str, Rule] = {}
+READER = "reward rule"    # how PIECE_OPTIONS names a rule reading a key: ("reward rule", name)
 
 
-def register_rule(name: str, needs_config: bool = False, aliases: tuple = (), correctness: Callable = None):
+def register_rule(name: str, needs_config: bool = False, aliases: tuple = (), correctness: Callable = None,
+                  options: Tuple = ()):
     """Decorator. Without `needs_config` it wraps `fn(samples)`; with it, a factory `make(config) -> fn`.
-    `correctness`: the trait of a rule that judges a response right or wrong, as score_one(response, truth)."""
+    `correctness`: the trait of a rule that judges a response right or wrong, as score_one(response, truth).
+    `options`: the config keys the factory reads, each an `Option` (config.options.option) or the key of one
+    declared before; they join the config's keys (PIECE_OPTIONS) with this rule as reader."""
+    keys = []
+    for item in options:
+        if not isinstance(item, Option) and item not in PIECE_OPTIONS:
+            raise TypeError(f"{READER} {name!r}: option {item!r} is not declared (config.options.option)")
+        keys.append(item if isinstance(item, Option) else PIECE_OPTIONS.get(item))
+    if keys and not needs_config:
+        raise TypeError(f"{READER} {name!r}: options are read by a factory (needs_config=True)")
+
     def wrap(fn):
         make = fn if needs_config else (lambda config, _fn=fn: _fn)
         doc = (fn.__doc__ or "").strip().splitlines()[0] if fn.__doc__ else ""
+        PIECE_OPTIONS.withdraw((READER, name))   # registered again: the new declaration replaces the old
+        try:
+            for key in keys:
+                PIECE_OPTIONS.declare(key, (READER, name))
+        except TypeError:
+            PIECE_OPTIONS.withdraw((READER, name))
+            raise
         for key in (name,) + tuple(aliases):
-            RULE_REWARDS[key] = Rule(key, make, doc, correctness)
+            RULE_REWARDS[key] = Rule(key, make, doc, correctness, tuple(keys))
         return fn
     return wrap
+
+
+def remove_rule(name: str) -> None:
+    """Unregister `name` and its aliases; the keys no other piece reads leave the config with it."""
+    make = RULE_REWARDS[name].make
+    for key in [k for k, rule in RULE_REWARDS.items() if rule is not None and rule.make is make]:
+        del RULE_REWARDS[key]
+        PIECE_OPTIONS.withdraw((READER, key))
+
+
+def rule_option_errors(config) -> List[str]:
+    """The declared checks of the keys the registered rules read (the loader runs them with every declared
+    check; a reader of a config's reward keys alone, as the reward server, runs these)."""
+    keys = {o.key: o for rule in RULE_REWARDS.values() if rule is not None for o in rule.keys}
+    return [line for declared in keys.values() for line in declared.errors(config)]
 
 
 def correctness_rules() -> List[str]:
@@ -290,7 +334,22 @@ def cosine_value(length: int, max_len: int, value_at_zero: float, value_at_max: 
     return value_at_zero - (value_at_zero - value_at_max) * (1.0 - math.cos(math.pi * t / max_len)) / 2.0
 
 
-@register_rule("cosine", needs_config=True)
+def _cosine_max_len_check(key, value, config):
+    return None if value == -1 or value > 0 else f"{key}: must be > 0 or -1, got {value}"
+
+
+COSINE_OPTIONS = (
+    option("cosine_max_len", int, -1, "Length T of the cosine reward (-1: max_dec_len).",
+           check=_cosine_max_len_check),
+    option("cosine_min_len_value_correct", float, 1.0, "Cosine reward of a correct answer at length 0."),
+    option("cosine_max_len_value_correct", float, 0.5, "Cosine reward of a correct answer at length T."),
+    option("cosine_min_len_value_wrong", float, -0.5, "Cosine reward of a wrong answer at length 0."),
+    option("cosine_max_len_value_wrong", float, 0.0, "Cosine reward of a wrong answer at length T."))
+
+
+# cosine_accuracy stays a key of config/reward_args.py: its choices are the rules with the correctness trait,
+# checked against the registry by check.py
+@register_rule("cosine", needs_config=True, options=COSINE_OPTIONS)
 def cosine_rule(config):
     """Length-aware correctness: correct 1.0 -> 0.5, wrong -0.5 -> 0.0 as the length goes 0 -> max."""
     max_len = config.cosine_max_len if config.cosine_max_len > 0 else config.max_dec_len
@@ -320,7 +379,9 @@ def repetition_penalty(text: str, n: int = 3, max_penalty: float = 1.0) -> float
     return -(1.0 - len(set(grams)) / len(grams)) * abs(max_penalty)
 
 
-@register_rule("repetition", needs_config=True)
+@register_rule("repetition", needs_config=True, options=(
+        option("repetition_n_grams", int, 3, "n of the repetition reward's word n-grams.", check=at_least(1)),
+        option("repetition_max_penalty", float, 1.0, "Magnitude of the repetition penalty (its sign is ignored).")))
 def repetition_rule(config):
     """Repeated word n-grams: -(1 - unique/total) * repetition_max_penalty."""
     n, max_penalty = config.repetition_n_grams, config.repetition_max_penalty
