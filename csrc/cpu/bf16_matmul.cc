@@ -445,16 +445,8 @@ int prl_cpu::Bf16MatmulKernels() {
 
 bool prl_cpu::Bf16Matmul(const float* a, const float* b, float* c, int64_t m, int64_t n, int64_t k, bool trans_a,
                          bool trans_b, Bf16Kernel kernel) {
-  if (kernel == Bf16Kernel::kAuto) kernel = AmxUsable() ? Bf16Kernel::kAmx : Bf16Kernel::kAvx512Bf16;
-  if ((kernel == Bf16Kernel::kAmx && !AmxUsable()) || (kernel == Bf16Kernel::kAvx512Bf16 && !Avx512Bf16Usable())) {
-    return false;
-  }
-  if (m == 0 || n == 0) return true;
-  if (k == 0) {
-    std::fill(c, c + m * n, 0.0f);
-    return true;
-  }
-  const Packed pb = Pack(b, n, k, trans_b, false);
+  Packed pb;  // an empty product reads no B (Bf16MatmulPacked answers it, and an unusable kernel, first)
+  if (m > 0 && n > 0 && k > 0) pb = Pack(b, n, k, trans_b, false);
   return Bf16MatmulPacked(a, pb.data, c, m, n, k, trans_a, kernel);
 }
 
