@@ -274,7 +274,12 @@ def test_sample_equals_reference(rng, setting, batch, vocab):
     tokens, logp = ops.sample_fused(logits, **args)
     ref_tokens, ref_logp = ops.sample_reference(logits, **args)
     assert tokens.numpy().tolist() == ref_tokens.numpy().tolist(), f"seed {SEED}"
-    close(logp.numpy(), ref_logp.numpy(), rel=2e-5, what="sampled logprob")
+    # a near-zero temperature scales the logits' float32 rounding by 1 / T: where two logits of a row nearly tie
+    # (gap ~ T) the sampled log-prob moves by up to a few ulps of the logits over T (seen: 6e-3 at T 1e-5)
+    temperature = SETTINGS[setting].get("temperature", 1.0)
+    rel = 2e-5 if temperature == 0 or temperature >= 1e-3 else max(
+        2e-5, 4 * 2.0 ** -24 * float(np.abs(logits.numpy()).max()) / temperature)
+    close(logp.numpy(), ref_logp.numpy(), rel=rel, what="sampled logprob")
     if SETTINGS[setting].get("top_k") == 1:
         processed = ops.sampling.ban_tokens(ops.sampling.apply_repetition_penalty(logits, seen, 1.0), [1, 5], ban)
         assert tokens.numpy().tolist() == paddle.argmax(processed, -1).numpy().tolist()
