@@ -10,23 +10,19 @@ def lr_factor(schedule: str, total_steps: int, warmup_steps: int, min_lr_ratio: 
     """Multiplier of the peak learning rate at optimizer step `step` (0-based). warmup_stable_decay: the peak
     after the warm-up, then a cosine decay over the last `decay_steps` steps (transformers' WSD schedule)."""
     total_steps = max(total_steps, 1)
-    decay_start = max(total_steps - decay_steps, warmup_steps) if schedule == "warmup_stable_decay" else warmup_steps
+    wsd = schedule == "warmup_stable_decay"
+    decay_start = max(total_steps - decay_steps, warmup_steps) if wsd else warmup_steps
+    decay = "cosine" if wsd else schedule
 
     def factor(step: int) -> float:
         if warmup_steps > 0 and step < warmup_steps:
             return (step + 1) / warmup_steps
-        if schedule in ("constant", "constant_with_warmup"):
+        if schedule in ("constant", "constant_with_warmup") or step < decay_start:
             return 1.0
-        if schedule == "warmup_stable_decay":
-            if step < decay_start:
-                return 1.0
-            schedule_ = "cosine"
-        else:
-            schedule_ = schedule
         progress = min(1.0, (step - decay_start) / max(1, total_steps - decay_start))
-        if schedule_ == "linear":
+        if decay == "linear":
             return min_lr_ratio + (1.0 - min_lr_ratio) * (1.0 - progress)
-        if schedule_ == "cosine":
+        if decay == "cosine":
             return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
         raise ValueError(f"lr_scheduler_type: unknown {schedule!r}")
     return factor

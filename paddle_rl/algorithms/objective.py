@@ -287,11 +287,11 @@ class Objective:
                    "kl_coeff": self.kl_coeff}
         return adv, returns, metrics
 
-    def _kl_statistics(self, mask, old_logp, ref_logp, token_kl: bool):
+    def _kl_statistics(self, mask, old_logp, ref_logp, token_kl: bool, reward: bool = True):
         """(metrics, global sequence count) from one reduction over the batch group: the reward KL (kl_coeff
-        > 0) and, with token_kl, the token mean of old_logp - ref_logp."""
+        > 0, unless `reward` is off) and, with token_kl, the token mean of old_logp - ref_logp."""
         local = []
-        reward = self.config.kl_coeff > 0
+        reward = reward and self.config.kl_coeff > 0
         if reward:
             kl = reward_kl_per_token(old_logp, ref_logp, mask, self.config.kl_penalty)
             lengths = mask.sum(-1)
@@ -320,10 +320,7 @@ class Objective:
         `step_advantages_and_returns` reports, for old log-probs that come after it: the update's own)."""
         if ref_logp is None:
             return {}
-        mask = to_numpy(response_mask)
-        total, tokens = global_sum([((to_numpy(old_logp) - to_numpy(ref_logp)) * mask).sum(), mask.sum()],
-                                   self.reduce)
-        return {"kl": float(total / max(tokens, 1.0))}
+        return self._kl_statistics(to_numpy(response_mask), old_logp, ref_logp, token_kl=True, reward=False)[0]
 
     def update_kl_controller(self, observed_kl: float, n_steps: int) -> float:
         """Adaptive KL: coeff *= 1 + clip(observed/target - 1, -0.2, 0.2) * n_steps / kl_horizon; a no-op without

@@ -58,7 +58,7 @@ class RolloutArgs:
     old_logprob_pass: str = arg("auto", "The old-policy log-prob pass when the rollout's log-probs are not reused: "
                                         "auto (skipped when the update is on-policy and nothing reads them before "
                                         "it: the update's forward gives them, detached; ratio exactly 1) | on "
-                                        "(always run; it also gives rollout_corr/greedy_differs).",
+                                        "(always run the pass).",
                                 choices=("auto", "on"), spellings=ON_OFF)
     env_plugin: str = arg("", "Multi-turn episodes: `tools` (the built-in tool environment: Hermes <tool_call> turns "
                               "answered with tool results), `agent` (a program of agent_command per sample, talking "

@@ -202,16 +202,16 @@ def bf16_matmul_fused(a, b, trans_a: bool = False, trans_b: bool = False, kernel
 
 class Bf16PackedB:
     """A right operand B [K, N] rounded to bfloat16 and packed once (prl_bf16_pack_b) for many products
-    (bf16_matmul_packed): `words` the pack, `n` its columns, `k` its inner dimension."""
+    (bf16_matmul_packed): `words` the pack, `n` its columns (the pack's rows are padded; the op checks K)."""
 
-    def __init__(self, words, n: int, k: int):
-        self.words, self.n, self.k = words, n, k
+    def __init__(self, words, n: int):
+        self.words, self.n = words, n
 
 
 def bf16_pack_b(b, trans_b: bool = False) -> Bf16PackedB:
     """op(b) packed for bf16_matmul_packed (the kernel's own copy of it; bf16_matmul packs it on every call)."""
-    k, n = (b.shape[1], b.shape[0]) if trans_b else (b.shape[0], b.shape[1])
-    return Bf16PackedB(build.run("prl_bf16_pack_b", contiguous(b), bool(trans_b))[0], int(n), int(k))
+    n = b.shape[0] if trans_b else b.shape[1]
+    return Bf16PackedB(build.run("prl_bf16_pack_b", contiguous(b), bool(trans_b))[0], int(n))
 
 
 def bf16_matmul_packed(a, packed: Bf16PackedB, trans_a: bool = False, kernel: str = "auto"):
