@@ -70,7 +70,7 @@ def rows_of(out):
 
 
 def weights(folder):
-    from paddle_rl.models.safetensors_io import load_state
+    from paddle_rl.model_files.safetensors_io import load_state
     return load_state(str(folder))
 
 

@@ -10,7 +10,7 @@ import numpy as np
 from ..batch import StepBatch, object_column
 from ..data.loader import load_prompt_dataset
 from ..models import Tokenizer, load_model
-from ..models.hub import resolve_model
+from ..model_files.hub import resolve_model
 from ..rewards import build_reward, check_reward_config
 from ..rollout import EngineSettings, RolloutEngine, SamplingParams
 from ..rollout.agents import AgentEnvironment, AgentSettings
