@@ -208,7 +208,8 @@ class Echo:
 def test_the_built_in_environments_declare_their_keys():
     from paddle_rl.config.options import PIECE_OPTIONS
     from paddle_rl.rollout import ENVIRONMENTS
-    assert [o.key for o in ENVIRONMENTS["tools"].options] == ["env_tools", "max_tool_calls_per_turn"]
+    assert [o.key for o in ENVIRONMENTS["tools"].options] == ["env_tools", "max_tool_calls_per_turn",
+                                                              "sandbox_allow_network", "sandbox_allow_unisolated"]
     assert [o.key for o in ENVIRONMENTS["agent"].options] == ["agent_command", "agent_timeout", "agent_concurrency",
                                                               "agent_on_failure"]
     assert PIECE_OPTIONS.readers("env_tools") == [("environment", "tools")]

@@ -40,6 +40,7 @@ import numpy as np
 
 from ..config.fields import at_least
 from ..config.options import PIECE_OPTIONS, Option, declare_plugin_key, option
+from ..rewards.code import SANDBOX_ALLOW_NETWORK, SANDBOX_ALLOW_UNISOLATED
 from ..rewards.sandbox import SandboxError, SandboxLimits, require_isolation, run_program
 
 SENTINEL = "\u2063TURN\u2063"  # stands for the policy's turn when the template renders an observation
@@ -236,7 +237,8 @@ MAX_TOOL_CALLS_PER_TURN = option("max_tool_calls_per_turn", int, 4,
                                  "error observation and are not run.", check=at_least(1))
 
 
-@register_environment("tools", options=(ENV_TOOLS, MAX_TOOL_CALLS_PER_TURN))
+@register_environment("tools", options=(ENV_TOOLS, MAX_TOOL_CALLS_PER_TURN, SANDBOX_ALLOW_NETWORK,
+                                        SANDBOX_ALLOW_UNISOLATED))
 def tool_episodes(config, tokenizer, stop_ids):
     """The built-in tool environment; its python tool runs in the sandbox the config's sandbox_* keys set."""
     sandbox = dataclasses.replace(PYTHON_TOOL_LIMITS, allow_network=config.sandbox_allow_network,
