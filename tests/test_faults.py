@@ -268,3 +268,14 @@ def test_full_file_system_during_save(micro, plugin, tmp_path, reference):
     assert "No space left on device" in result.stderr or "StorageFull" in result.stderr, result.stderr[-3000:]
     assert checkpoints(copy) == ["checkpoint-1"]
     assert_intact(copy / "checkpoint-1")
+
+
+def test_the_update_faults_wrap_the_layout_only_under_a_test_variable(monkeypatch):
+    """Outside fault tests the loop trains on the layout itself; a PADDLE_RL_TEST_* variable wraps it."""
+    from paddle_rl.trainer import faults
+    for variable in (faults.POISON, faults.DIE, faults.HANG, faults.FAIL_SAVE):
+        monkeypatch.delenv(variable, raising=False)
+    layout = object()
+    assert faults.install(layout, lambda: 1) is layout
+    monkeypatch.setenv(faults.HANG, "3:update")
+    assert isinstance(faults.install(layout, lambda: 1), faults.InjectingLayout)
