@@ -229,7 +229,8 @@ def test_an_environment_with_a_new_key_is_one_registration():
         seen.append(config.steps_test_budget)
         return lambda records, prompts, uids, n: None
     try:
-        config = load_config(None, {"actor_model_name_or_path": "m", "env_plugin": "steps_test", "steps_test_budget": 5})
+        config = load_config(None, {"actor_model_name_or_path": "m", "env_plugin": "steps_test",
+                                    "steps_test_budget": 5})
         episode_maker(config, None, [])
         episode_maker(load_config(None, {"actor_model_name_or_path": "m", "env_plugin": "steps_test"}), None, [])
         assert seen == [5, 2]
@@ -266,6 +267,7 @@ def test_a_plugin_environment_declares_its_keys(micro, tmp_path):
         PIECE_OPTIONS.withdraw(("environment", spec))
     broken = tmp_path / "broken_env.py"
     broken.write_text("raise RuntimeError('not imported while every key is known')\n")
-    assert load_config(None, {"actor_model_name_or_path": "m", "env_plugin": f"{broken}:Echo"}).env_plugin == f"{broken}:Echo"
+    spec = f"{broken}:Echo"
+    assert load_config(None, {"actor_model_name_or_path": "m", "env_plugin": spec}).env_plugin == spec
     with pytest.raises(ConfigError, match="env_plugin .*broken_env.py:Echo: import failed: RuntimeError"):
         load_config(None, {"actor_model_name_or_path": "m", "env_plugin": f"{broken}:Echo", "echo_times_test": 2})
