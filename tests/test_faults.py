@@ -270,12 +270,14 @@ def test_full_file_system_during_save(micro, plugin, tmp_path, reference):
     assert_intact(copy / "checkpoint-1")
 
 
-def test_the_update_faults_wrap_the_layout_only_under_a_test_variable(monkeypatch):
-    """Outside fault tests the loop trains on the layout itself; a PADDLE_RL_TEST_* variable wraps it."""
+def test_the_step_faults_wrap_layout_and_rollout_only_under_a_test_variable(monkeypatch):
+    """Outside fault tests the run trains on the layout and rollout source themselves; a PADDLE_RL_TEST_* variable
+    wraps them."""
     from paddle_rl.trainer import faults
     for variable in (faults.POISON, faults.DIE, faults.HANG, faults.FAIL_SAVE):
         monkeypatch.delenv(variable, raising=False)
-    layout = object()
-    assert faults.install(layout, lambda: 1) is layout
+    layout, rollout = object(), object()
+    assert faults.wrap_layout(layout, lambda: 1) is layout and faults.wrap_rollout(rollout, 0) is rollout
     monkeypatch.setenv(faults.HANG, "3:update")
-    assert isinstance(faults.install(layout, lambda: 1), faults.InjectingLayout)
+    assert isinstance(faults.wrap_layout(layout, lambda: 1), faults.InjectingLayout)
+    assert isinstance(faults.wrap_rollout(rollout, 0), faults.InjectingRollout)

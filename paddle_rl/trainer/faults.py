@@ -1,9 +1,10 @@
 """Test-only fault injection (tests/test_faults.py, test_dead_rank.py, test_resume_layouts.py). A run reads these
 environment variables here and nowhere else; nothing in a configuration sets them, and unset (always, outside
-tests) nothing is installed and every function is a no-op. The update's faults (`loss`, a gradient, `update`) come
-from `install`: with one of the variables set, the loop's layout is wrapped in `InjectingLayout`, whose
-forward_backward and clip_grad_norm_ add them, so the update loop itself names no fault. The rollout's and the
-save's points sit inside their stages (`die` / `fail_save` calls there).
+tests) nothing is installed and every function is a no-op. The step's faults are wrappers, not calls of the step:
+with one of the variables set, the loop's layout is wrapped in `InjectingLayout` (`wrap_layout`: the update's
+`loss`, gradient and `update` points in its forward_backward and clip_grad_norm_) and the trainer's rollout source in
+`InjectingRollout` (`wrap_rollout`: the `rollout` point as it takes a batch). The save's points sit inside
+checkpoint.py's save, once the model files are written (`die` / `fail_save` calls there).
 
 PADDLE_RL_TEST_POISON=STEPS:TARGET[@RANK]
     In the updates of the listed steps: TARGET `loss` adds a detached NaN to every micro-batch loss (the loss is
@@ -115,9 +116,32 @@ class InjectingLayout:
         return self._layout.clip_grad_norm_(model, max_norm)
 
 
-def install(layout, step: Callable[[], int]):
+def wrap_layout(layout, step: Callable[[], int]):
     """The layout the update loop uses: `layout` itself, or wrapped (InjectingLayout) when a test set POISON, DIE or
     HANG; `step()` the step being trained (1-based)."""
     if any(os.environ.get(variable) for variable in (POISON, DIE, HANG)):
         return InjectingLayout(layout, step)
     return layout
+
+
+class InjectingRollout:
+    """The run's rollout source with the `rollout` stage's SIGKILL / SIGSTOP as a step's batch is taken (before it
+    is generated). Everything else is the source's own."""
+
+    def __init__(self, rollout, rank: int):
+        self._rollout, self._rank = rollout, rank
+
+    def __getattr__(self, name):
+        return getattr(self._rollout, name)
+
+    def take(self, step: int, draw):
+        die("rollout", step, self._rank)
+        return self._rollout.take(step, draw)
+
+
+def wrap_rollout(rollout, rank: int):
+    """The rollout source the trainer uses: `rollout` itself, or wrapped (InjectingRollout) when a test set DIE or
+    HANG."""
+    if any(os.environ.get(variable) for variable in (DIE, HANG)):
+        return InjectingRollout(rollout, rank)
+    return rollout

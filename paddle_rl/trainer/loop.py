@@ -60,7 +60,7 @@ class StepLoop:
         layout = build_layout(topology if topology is not None else _topology(config),
                               share_prompts=config.share_prompt_prefix, max_tokens=config.max_tokens_per_micro_batch,
                               remove_padding=config.use_remove_padding)
-        self.layout = faults.install(layout, lambda: self.step + 1)   # the layout itself outside fault tests
+        self.layout = faults.wrap_layout(layout, lambda: self.step + 1)   # the layout itself outside fault tests
         self.layout.check_config(config)
         check_shared_folder(config.output_dir, self.layout.first_of_ranks, **self.layout.resume_args())
         seed_rngs(config.seed)
