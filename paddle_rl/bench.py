@@ -52,6 +52,7 @@ from typing import Optional
 
 from .config import load_config
 from .env import configure_threads
+from .model_files.hub import resolve_model
 
 MODELS = {
     "w1": dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=4,
@@ -364,8 +365,6 @@ def _read_metrics(path: str) -> list:
 def chat_workload(folder: str, model_dir: str, prompts: int) -> dict:
     """W3 / W4: a real model folder and a jsonl of `prompts` chat prompts (CHAT_PROMPTS, rendered with the
     model's chat template by the data loader)."""
-    # deferred: models/ loads Paddle, only when a workload runs
-    from .models.hub import resolve_model
     data = os.path.join(folder, "chat_prompts.jsonl")
     with open(data, "w", encoding="utf-8") as f:
         for i in range(max(prompts, 1)):

@@ -22,9 +22,9 @@ ROLLOUT_SERVER = ("rollout-server", "paddle_rl.rollout_server.cli", "add_rollout
 BENCH = ("bench", "paddle_rl.bench", "add_bench_subparser", "time RL steps on a synthetic workload")
 SCORE = ("score", "paddle_rl.score", "add_score_subparser",
          "score records that carry a response with the configured rewards")
-CONVERT = ("convert", "paddle_rl.models.gguf_import", "add_convert_subparser",
+CONVERT = ("convert", "paddle_rl.model_files.gguf_import", "add_convert_subparser",
            "convert a model file (GGUF) to a Hugging Face folder")
-FETCH = ("fetch", "paddle_rl.models.hub", "add_fetch_subparser", "download and convert a known model once")
+FETCH = ("fetch", "paddle_rl.model_files.hub", "add_fetch_subparser", "download and convert a known model once")
 DATA_KK = ("kk", "paddle_rl.data.kk_cli", "add_kk_subparser", "generate Knights-and-Knaves puzzles")
 DATA_ARITH = ("arith", "paddle_rl.data.arith", "add_arith_subparser", "addition problems in a model's chat template")
 DATA_CONVERT = ("convert", "paddle_rl.data.convert", "add_convert_subparser",

@@ -100,8 +100,9 @@ def report_lines(reward_fn, located):
 
 def _run(args) -> int:
     configure_threads()
-    # deferred: algorithms/ loads Paddle (after configure_threads); its pieces declare keys of the config
-    from . import algorithms  # noqa: F401
+    # deferred: algorithms/ and rollout/ load Paddle (after configure_threads); their pieces and environments declare
+    # keys of the config
+    from . import algorithms, rollout  # noqa: F401
     try:
         config = load_config(args.config, args.overrides)
         tokenizer = _tokenizer(config)

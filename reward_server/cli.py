@@ -81,9 +81,11 @@ def reward_config_values(config_path=None, overrides=None) -> dict:
     Keys of other groups are read (max_dec_len, overlong_* matter to some rewards) but only the reward group is
     validated, so a training config without model paths serves as well.
     """
-    # deferred: algorithms/ (Paddle) loads when the server starts, its pieces declaring keys of a training config
-    # as they register (this process then holds Paddle; the workers, which get the values read here, do not)
+    # deferred: algorithms/ and rollout/ (Paddle) load when the server starts, their pieces and environments
+    # declaring keys of a training config as they register (this process then holds Paddle; the workers, which get
+    # the values read here, do not)
     import paddle_rl.algorithms  # noqa: F401
+    import paddle_rl.rollout  # noqa: F401
 
     values, errors = read_values(config_path, dict(overrides or {}))
     values["use_rm_server"] = False

@@ -5,7 +5,7 @@ import numpy as np
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from paddle_rl.models.gguf_import import GLOBAL_TENSORS, LAYER_TENSORS, permute_rows
+from paddle_rl.model_files.gguf_import import GLOBAL_TENSORS, LAYER_TENSORS, permute_rows
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + "

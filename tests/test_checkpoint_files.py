@@ -17,7 +17,7 @@ import pytest
 
 from micro_model import micro_overrides
 from paddle_rl.config import load_config
-from paddle_rl.models.safetensors_io import load_state
+from paddle_rl.model_files.safetensors_io import load_state
 from paddle_rl.monitor import TIMING_PREFIXES, read_metrics
 from paddle_rl.trainer import RLTrainer
 from paddle_rl.trainer.state_files import read_state

@@ -120,6 +120,31 @@ def test_help_prints_nothing_on_stderr(argv):
     assert result.stderr == ""
 
 
+# ---- the parsers of `paddle-rl` and its subcommands load no Paddle (help answers at once)
+HELP_WITHOUT_PADDLE = """
+import sys
+from paddle_rl.cli import main
+try:
+    main(sys.argv[1:])
+except SystemExit as e:
+    assert e.code == 0, e.code
+print("paddle imported:", "paddle" in sys.modules)
+"""
+
+
+@pytest.mark.parametrize("argv,shown", [
+    (["--help"], "fetch"),
+    (["fetch", "--help"], "HuggingFaceTB/SmolLM2-135M-Instruct"),
+    (["convert", "--help"], "gguf"),
+    (["convert", "gguf", "--help"], "--dtype"),
+])
+def test_help_imports_no_paddle(argv, shown):
+    result = run_python(HELP_WITHOUT_PADDLE, *argv)
+    assert result.returncode == 0, result.stderr
+    assert shown in result.stdout and "unavailable" not in result.stdout
+    assert result.stdout.rstrip().endswith("paddle imported: False")
+
+
 def test_import_filter_drops_only_paddles_notices():
     import io
 

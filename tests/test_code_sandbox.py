@@ -330,8 +330,8 @@ def test_layouts_score_the_fraction_passed():
 @isolated
 def test_code_rule_through_the_reward_with_hostile_responses(clean_host):
     """A batch with hostile programs: each scores 0, the others are scored, and the process goes on."""
-    from paddle_rl.config import RLConfig
-    config = RLConfig(reward_funcs=["code"], sandbox_timeout=3, sandbox_memory_mb=512)
+    from paddle_rl.config import config_from_values
+    config = config_from_values(dict(reward_funcs=["code"], sandbox_timeout=3, sandbox_memory_mb=512))
     reward = RuleReward(["code"], None, config)
     record = {"data_source": "codecontests", "reward_model": {"ground_truth": PRIME_STDIO}}
     responses = [ADD, "```python\nwhile True:\n    pass\n```", "```python\nx = bytearray(10 * 1024 ** 3)\n```", ADD]
@@ -533,7 +533,7 @@ def test_without_isolation_it_refuses_unless_allowed(monkeypatch, caplog):
     stop at start-up naming what is missing and the key; sandbox_allow_unisolated runs programs, loudly."""
     import logging
 
-    from paddle_rl.config import RLConfig
+    from paddle_rl.config import RLConfig, config_from_values
     from paddle_rl.rewards import build_reward
     from paddle_rl.rollout.episodes import PYTHON_TOOL_LIMITS, load_environment
     monkeypatch.setenv("PATH", "/nonexistent")   # no bwrap on the PATH
@@ -553,7 +553,7 @@ def test_without_isolation_it_refuses_unless_allowed(monkeypatch, caplog):
         assert result.status == "ok" and result.stdout == "1\n" and "WITHOUT isolation" in caplog.text
         # the harness still decides tests where nothing isolates
         assert run_program("import os\nos._exit(0)", "", allowed, test={"code": "assert False"}).status == "early_exit"
-        build_reward(RLConfig(reward_funcs=["code"], sandbox_allow_unisolated=True))
+        build_reward(config_from_values(dict(reward_funcs=["code"], sandbox_allow_unisolated=True)))
         load_environment("tools", ("python",), sandbox=SandboxLimits(allow_unisolated=True))
     finally:
         sandbox.isolation.cache_clear()
@@ -572,7 +572,7 @@ def test_the_tool_environment_limits_calls_per_turn():
 def test_converted_records_score_with_the_code_rule():
     """APPS (stdin/stdout and call-based) and AceCoder records through `paddle-rl data convert`'s converter: the
     verl layout's ground truth is what the code rule runs."""
-    from paddle_rl.config import RLConfig
+    from paddle_rl.config import config_from_values
     from paddle_rl.data.convert import ConvertError, convert_records
     raw = [("apps.jsonl:1", {"question": "Add two numbers.", "difficulty": "introductory",
                              "input_output": json.dumps({"inputs": ["1 2\n", "3 4\n"], "outputs": ["3\n", "7\n"]})}),
@@ -585,7 +585,7 @@ def test_converted_records_score_with_the_code_rule():
     ace, _, ace_source = convert_records([("ace.jsonl:1", {"question": "Write add.", "test_cases": [
         "assert add(1, 2) == 3", "assert add(0, 0) == 0"]})], layout="verl")
     assert ace_source == "acecoder"
-    reward = RuleReward(["code"], None, RLConfig(reward_funcs=["code"], sandbox_timeout=3))
+    reward = RuleReward(["code"], None, config_from_values(dict(reward_funcs=["code"], sandbox_timeout=3)))
     add_fn = "<think>easy</think> <answer>```python\ndef add(a, b):\n    return a + b\n```</answer>"
     responses = [ADD, add_fn, add_fn]
     records = out + ace
@@ -595,3 +595,21 @@ def test_converted_records_score_with_the_code_rule():
         convert_records([("x:1", {"question": "q", "input_output": json.dumps({"inputs": [1, 2], "outputs": [1]})})])
 
 
+
+
+def test_the_sandbox_keys_are_declared_by_their_readers():
+    """code_score and the limits beside the code rule; the two isolation keys in sandbox.py, read by the code rule and
+    the tool environment's python tool: the same names, defaults and error lines as when they were group fields."""
+    from paddle_rl.config import ConfigError, load_config
+    from paddle_rl.config.options import PIECE_OPTIONS
+    assert PIECE_OPTIONS.readers("sandbox_timeout") == [("reward rule", "code")]
+    assert PIECE_OPTIONS.readers("sandbox_allow_network") == [("reward rule", "code"), ("environment", "tools")]
+    config = load_config(None, {"actor_model_name_or_path": "m"})
+    assert (config.code_score, config.sandbox_timeout, config.sandbox_memory_mb, config.sandbox_processes,
+            config.sandbox_allow_network, config.sandbox_allow_unisolated) == ("fraction", 10.0, 1024, 32, False, False)
+    for override, message in (({"code_score": "most"}, "code_score: must be fraction or all, got 'most'"),
+                              ({"sandbox_memory_mb": 32}, "sandbox_timeout / sandbox_memory_mb / sandbox_processes: "
+                                                          "must be > 0 s, >= 64 MB and >= 1, got 10.0, 32, 32")):
+        with pytest.raises(ConfigError) as error:
+            load_config(None, {"actor_model_name_or_path": "m", **override})
+        assert message in str(error.value)

@@ -70,7 +70,7 @@ def rows_of(out):
 
 
 def weights(folder):
-    from paddle_rl.models.safetensors_io import load_state
+    from paddle_rl.model_files.safetensors_io import load_state
     return load_state(str(folder))
 
 
@@ -268,3 +268,16 @@ def test_full_file_system_during_save(micro, plugin, tmp_path, reference):
     assert "No space left on device" in result.stderr or "StorageFull" in result.stderr, result.stderr[-3000:]
     assert checkpoints(copy) == ["checkpoint-1"]
     assert_intact(copy / "checkpoint-1")
+
+
+def test_the_step_faults_wrap_layout_and_rollout_only_under_a_test_variable(monkeypatch):
+    """Outside fault tests the run trains on the layout and rollout source themselves; a PADDLE_RL_TEST_* variable
+    wraps them."""
+    from paddle_rl.trainer import faults
+    for variable in (faults.POISON, faults.DIE, faults.HANG, faults.FAIL_SAVE):
+        monkeypatch.delenv(variable, raising=False)
+    layout, rollout = object(), object()
+    assert faults.wrap_layout(layout, lambda: 1) is layout and faults.wrap_rollout(rollout, 0) is rollout
+    monkeypatch.setenv(faults.HANG, "3:update")
+    assert isinstance(faults.wrap_layout(layout, lambda: 1), faults.InjectingLayout)
+    assert isinstance(faults.wrap_rollout(rollout, 0), faults.InjectingRollout)

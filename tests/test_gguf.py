@@ -18,7 +18,7 @@ torch = extra("torch")
 from gguf_files import CHAT_TEMPLATE, hf_model, tiny_bpe, write_gguf  # noqa: E402
 from paddle_rl.cli import main as cli_main  # noqa: E402
 from paddle_rl.models import Tokenizer, load_model  # noqa: E402
-from paddle_rl.models.gguf_import import GGUFError, convert_gguf, permute_rows, unpermute_rows  # noqa: E402
+from paddle_rl.model_files.gguf_import import GGUFError, convert_gguf, permute_rows, unpermute_rows  # noqa: E402
 
 T = gguf.GGMLQuantizationType
 ALL_TYPES = [T.Q4_0, T.Q4_1, T.Q8_0, T.Q4_K, T.Q6_K, T.F16, T.BF16, T.F32]

@@ -261,7 +261,7 @@ def test_moe_fused_expert_layout_loads(tmp_path, kind):
     """transformers also loads experts stored as fused 3-D tensors (mlp.experts.gate_up_proj [E, 2I, H],
     mlp.experts.down_proj [E, H, I]); so does load_model, to the same model."""
     import shutil
-    from paddle_rl.models.safetensors_io import load_state, save_state
+    from paddle_rl.model_files.safetensors_io import load_state, save_state
     hf = _hf_model(kind, False)
     hf.save_pretrained(tmp_path / "hf", safe_serialization=True)
     state = load_state(str(tmp_path / "hf"))

@@ -182,3 +182,92 @@ def test_a_records_tool_schemas_reach_the_chat_template():
     assert seen == [schema] * 3
     with pytest.raises(RecordError, match="'tools' must be a list of tool schemas"):
         to_prompt_record({"messages": messages, "tools": {"x": 1}, "solution": "4"}, "src", "tgt", render)
+
+
+# ---- an environment's config keys are declared where it registers; a plugin class declares its own
+OPTION_PLUGIN = '''
+from paddle_rl.config.fields import at_least
+from paddle_rl.config.options import option
+
+
+class Echo:
+    OPTIONS = (option("echo_times_test", int, 1, "How often the observation repeats the letter.",
+                      check=at_least(1)),)
+
+    def __init__(self, echo_times_test):
+        self.times = echo_times_test
+
+    def reset(self, record):
+        pass
+
+    def step(self, turn):
+        return "x" * self.times
+'''
+
+
+def test_the_built_in_environments_declare_their_keys():
+    from paddle_rl.config.options import PIECE_OPTIONS
+    from paddle_rl.rollout import ENVIRONMENTS
+    assert [o.key for o in ENVIRONMENTS["tools"].options] == ["env_tools", "max_tool_calls_per_turn",
+                                                              "sandbox_allow_network", "sandbox_allow_unisolated"]
+    assert [o.key for o in ENVIRONMENTS["agent"].options] == ["agent_command", "agent_timeout", "agent_concurrency",
+                                                              "agent_on_failure"]
+    assert PIECE_OPTIONS.readers("env_tools") == [("environment", "tools")]
+    with pytest.raises(ConfigError, match="max_tool_calls_per_turn: must be >= 1, got 0"):
+        load_config(None, {"actor_model_name_or_path": "m", "max_tool_calls_per_turn": 0})
+
+
+def test_an_environment_with_a_new_key_is_one_registration():
+    """register_environment declares the key it reads (after the loader was imported): read, checked, passed."""
+    from paddle_rl.config.fields import at_least
+    from paddle_rl.config.options import PIECE_OPTIONS, option
+    from paddle_rl.rollout.episodes import ENVIRONMENTS, episode_maker, register_environment
+    seen = []
+
+    @register_environment("steps_test", options=(option("steps_test_budget", int, 2, "Turns.", check=at_least(1)),))
+    def steps_episodes(config, tokenizer, stop_ids):
+        seen.append(config.steps_test_budget)
+        return lambda records, prompts, uids, n: None
+    try:
+        config = load_config(None, {"actor_model_name_or_path": "m", "env_plugin": "steps_test",
+                                    "steps_test_budget": 5})
+        episode_maker(config, None, [])
+        episode_maker(load_config(None, {"actor_model_name_or_path": "m", "env_plugin": "steps_test"}), None, [])
+        assert seen == [5, 2]
+        with pytest.raises(ConfigError, match="steps_test_budget: must be >= 1, got 0"):
+            load_config(None, {"actor_model_name_or_path": "m", "env_plugin": "steps_test", "steps_test_budget": 0})
+    finally:
+        del ENVIRONMENTS["steps_test"]
+        PIECE_OPTIONS.withdraw(("environment", "steps_test"))
+    with pytest.raises(ConfigError, match="unknown key 'steps_test_budget'"):
+        load_config(None, {"actor_model_name_or_path": "m", "steps_test_budget": 5})
+
+
+def test_a_plugin_environment_declares_its_keys(micro, tmp_path):
+    """A plugin class's OPTIONS: the key of a YAML file naming the plugin is read, checked and given to each
+    instance; an unknown key is still an error; a config without such keys imports no plugin file."""
+    from paddle_rl.config.options import PIECE_OPTIONS
+    from paddle_rl.rollout.episodes import episode_maker
+    tok = micro["tokenizer"]
+    path = tmp_path / "echo_env.py"
+    path.write_text(OPTION_PLUGIN)
+    run = tmp_path / "run.yaml"
+    run.write_text(f"actor_model_name_or_path: m\nenv_plugin: {path}:Echo\necho_times_test: 3\n")
+    spec = f"{path}:Echo"
+    try:
+        config = load_config(str(run))
+        assert config.echo_times_test == 3
+        runner = episode_maker(config, tok, _stops(tok))([{"uid": "a"}], ["p"], ["a"], 2)
+        assert [env.times for env in runner.envs] == [3, 3]
+        with pytest.raises(ConfigError, match="echo_times_test: must be >= 1, got 0"):
+            load_config(str(run), ["echo_times_test=0"])
+        with pytest.raises(ConfigError, match=r"unknown key 'echo_times_tset' \(did you mean 'echo_times_test'"):
+            load_config(str(run), ["echo_times_tset=2"])
+    finally:
+        PIECE_OPTIONS.withdraw(("environment", spec))
+    broken = tmp_path / "broken_env.py"
+    broken.write_text("raise RuntimeError('not imported while every key is known')\n")
+    spec = f"{broken}:Echo"
+    assert load_config(None, {"actor_model_name_or_path": "m", "env_plugin": spec}).env_plugin == spec
+    with pytest.raises(ConfigError, match="env_plugin .*broken_env.py:Echo: import failed: RuntimeError"):
+        load_config(None, {"actor_model_name_or_path": "m", "env_plugin": f"{broken}:Echo", "echo_times_test": 2})

@@ -102,7 +102,7 @@ def rel_err(a, b):
 
 def weights(out_dir, step=3):
     """The checkpoint's weights (a LoRA run's merged ones: merge_lora)."""
-    from paddle_rl.models.safetensors_io import load_state
+    from paddle_rl.model_files.safetensors_io import load_state
     path = os.path.join(out_dir, f"checkpoint-{step}")
     return load_state(os.path.join(path, "merged") if os.path.isdir(os.path.join(path, "merged")) else path)
 
@@ -262,7 +262,7 @@ def ppo_single(setup):
 def critic_parity(single, out_dir):
     """The critic's checkpointed weights against one process's (max relative error, asserted <= REL_TOL), and the
     critic's Adam moment bytes (one process, then each rank)."""
-    from paddle_rl.models.safetensors_io import load_state
+    from paddle_rl.model_files.safetensors_io import load_state
     critic_a, critic_b = (load_state(os.path.join(d, "checkpoint-3", "critic")) for d in (single, out_dir))
     assert set(critic_a) == set(critic_b) and "score.weight" in critic_a
     worst = max(rel_err(critic_a[k], critic_b[k]) for k in critic_a)
@@ -363,7 +363,7 @@ def test_pipeline_parallel_ppo_with_a_critic_and_resume(setup, ppo_single):
     resumed, _ = run_layout(setup, "pp-ppo-resumed", algo="ppo", pipeline_parallel_degree=2, **PPO_CRITIC,
                             resume_from_checkpoint=os.path.join(out_dir, "checkpoint-2"))
     assert [r["step"] for r in read_rows(resumed)] == [3]
-    from paddle_rl.models.safetensors_io import load_state
+    from paddle_rl.model_files.safetensors_io import load_state
     for folder in ("", "critic"):
         wa, wb = (load_state(os.path.join(d, "checkpoint-3", folder)) for d in (out_dir, resumed))
         assert set(wa) == set(wb)

@@ -119,7 +119,7 @@ def test_critic_from_a_reward_model_folder(micro, tmp_path):
     # started from it takes its decoder and its trained value head, not a zero head
     from paddle_rl.models.critic import load_critic
     from paddle_rl.models.config import ModelConfig
-    from paddle_rl.models.safetensors_io import load_state
+    from paddle_rl.model_files.safetensors_io import load_state
     run(micro, tmp_path / "a", max_steps=1, do_eval=False, save_steps=1)
     folder = str(tmp_path / "a" / "checkpoint-1" / "critic")
     config = ModelConfig.from_pretrained(folder)

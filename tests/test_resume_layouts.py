@@ -124,7 +124,7 @@ def comparable_rows(out_dir):
 @pytest.mark.parametrize("layout", ["dp2", *(pytest.param(name, marks=pytest.mark.slow)
                                              for name in ("tp2", "pp2", "sharding2"))])
 def test_kill_9_and_auto_resume_reproduce_the_run(micro, plugin, tmp_path, run_marker, layout):
-    from paddle_rl.models.safetensors_io import load_state
+    from paddle_rl.model_files.safetensors_io import load_state
     degrees = LAYOUTS[layout]
     start_time = time.time()
     ref, killed = str(tmp_path / "reference"), str(tmp_path / "killed")

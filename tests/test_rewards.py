@@ -277,6 +277,52 @@ def test_config_keys_and_validation():
         assert message in str(error.value)
 
 
+RULE_PLUGIN = """
+import numpy as np
+from paddle_rl.config.fields import above
+from paddle_rl.config.options import option
+from paddle_rl.rewards.rules import register_rule
+
+
+@register_rule("plugin_length_test", needs_config=True, options=(
+        option("plugin_length_scale", float, 1.0, "Divides the response length.", check=above(0)),))
+def plugin_length(config):
+    scale = config.plugin_length_scale
+    return lambda samples: (np.array([len(s.response) / scale for s in samples], np.float32), None)
+
+
+def plain(completions, **kwargs):
+    return [1.0 for _ in completions]
+"""
+
+
+def test_a_plugin_file_registers_a_rule_with_a_key(tmp_path):
+    """A reward plugin file registers a rule with its own key: a YAML file naming the plugin reads and checks the
+    key (the loader imports the plugin for it) and the rule gets its value; its other functions stay plugin
+    functions; an unknown key is still an error."""
+    from paddle_rl.config.options import PIECE_OPTIONS
+    from paddle_rl.rewards.plugins import load_plugins_cached
+    from paddle_rl.rewards.rules import RULE_REWARDS, remove_rule
+    plugin = tmp_path / "length_plugin.py"
+    plugin.write_text(RULE_PLUGIN)
+    run = tmp_path / "run.yaml"
+    run.write_text(f"actor_model_name_or_path: m\nreward_plugins: [{plugin}]\n"
+                   f"reward_funcs: [plugin_length_test, plain]\nplugin_length_scale: 4\n")
+    try:
+        config = load_config(str(run))
+        assert config.plugin_length_scale == 4.0
+        assert sorted(load_plugins_cached([str(plugin)])) == ["plain"]
+        np.testing.assert_allclose(build_reward(config)([sample("abcdefgh"), sample("ab")]).scores, [3.0, 1.5])
+        with pytest.raises(ConfigError, match="plugin_length_scale: must be > 0, got -1.0"):
+            load_config(str(run), ["plugin_length_scale=-1"])
+        with pytest.raises(ConfigError, match="unknown key 'plugin_length_scael'"):
+            load_config(str(run), ["plugin_length_scael=2"])
+    finally:
+        if "plugin_length_test" in RULE_REWARDS:
+            remove_rule("plugin_length_test")
+    assert "plugin_length_scale" not in PIECE_OPTIONS
+
+
 def test_a_rule_with_a_new_key_is_one_registration(tmp_path):
     """A rule declares the key it reads where it registers (here, after RLConfig and the loader were imported): the
     key loads from YAML, is checked and dumped, and reaches the rule's factory; it leaves with the rule."""

@@ -188,7 +188,7 @@ def test_data_parallel_equals_one_process(micro, tmp_path):
 def _stale(micro, plugin, out, staleness, **keys):
     """An asynchronous run whose batches lag the trainer by `staleness` policy versions (from step 2 on: the first
     batch is generated and trained on the initial weights); 4 steps, the last checkpoint's weights."""
-    from paddle_rl.models.safetensors_io import load_state
+    from paddle_rl.model_files.safetensors_io import load_state
     from paddle_rl.trainer import RLTrainer
     overrides = micro_overrides(micro, str(out), max_steps=4, do_eval=False, save_steps=4, reward_plugins=plugin,
                                 reward_funcs="length_parity", kl_loss_coeff=0.0, async_rollout=True,

@@ -381,7 +381,7 @@ def test_an_adapter_push_folds_into_the_same_base_only(micro, tmp_path):
     model and tokenizer, every tensor x 1.01) refuses the first push naming the mismatch, and the run stops."""
     import shutil
     from safetensors.numpy import save_file
-    from paddle_rl.models.safetensors_io import load_state
+    from paddle_rl.model_files.safetensors_io import load_state
     folder = str(tmp_path / "other" / "model")
     shutil.copytree(micro["model"], folder)
     for name in os.listdir(folder):

@@ -13,7 +13,7 @@ import pytest
 from make_tiny_model import sft_response
 from micro_model import micro_overrides
 from paddle_rl.config import ConfigError, load_config
-from paddle_rl.models.safetensors_io import load_state
+from paddle_rl.model_files.safetensors_io import load_state
 from paddle_rl.monitor import read_metrics
 
 

@@ -18,7 +18,7 @@ extra("accelerate")
 torch = extra("torch")
 
 from paddle_rl.models import Tokenizer, load_model  # noqa: E402
-from paddle_rl.models.hub import fetch, find_source, gguf_of  # noqa: E402
+from paddle_rl.model_files.hub import fetch, find_source, gguf_of  # noqa: E402
 from paddle_rl.rollout import RolloutEngine, SamplingParams  # noqa: E402
 
 pytestmark = pytest.mark.slow

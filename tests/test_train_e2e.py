@@ -127,7 +127,7 @@ def test_kill_9_and_resume_reproduces_metrics(micro, tmp_path):
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     got = comparable(read_metrics(str(out_b / "metrics.jsonl")))
     assert got == expected
-    from paddle_rl.models.safetensors_io import load_state
+    from paddle_rl.model_files.safetensors_io import load_state
     wa, wb = load_state(str(tmp_path / "a" / "checkpoint-6")), load_state(str(out_b / "checkpoint-6"))
     assert all(np.array_equal(wa[k], wb[k]) for k in wa)
 

@@ -12,7 +12,7 @@ from typing import Any, Iterable, Optional
 import yaml
 
 from .fields import ACTED, ALIASES, chosen
-from .options import PIECE_OPTIONS
+from .options import PIECE_OPTIONS, PLUGIN_KEYS
 from .rl_config import RLConfig
 
 logger = logging.getLogger("paddle_rl")
@@ -131,37 +131,60 @@ def _read_yaml(path: str) -> dict:
     return data
 
 
-def read_values(path: Optional[str] = None, overrides: Optional[Iterable[str] | dict] = None):
-    """(values by field name, errors): a YAML file's keys plus overrides, aliases resolved, each value coerced to
-    its field's type; unknown keys and bad values become error lines (with the closest name)."""
-    keys = _keys()
+def _read(raw: dict, keys: dict, where: str, values: dict, errors: list) -> list:
+    """Coerce `raw`'s known keys into `values` (bad values become error lines); the keys nobody declared."""
     aliases = _aliases(keys)
-    raw = _read_yaml(path) if path else {}
-    if overrides:
-        raw.update(overrides if isinstance(overrides, dict) else parse_overrides(overrides))
-    where = f"{path}: " if path else ""
-    errors, values = [], {}
+    unknown = []
     for key, value in raw.items():
         name = aliases.get(key, key)
         if name not in keys:
-            hint = "" if len(PIECE_OPTIONS) else (" (no algorithm piece or reward rule has declared its options "
-                                                 "yet: import paddle_rl.algorithms and paddle_rl.rewards before "
-                                                 "reading a config)")
-            errors.append(f"{where}unknown key {key!r}{_suggest(key, list(keys) + list(aliases))}{hint}")
+            unknown.append(key)
             continue
         annotation, metadata = keys[name]
         try:
             values[name] = chosen(key, _coerce(key, value, annotation), metadata)
         except ValueError as e:  # ConfigError or a value outside the key's choices
             errors.append(f"{where}{e}")
+    return unknown
+
+
+def _load_plugin_files(values: dict, where: str, errors: list) -> bool:
+    """Import the files the config's plugin keys name (they may declare options); False when it names none."""
+    named = [(key, values[key]) for key in PLUGIN_KEYS if values.get(key)]
+    for key, value in named:
+        try:
+            PLUGIN_KEYS[key](value)
+        except ValueError as e:   # a file that cannot be loaded (the message names the key or the file)
+            errors.append(f"{where}{e}")
+    return bool(named)
+
+
+def read_values(path: Optional[str] = None, overrides: Optional[Iterable[str] | dict] = None):
+    """(values by field name, errors): a YAML file's keys plus overrides, aliases resolved, each value coerced to
+    its field's type; unknown keys and bad values become error lines (with the closest name). Keys nobody has
+    declared send the loader to the plugin files the config names (options.PLUGIN_KEYS), then are read again."""
+    raw = _read_yaml(path) if path else {}
+    if overrides:
+        raw.update(overrides if isinstance(overrides, dict) else parse_overrides(overrides))
+    where = f"{path}: " if path else ""
+    errors, values = [], {}
+    unknown = _read(raw, _keys(), where, values, errors)
+    if unknown and _load_plugin_files(values, where, errors):
+        unknown = _read({key: raw[key] for key in unknown}, _keys(), where, values, errors)
+    keys = _keys()
+    names = list(keys) + list(_aliases(keys))
+    hint = "" if len(PIECE_OPTIONS) else (" (no algorithm piece, reward rule or environment has declared its "
+                                         "options yet: import paddle_rl.algorithms, paddle_rl.rewards and "
+                                         "paddle_rl.rollout before reading a config)")
+    errors += [f"{where}unknown key {key!r}{_suggest(key, names)}{hint}" for key in unknown]
     return values, errors
 
 
 def load_config(path: Optional[str] = None, overrides: Optional[Iterable[str] | dict] = None, warn_unused: bool = True):
     """Read `path` (YAML) and apply overrides; raise ConfigError listing every bad key or value."""
     cls = _config_class()
-    keys = _keys()
     values, errors = read_values(path, overrides)
+    keys = _keys()   # after reading: the plugin files a config names may have declared keys
     if errors:
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(errors))
     config = config_from_values(values)

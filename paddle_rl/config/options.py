@@ -13,10 +13,18 @@ a file (never frozen into a class when a module is imported): a piece registered
 the declared default until a file sets it. The config package imports nothing above it, so the algorithm's
 pieces register when `paddle_rl.algorithms` (the reward rules: `paddle_rl.rewards`) is imported; every command
 that reads a config imports both first, and a key the loader does not know while nothing has registered says so.
+The multi-turn environments (paddle_rl/rollout/episodes.py, `register_environment(..., options=)`) declare theirs the
+same way; a command reading a config imports them too (the trainer package does).
+
+A user's files may declare options as well: a reward plugin (`reward_plugins`) by registering a rule with
+`register_rule(..., options=)`, an environment plugin (`env_plugin: file.py:Class`) by a class attribute
+`OPTIONS = (option(...), ...)`. The key naming such files is a plugin key (`PLUGIN_KEYS`: key -> a loader of its
+value, registered where those files are loaded): when a config holds keys nobody has declared, the loader imports the
+files its plugin keys name, and reads those keys again. A config whose keys are all known imports no plugin file.
 """
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 from .fields import HELP, WHEN_UNSET, arg, declared_errors
 
@@ -110,3 +118,12 @@ class PieceOptions:
 
 
 PIECE_OPTIONS = PieceOptions()
+
+# key -> load(value): imports the user's files the key's (coerced) value names, which may declare options; raises
+# ValueError naming the file when one cannot be loaded
+PLUGIN_KEYS: Dict[str, Callable[[Any], None]] = {}
+
+
+def declare_plugin_key(key: str, load: Callable[[Any], None]) -> None:
+    """`key`'s value names files that may declare options; `load(value)` imports them (once per process)."""
+    PLUGIN_KEYS[key] = load

@@ -35,17 +35,6 @@ class RewardArgs:
     reward_server_on_failure: str = arg("error", "error: stop with an error naming the URL | skip: mark the "
                                                  "samples skipped (dropped, counted as reward/skipped).")
     reward_server_api_key: str = arg("", "API key for the reward server (default: $PADDLE_RL_REWARD_API_KEY).")
-    # the code rule's sandbox (docs/rewards.md "Code execution")
-    code_score: str = arg("fraction", "code rule: fraction (tests passed / tests) | all (1 only if every test passes).")
-    sandbox_timeout: float = arg(10.0, "code rule: wall-clock seconds (and CPU seconds) per test run.")
-    sandbox_memory_mb: int = arg(1024, "code rule: memory of a test run, MB: all its processes and files together "
-                                       "(docs/rewards.md says how it is bounded).")
-    sandbox_processes: int = arg(32, "code rule: the most processes a test run may have at once.")
-    sandbox_allow_network: bool = arg(False, "Untrusted programs (code rule, python tool) share the host's network "
-                                             "namespace (every other isolation stays; logged).")
-    sandbox_allow_unisolated: bool = arg(False, "Run untrusted programs (code rule, python tool) where bubblewrap "
-                                                "cannot isolate them: as this user with rlimits only (logged). "
-                                                "Without it such a run stops at start-up.")
 
     def _resolve_reward_model(self, given_keys) -> None:
         """PaddleNLP's switch: `use_rm_server: false` with `reward_model_name_or_path` scores with that model.
@@ -73,11 +62,6 @@ class RewardArgs:
                     ", ".join(self.reward_funcs))
 
     def _validate_reward(self, errors):
-        if self.code_score not in ("fraction", "all"):
-            errors.append(f"code_score: must be fraction or all, got {self.code_score!r}")
-        if self.sandbox_timeout <= 0 or self.sandbox_memory_mb < 64 or self.sandbox_processes < 1:
-            errors.append(f"sandbox_timeout / sandbox_memory_mb / sandbox_processes: must be > 0 s, >= 64 MB and "
-                          f">= 1, got {self.sandbox_timeout}, {self.sandbox_memory_mb}, {self.sandbox_processes}")
         if self.reward_weights and len(self.reward_weights) != len(self.reward_funcs):
             errors.append(f"reward_weights: {len(self.reward_weights)} weights for {len(self.reward_funcs)} reward_funcs")
         for w in self.reward_weights:

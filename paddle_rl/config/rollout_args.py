@@ -1,5 +1,4 @@
 import logging
-import shlex
 from dataclasses import dataclass
 from typing import Optional
 
@@ -12,8 +11,6 @@ KV_CACHE_DTYPES = {"auto": "auto", "float32": "float32", "fp32": "float32", "bfl
 
 # accepted spellings of rollout_dtype -> the name used
 ROLLOUT_DTYPE_NAMES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16"}
-
-AGENT_ON_FAILURE = ("zero", "error")
 
 logger = logging.getLogger("paddle_rl")
 
@@ -67,21 +64,6 @@ class RolloutArgs:
                           aliases=("multi_turn_scheduler",))
     max_turns: int = arg(4, "With env_plugin: the most policy turns of an episode (env_plugin agent: completion "
                             "requests).")
-    env_tools: list = arg(["calculator", "python"], "The built-in tool environment's tools: calculator, python "
-                                                    "(runs untrusted programs: needs bubblewrap, docs/rewards.md).")
-    max_tool_calls_per_turn: int = arg(4, "The built-in tool environment: tool calls run per turn; the ones past it "
-                                          "get an error observation and are not run.")
-    agent_command: str = arg("", "With env_plugin: agent, the program run once per sample (split like a shell "
-                                 "command line, run without a shell): it reads the prompt as JSON on stdin and asks "
-                                 "the policy for completions at $OPENAI_BASE_URL with the episode's $OPENAI_API_KEY "
-                                 "(docs/multi_turn.md, Agent programs).")
-    agent_timeout: float = arg(120.0, "With env_plugin: agent, seconds one program may run; past it its process "
-                                      "group is killed and the episode failed.")
-    agent_concurrency: int = arg(32, "With env_plugin: agent, the most programs running at once.")
-    agent_on_failure: str = arg("zero", "With env_plugin: agent, a program that fails (timeout, non-zero exit, a last "
-                                        "stdout line that is not the JSON it must be, no request): zero (a sample of "
-                                        "reward 0, counted in episode/agent_failed_share) | error (stop the run, "
-                                        "naming it).", choices=AGENT_ON_FAILURE)
     async_rollout: bool = arg(False, "Generate in a worker process of its own, ahead of the trainer by up to "
                                      "max_staleness policy versions (docs/algorithms.md, Asynchronous rollout).")
     max_staleness: int = arg(1, "With async_rollout: the most policy versions a trained batch may lag the trainer "
@@ -122,24 +104,8 @@ class RolloutArgs:
             errors.append(f"max_staleness: must be >= 0, got {self.max_staleness}")
         if self.async_rollout_threads < 0:
             errors.append(f"async_rollout_threads: must be >= 0, got {self.async_rollout_threads}")
-        if self.max_tool_calls_per_turn < 1:
-            errors.append(f"max_tool_calls_per_turn: must be >= 1, got {self.max_tool_calls_per_turn}")
         if self.max_turns < 1:
             errors.append(f"max_turns: must be >= 1, got {self.max_turns}")
-        if self.env_plugin == "agent":
-            if not str(self.agent_command).strip():
-                errors.append("agent_command: required with env_plugin: agent (the program run per sample)")
-            else:
-                try:
-                    shlex.split(str(self.agent_command))
-                except ValueError as e:
-                    errors.append(f"agent_command: cannot be split into arguments: {e}")
-            if self.agent_timeout <= 0:
-                errors.append(f"agent_timeout: must be > 0, got {self.agent_timeout}")
-            if self.agent_concurrency < 1:
-                errors.append(f"agent_concurrency: must be >= 1, got {self.agent_concurrency}")
-        elif str(self.agent_command).strip():
-            errors.append(f"agent_command: acts only with env_plugin: agent (env_plugin is {self.env_plugin!r})")
         if self.env_plugin and self.repetition_penalty != 1.0:
             errors.append("repetition_penalty: not with env_plugin (observation tokens would not count as seen)")
         if self.partial_rollout and not (self.async_rollout and self.max_staleness >= 1):

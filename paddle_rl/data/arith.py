@@ -9,6 +9,7 @@ import random
 from dataclasses import dataclass
 from typing import List, Tuple
 
+from ..model_files.hub import resolve_model
 from .kk.dataset import write_jsonl
 
 DATA_SOURCE = "arith"
@@ -87,7 +88,6 @@ def _arith_cli(args) -> int:
 
     # the tokenizer (models/, Paddle) only for writing a tokenized dataset; the generator itself needs neither
     from ..models import Tokenizer
-    from ..models.hub import resolve_model
     try:
         tokenizer = Tokenizer.from_pretrained(resolve_model(args.model))
         problems = generate_problems(args.test + args.train, args.operands, args.low, args.high, args.seed)

@@ -10,12 +10,12 @@ from typing import Optional
 import numpy as np
 import paddle
 
+from ..model_files.safetensors_io import load_state
 from .config import ModelConfig
 from .decoder import CausalLM
 from .logprobs import response_hidden
 from .lora import LoraSettings, add_adapters
 from .pretrained import load_model, load_weights
-from .safetensors_io import load_state
 
 SEQUENCE_CLASSIFIER = "ForSequenceClassification"
 

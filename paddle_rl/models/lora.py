@@ -35,9 +35,9 @@ import paddle
 import paddle.nn as nn
 import paddle.nn.functional as F
 
+from ..model_files.safetensors_io import read_file
 from ..parallel.collectives import copy_to_group, group_size, reduce_from_group
 from .layers import ColumnLinear, ParamSpec, RowLinear, _param
-from .safetensors_io import read_file
 
 ALL_LINEAR = "all-linear"
 PEFT_PREFIX = "base_model.model."

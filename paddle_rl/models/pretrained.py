@@ -7,13 +7,13 @@ from typing import Optional
 import numpy as np
 import paddle
 
+from ..model_files.safetensors_io import load_state, save_state
 from .config import ModelConfig
 from .decoder import CausalLM
 from .layers import specs_of
 from .lora import WEIGHTS_FILE as ADAPTER_WEIGHTS
 from .lora import (AdapterError, LoraSettings, add_adapters, has_adapter, merge_state, read_adapter,
                    save_adapter)
-from .safetensors_io import load_state, save_state
 
 MERGED_FOLDER = "merged"  # a LoRA checkpoint's merged weights (merge_lora)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "chat_template.jinja",

@@ -22,6 +22,7 @@ from typing import List, Tuple
 
 import numpy as np
 
+from ..config.options import option
 from .rules import SampleError, register_rule
 from .sandbox import STATUSES, SandboxLimits, require_isolation, run_program
 
@@ -116,7 +117,36 @@ def sandbox_limits(config) -> SandboxLimits:
     return limits
 
 
-@register_rule("code", needs_config=True)
+def _limits_errors(key, value, config):
+    """The three limits of a test run, checked together (one line naming them all)."""
+    if config.sandbox_timeout <= 0 or config.sandbox_memory_mb < 64 or config.sandbox_processes < 1:
+        return (f"sandbox_timeout / sandbox_memory_mb / sandbox_processes: must be > 0 s, >= 64 MB and >= 1, got "
+                f"{config.sandbox_timeout}, {config.sandbox_memory_mb}, {config.sandbox_processes}")
+    return None
+
+
+# the keys of every runner of untrusted programs: this rule and the tool environment's python tool (rollout/episodes.py
+# names them too; sandbox.py imports nothing of the project, as it also runs on its own)
+SANDBOX_ALLOW_NETWORK = option("sandbox_allow_network", bool, False,
+                               "Untrusted programs (code rule, python tool) share the host's network namespace "
+                               "(every other isolation stays; logged).")
+SANDBOX_ALLOW_UNISOLATED = option("sandbox_allow_unisolated", bool, False,
+                                  "Run untrusted programs (code rule, python tool) where bubblewrap cannot isolate "
+                                  "them: as this user with rlimits only (logged). Without it such a run stops at "
+                                  "start-up.")
+CODE_SCORE = option("code_score", str, "fraction",
+                    "code rule: fraction (tests passed / tests) | all (1 only if every test passes).",
+                    choices=("fraction", "all"))
+SANDBOX_TIMEOUT = option("sandbox_timeout", float, 10.0,
+                         "code rule: wall-clock seconds (and CPU seconds) per test run.", check=_limits_errors)
+SANDBOX_MEMORY_MB = option("sandbox_memory_mb", int, 1024,
+                           "code rule: memory of a test run, MB: all its processes and files together "
+                           "(docs/rewards.md says how it is bounded).")
+SANDBOX_PROCESSES = option("sandbox_processes", int, 32, "code rule: the most processes a test run may have at once.")
+
+
+@register_rule("code", needs_config=True, options=(CODE_SCORE, SANDBOX_TIMEOUT, SANDBOX_MEMORY_MB, SANDBOX_PROCESSES,
+                                                   SANDBOX_ALLOW_NETWORK, SANDBOX_ALLOW_UNISOLATED))
 def make_code_rule(config):
     """Run the response's program against the record's tests in the sandbox: fraction passed (or all-or-nothing)."""
     limits = sandbox_limits(config)

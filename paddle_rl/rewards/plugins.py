@@ -12,6 +12,9 @@ Two signatures are recognised, per function:
 
 A plugin module contributes its public functions (those defined in it, names not starting with "_") and the
 entries of a module-level `orms` dict (ms-swift plugin convention; classes are instantiated without arguments).
+A rule with config keys of its own is registered by the file itself, `@register_rule(name, needs_config=True,
+options=(option(...),))` (rules.py): it is a rule then, not a plugin function, and the loader imports the files of
+`reward_plugins` when a config holds keys nobody else declared (config/options.py, plugin keys).
 """
 import hashlib
 import importlib
@@ -26,8 +29,9 @@ from typing import Callable, Dict, List, Optional
 
 import numpy as np
 
+from ..config.options import declare_plugin_key
 from .base import RewardSample
-from .rules import SampleError, strip_special_tail
+from .rules import RULE_REWARDS, SampleError, strip_special_tail
 
 logger = logging.getLogger("paddle_rl")
 
@@ -180,9 +184,13 @@ def load_plugins(specs: List[str], root: Optional[str] = None) -> Dict[str, Plug
     for spec in specs:
         module, source = _load_module(spec, root)
         candidates = {}
+        rules = [rule.fn for rule in RULE_REWARDS.values() if rule is not None and rule.fn is not None
+                 and getattr(rule.fn, "__module__", None) == module.__name__]
         for name, obj in vars(module).items():
             if name.startswith("_") or not inspect.isfunction(obj) or obj.__module__ != module.__name__:
                 continue
+            if any(obj is fn for fn in rules):
+                continue   # a rule the file registered (register_rule), not a plugin function
             candidates[name] = obj
         orms = getattr(module, "orms", None)
         if isinstance(orms, dict):
@@ -193,7 +201,7 @@ def load_plugins(specs: List[str], root: Optional[str] = None) -> Dict[str, Plug
                     except Exception as e:  # noqa: BLE001
                         raise PluginError(f"reward plugin {spec}: orms[{name!r}]() failed: {e}") from e
                 candidates[name] = obj
-        if not candidates:
+        if not candidates and not rules:
             raise PluginError(f"reward plugin {spec}: defines no reward functions")
         for name, obj in candidates.items():
             if name in found:
@@ -229,3 +237,6 @@ def load_plugins_cached(specs: List[str], root: Optional[str] = None) -> Dict[st
         if key not in _CACHE:
             _CACHE[key] = load_plugins(list(specs), root)
         return dict(_CACHE[key])
+
+
+declare_plugin_key("reward_plugins", lambda specs: load_plugins_cached(list(specs)))

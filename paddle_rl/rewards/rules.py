@@ -47,6 +47,7 @@ class Rule:
     # (what `cosine_accuracy` may name); None for rules that score something else (format, length, ...)
     correctness: Optional[Callable] = None
     keys: Tuple[Option, ...] = ()      # the config keys the rule's factory reads (declared where it registers)
+    fn: Optional[Callable] = None      # the registered function (the factory, with needs_config)
 
 
 RULE_REWARDS: Dict[str, Rule] = {}
@@ -78,7 +79,7 @@ def register_rule(name: str, needs_config: bool = False, aliases: tuple = (), co
             PIECE_OPTIONS.withdraw((READER, name))
             raise
         for key in (name,) + tuple(aliases):
-            RULE_REWARDS[key] = Rule(key, make, doc, correctness, tuple(keys))
+            RULE_REWARDS[key] = Rule(key, make, doc, correctness, tuple(keys), fn)
         return fn
     return wrap
 

@@ -41,6 +41,7 @@ import math
 import os
 import secrets
 import selectors
+import shlex
 import signal
 import subprocess
 import threading
@@ -51,7 +52,9 @@ from typing import List, Optional
 
 import numpy as np
 
-from .episodes import EpisodeError, continuation_renderer, episode_columns
+from ..config.fields import above, at_least
+from ..config.options import option
+from .episodes import EpisodeError, continuation_renderer, episode_columns, register_environment
 from .keys import call_key
 from .openai_api import (CHAT_FIELDS, COMPLETION_FIELDS, RequestError, chat_logprobs, chat_messages, check_fields,
                          check_tokens, choice, completion_logprobs, number, render_chat, stop_strings, usage)
@@ -668,3 +671,60 @@ class AgentEnvironment:
         if self.proxy is not None:
             self.proxy.shutdown()
             self.proxy = None
+
+
+def _with_agent(check):
+    """A check of an agent key, run when env_plugin is agent."""
+    return lambda key, value, config: check(key, value, config) if config.env_plugin == "agent" else None
+
+
+def _command_errors(key, value, config):
+    if config.env_plugin != "agent":
+        return (f"{key}: acts only with env_plugin: agent (env_plugin is {config.env_plugin!r})"
+                if str(value).strip() else None)
+    if not str(value).strip():
+        return f"{key}: required with env_plugin: agent (the program run per sample)"
+    try:
+        shlex.split(str(value))
+    except ValueError as e:
+        return f"{key}: cannot be split into arguments: {e}"
+    return None
+
+
+AGENT_COMMAND = option("agent_command", str, "",
+                       "With env_plugin: agent, the program run once per sample (split like a shell command line, "
+                       "run without a shell): it reads the prompt as JSON on stdin and asks the policy for "
+                       "completions at $OPENAI_BASE_URL with the episode's $OPENAI_API_KEY (docs/multi_turn.md, Agent "
+                       "programs).", check=_command_errors)
+AGENT_TIMEOUT = option("agent_timeout", float, 120.0,
+                       "With env_plugin: agent, seconds one program may run; past it its process group is killed and "
+                       "the episode failed.", check=_with_agent(above(0)))
+AGENT_CONCURRENCY = option("agent_concurrency", int, 32, "With env_plugin: agent, the most programs running at once.",
+                           check=_with_agent(at_least(1)))
+AGENT_ON_FAILURE = option("agent_on_failure", str, "zero",
+                          "With env_plugin: agent, a program that fails (timeout, non-zero exit, a last stdout line "
+                          "that is not the JSON it must be, no request): zero (a sample of reward 0, counted in "
+                          "episode/agent_failed_share) | error (stop the run, naming it).", choices=ON_FAILURE)
+
+
+def agent_settings(config, tokenizer) -> AgentSettings:
+    """`env_plugin: agent`'s settings from the config; says once where the reward comes from."""
+    named = [str(f) for f in config.reward_funcs]
+    for spec in (config.reward_routes or {}).values():
+        named += [spec] if isinstance(spec, str) else [str(f) for f in spec]
+    program_reward = "env" in named
+    if not program_reward:
+        logger.info("env_plugin agent: rewards from %s on each recorded transcript; a program's {\"reward\": ...} "
+                    "line is not used (reward_funcs has no `env`)", ", ".join(named))
+    return AgentSettings(shlex.split(config.agent_command), config.agent_timeout, config.agent_concurrency,
+                         config.agent_on_failure, config.max_turns, config.max_prompt_len, program_reward,
+                         tokenizer.vocab_size)
+
+
+@register_environment("agent", options=(AGENT_COMMAND, AGENT_TIMEOUT, AGENT_CONCURRENCY, AGENT_ON_FAILURE))
+def agent_episodes(config, tokenizer, stop_ids):
+    """Agent programs, one run per sample, through the recording proxy (started on the first rollout)."""
+    env = AgentEnvironment(agent_settings(config, tokenizer), tokenizer, stop_ids,
+                           {"temperature": config.temperature, "top_p": config.top_p, "top_k": config.top_k,
+                            "min_dec_len": config.min_dec_len, "max_dec_len": config.max_dec_len})
+    return env.episodes

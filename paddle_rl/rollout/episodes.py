@@ -2,8 +2,8 @@
 to the policy, until the episode ends, `max_turns` is reached or the token budget (`max_dec_len`, observations
 included) runs out.
 
-An environment (`env_plugin`: `tools`, the built-in tool environment, or `path/to/file.py:ClassName`) is a class
-with
+An environment (`env_plugin`: a registered name, `tools` the built-in tool environment or `agent` (agents.py), or
+`path/to/file.py:ClassName`) is a class with
     reset(record)            a new episode on the sample's dataset record (its `tools` schema, its ground truth)
     step(turn) -> Step       the policy's turn (text, the stop token excluded); Step(observation, reward, done):
                              the observation's text (None or done=True: the episode ends), a reward (optional,
@@ -16,9 +16,17 @@ log-probs of the policy's tokens are those of a forward over the whole conversat
 
 `EpisodeRunner` is what the engine calls (`turn_ended`); it records per sample the turns, tool calls, tool
 errors and the environment's reward, written as columns after the rollout (`finish`).
+
+An environment registers with `register_environment(name, options=(...))`, declaring there the config keys it
+reads (config/options.py `option`: they join the config's keys, checked as the config loads); its `make(config,
+tokenizer, stop_ids)` gives the episodes of a rollout, `episodes(records, prompts, uids, n)`. A plugin class declares
+its keys as `OPTIONS = (option(...), ...)` and is built with them, `ClassName(**{key: value})`; the loader imports the
+file named by `env_plugin` when the config holds keys nobody else declared.
 """
 import ast
+import dataclasses
 import functools
+import hashlib
 import importlib.util
 import json
 import math
@@ -26,10 +34,13 @@ import operator
 import os
 import re
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
+from ..config.fields import at_least
+from ..config.options import PIECE_OPTIONS, Option, declare_plugin_key, option
+from ..rewards.code import SANDBOX_ALLOW_NETWORK, SANDBOX_ALLOW_UNISOLATED
 from ..rewards.sandbox import SandboxError, SandboxLimits, require_isolation, run_program
 
 SENTINEL = "\u2063TURN\u2063"  # stands for the policy's turn when the template renders an observation
@@ -145,9 +156,9 @@ class ToolEnvironment:
 
 def load_environment(spec: str, tools=("calculator", "python"), max_calls: int = 4,
                      sandbox: SandboxLimits = PYTHON_TOOL_LIMITS) -> Callable[[], object]:
-    """A factory of environments: `tools` (the built-in ToolEnvironment) or `file.py:ClassName`. The built-in
-    `python` tool refuses at start-up (SandboxError) where programs cannot be isolated, unless
-    `sandbox.allow_unisolated`."""
+    """A factory of environments: `tools` (the built-in ToolEnvironment) or `file.py:ClassName` (the class; one
+    that declares OPTIONS is built by `plugin_episodes` with their values). The built-in `python` tool refuses at
+    start-up (SandboxError) where programs cannot be isolated, unless `sandbox.allow_unisolated`."""
     if spec == "tools":
         ToolEnvironment(tools, max_calls, sandbox)  # unknown tool names fail here, at start-up
         if "python" in tools and not sandbox.allow_unisolated:
@@ -157,11 +168,116 @@ def load_environment(spec: str, tools=("calculator", "python"), max_calls: int =
                 raise SandboxError(f"env_tools: the python tool runs untrusted programs: {e}; or remove python "
                                    f"from env_tools") from e
         return lambda: ToolEnvironment(tools, max_calls, sandbox)
+    return plugin_class(spec)
+
+
+# ---------------------------------------------------------------- the registry
+READER = "environment"
+
+
+@dataclass(frozen=True)
+class Environment:
+    """A registered environment: `make(config, tokenizer, stop_ids)` -> `episodes(records, prompts, uids, n)`, the
+    episodes of one rollout (`n` samples of each record); `options` the config keys it reads."""
+    name: str
+    make: Callable
+    options: Tuple[Option, ...] = ()
+
+
+ENVIRONMENTS: Dict[str, Environment] = {}
+
+
+def _declare(options, reader) -> Tuple[Option, ...]:
+    """Declare `options` (each an Option, or the key of one declared before) with `reader`, replacing what the
+    same reader declared before; TypeError naming the reader otherwise."""
+    declared = []
+    for item in options:
+        if not isinstance(item, Option) and item not in PIECE_OPTIONS:
+            raise TypeError(f"{reader[0]} {reader[1]!r}: option {item!r} is not declared (config.options.option)")
+        declared.append(item if isinstance(item, Option) else PIECE_OPTIONS.get(item))
+    PIECE_OPTIONS.withdraw(reader)
+    try:
+        for item in declared:
+            PIECE_OPTIONS.declare(item, reader)
+    except TypeError:
+        PIECE_OPTIONS.withdraw(reader)
+        raise
+    return tuple(declared)
+
+
+def register_environment(name: str, options: Tuple = ()):
+    """Decorator of `make(config, tokenizer, stop_ids)`: the environment `env_plugin: name`, reading the config
+    keys `options` (each an Option, config.options.option, or the key of one declared before)."""
+    def wrap(make):
+        ENVIRONMENTS[name] = Environment(name, make, _declare(options, (READER, name)))
+        return make
+    return wrap
+
+
+def episode_maker(config, tokenizer, stop_ids):
+    """`episodes(records, prompts, uids, n)` of the environment `env_plugin` names (None without one)."""
+    if not config.env_plugin:
+        return None
+    registered = ENVIRONMENTS.get(config.env_plugin)
+    return (registered.make if registered else plugin_episodes)(config, tokenizer, stop_ids)
+
+
+def runner_episodes(make_env: Callable[[], object], config, tokenizer, stop_ids):
+    """The episodes of environments built by `make_env`, one per sample (EpisodeRunner)."""
+    name = f"env_plugin {config.env_plugin}"
+    return lambda records, prompts, uids, n: EpisodeRunner(make_env, records, n, tokenizer, stop_ids,
+                                                           config.max_turns, name)
+
+
+ENV_TOOLS = option("env_tools", list, ["calculator", "python"],
+                   "The built-in tool environment's tools: calculator, python (runs untrusted programs: needs "
+                   "bubblewrap, docs/rewards.md).")
+MAX_TOOL_CALLS_PER_TURN = option("max_tool_calls_per_turn", int, 4,
+                                 "The built-in tool environment: tool calls run per turn; the ones past it get an "
+                                 "error observation and are not run.", check=at_least(1))
+
+
+@register_environment("tools", options=(ENV_TOOLS, MAX_TOOL_CALLS_PER_TURN, SANDBOX_ALLOW_NETWORK,
+                                        SANDBOX_ALLOW_UNISOLATED))
+def tool_episodes(config, tokenizer, stop_ids):
+    """The built-in tool environment; its python tool runs in the sandbox the config's sandbox_* keys set."""
+    sandbox = dataclasses.replace(PYTHON_TOOL_LIMITS, allow_network=config.sandbox_allow_network,
+                                  allow_unisolated=config.sandbox_allow_unisolated)
+    make_env = load_environment("tools", tuple(config.env_tools), config.max_tool_calls_per_turn, sandbox)
+    return runner_episodes(make_env, config, tokenizer, stop_ids)
+
+
+def plugin_episodes(config, tokenizer, stop_ids):
+    """`env_plugin: file.py:ClassName`: one instance per sample, given the values of the keys its OPTIONS declare."""
+    cls = plugin_class(config.env_plugin)
+    values = {declared.key: declared.value(config) for declared in getattr(cls, "OPTIONS", ())}
+    return runner_episodes(lambda: cls(**values), config, tokenizer, stop_ids)
+
+
+_PLUGIN_CLASSES: Dict[tuple, type] = {}
+
+
+def plugin_class(spec: str) -> type:
+    """The class of `file.py:ClassName`, loaded once per process for the same file contents (its OPTIONS declared
+    with it, so the keys a config read are those the run builds it with); ValueError naming the plugin."""
     path, _, name = spec.rpartition(":")
     if not path or not name:
-        raise ValueError(f"env_plugin: {spec!r} is neither 'tools' nor 'path/to/file.py:ClassName'")
+        raise ValueError(f"env_plugin: {spec!r} is neither a registered environment "
+                         f"({', '.join(sorted(ENVIRONMENTS))}) nor 'path/to/file.py:ClassName'")
     if not os.path.isfile(path):
         raise ValueError(f"env_plugin: file not found: {os.path.abspath(path)}")
+    with open(path, "rb") as f:
+        key = (os.path.abspath(path), name, hashlib.sha256(f.read()).hexdigest())
+    cls = _PLUGIN_CLASSES.get(key) or _load_class(path, name, spec)
+    try:   # declared at every call: keys withdrawn since the file was loaded come back
+        _declare(getattr(cls, "OPTIONS", ()), (READER, spec))
+    except TypeError as e:
+        raise ValueError(f"env_plugin {spec}: {e}") from e
+    _PLUGIN_CLASSES[key] = cls
+    return cls
+
+
+def _load_class(path: str, name: str, spec: str) -> type:
     module_spec = importlib.util.spec_from_file_location("paddle_rl_env_plugin_" + os.path.basename(path)[:-3], path)
     module = importlib.util.module_from_spec(module_spec)
     try:
@@ -171,7 +287,18 @@ def load_environment(spec: str, tools=("calculator", "python"), max_calls: int =
     cls = getattr(module, name, None)
     if cls is None or not all(callable(getattr(cls, m, None)) for m in ("reset", "step")):
         raise ValueError(f"env_plugin {spec}: {name} is not a class with reset(record) and step(turn)")
+    declared = getattr(cls, "OPTIONS", ())
+    if not isinstance(declared, (tuple, list)) or not all(isinstance(o, Option) for o in declared):
+        raise ValueError(f"env_plugin {spec}: {name}.OPTIONS must be a tuple of config.options.option(...)")
     return cls
+
+
+def _load_env_plugin(spec: str) -> None:
+    if spec not in ENVIRONMENTS:
+        plugin_class(spec)
+
+
+declare_plugin_key("env_plugin", _load_env_plugin)
 
 
 def continuation_renderer(tokenizer, stop_ids) -> Callable[[List[dict], List[dict], int], List[int]]:

@@ -31,7 +31,7 @@ import numpy as np
 
 from ..env import configure_threads
 from ..models import load_model, load_weights
-from ..models.safetensors_io import read_file
+from ..model_files.safetensors_io import read_file
 from .engine import RolloutEngine
 from .settings import EngineSettings
 

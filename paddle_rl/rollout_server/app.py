@@ -40,7 +40,7 @@ from safetensors.numpy import load as load_safetensors
 from ..http_auth import key_matches, read_body, replaying
 from ..models import load_weights
 from ..models.lora import adapted_modules, base_digest, fold_adapters, is_adapter_name
-from ..models.safetensors_io import load_state
+from ..model_files.safetensors_io import load_state
 from ..rollout.openai_api import (CHAT_FIELDS, COMPLETION_FIELDS, RequestError, chat_logprobs, chat_messages,
                                   check_fields, check_tokens, choices_of, completion_logprobs, completion_prompts,
                                   openai_keys, render_chat, sampling_from_openai)

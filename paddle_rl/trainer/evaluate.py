@@ -1,23 +1,17 @@
 """Greedy evaluation on held-out prompts: accuracy and mean reward."""
 
-import dataclasses
-import logging
 import os
-import shlex
 
 import numpy as np
 
 from ..batch import StepBatch, object_column
 from ..data.loader import load_prompt_dataset
 from ..models import Tokenizer, load_model
-from ..models.hub import resolve_model
+from ..model_files.hub import resolve_model
 from ..rewards import build_reward, check_reward_config
 from ..rollout import EngineSettings, RolloutEngine, SamplingParams
-from ..rollout.agents import AgentEnvironment, AgentSettings
-from ..rollout.episodes import PYTHON_TOOL_LIMITS, EpisodeRunner, load_environment
+from ..rollout.episodes import episode_maker as environment_episodes
 from .scoring import reward_record, reward_result, score
-
-logger = logging.getLogger("paddle_rl")
 
 
 def evaluate(engine, tokenizer, dataset, reward_fn, config, stop_ids, episodes_for=None) -> dict:
@@ -85,33 +79,11 @@ def run_eval(config) -> dict:
                     episode_maker(config, tokenizer, stop_ids))  # multi-turn, as in training
 
 
-def agent_settings(config, tokenizer) -> AgentSettings:
-    """`env_plugin: agent`'s settings from the config; says once where the reward comes from."""
-    named = [str(f) for f in config.reward_funcs]
-    for spec in (config.reward_routes or {}).values():
-        named += [spec] if isinstance(spec, str) else [str(f) for f in spec]
-    program_reward = "env" in named
-    if not program_reward:
-        logger.info("env_plugin agent: rewards from %s on each recorded transcript; a program's {\"reward\": ...} "
-                    "line is not used (reward_funcs has no `env`)", ", ".join(named))
-    return AgentSettings(shlex.split(config.agent_command), config.agent_timeout, config.agent_concurrency,
-                         config.agent_on_failure, config.max_turns, config.max_prompt_len, program_reward,
-                         tokenizer.vocab_size)
-
-
 def episode_maker(config, tokenizer, stop_ids):
     """`make(items, n)`: the multi-turn episodes of a rollout of `items`, n samples each, in the environment that
     `env_plugin` names (None without one); training and evaluation both build theirs here."""
-    if not config.env_plugin:
+    episodes = environment_episodes(config, tokenizer, stop_ids)
+    if episodes is None:
         return None
-    if config.env_plugin == "agent":
-        env = AgentEnvironment(agent_settings(config, tokenizer), tokenizer, stop_ids,
-                               {"temperature": config.temperature, "top_p": config.top_p, "top_k": config.top_k,
-                                "min_dec_len": config.min_dec_len, "max_dec_len": config.max_dec_len})
-        return lambda items, n: env.episodes([reward_record(it) for it in items], [it["prompt"] for it in items],
-                                             [it.get("uid") for it in items], n)
-    sandbox = dataclasses.replace(PYTHON_TOOL_LIMITS, allow_network=config.sandbox_allow_network,
-                                  allow_unisolated=config.sandbox_allow_unisolated)
-    make_env = load_environment(config.env_plugin, tuple(config.env_tools), config.max_tool_calls_per_turn, sandbox)
-    return lambda items, n: EpisodeRunner(make_env, [reward_record(it) for it in items], n, tokenizer, stop_ids,
-                                          config.max_turns, f"env_plugin {config.env_plugin}")
+    return lambda items, n: episodes([reward_record(it) for it in items], [it["prompt"] for it in items],
+                                     [it.get("uid") for it in items], n)

@@ -1,6 +1,10 @@
 """Test-only fault injection (tests/test_faults.py, test_dead_rank.py, test_resume_layouts.py). A run reads these
 environment variables here and nowhere else; nothing in a configuration sets them, and unset (always, outside
-tests) every function is a no-op.
+tests) nothing is installed and every function is a no-op. The step's faults are wrappers, not calls of the step:
+with one of the variables set, the loop's layout is wrapped in `InjectingLayout` (`wrap_layout`: the update's
+`loss`, gradient and `update` points in its forward_backward and clip_grad_norm_) and the trainer's rollout source in
+`InjectingRollout` (`wrap_rollout`: the `rollout` point as it takes a batch). The save's points sit inside
+checkpoint.py's save, once the model files are written (`die` / `fail_save` calls there).
 
 PADDLE_RL_TEST_POISON=STEPS:TARGET[@RANK]
     In the updates of the listed steps: TARGET `loss` adds a detached NaN to every micro-batch loss (the loss is
@@ -24,7 +28,7 @@ import os
 import signal
 import sys
 import time
-from typing import Optional, Tuple
+from typing import Callable, Optional, Tuple
 
 import paddle
 
@@ -83,3 +87,61 @@ def die(stage: str, step: int, rank: int) -> None:
             print(f"{variable}: rank {rank} (pid {os.getpid()}) sends itself {sig.name} at step {step} {stage}, "
                   f"time {time.time():.3f}", file=sys.stderr, flush=True)
             os.kill(os.getpid(), sig)
+
+
+class InjectingLayout:
+    """The run's layout with the update's faults: every micro-batch loss poisoned (`loss`), a gradient poisoned and
+    the `update` stage's SIGKILL / SIGSTOP after the mini-batch's forward / backward, before clip_grad_norm_ sums
+    the gradients over the ranks. Everything else is the layout's own."""
+
+    def __init__(self, layout, step: Callable[[], int]):
+        self._layout, self._step = layout, step
+
+    def __getattr__(self, name):
+        return getattr(self._layout, name)
+
+    def forward_backward(self, model, mini, keys, micro, temperature, loss_fn, *args, **kwargs):
+        step, rank = self._step(), self._layout.rank
+
+        def poisoned(part, logp, entropy):
+            out = loss_fn(part, logp, entropy)
+            out.loss = poison_loss(step, rank, out.loss)
+            return out
+        return self._layout.forward_backward(model, mini, keys, micro, temperature, poisoned, *args, **kwargs)
+
+    def clip_grad_norm_(self, model, max_norm: float) -> float:
+        step, rank = self._step(), self._layout.rank
+        poison_grads(step, rank, model)
+        die("update", step, rank)
+        return self._layout.clip_grad_norm_(model, max_norm)
+
+
+def wrap_layout(layout, step: Callable[[], int]):
+    """The layout the update loop uses: `layout` itself, or wrapped (InjectingLayout) when a test set POISON, DIE or
+    HANG; `step()` the step being trained (1-based)."""
+    if any(os.environ.get(variable) for variable in (POISON, DIE, HANG)):
+        return InjectingLayout(layout, step)
+    return layout
+
+
+class InjectingRollout:
+    """The run's rollout source with the `rollout` stage's SIGKILL / SIGSTOP as a step's batch is taken (before it
+    is generated). Everything else is the source's own."""
+
+    def __init__(self, rollout, rank: int):
+        self._rollout, self._rank = rollout, rank
+
+    def __getattr__(self, name):
+        return getattr(self._rollout, name)
+
+    def take(self, step: int, draw):
+        die("rollout", step, self._rank)
+        return self._rollout.take(step, draw)
+
+
+def wrap_rollout(rollout, rank: int):
+    """The rollout source the trainer uses: `rollout` itself, or wrapped (InjectingRollout) when a test set DIE or
+    HANG."""
+    if any(os.environ.get(variable) for variable in (DIE, HANG)):
+        return InjectingRollout(rollout, rank)
+    return rollout

@@ -57,10 +57,10 @@ class StepLoop:
         self.config = config
         self.device = select_device()  # the launcher's GPU for this rank (or the CPU), before any tensor exists
         ops.configure(config.use_custom_ops)
-        self.layout = build_layout(topology if topology is not None else _topology(config),
-                                   share_prompts=config.share_prompt_prefix,
-                                   max_tokens=config.max_tokens_per_micro_batch,
-                                   remove_padding=config.use_remove_padding)
+        layout = build_layout(topology if topology is not None else _topology(config),
+                              share_prompts=config.share_prompt_prefix, max_tokens=config.max_tokens_per_micro_batch,
+                              remove_padding=config.use_remove_padding)
+        self.layout = faults.wrap_layout(layout, lambda: self.step + 1)   # the layout itself outside fault tests
         self.layout.check_config(config)
         check_shared_folder(config.output_dir, self.layout.first_of_ranks, **self.layout.resume_args())
         seed_rngs(config.seed)
@@ -129,7 +129,7 @@ class StepLoop:
         batch.require(["mini_batch", "prompt_tokens", "response_mask", *keys], by="the update")
         minis = [np.flatnonzero(batch["mini_batch"] == m) for m in np.unique(batch["mini_batch"])]
         collected, weights, grad_norms, lrs = {}, [], [], []
-        step, rank = self.step + 1, self.layout.rank
+        step = self.step + 1
         updates, skipped = cfg.update_iters * len(minis), 0
         self.actor.train()
         with timer.stage("update"):
@@ -142,9 +142,7 @@ class StepLoop:
 
                     def loss_fn(part, logp, entropy):
                         out = micro_loss(part, logp, entropy, num_tokens, num_seqs)
-                        out = self._with_router_aux_loss(out, part, num_seqs)
-                        out.loss = faults.poison_loss(step, rank, out.loss)
-                        return out
+                        return self._with_router_aux_loss(out, part, num_seqs)
 
                     finite_loss = True
                     with self.precision.autocast():
@@ -155,8 +153,6 @@ class StepLoop:
                             collected.setdefault(k, []).append(v)
                         weights.append(out.num_tokens)
                         finite_loss = finite_loss and math.isfinite(float(out.loss))
-                    faults.poison_grads(step, rank, self.actor)
-                    faults.die("update", step, rank)
                     norm = self.layout.clip_grad_norm_(self.actor, cfg.max_grad_norm)
                     lrs.append(self.optimizer.get_lr())
                     if self.layout.any_rank(not (finite_loss and math.isfinite(norm))):

@@ -6,7 +6,7 @@ import os
 from ..config import ConfigError
 from ..config.loader import dataset_paths
 from ..models.config import ModelConfig
-from ..models.hub import resolve_model
+from ..model_files.hub import resolve_model
 from ..models.lora import AdapterError, lora_settings
 
 

@@ -85,9 +85,10 @@ class RLTrainer:
         # the update's own log-probs of the step's rows and their argmax (old_logp_from_update)
         self._update_logp = self._update_greedy = None
         # the rollout source reads these parts of the run, not the trainer
-        self.rollout = build_rollout(RolloutParts(config, self.layout, self.engine, self.actor, self.sampler,
-                                                  self.tokenizer, self.pad_id, self.total_steps, self.episodes_for,
-                                                  lambda: loop.step))
+        rollout = build_rollout(RolloutParts(config, self.layout, self.engine, self.actor, self.sampler,
+                                             self.tokenizer, self.pad_id, self.total_steps, self.episodes_for,
+                                             lambda: loop.step))
+        self.rollout = faults.wrap_rollout(rollout, self.layout.rank)   # the source itself outside fault tests
         loop.resume(resolve_resume(config.resume_from_checkpoint, config.output_dir), self._resume)
 
     @property
@@ -130,7 +131,6 @@ class RLTrainer:
         """One generation round of this rank's share of a sampler batch: rollout (here, or taken from the
         asynchronous worker), rewards, shaped scores."""
         with timer.stage("rollout"):
-            faults.die("rollout", step, self.layout.rank)
             items, batch = self.rollout.take(step, lambda s: self._draw(s, gen_round))
         local = batch["group"]   # the engine's: each row's prompt, by its index in this draw
         batch["item"] = object_column(items[g] for g in local)

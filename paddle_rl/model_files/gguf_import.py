@@ -14,6 +14,7 @@ naming the file and the key, never a silent substitute.
 import json
 import os
 import shutil
+import sys
 import tempfile
 from typing import Dict, List, Tuple
 
@@ -327,7 +328,6 @@ def add_convert_subparser(subparsers) -> None:
 
 
 def _convert_cli(args) -> int:
-    import sys
     try:
         config = convert_gguf(args.file, args.out, args.dtype)
     except (GGUFError, FileNotFoundError) as e:
