@@ -11,13 +11,16 @@ import pytest
 from micro_model import config_file, micro_overrides, train_process
 from paddle_rl import ops
 from paddle_rl.config import load_config
-from paddle_rl.models import load_model
+from paddle_rl.models import CausalLM, load_model
+from paddle_rl.models.config import ModelConfig
+from paddle_rl.models.critic import head_values
 from paddle_rl.models.decoder import attention_bias_from_mask
+from paddle_rl.models.lora import LoraSettings, add_adapters
 from paddle_rl.model_files.safetensors_io import load_state
 from paddle_rl.monitor import TIMING_PREFIXES, read_metrics
 from paddle_rl.trainer import RLTrainer
 from paddle_rl.trainer.state_files import read_state
-from paddle_rl.trainer.precision import EmulatedBf16, Float32, precision_for
+from paddle_rl.trainer.precision import FP32_UNDER_BF16, EmulatedBf16, Float32, precision_for
 
 
 def bf16_round(a: np.ndarray) -> np.ndarray:
@@ -245,3 +248,161 @@ def test_save_dtype_float32_with_bf16(micro, tmp_path):
     assert not (folder / "master_weights.safetensors").exists()
     trainer = _run(micro, tmp_path / "fp32-rollout", max_steps=1, bf16="true", rollout_dtype="float32")
     assert trainer.engine.rollout_dtype == "float32" and trainer.actor.bf16 == (True, True)
+
+
+# ---------------------------------------------------------------- every matmul of the model: LoRA, MoE, the critic
+def _tiny(seed=0, **kind):
+    paddle.seed(seed)
+    model = CausalLM(ModelConfig(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                                 num_attention_heads=4, num_key_value_heads=2, **kind))
+    model.init_weights(0.2)
+    return model
+
+
+def _mm(a, b):
+    """The product of the bf16-rounded operands, exact (float64)."""
+    return bf16_round(a).astype(np.float64) @ bf16_round(b).astype(np.float64)
+
+
+def _lora_reference(x, w, a, b, scaling, parts, adapted, rank, g):
+    """y and the gradients (x, A, B) of x W + per adapted part (x A_k s) B_k, every product from bf16-rounded
+    operands (its incoming gradient rounded too), as ops.bf16_linear computes them."""
+    h = (_mm(x, a) * scaling).astype(np.float32)
+    y, dh, db, col, out = _mm(x, w), np.zeros_like(h), np.zeros_like(b), 0, 0
+    for j, size in enumerate(parts):
+        if j in adapted:
+            k = adapted.index(j)
+            hk, gj, bk = h[:, k * rank:(k + 1) * rank], g[:, out:out + size], b[:, col:col + size]
+            y[:, out:out + size] += _mm(hk, bk)
+            db[:, col:col + size] = _mm(hk.T, gj)
+            dh[:, k * rank:(k + 1) * rank] = _mm(gj, bk.T)
+            col += size
+        out += size
+    dh_pre = (dh * scaling).astype(np.float32)
+    return y, _mm(g, w.T) + _mm(dh_pre, a.T), _mm(x.T, dh_pre), db
+
+
+@pytest.mark.parametrize("module", ["qkv_proj", "o_proj"])
+def test_lora_low_rank_products_are_bf16(module):
+    """bf16 puts LoRA's x A and (x A) B on bfloat16 operands with float32 sums, forward and gradients: a fused
+    column layer with adapters on q and v only (k's columns get none) and a row layer equal the NumPy products of
+    the rounded operands, and differ from the float32 adapter by bf16 rounding."""
+    settings = LoraSettings(rank=4, alpha=8.0, target_modules=("q_proj", "v_proj", "o_proj"))
+    rng = np.random.default_rng(3)
+    out = {}
+    for bf16 in (False, True):
+        model = _tiny(model_type="qwen2")
+        add_adapters(model, settings)
+        layer = getattr(model.layers[0].self_attn, module)
+        layer.lora.lora_B.set_value(paddle.to_tensor(rng.standard_normal(layer.lora.lora_B.shape).astype("float32")
+                                                     * 0.3 if not out else out["B"]))
+        out["B"] = layer.lora.lora_B.numpy()
+        (EmulatedBf16(False) if bf16 else Float32()).prepare_model(model)
+        assert layer.lora.bf16 == bf16 and model.bf16 == (bf16, bf16)
+        x_np = out.setdefault("x", rng.standard_normal([6, layer.weight.shape[0]]).astype(np.float32))
+        g_np = out.setdefault("g", rng.standard_normal([6, layer.weight.shape[1]]).astype(np.float32))
+        x = paddle.to_tensor(x_np, stop_gradient=False)
+        y = layer(x)
+        (y * paddle.to_tensor(g_np)).sum().backward()
+        out[bf16] = (y.numpy(), x.grad.numpy(), layer.lora.lora_A.grad.numpy(), layer.lora.lora_B.grad.numpy())
+        assert layer.weight.grad is None   # the base stays frozen
+    adapter = layer.lora
+    parts, adapted = ([32, 16, 16], [0, 2]) if module == "qkv_proj" else ([32], [0])
+    reference = _lora_reference(out["x"], layer.weight.numpy(), adapter.lora_A.numpy(), out["B"], settings.scaling,
+                                parts, adapted, settings.rank, out["g"])
+    for name, got, want, fp32 in zip(("y", "dx", "dA", "dB"), out[True], reference, out[False]):
+        scale = np.abs(want).max()
+        print(module, name, "gap to the bf16 reference", np.abs(got - want).max() / scale,
+              "to float32", np.abs(fp32 - want).max() / scale)
+        np.testing.assert_allclose(got, want, rtol=0, atol=2e-6 * scale)
+        assert np.abs(fp32 - want).max() > 2e-4 * scale   # float32's adapter is not this
+
+
+def _moe_reference(moe, x):
+    """A Qwen2-MoE block from bf16-rounded operands: router softmax (float32) top-k, SwiGLU experts, the
+    sigmoid-gated shared expert."""
+    def expert(e, v):
+        gu = _mm(v, e.gate_up_proj.numpy())
+        gate, up = np.split(gu, 2, axis=-1)
+        return _mm((gate / (1 + np.exp(-gate)) * up).astype(np.float32), e.down_proj.numpy())
+    logits = _mm(x, moe.gate.numpy())
+    probs = np.exp(logits - logits.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    top = np.argsort(-probs, axis=-1)[:, :moe.top_k]
+    weights = np.take_along_axis(probs, top, -1)
+    if moe.norm_topk_prob:
+        weights /= weights.sum(-1, keepdims=True)
+    y = np.zeros(x.shape, np.float64)
+    for n in range(x.shape[0]):
+        for e, w in zip(top[n], weights[n]):
+            y[n] += w * expert(moe.experts[e], x[n:n + 1])[0]
+    gate = 1 / (1 + np.exp(-_mm(x, moe.shared_expert_gate.numpy())))
+    return y + gate * expert(moe.shared_expert, x)
+
+
+def test_moe_router_and_experts_are_bf16():
+    """bf16 puts the MoE block's router, experts and shared expert (and its gate) on bfloat16 operands: the
+    block's output equals the NumPy block over the rounded operands, differs from float32's, and the experts'
+    gradients come from bf16 products too (they differ from float32's). The bfloat16 rollout keeps them bf16."""
+    model = _tiny(model_type="qwen2_moe", extra=dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
+                                                     shared_expert_intermediate_size=40))
+    moe = model.layers[0].mlp
+    x_np = np.random.default_rng(5).standard_normal([1, 7, 32]).astype(np.float32)
+    reference = _moe_reference(moe, x_np[0])
+    out = {}
+    for strategy in (Float32(), EmulatedBf16(False)):
+        model.set_bf16(False, False)
+        strategy.prepare_model(model)
+        bf16 = isinstance(strategy, EmulatedBf16)
+        assert all(m.bf16 == bf16 for m in [moe, moe.shared_expert, *moe.experts])
+        x = paddle.to_tensor(x_np, stop_gradient=False)
+        y = moe(x)
+        y.sum().backward()
+        out[bf16] = y.numpy()[0], [e.gate_up_proj.grad.numpy() for e in moe.experts if e.gate_up_proj.grad is not None]
+        model.clear_gradients()
+    scale = np.abs(reference).max()
+    print("MoE gap to the bf16 reference", np.abs(out[True][0] - reference).max() / scale,
+          "float32's", np.abs(out[False][0] - reference).max() / scale)
+    np.testing.assert_allclose(out[True][0], reference, rtol=0, atol=2e-6 * scale)
+    assert np.abs(out[False][0] - reference).max() > 2e-4 * scale
+    assert len(out[True][1]) == len(out[False][1]) > 0
+    assert max(np.abs(a - b).max() / np.abs(b).max() for a, b in zip(out[True][1], out[False][1])) > 2e-4
+    for dtype, bf16 in (("bfloat16", True), ("float32", False)):
+        with model.packed_weights(dtype):
+            assert all(m.bf16 == bf16 for m in [moe, *moe.experts])
+    assert model.bf16 == (True, True) and all(e.bf16 for e in moe.experts)   # training's precision is back
+
+
+@pytest.mark.parametrize("fp32_head", [False, True])
+def test_critic_body_and_value_head_are_bf16(fp32_head):
+    """A critic (a one-label sequence classifier) under bf16: its decoder's linears take bf16 products and its
+    value head too, unless use_fp32_compute: the values equal the head's product over the rounded operands (or
+    the float32 one)."""
+    model = _tiny(model_type="qwen2", extra=dict(architectures=["Qwen2ForSequenceClassification"], num_labels=1))
+    model.score.weight.set_value(paddle.to_tensor(np.random.default_rng(2).standard_normal([32, 1]).astype("float32")))
+    ids = paddle.to_tensor([[3, 7, 11, 2, 5]])
+    bias = attention_bias_from_mask(paddle.ones_like(ids), 5, causal=True)
+    fp32_hidden = model.hidden_states(ids, paddle.arange(5).unsqueeze(0), bias).numpy()
+    EmulatedBf16(fp32_head).prepare_model(model)
+    assert model.bf16 == (True, not fp32_head) and model.score.bf16 == (not fp32_head)
+    hidden = model.hidden_states(ids, paddle.arange(5).unsqueeze(0), bias)
+    assert np.abs(hidden.numpy() - fp32_hidden).max() > 1e-4 * np.abs(fp32_hidden).max()  # the body is bf16
+    values = head_values(model, hidden).numpy()
+    w, h = model.score.weight.numpy(), hidden.numpy()
+    head_bf16, head_fp32 = _mm(h, w)[..., 0], (h.astype(np.float64) @ w)[..., 0]
+    gap_bf16, gap_fp32 = np.abs(values - head_bf16).max(), np.abs(values - head_fp32).max()
+    print("use_fp32_compute", fp32_head, "value gap to bf16 head", gap_bf16, "to fp32 head", gap_fp32)
+    assert (gap_fp32 if fp32_head else gap_bf16) < 1e-5
+    assert (gap_bf16 if fp32_head else gap_fp32) > 1e-4
+
+
+def test_what_bf16_leaves_float32_is_said_at_start(micro, caplog):
+    """The attention core is not on bf16 products: precision_for says so, once, at the warning level."""
+    with caplog.at_level("INFO", logger="paddle_rl"):
+        precision_for(load_config(None, [f"actor_model_name_or_path={micro['model']}", "bf16=true"]))
+    warned = [r for r in caplog.records if r.levelname == "WARNING" and FP32_UNDER_BF16 in r.getMessage()]
+    assert len(warned) == 1 and "attention core" in FP32_UNDER_BF16
+    caplog.clear()
+    with caplog.at_level("INFO", logger="paddle_rl"):
+        precision_for(load_config(None, [f"actor_model_name_or_path={micro['model']}"]))
+    assert not [r for r in caplog.records if FP32_UNDER_BF16 in r.getMessage()]

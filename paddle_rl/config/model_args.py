@@ -16,13 +16,16 @@ class ModelArgs:
     tokenizer_name_or_path: Optional[str] = arg(None, "Tokenizer folder; defaults to the actor's.")
     reward_model_name_or_path: str = arg("", "Neural reward model: a *ForSequenceClassification folder, scored as the "
                                              "function `reward_model` of reward_funcs (docs/rewards.md).")
-    use_fp32_compute: bool = arg(False, "With bf16: the LM head's products stay float32 (otherwise they take bfloat16 "
-                                        "operands like the other linear layers); the log-softmax, log-probs, "
-                                        "advantages and losses are float32 either way.")
-    bf16: bool = arg(False, "bfloat16 for training and inference (PaddleNLP's bf16): the linear layers' products "
-                            "(forward and both gradients) take bfloat16-rounded operands with float32 sums, the "
-                            "parameters stay float32 master weights (optimizer moments float32); norms, attention, "
-                            "log-probs and losses float32. On a CPU the products run an AMX-BF16 or AVX512-BF16 "
+    use_fp32_compute: bool = arg(False, "With bf16: the heads' products stay float32, the LM head's and the value / "
+                                        "reward model's score head (otherwise they take bfloat16 operands like the "
+                                        "other linear layers); the log-softmax, log-probs, advantages and losses are "
+                                        "float32 either way.")
+    bf16: bool = arg(False, "bfloat16 for training and inference (PaddleNLP's bf16): every matmul of the actor, "
+                            "reference, critic and reward model (linear layers, LoRA A and B, MoE router and "
+                            "experts; forward and both gradients) takes bfloat16-rounded operands with float32 sums, "
+                            "the parameters stay float32 master weights (optimizer moments float32); norms, softmax, "
+                            "log-probs and losses float32, and the attention core (q k^T, p v) float32 on a CPU "
+                            "(one warning says so). On a CPU the products run an AMX-BF16 or AVX512-BF16 "
                             "kernel where the CPU has one, else they are emulated (the numbers of bf16 training, "
                             "not its speed; one warning); on a GPU, Paddle's AMP O2 with master weights. The rollout follows "
                             "(rollout_dtype auto), checkpoints are written in save_dtype (docs/performance.md, bf16).")

@@ -21,9 +21,9 @@ import paddle.nn as nn
 from .. import ops
 from ..parallel.collectives import copy_to_group, gather_from_group, group_size
 from .config import ModelConfig
-from .layers import ColumnLinear, RMSNorm, RowLinear, ScoreHead, VocabEmbedding, vocab_parallel_argmax, \
+from .layers import Bf16Products, ColumnLinear, RMSNorm, RowLinear, ScoreHead, VocabEmbedding, vocab_parallel_argmax, \
     vocab_parallel_logprobs
-from .moe import MoESettings, RouterStats, SparseMoE
+from .moe import Expert, MoESettings, RouterStats, SparseMoE
 
 NEG_INF = -1e9
 
@@ -369,22 +369,29 @@ class CausalLM(nn.Layer):
             else:
                 param.set_value(paddle.normal(0.0, std, param.shape).astype(param.dtype))
 
+    def _heads(self) -> list:
+        """The head layers of set_bf16's `head`: the LM head (when not tied) or the score head."""
+        return [m for m in (getattr(self, "lm_head", None), getattr(self, "score", None)) if m is not None]
+
     def set_bf16(self, linears: bool, head: bool) -> None:
-        """The compute precision of the products: the decoder's linear layers (`linears`) and the LM head (`head`) in
-        bfloat16 operands with float32 sums (ops.bf16_linear), the parameters kept float32. trainer/precision.py
-        sets it from `bf16` / `use_fp32_compute`."""
+        """The compute precision of the products, the parameters kept float32: `linears` every matmul of the body in
+        bfloat16 operands with float32 sums (ops.bf16_linear: the column and row layers, their LoRA adapters, the
+        MoE router, shared-expert gate and experts; layers.Bf16Products), `head` the LM head's (or a sequence
+        classifier's score head: a critic's value head) likewise. trainer/precision.py sets it from `bf16` /
+        `use_fp32_compute`. The attention core (q k^T, softmax, p v) is not among them (float32)."""
+        heads = self._heads()
         for m in self.sublayers():
-            if isinstance(m, (ColumnLinear, RowLinear)):
+            if isinstance(m, Bf16Products) and not any(m is h for h in heads):
                 m.bf16 = bool(linears)
-        if getattr(self, "lm_head", None) is not None:
-            self.lm_head.bf16 = bool(head)
+        for m in heads:
+            m.bf16 = bool(head)
         self.head_bf16 = bool(head)
 
     @property
     def bf16(self):
-        """(linear layers, LM head) computing with bfloat16 operands (set_bf16)."""
-        linears = [m.bf16 for m in self.sublayers() if isinstance(m, (ColumnLinear, RowLinear))
-                   and m is not getattr(self, "lm_head", None)]
+        """(body products, head) computing with bfloat16 operands (set_bf16)."""
+        heads = self._heads()
+        linears = [m.bf16 for m in self.sublayers() if isinstance(m, Bf16Products) and not any(m is h for h in heads)]
         return any(linears), self.head_bf16
 
     @property
@@ -526,10 +533,13 @@ class CausalLM(nn.Layer):
         weights change. In float32 nothing is packed where the kernel does not run (ops.packing_helps); a
         `rollout_dtype` bfloat16 or a `quant_type` (weight_only_int8 / int4) always packs its format (the pure-Paddle
         reference computes the same products where the kernel does not run). A model training in bf16 (set_bf16)
-        decodes in the rollout's precision: float32 products under rollout_dtype float32."""
+        decodes in the rollout's precision: float32 products under rollout_dtype float32. The MoE router and
+        experts are not packed: they take bfloat16 operands (ops.bf16_linear) where the rollout's activations are
+        bfloat16, else float32."""
         fmt, bf16_act = ops.rollout_weight_format(rollout_dtype, quant_type)
         trained_bf16 = self.bf16
         linears = [m for m in self.sublayers() if isinstance(m, (ColumnLinear, RowLinear))]
+        unpacked = [m for m in self.sublayers() if isinstance(m, (SparseMoE, Expert))]
         head, transposed = self.head_weight if self.is_last and not self.config.sequence_classifier else (None, False)
 
         def pack(weight, transposed=False):
@@ -544,6 +554,8 @@ class CausalLM(nn.Layer):
                 _hold(self, "_packed_head", pack(head, transposed=True))
         try:
             self.set_bf16(False, False)
+            for m in unpacked:
+                m.bf16 = bool(bf16_act)
             repack()
             yield repack
         finally:

@@ -121,7 +121,22 @@ class RMSNorm(nn.Layer):
         return ops.rms_norm(x, self.weight, self.eps)
 
 
-class _Linear(nn.Layer):
+class Bf16Products(nn.Layer):
+    """A layer whose matmuls follow the run's compute precision: `bf16` (set by CausalLM.set_bf16, from
+    trainer/precision.py) makes `product` ops.bf16_linear (bfloat16-rounded operands, float32 sums, in the forward
+    and both gradients), else it is paddle.matmul, bit for bit the float32 layer. The decoder's linear layers, the
+    LoRA adapters, the MoE router and experts and the score head (a critic's value head) are these."""
+
+    def __init__(self):
+        super().__init__()
+        self.bf16 = False
+
+    def product(self, x, weight):
+        """x [..., K] @ weight [K, N] in this layer's precision."""
+        return ops.bf16_linear(x, weight) if self.bf16 else paddle.matmul(x, weight)
+
+
+class _Linear(Bf16Products):
     """What ColumnLinear and RowLinear share: a LoRA adapter, the rollout's packed copy of the weight and the
     compute precision (`bf16`: the products take bfloat16-rounded operands, ops.bf16_linear; trainer/precision.py)."""
 
@@ -129,7 +144,7 @@ class _Linear(nn.Layer):
         super().__init__()
         self.lora = None    # a LoRA adapter (models/lora.py) when one is put on this layer
         self.packed = None  # the rollout's packed copy of effective_weight (CausalLM.packed_weights)
-        self.bf16 = False   # bf16 products (set by trainer/precision.py; the packed copy wins while it exists)
+        # self.bf16: bf16 products (the packed copy wins while it exists)
 
     @property
     def effective_weight(self):
@@ -140,7 +155,7 @@ class _Linear(nn.Layer):
         """x @ weight: from the packed copy while the rollout holds one, else a matmul."""
         if self.packed is not None:
             return ops.packed_linear(x, self.packed, weight.shape[1])
-        return ops.bf16_linear(x, weight) if self.bf16 else paddle.matmul(x, weight)
+        return self.product(x, weight)
 
 
 class ColumnLinear(_Linear):
@@ -192,15 +207,16 @@ class RowLinear(_Linear):
         return y if self.lora is None else self.lora.add(x, y)
 
 
-class ScoreHead(nn.Layer):
-    """A sequence classifier's head (`score.weight` [num_labels, hidden] in the checkpoint, no bias), replicated."""
+class ScoreHead(Bf16Products):
+    """A sequence classifier's head (`score.weight` [num_labels, hidden] in the checkpoint, no bias), replicated;
+    with `bf16` its products take bfloat16 operands like the LM head's (set_bf16's `head`)."""
 
     def __init__(self, hidden_size: int, num_labels: int):
         super().__init__()
         self.weight = _param(self, [hidden_size, num_labels], ParamSpec(("score.weight",), True), None)
 
     def forward(self, x):
-        return paddle.matmul(x, self.weight)
+        return self.product(x, self.weight)
 
 
 class VocabEmbedding(nn.Layer):

@@ -37,7 +37,7 @@ import paddle.nn.functional as F
 
 from ..model_files.safetensors_io import read_file
 from ..parallel.collectives import copy_to_group, group_size, reduce_from_group
-from .layers import ColumnLinear, ParamSpec, RowLinear, _param
+from .layers import Bf16Products, ColumnLinear, ParamSpec, RowLinear, _param
 
 ALL_LINEAR = "all-linear"
 PEFT_PREFIX = "base_model.model."
@@ -131,8 +131,10 @@ def _init_a(name: str, shape, fan_in: int, seed: int) -> np.ndarray:
     return np.random.default_rng([seed, zlib.crc32(name.encode())]).uniform(-bound, bound, shape).astype(np.float32)
 
 
-class Adapter(nn.Layer):
-    """The low-rank path of one base layer: A [in_local, k r] and B [r, out_local] with their specs."""
+class Adapter(Bf16Products):
+    """The low-rank path of one base layer: A [in_local, k r] and B [r, out_local] with their specs. With `bf16`
+    (its base layer's, CausalLM.set_bf16) the products x A and (x A) B take bfloat16 operands with float32 sums,
+    forward and gradients (ops.bf16_linear); the merged weight W + A B * scaling is summed in float32 either way."""
 
     def __init__(self, settings: LoraSettings, a_spec: ParamSpec, a_shape, b_spec: ParamSpec, b_shape, group):
         super().__init__()
@@ -161,7 +163,7 @@ class Adapter(nn.Layer):
             return y
         if self.p > 0 and self.training:
             x = F.dropout(x, self.p, training=True)
-        return y + self.delta(paddle.matmul(x, self.lora_A) * self.scaling)  # scaled while [tokens, r]: small
+        return y + self.delta(self.product(x, self.lora_A) * self.scaling)  # scaled while [tokens, r]: small
 
     def merge(self, base) -> None:
         with paddle.no_grad():
@@ -189,20 +191,20 @@ class ColumnAdapter(Adapter):
         """h = x A [.., k r] -> [.., out_local]."""
         if self.group is not None:
             h = copy_to_group(h, self.group)  # its backward sums the gradient of x A over the ranks
-        return self._through_b(h)
+        return self._through_b(h, self.product)
 
     def weight_delta(self):
-        return self._through_b(self.lora_A)
+        return self._through_b(self.lora_A, paddle.matmul)
 
-    def _through_b(self, h):
-        """Each adapted part's B on its r columns of h, zeros for the parts without an adapter."""
+    def _through_b(self, h, product):
+        """Each adapted part's B on its r columns of h (by `product`), zeros for the parts without an adapter."""
         if len(self.part_sizes) == 1:
-            return paddle.matmul(h, self.lora_B)
+            return product(h, self.lora_B)
         pieces, col = [], 0
         for j, size in enumerate(self.part_sizes):
             if j in self.adapted:
                 k = self.adapted.index(j)
-                pieces.append(paddle.matmul(h[..., k * self.rank:(k + 1) * self.rank], self.lora_B[:, col:col + size]))
+                pieces.append(product(h[..., k * self.rank:(k + 1) * self.rank], self.lora_B[:, col:col + size]))
                 col += size
             else:
                 pieces.append(paddle.zeros(h.shape[:-1] + [size], dtype=h.dtype))
@@ -223,7 +225,7 @@ class RowAdapter(Adapter):
     def delta(self, h):
         if self.group is not None:
             h = reduce_from_group(h, self.group)
-        return paddle.matmul(h, self.lora_B)
+        return self.product(h, self.lora_B)
 
     def weight_delta(self):
         return paddle.matmul(self.lora_A, self.lora_B)  # this rank's input rows of A B

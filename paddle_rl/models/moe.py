@@ -27,7 +27,7 @@ import paddle.nn.functional as F
 
 from .. import ops
 from ..parallel.collectives import copy_to_group, group_size, reduce_from_group
-from .layers import ParamSpec, _param
+from .layers import Bf16Products, ParamSpec, _param
 
 
 @dataclass(frozen=True)
@@ -84,9 +84,9 @@ class ExpertSpec(ParamSpec):
         return super().from_hf(tensors)
 
 
-class Expert(nn.Layer):
+class Expert(Bf16Products):
     """A SwiGLU MLP's weights (gate|up fused, intermediate split over the group); `forward` gives this rank's
-    partial output, which the block sums over the group once."""
+    partial output, which the block sums over the group once. `bf16`: both products take bfloat16 operands."""
 
     def __init__(self, hidden: int, intermediate: int, group, prefix: str, fused: str = "", expert: int = 0):
         super().__init__()
@@ -100,7 +100,7 @@ class Expert(nn.Layer):
         self.down_proj = _param(self, [spec.local_size(tp), hidden], spec, group)
 
     def forward(self, x):
-        return paddle.matmul(ops.swiglu(paddle.matmul(x, self.gate_up_proj)), self.down_proj)
+        return self.product(ops.swiglu(self.product(x, self.gate_up_proj)), self.down_proj)
 
 
 class RouterStats:
@@ -132,8 +132,9 @@ class RouterStats:
         return self.probs.shape[0] * ((self.counts.detach() / rows) * (self.probs / rows)).sum()
 
 
-class SparseMoE(nn.Layer):
-    """The MoE block of one layer (`prefix` = model.layers.{i}.mlp)."""
+class SparseMoE(Bf16Products):
+    """The MoE block of one layer (`prefix` = model.layers.{i}.mlp); `bf16`: the router's and the shared-expert
+    gate's products take bfloat16 operands (the experts carry their own flag; the softmax stays float32)."""
 
     def __init__(self, config, settings: MoESettings, tp_group, prefix: str):
         super().__init__()
@@ -153,7 +154,7 @@ class SparseMoE(nn.Layer):
         """x [B, T, hidden]; `p` (the Pass) collects router statistics in p.router, weighted by p.token_weight."""
         shape = x.shape
         flat = x.reshape([-1, shape[-1]])
-        probs = F.softmax(paddle.matmul(flat, self.gate).astype("float32"), axis=-1)
+        probs = F.softmax(self.product(flat, self.gate).astype("float32"), axis=-1)
         top_w, top_i = paddle.topk(probs, self.top_k, axis=-1)
         if self.norm_topk_prob:
             top_w = top_w / top_w.sum(axis=-1, keepdim=True)
@@ -162,7 +163,7 @@ class SparseMoE(nn.Layer):
         inputs = copy_to_group(flat, self.group)
         out = self._routed(inputs, top_i, copy_to_group(top_w.astype(x.dtype), self.group))
         if self.shared_expert is not None:
-            gate = F.sigmoid(paddle.matmul(flat, self.shared_expert_gate))
+            gate = F.sigmoid(self.product(flat, self.shared_expert_gate))
             out = out + copy_to_group(gate, self.group) * self.shared_expert(inputs)
         return reduce_from_group(out, self.group).reshape(shape)
 

@@ -187,6 +187,8 @@ def build_local_reward(config) -> RuleReward:
     raise_errors(reward_model_errors(config, named_functions(config.reward_funcs, config.reward_routes)))
     if config.reward_model_name_or_path:
         from .reward_model import NeuralReward  # loads Paddle: reward-server workers without a model never do
-        plugins[MODEL_REWARD] = NeuralReward(config.reward_model_name_or_path, config.per_device_reward_batch_size)
+        plugins[MODEL_REWARD] = NeuralReward(config.reward_model_name_or_path, config.per_device_reward_batch_size,
+                                             bf16=bool(getattr(config, "bf16", False)),
+                                             fp32_head=bool(getattr(config, "use_fp32_compute", False)))
     return RuleReward(config.reward_funcs, config.reward_weights, config, plugins, config.reward_routes)
 

@@ -19,7 +19,9 @@ from .base import RewardSample
 
 
 class NeuralReward:
-    def __init__(self, folder: str, batch_size: int = 8):
+    def __init__(self, folder: str, batch_size: int = 8, bf16: bool = False, fp32_head: bool = False):
+        """`bf16` (the run's `bf16`): the model's products take bfloat16 operands with float32 sums (CausalLM.set_bf16),
+        its score head too unless `fp32_head` (use_fp32_compute)."""
         import paddle
 
         # Paddle and the model code load only when a reward model is configured (reward-server workers run without)
@@ -37,6 +39,7 @@ class NeuralReward:
         except KeyError as e:
             raise ValueError(f"reward_model_name_or_path: {e.args[0]}") from None
         self.model.eval()
+        self.model.set_bf16(linears=bf16, head=bf16 and not fp32_head)
         self.tokenizer = Tokenizer.from_pretrained(folder)
         self.pad_id = config.pad_token_id if config.pad_token_id is not None else self.tokenizer.pad_token_id
         if self.pad_id is None:

@@ -1,10 +1,13 @@
 """The compute precision of a run (`bf16`, `use_fp32_compute`): one strategy object, chosen once per run.
 
 - Float32: everything in float32 (bf16: false).
-- EmulatedBf16 (bf16: true on a CPU build): each linear layer's three products (y = x W, dx = dy W^T, dW = x^T dy)
-  take bfloat16-rounded operands with float32 sums (ops.bf16_linear); the parameters stay float32 and are the
-  master weights the optimizer updates (its moments float32); norms, attention, log-probs, advantages and losses
-  stay float32. The LM head too unless use_fp32_compute. Paddle's CPU build has no bfloat16 matmul: the products
+- EmulatedBf16 (bf16: true on a CPU build): every matmul of the model but the attention core (the column and row
+  linear layers, LoRA's A and B, the MoE router, shared-expert gate and experts; models/layers.py Bf16Products)
+  runs its three products (y = x W, dx = dy W^T, dW = x^T dy) from bfloat16-rounded operands with float32 sums
+  (ops.bf16_linear); the parameters stay float32 and are the master weights the optimizer updates (its moments
+  float32); norms, softmax, log-probs, advantages and losses stay float32. The head (the LM head, or a critic's
+  value head) too unless use_fp32_compute. The attention core's q k^T and p v stay float32: one warning at the
+  start says so (FP32_UNDER_BF16). Paddle's CPU build has no bfloat16 matmul: the products
   run the project's AMX-BF16 / AVX512-BF16 kernel where the CPU has one (ops.bf16_matmul), else they are emulated
   (rounded copies, float32 matmuls: the numbers of bf16 training, not its speed; one warning says so).
 - AmpBf16 (bf16: true on a CUDA build with a GPU in use): Paddle's AMP O2, `paddle.amp.decorate(models,
@@ -47,7 +50,7 @@ class EmulatedBf16(Float32):
         self.fp32_head = fp32_head
 
     def prepare_model(self, model) -> None:
-        model.set_bf16(linears=True, head=not self.fp32_head and _has_head(model))
+        model.set_bf16(linears=True, head=not self.fp32_head and getattr(model, "is_last", True))
 
 
 class AmpBf16(Float32):
@@ -85,6 +88,11 @@ def _cpu_bf16_kernel() -> str:
     return f"the {ops.bf16_kernels()[0]} kernel"
 
 
+# What bf16: true leaves float32 on a CPU build (the products of trainer/precision.py's EmulatedBf16 are the rest).
+FP32_UNDER_BF16 = ("the attention core's products (q k^T and p v, with the softmax between them) run in float32, in "
+                   "training and in the rollout's prefill and decode")
+
+
 def precision_for(config):
     """The strategy of `bf16` / `use_fp32_compute`: AMP on a CUDA build running on a GPU, else the emulation."""
     if not getattr(config, "bf16", False):
@@ -94,6 +102,9 @@ def precision_for(config):
         strategy = AmpBf16(fp32_head)
     else:
         strategy = EmulatedBf16(fp32_head)
-    logger.info("compute precision: %s; LM head %s%s", strategy.name, "float32" if fp32_head else "bfloat16",
+    logger.info("compute precision: %s; LM head / value head %s%s", strategy.name,
+                "float32" if fp32_head else "bfloat16",
                 "" if isinstance(strategy, AmpBf16) else f"; products by {_cpu_bf16_kernel()}")
+    if isinstance(strategy, EmulatedBf16):
+        logger.warning("bf16: true does not cover everything: %s (docs/performance.md, bf16)", FP32_UNDER_BF16)
     return strategy
