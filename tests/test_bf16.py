@@ -3,6 +3,8 @@ float32 master weights, the LM head's precision under use_fp32_compute, the roll
 written in save_dtype that resume exactly."""
 import json
 import os
+import subprocess
+import sys
 
 import numpy as np
 import paddle
@@ -406,3 +408,115 @@ def test_what_bf16_leaves_float32_is_said_at_start(micro, caplog):
     with caplog.at_level("INFO", logger="paddle_rl"):
         precision_for(load_config(None, [f"actor_model_name_or_path={micro['model']}"]))
     assert not [r for r in caplog.records if FP32_UNDER_BF16 in r.getMessage()]
+
+
+TP_WORKER = r"""
+import json, sys
+import numpy as np
+import paddle
+from paddle_rl.models import CausalLM, hf_state, load_weights
+from paddle_rl.models.config import ModelConfig
+from paddle_rl.models.lora import LoraSettings, add_adapters, adapters
+from paddle_rl.parallel.topology import build_topology
+from paddle_rl.trainer.precision import EmulatedBf16, Float32
+
+topo = build_topology(tensor=2)
+group, rank = topo.group("tp"), topo.group("tp").rank
+
+
+def build(group=None):
+    paddle.seed(0)
+    model = CausalLM(ModelConfig(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                                 num_attention_heads=4, num_key_value_heads=2, model_type="qwen2_moe",
+                                 extra=dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
+                                            shared_expert_intermediate_size=40)), group)
+    model.init_weights(0.2)
+    add_adapters(model, LoraSettings(rank=4, alpha=8.0, target_modules=("q_proj", "v_proj", "o_proj")))
+    return model
+
+
+single = build()
+rng = np.random.default_rng(0)
+for _, a in adapters(single):
+    a.lora_B.set_value(paddle.to_tensor(rng.standard_normal(a.lora_B.shape).astype("float32") * 0.3))
+for p in single.parameters():
+    p.stop_gradient = False
+tp = build(group)
+load_weights(tp, hf_state(single))
+for p in tp.parameters():
+    p.stop_gradient = False
+x_np = rng.standard_normal([1, 6, 32]).astype("float32")
+
+
+def run(model, path, x):
+    layer = model.layers[0]
+    for name in path.split("."):
+        layer = getattr(layer, name)
+    x = paddle.to_tensor(x, stop_gradient=False)
+    y = layer(x)
+    (y * y).sum().backward()
+    grads = {n: p.grad.numpy() for n, p in layer.named_parameters() if p.grad is not None}
+    out = y.numpy(), x.grad.numpy(), grads
+    model.clear_gradients()
+    return out
+
+
+def shard(spec, full):
+    return spec.shard(full, rank, 2)
+
+
+result = {}
+for strategy in (Float32(), EmulatedBf16(False)):
+    name = "bf16" if isinstance(strategy, EmulatedBf16) else "fp32"
+    strategy.prepare_model(single)
+    strategy.prepare_model(tp)
+    for path in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp"):
+        row = path.endswith("o_proj")
+        x_tp = x_np[..., rank * 16:(rank + 1) * 16] if row else x_np
+        y1, dx1, g1 = run(single, path, x_np)
+        y2, dx2, g2 = run(tp, path, x_tp)
+        layer = tp.layers[0]
+        for part in path.split("."):
+            layer = getattr(layer, part)
+        params = dict(layer.named_parameters())
+        flat = lambda a: a.reshape([-1, a.shape[-1]])  # noqa: E731
+        pairs = [(flat(y2), shard(layer.weight.spec, flat(y1)) if path.endswith("qkv_proj") else flat(y1)),
+                 (dx2, dx1[..., rank * 16:(rank + 1) * 16] if row else dx1)]
+        pairs += [(g2[n], shard(params[n].spec, g1[n]) if params[n].is_distributed else g1[n]) for n in g2]
+        result[name, path] = dict(single=[a.tolist() for a in [y1, dx1] + [g1[n] for n in sorted(g1)]],
+                                  tp=[float(np.abs(a - b).max() / np.abs(b).max()) for a, b in pairs],
+                                  grads=sorted(g2))
+json.dump({f"{k[0]} {k[1]}": v for k, v in result.items()}, open(f"{sys.argv[1]}/rank{rank}.json", "w"))
+"""
+
+
+def test_tensor_parallel_layers_take_the_bf16_products(tmp_path):
+    """Under tensor_parallel_degree 2 (two processes, gloo) the column layer with its LoRA adapter (q and v), the
+    row layer with its adapter and a Qwen2-MoE block (router, split experts, shared expert) give, with bf16, the
+    single-process bf16 layer's output, input gradient and parameter gradients on each rank's shard (the same
+    bf16 products; float32 sums in another order), and with float32 the float32 layer's: the bf16 and float32
+    layers differ by bf16 rounding, so the tensor-parallel path is on the bf16 products."""
+    script = tmp_path / "worker.py"
+    script.write_text(TP_WORKER)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=root)
+    env.pop("OMP_NUM_THREADS", None)
+    result = subprocess.run([sys.executable, "-m", "paddle.distributed.launch", "--devices", "", "--nproc_per_node",
+                             "2", "--log_dir", str(tmp_path / "logs"), str(script), str(tmp_path)],
+                            env=env, cwd=root, capture_output=True, text=True, timeout=300)
+    outputs = [tmp_path / f"rank{r}.json" for r in (0, 1)]
+    logs = "".join(f"\n--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted((tmp_path / "logs").glob("*"))
+                   if p.is_file())
+    assert result.returncode == 0 and all(p.exists() for p in outputs), (
+        f"launch exited {result.returncode}\n{result.stderr[-1500:]}{logs}")
+    for path in outputs:
+        ranks = json.loads(path.read_text())
+        for layer in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp"):
+            fp32, bf16 = ranks[f"fp32 {layer}"], ranks[f"bf16 {layer}"]
+            assert bf16["grads"] == fp32["grads"] and len(bf16["grads"]) >= 2
+            print(path.name, layer, "tensor-parallel gap bf16", max(bf16["tp"]), "fp32", max(fp32["tp"]))
+            assert max(bf16["tp"]) < 2e-5 and max(fp32["tp"]) < 2e-5
+            # single process: bf16 against float32, output and gradients alike
+            gaps = [np.abs(np.array(a) - np.array(b)).max() / np.abs(np.array(b)).max()
+                    for a, b in zip(bf16["single"], fp32["single"])]
+            assert min(gaps) > 2e-4, (layer, gaps)
