@@ -118,6 +118,26 @@ def test_the_path_with_reward_funcs_adds_the_model_with_weight_1(reward_folder):
     assert plain.reward_funcs == ["format", "reward_model"] and plain.reward_weights == []
 
 
+def test_bf16_scores_with_bf16_products(reward_folder):
+    """`bf16: true` reaches the reward model: its decoder and score head take bfloat16 products (the head float32
+    with use_fp32_compute), so its scores move from the float32 ones by bf16 rounding."""
+    folder, model, tok = reward_folder
+    responses = ["<think>a</think>\n<answer>b</answer>", "no format", "a longer answer of several words"]
+    samples = [RewardSample("q ", r, {"src": "q "}) for r in responses]
+    fp32 = _hf_scores(model, tok, ["q " + r for r in responses])
+    gaps = {}
+    for extra in ([], ["use_fp32_compute=true"]):
+        config = load_config(None, [f"actor_model_name_or_path={ACTOR['actor_model_name_or_path']}", "bf16=true",
+                                    f"reward_model_name_or_path={folder}", *extra])
+        scores = build_local_reward(config)(samples).scores
+        gaps[bool(extra)] = np.abs(scores - fp32).max() / np.abs(fp32).max()
+    print("bf16 reward model: relative gap to float32", gaps)
+    assert 1e-4 < gaps[False] < 5e-2 and 1e-4 < gaps[True] < 5e-2   # bf16 rounding, in the body either way
+    reward = NeuralReward(folder, bf16=True, fp32_head=True)
+    assert reward.model.bf16 == (True, False) and not reward.model.score.bf16
+    assert NeuralReward(folder).model.bf16 == (False, False)
+
+
 def test_errors_name_the_key_and_the_file(reward_folder, micro, tmp_path):
     folder, _, _ = reward_folder
     with pytest.raises(ConfigError, match="reward_model_name_or_path: set, but 'reward_model'"):
