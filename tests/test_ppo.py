@@ -192,3 +192,18 @@ def test_lora_dropout_keeps_the_value_pass(micro, tmp_path):
     trainer, rows = run(micro, tmp_path, max_steps=1, do_eval=False, save_steps=100, global_mini_batch_size=4,
                         lora_rank=4, lora_alpha=8, lora_dropout=0.1)
     assert not trainer.critic.fuses_value_pass and "time/values" in rows[0]
+
+
+def test_bf16_ppo_with_lora_runs_actor_and_critic_on_bf16_products(micro, tmp_path):
+    """bf16 with LoRA through the trainer: the actor's and the critic's linear layers, their adapters and the
+    critic's value head are all on the bf16 products (tests/test_bf16.py holds their numbers), and the run trains."""
+    from paddle_rl.models.layers import Bf16Products
+    trainer, rows = run(micro, tmp_path, max_steps=2, do_eval=False, save_steps=100, lora_rank=4, lora_alpha=8,
+                        critic_learning_rate=1e-2, bf16="true")
+    for model in (trainer.actor, trainer.critic.model):
+        layers = [m for m in model.sublayers() if isinstance(m, Bf16Products)]
+        assert any(type(m).__name__ == "RowAdapter" for m in layers) and all(m.bf16 for m in layers)
+    assert trainer.critic.model.score.bf16 and trainer.critic.model.bf16 == (True, True)
+    for key in ("critic/vf_loss", "critic/grad_norm", "actor/pg_loss"):
+        assert all(math.isfinite(r[key]) for r in rows if key in r) and any(key in r for r in rows)
+    assert rows[-1]["critic/values_mean"] != 0.0
