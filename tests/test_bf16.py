@@ -22,7 +22,7 @@ from paddle_rl.model_files.safetensors_io import load_state
 from paddle_rl.monitor import TIMING_PREFIXES, read_metrics
 from paddle_rl.trainer import RLTrainer
 from paddle_rl.trainer.state_files import read_state
-from paddle_rl.trainer.precision import FP32_UNDER_BF16, EmulatedBf16, Float32, precision_for
+from paddle_rl.trainer.precision import FP32_UNDER_BF16, AmpBf16, EmulatedBf16, Float32, precision_for
 
 
 def bf16_round(a: np.ndarray) -> np.ndarray:
@@ -396,6 +396,17 @@ def test_critic_body_and_value_head_are_bf16(fp32_head):
     print("use_fp32_compute", fp32_head, "value gap to bf16 head", gap_bf16, "to fp32 head", gap_fp32)
     assert (gap_fp32 if fp32_head else gap_bf16) < 1e-5
     assert (gap_bf16 if fp32_head else gap_fp32) > 1e-4
+
+
+def test_amp_says_the_value_head_is_not_float32_under_use_fp32_compute(caplog):
+    """Under AMP (the GPU strategy) use_fp32_compute keeps the LM head's log-probs float32 but not a value head:
+    a warning says so for a sequence classifier, none for a causal LM."""
+    critic = _tiny(model_type="qwen2", extra=dict(architectures=["Qwen2ForSequenceClassification"], num_labels=1))
+    with caplog.at_level("INFO", logger="paddle_rl"):
+        AmpBf16(True).prepare_model(_tiny(model_type="qwen2"))
+        assert not [r for r in caplog.records if "value head" in r.getMessage()]
+        AmpBf16(True).prepare_model(critic)
+    assert [r for r in caplog.records if r.levelname == "WARNING" and "value head" in r.getMessage()]
 
 
 def test_what_bf16_leaves_float32_is_said_at_start(micro, caplog):

@@ -61,6 +61,9 @@ class AmpBf16(Float32):
 
     def prepare_model(self, model) -> None:
         model.head_bf16 = not self.fp32_head and _has_head(model)  # head_logprobs upcasts, then rounds or not
+        if self.fp32_head and model.config.sequence_classifier and getattr(model, "is_last", True):
+            logger.warning("use_fp32_compute: under AMP the value head (score) of this sequence classifier runs in "
+                           "bfloat16 like the rest of the model; only the LM head's log-probs are float32")
         if getattr(model, "_amp_decorated", False):
             return
         if all(p.stop_gradient for p in model.parameters()):  # a frozen model (the reference): bf16 weights
