@@ -2,6 +2,7 @@
 float32 master weights, the LM head's precision under use_fp32_compute, the rollout following, and checkpoints
 written in save_dtype that resume exactly."""
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -373,6 +374,22 @@ def test_moe_router_and_experts_are_bf16():
         with model.packed_weights(dtype):
             assert all(m.bf16 == bf16 for m in [moe, *moe.experts])
     assert model.bf16 == (True, True) and all(e.bf16 for e in moe.experts)   # training's precision is back
+
+
+def test_a_quantized_rollout_says_the_moe_experts_are_not_quantized(caplog):
+    """rollout_quant_type packs the dense layers alone: with MoE blocks the rollout says once that their router
+    and experts are not quantized (and in which precision they multiply); a dense model says nothing."""
+    moe_model = _tiny(model_type="qwen2_moe", extra=dict(num_experts=4, num_experts_per_tok=2,
+                                                         moe_intermediate_size=24, shared_expert_intermediate_size=40))
+    with caplog.at_level(logging.WARNING, logger="paddle_rl"):
+        for _ in range(2):
+            with moe_model.packed_weights("float32", "weight_only_int8"):
+                pass
+        with _tiny(model_type="qwen2").packed_weights("float32", "weight_only_int8"):
+            pass
+    said = [r.getMessage() for r in caplog.records if "not quantized" in r.getMessage()]
+    assert said == ["rollout_quant_type weight_only_int8 quantizes the dense linear layers and the LM head only: "
+                    "the MoE routers and experts (1 blocks) are not quantized and multiply in float32"]
 
 
 @pytest.mark.parametrize("fp32_head", [False, True])

@@ -12,6 +12,7 @@ rollout runs inside `packed_weights()`, where the linear layers and the tied hea
 A pipeline stage is the same model restricted to a range of layers (`stage=(index, count)`).
 """
 import contextlib
+import logging
 import math
 from typing import List, Optional
 
@@ -24,6 +25,8 @@ from .config import ModelConfig
 from .layers import Bf16Products, ColumnLinear, RMSNorm, RowLinear, ScoreHead, VocabEmbedding, vocab_parallel_argmax, \
     vocab_parallel_logprobs
 from .moe import Expert, MoESettings, RouterStats, SparseMoE
+
+logger = logging.getLogger("paddle_rl")
 
 NEG_INF = -1e9
 
@@ -540,6 +543,11 @@ class CausalLM(nn.Layer):
         trained_bf16 = self.bf16
         linears = [m for m in self.sublayers() if isinstance(m, (ColumnLinear, RowLinear))]
         unpacked = [m for m in self.sublayers() if isinstance(m, (SparseMoE, Expert))]
+        if quant_type and unpacked and not getattr(self, "_said_moe_unquantized", False):
+            self._said_moe_unquantized = True   # once per model: the rollout packs at every step
+            logger.warning("rollout_quant_type %s quantizes the dense linear layers and the LM head only: the MoE "
+                           "routers and experts (%d blocks) are not quantized and multiply in %s", quant_type,
+                           sum(isinstance(m, SparseMoE) for m in unpacked), "bfloat16" if bf16_act else "float32")
         head, transposed = self.head_weight if self.is_last and not self.config.sequence_classifier else (None, False)
 
         def pack(weight, transposed=False):
