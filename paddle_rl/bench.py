@@ -44,7 +44,6 @@ import argparse
 import json
 import math
 import os
-import resource
 import sys
 import tempfile
 import time
@@ -52,6 +51,7 @@ from typing import Optional
 
 from .config import load_config
 from .env import configure_threads
+from .monitor import memory
 
 MODELS = {
     "w1": dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=4,
@@ -499,7 +499,11 @@ def run(args) -> dict:
         "rollout_gflops": flops["rollout"] / max(generate_s, 1e-9) / 1e9, "generate_s": generate_s,
         "update_gflops": flops["update"] / max(mean("time/update"), 1e-9) / 1e9,
         "peak_gflops": peak, "matmul_peak_gflops": peak, **peaks,
-        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,  # the trainer's process
+        "peak_rss_mb": memory.process_peak_mb(),  # the trainer's process
+        # the peak RSS within each stage (monitor/memory.py), the timed steps' largest
+        "stage_peak_rss_mb": {k[len("memory/"):-len("_peak_rss_mb")]: max(r.get(k, 0.0) for r in timed)
+                              for k in timed[-1] if k.startswith("memory/")},
+        "per_stage_rss": memory.per_stage(),
         "worker_peak_rss_mb": max([r.get("async/worker_peak_rss_mb", 0.0) for r in records] + [0.0]),
         "weights_push_s": mean("time/weights_push"), "worker_weights_load_s": mean("async/worker_weights_load_s"),
         "optimizer_state_mb": optimizer_bytes / 2**20, "trainable_params": trainable,
@@ -767,6 +771,7 @@ def report(result: dict) -> str:
               *peak_lines(result),
               f"  peak RSS      {result['peak_rss_mb']:8.0f} MB{worker} (optimizer state "
               f"{result['optimizer_state_mb']:.1f} MB, {result['trainable_params']:,} trained parameters)",
+              f"  peak by stage {stage_peaks(result)}",
               f"  process CPU   {result['cpu_s_per_step']:8.3f} s per step (all threads)"]
     if "linear" in result:
         lin = result["linear"]
@@ -786,6 +791,14 @@ def report(result: dict) -> str:
                   "MiB per server)"]
         lines += [f"  {stage:<13} {served[f'{stage}_s']:8.3f} s" for stage in STAGES if stage != "rollout"]
     return "\n".join(lines)
+
+
+def stage_peaks(result: dict) -> str:
+    """The peak RSS within each stage of the timed steps, MB (before_step: from the previous step's end or the
+    process's start, the model builds included, to the step's first stage)."""
+    peaks = result.get("stage_peak_rss_mb") or {}
+    text = ", ".join(f"{name} {mb:.0f}" for name, mb in peaks.items()) + " MB"
+    return text if result.get("per_stage_rss", True) else text + " (cumulative: /proc/self/clear_refs not writable)"
 
 
 def peak_lines(result: dict) -> list:
