@@ -501,8 +501,9 @@ def run(args) -> dict:
         "peak_gflops": peak, "matmul_peak_gflops": peak, **peaks,
         "peak_rss_mb": memory.process_peak_mb(),  # the trainer's process
         # the peak RSS within each stage (monitor/memory.py), the timed steps' largest
-        "stage_peak_rss_mb": {k[len("memory/"):-len("_peak_rss_mb")]: max(r.get(k, 0.0) for r in timed)
-                              for k in timed[-1] if k.startswith("memory/")},
+        **{f"stage_peak_{kind}_mb": {k[len("memory/"):-len(f"_peak_{kind}_mb")]: max(r.get(k, 0.0) for r in timed)
+                                     for k in timed[-1] if k.startswith("memory/") and k.endswith(f"_peak_{kind}_mb")}
+           for kind in ("rss", "tensor")},
         "per_stage_rss": memory.per_stage(),
         "worker_peak_rss_mb": max([r.get("async/worker_peak_rss_mb", 0.0) for r in records] + [0.0]),
         "weights_push_s": mean("time/weights_push"), "worker_weights_load_s": mean("async/worker_weights_load_s"),
@@ -771,7 +772,7 @@ def report(result: dict) -> str:
               *peak_lines(result),
               f"  peak RSS      {result['peak_rss_mb']:8.0f} MB{worker} (optimizer state "
               f"{result['optimizer_state_mb']:.1f} MB, {result['trainable_params']:,} trained parameters)",
-              f"  peak by stage {stage_peaks(result)}",
+              f"  peak by stage {stage_peaks(result)} (RSS, Paddle's tensors)",
               f"  process CPU   {result['cpu_s_per_step']:8.3f} s per step (all threads)"]
     if "linear" in result:
         lin = result["linear"]
@@ -794,10 +795,11 @@ def report(result: dict) -> str:
 
 
 def stage_peaks(result: dict) -> str:
-    """The peak RSS within each stage of the timed steps, MB (before_step: from the previous step's end or the
-    process's start, the model builds included, to the step's first stage)."""
-    peaks = result.get("stage_peak_rss_mb") or {}
-    text = ", ".join(f"{name} {mb:.0f}" for name, mb in peaks.items()) + " MB"
+    """The peak RSS within each stage of the timed steps, and in parentheses the peak of Paddle's live tensors, MB
+    (before_step: from the previous step's end or the process's start, the model builds included, to the step's
+    first stage)."""
+    rss, tensors = result.get("stage_peak_rss_mb") or {}, result.get("stage_peak_tensor_mb") or {}
+    text = ", ".join(f"{name} {mb:.0f} ({tensors.get(name, 0.0):.0f})" for name, mb in rss.items()) + " MB"
     return text if result.get("per_stage_rss", True) else text + " (cumulative: /proc/self/clear_refs not writable)"
 
 

@@ -8,8 +8,13 @@ stage reads the process's peak so far, and `per_stage()` says so.
 
 A reset lowers what getrusage(RUSAGE_SELF).ru_maxrss reports afterwards: read the process's peak from
 `process_peak_mb()`, which is never below it.
+
+Beside the RSS, the peak of the bytes Paddle's CPU allocator has handed out to live tensors (its host memory
+statistic "Allocated", reset at the same boundaries): the RSS minus it is the rest (the Python heap, libraries,
+memory the allocator or malloc holds but no tensor uses).
 """
 import resource
+import sys
 
 _STATUS = "/proc/self/status"
 _CLEAR_REFS = "/proc/self/clear_refs"
@@ -50,12 +55,26 @@ def per_stage() -> bool:
     return _state["resettable"] is not False
 
 
-def checkpoint() -> float:
-    """The high-water mark since the last checkpoint (MB), folded into the process's peak; then reset."""
+def _tensor_peak_mb(reset: bool) -> float:
+    """Paddle's CPU allocator's peak of bytes in live tensors since the last reset (MB); 0.0 before Paddle is
+    loaded (read from sys.modules: this module never loads Paddle itself)."""
+    paddle = sys.modules.get("paddle")
+    if paddle is None:
+        return 0.0
+    core = paddle.base.core
+    peak = core.host_memory_stat_peak_value("Allocated", 0) / 2**20
+    if reset:
+        core.host_memory_stat_reset_peak_value("Allocated", 0)
+    return peak
+
+
+def checkpoint() -> tuple:
+    """(RSS, tensor bytes): the high-water marks since the last checkpoint (MB), the RSS's folded into the
+    process's peak; then both reset."""
     hwm = max(_status_mb("VmHWM"), rss_mb())
     _state["peak_mb"] = max(_state["peak_mb"], hwm)
     _reset()
-    return hwm
+    return hwm, _tensor_peak_mb(reset=True)
 
 
 def process_peak_mb() -> float:
