@@ -32,7 +32,8 @@ load); printed below the inline run: its step, its ratio to the inline step, the
 push's seconds (serialising apart) and bytes per server.
 
 Prints seconds per step and its split by stage, generated and trained tokens, rows processed by decode steps,
-effective GFLOP/s against the fp32 matmul peak measured in the same process, peak RSS; the last line is one JSON
+effective GFLOP/s against the fp32 matmul peak measured in the same process, peak RSS and each stage's peak RSS and
+Paddle tensors (monitor/memory.py); the last line is one JSON
 object. Matmul peaks (`matmul_peaks`): square products and the workload's own linear shapes, measured before the
 trainer is built and again after the run, the best of each kind kept: fp32 (paddle.matmul; `matmul_peak_gflops`,
 the effective rates' yardstick), the suite's bf16 training product and packed bf16 rollout kernel, and PyTorch's
