@@ -32,7 +32,8 @@ load); printed below the inline run: its step, its ratio to the inline step, the
 push's seconds (serialising apart) and bytes per server.
 
 Prints seconds per step and its split by stage, generated and trained tokens, rows processed by decode steps,
-effective GFLOP/s against the fp32 matmul peak measured in the same process, peak RSS; the last line is one JSON
+effective GFLOP/s against the fp32 matmul peak measured in the same process, peak RSS and each stage's peak RSS and
+Paddle tensors (monitor/memory.py); the last line is one JSON
 object. Matmul peaks (`matmul_peaks`): square products and the workload's own linear shapes, measured before the
 trainer is built and again after the run, the best of each kind kept: fp32 (paddle.matmul; `matmul_peak_gflops`,
 the effective rates' yardstick), the suite's bf16 training product and packed bf16 rollout kernel, and PyTorch's
@@ -44,7 +45,6 @@ import argparse
 import json
 import math
 import os
-import resource
 import sys
 import tempfile
 import time
@@ -53,6 +53,7 @@ from typing import Optional
 from .config import load_config
 from .env import configure_threads
 from .model_files.hub import resolve_model
+from .monitor import memory
 
 MODELS = {
     "w1": dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=4,
@@ -498,7 +499,12 @@ def run(args) -> dict:
         "rollout_gflops": flops["rollout"] / max(generate_s, 1e-9) / 1e9, "generate_s": generate_s,
         "update_gflops": flops["update"] / max(mean("time/update"), 1e-9) / 1e9,
         "peak_gflops": peak, "matmul_peak_gflops": peak, **peaks,
-        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,  # the trainer's process
+        "peak_rss_mb": memory.process_peak_mb(),  # the trainer's process
+        # the peak RSS within each stage (monitor/memory.py), the timed steps' largest
+        **{f"stage_peak_{kind}_mb": {k[len("memory/"):-len(f"_peak_{kind}_mb")]: max(r.get(k, 0.0) for r in timed)
+                                     for k in timed[-1] if k.startswith("memory/") and k.endswith(f"_peak_{kind}_mb")}
+           for kind in ("rss", "tensor")},
+        "per_stage_rss": memory.per_stage(),
         "worker_peak_rss_mb": max([r.get("async/worker_peak_rss_mb", 0.0) for r in records] + [0.0]),
         "weights_push_s": mean("time/weights_push"), "worker_weights_load_s": mean("async/worker_weights_load_s"),
         "optimizer_state_mb": optimizer_bytes / 2**20, "trainable_params": trainable,
@@ -766,6 +772,7 @@ def report(result: dict) -> str:
               *peak_lines(result),
               f"  peak RSS      {result['peak_rss_mb']:8.0f} MB{worker} (optimizer state "
               f"{result['optimizer_state_mb']:.1f} MB, {result['trainable_params']:,} trained parameters)",
+              f"  peak by stage {stage_peaks(result)} (RSS, Paddle's tensors)",
               f"  process CPU   {result['cpu_s_per_step']:8.3f} s per step (all threads)"]
     if "linear" in result:
         lin = result["linear"]
@@ -785,6 +792,15 @@ def report(result: dict) -> str:
                   "MiB per server)"]
         lines += [f"  {stage:<13} {served[f'{stage}_s']:8.3f} s" for stage in STAGES if stage != "rollout"]
     return "\n".join(lines)
+
+
+def stage_peaks(result: dict) -> str:
+    """The peak RSS within each stage of the timed steps, and in parentheses the peak of Paddle's live tensors, MB
+    (before_step: from the previous step's end or the process's start, the model builds included, to the step's
+    first stage)."""
+    rss, tensors = result.get("stage_peak_rss_mb") or {}, result.get("stage_peak_tensor_mb") or {}
+    text = ", ".join(f"{name} {mb:.0f} ({tensors.get(name, 0.0):.0f})" for name, mb in rss.items()) + " MB"
+    return text if result.get("per_stage_rss", True) else text + " (cumulative: /proc/self/clear_refs not writable)"
 
 
 def peak_lines(result: dict) -> list:

@@ -41,6 +41,12 @@ def test_w2_generates_the_schedule_and_decodes_live_rows_only(bench_rule):
     for key in ("step_s", "rollout_s", "ref_logprob_s", "update_s", "effective_gflops", "rollout_gflops",
                 "peak_gflops", "peak_rss_mb"):
         assert key in result
+    # the memory peak of each stage (and of the update's parts), none above the process's
+    rss, tensors = result["stage_peak_rss_mb"], result["stage_peak_tensor_mb"]
+    for stage in ("before_step", "rollout", "update", "update_forward_backward",
+                  "update_optimizer_step"):
+        assert 0 < rss[stage] <= result["peak_rss_mb"] and tensors[stage] > 0, stage
+    assert max(rss.values()) <= result["peak_rss_mb"] and "peak by stage" in bench.report(result)
 
 
 def test_ppo_reports_the_critic_stages(bench_rule):

@@ -60,6 +60,64 @@ def test_bf16_linear_products_are_bf16_operands_with_fp32_sums(path, monkeypatch
         assert 1e-4 < fp32_gap < 3e-2, name     # bf16 operands: 8 significant bits, not float32's
 
 
+@pytest.mark.parametrize("path", ["kernel", "emulated"])
+def test_bf16_linear_keeps_its_input_for_the_backward_in_bfloat16(path, monkeypatch):
+    """What bf16_linear keeps for the backward: x as its bfloat16 rounding (half float32's bytes) and the weight
+    parameter itself, no float32 copy of either; nothing of x when W takes no gradient. The weight gradient is the
+    product of the float32 x, bit for bit (the rounding the product makes anyway)."""
+    if path == "emulated":
+        monkeypatch.setenv("PADDLE_RL_BF16_EMULATE", "1")
+    rng = np.random.default_rng(2)
+    x, w, dy = (rng.standard_normal(s).astype(np.float32) for s in ([3, 5, 64], [64, 48], [3, 5, 48]))
+    saved = []
+
+    def keep(t):
+        saved.append(t)
+        return t
+
+    xt, wt = paddle.to_tensor(x, stop_gradient=False), paddle.to_tensor(w, stop_gradient=False)
+    with paddle.autograd.saved_tensors_hooks(keep, lambda t: t):
+        y = ops.bf16_linear(xt, wt)
+    assert [(t.dtype, list(t.shape)) for t in saved] == [(paddle.bfloat16, [3, 5, 64]), (paddle.float32, [64, 48])]
+    assert np.array_equal(saved[0].astype("float32").numpy(), bf16_round(x)) and saved[1] is wt
+    y.backward(paddle.to_tensor(dy))
+    expected = ops.bf16_matmul(paddle.to_tensor(x.reshape(-1, 64)), paddle.to_tensor(dy.reshape(-1, 48)),
+                               trans_a=True)
+    assert np.array_equal(wt.grad.numpy(), expected.numpy())
+    saved.clear()
+    frozen = paddle.to_tensor(w)
+    xt = paddle.to_tensor(x, stop_gradient=False)
+    with paddle.autograd.saved_tensors_hooks(keep, lambda t: t):
+        y = ops.bf16_linear(xt, frozen)
+    assert [t.dtype for t in saved] == [paddle.float32] and saved[0] is frozen  # the weight only
+    y.backward(paddle.to_tensor(dy))
+    assert list(xt.grad.shape) == [3, 5, 64]
+
+
+def test_the_bf16_reference_keeps_its_linear_weights_in_bfloat16(micro, tmp_path):
+    """bf16: the frozen reference stores its decoder linear layers' weights as their bfloat16 rounding (the
+    embedding, an untied LM head, norms and biases stay float32) and gives the log-probs of the same model kept in
+    float32, bit for bit (its products round the weights to bfloat16 anyway). The trained actor stays float32."""
+    trainer = RLTrainer(load_config(None, _overrides(micro, tmp_path, bf16="true", kl_loss_coeff=0.04)))
+    stored = {name: p.dtype for name, p in trainer.reference.named_parameters()}
+    linears = {n for n in stored if n.endswith("proj.weight")}
+    assert linears and all(stored[n] == paddle.bfloat16 for n in linears)
+    assert all(dtype == paddle.float32 for n, dtype in stored.items() if n not in linears)
+    assert all(p.dtype == paddle.float32 for p in trainer.actor.parameters())
+    kept = load_model(micro["model"])  # the same weights in float32, computing in bf16
+    kept.eval()
+    kept.set_bf16(True, True)
+    for name, p in kept.named_parameters():
+        ref = dict(trainer.reference.named_parameters())[name]
+        assert np.array_equal(ref.astype("float32").numpy(), bf16_round(p.numpy()) if name in linears else p.numpy())
+    ids = paddle.to_tensor([[3, 7, 11, 2, 5, 9, 4, 1]])
+    bias = attention_bias_from_mask(paddle.ones_like(ids), 8, causal=True)
+    with paddle.no_grad():
+        out = [m.head_logprobs(m.hidden_states(ids, paddle.arange(8).unsqueeze(0), bias), ids, 1.0)[0].numpy()
+               for m in (trainer.reference, kept)]
+    assert np.array_equal(out[0], out[1])
+
+
 @pytest.mark.parametrize("kernel", list(ops.BF16_KERNELS) + ["emulated"])
 def test_bf16_matmul_paths_equal_the_rounded_product(kernel, monkeypatch):
     """Each path of bf16_matmul (the AMX and AVX512-BF16 kernels where this CPU has them, the emulation forced by

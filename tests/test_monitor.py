@@ -116,3 +116,32 @@ def test_report_to_none_writes_no_dashboard(tmp_path):
     log.log(0, {"a": 1.0})
     log.close()
     assert not os.path.exists(tmp_path / "logs")
+
+
+def test_stage_timer_records_each_stage_s_own_memory_peaks():
+    """StageTimer's memory peaks belong to their stage: a stage that held 256 MB of tensors reports them (RSS and
+    Paddle's live tensors), the next stage, which held 32 MB, does not inherit them (the high-water marks are
+    reset between stages), a part reports its own, and the process's peak survives the resets."""
+    import paddle
+
+    from paddle_rl.monitor import StageTimer, memory
+
+    timer = StageTimer()
+    start = memory.rss_mb()
+    with timer.stage("big"):
+        big = paddle.ones([64, 1024, 1024])  # 256 MB, touched
+        del big
+    with timer.stage("small"):
+        small = paddle.ones([8, 1024, 1024])  # 32 MB
+        with timer.part("small_part"):
+            part = paddle.ones([4, 1024, 1024])
+            del part
+        del small
+    m = timer.metrics()
+    print({k: round(v) for k, v in m.items() if k.startswith("memory/")}, "start", round(start))
+    assert memory.per_stage()
+    assert m["memory/big_peak_tensor_mb"] >= 256 and m["memory/big_peak_rss_mb"] >= start + 200
+    assert 32 <= m["memory/small_peak_tensor_mb"] < 100
+    assert 16 <= m["memory/small_part_peak_tensor_mb"] <= m["memory/small_peak_tensor_mb"]
+    assert m["memory/small_peak_rss_mb"] < m["memory/big_peak_rss_mb"] - 150
+    assert memory.process_peak_mb() >= m["memory/big_peak_rss_mb"]

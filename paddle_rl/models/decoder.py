@@ -390,6 +390,14 @@ class CausalLM(nn.Layer):
             m.bf16 = bool(head)
         self.head_bf16 = bool(head)
 
+    def store_linears_bf16(self) -> None:
+        """The decoder's linear layers keep their weights in bfloat16 (_Linear.store_weight_bf16): a frozen model
+        computing in bf16 (the reference under `bf16: true`). Their products are the same bits; the embedding table
+        (a tied LM head's too), an untied LM head, the norms and biases stay float32."""
+        for m in self.sublayers():
+            if isinstance(m, (ColumnLinear, RowLinear)) and m is not getattr(self, "lm_head", None):
+                m.store_weight_bf16()
+
     @property
     def bf16(self):
         """(body products, head) computing with bfloat16 operands (set_bf16)."""

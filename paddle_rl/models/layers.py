@@ -152,10 +152,24 @@ class _Linear(Bf16Products):
         return self.weight if self.lora is None else self.lora.weight(self.weight)
 
     def project(self, x, weight):
-        """x @ weight: from the packed copy while the rollout holds one, else a matmul."""
+        """x @ weight: from the packed copy while the rollout holds one, else a matmul (a weight stored in bfloat16,
+        store_weight_bf16, widened for it: exact)."""
         if self.packed is not None:
             return ops.packed_linear(x, self.packed, weight.shape[1])
-        return self.product(x, weight)
+        return self.product(x, weight if weight.dtype == paddle.float32 else weight.astype("float32"))
+
+    def store_weight_bf16(self) -> None:
+        """Keep the weight as its bfloat16 rounding (nearest even), half the bytes, for a model that only runs
+        bf16 forwards (a frozen reference): its products round the weight to bfloat16 anyway, so they are the same
+        bits. The parameter object stays (its dtype becomes bfloat16); an error if the layer does not compute in
+        bf16 or takes gradients."""
+        if not self.bf16 or not self.weight.stop_gradient or self.lora is not None:
+            raise ValueError(f"{self.module_names[0]}: only a frozen layer computing in bf16 (no LoRA) can store its "
+                             "weight in bfloat16")
+        if self.weight.dtype == paddle.bfloat16:
+            return
+        rounded = self.weight.astype("bfloat16")
+        self.weight.value().get_tensor()._share_data_with(rounded.value().get_tensor())  # as nn.Layer.to does
 
 
 class ColumnLinear(_Linear):

@@ -7,8 +7,8 @@ from typing import Optional
 from .dashboards import OPENERS, open_dashboards
 
 METRICS_FILE = "metrics.jsonl"
-# Wall-clock figures: they differ between two runs of the same computation.
-TIMING_PREFIXES = ("time/", "perf/")
+# Wall-clock and memory figures: they differ between two runs of the same computation.
+TIMING_PREFIXES = ("time/", "perf/", "memory/")
 
 
 def _clean(value):

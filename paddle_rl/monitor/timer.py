@@ -1,23 +1,56 @@
 import time
 from contextlib import contextmanager
 
+from . import memory
+
 
 class StageTimer:
-    """Seconds spent per named stage of a step (`time/<stage>`); `on_stage(name)` is told of each stage entered."""
+    """Seconds spent per named stage of a step (`time/<stage>`) and the peaks of memory reached in each
+    (monitor/memory.py): the resident memory `memory/<stage>_peak_rss_mb` and Paddle's live tensors
+    `memory/<stage>_peak_tensor_mb` (`before_step`: between the previous step's last stage and this step's first,
+    the model builds included on the first step); `on_stage(name)` is told of each stage entered."""
 
     def __init__(self, on_stage=None):
         self.seconds = {}
+        rss, tensors = memory.checkpoint()
+        self.peaks = {"before_step": (rss, tensors)}
+        self.open = []
         self.on_stage = on_stage
+
+    def _fold(self) -> None:
+        rss, tensors = memory.checkpoint()
+        for name in self.open:
+            old = self.peaks.get(name, (0.0, 0.0))
+            self.peaks[name] = (max(old[0], rss), max(old[1], tensors))
 
     @contextmanager
     def stage(self, name: str):
         if self.on_stage is not None:
             self.on_stage(name)
+        self._fold()
+        self.open.append(name)
         start = time.perf_counter()
         try:
             yield
         finally:
             self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
+            self._fold()
+            self.open.remove(name)
+
+    @contextmanager
+    def part(self, name: str):
+        """A part of the open stage whose memory peaks are recorded on their own (`memory/<name>_peak_*`), not
+        its time."""
+        self._fold()
+        self.open.append(name)
+        try:
+            yield
+        finally:
+            self._fold()
+            self.open.remove(name)
 
     def metrics(self) -> dict:
-        return {f"time/{k}": v for k, v in self.seconds.items()}
+        out = {f"time/{k}": v for k, v in self.seconds.items()}
+        for name, (rss, tensors) in self.peaks.items():
+            out[f"memory/{name}_peak_rss_mb"], out[f"memory/{name}_peak_tensor_mb"] = rss, tensors
+        return out

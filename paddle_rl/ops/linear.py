@@ -272,30 +272,35 @@ def bf16_matmul(a, b, trans_a: bool = False, trans_b: bool = False):
 
 
 class _Bf16Linear(PyLayer):
+    # What the backward keeps: the weight gradient reads x only through its bfloat16 rounding, so x is kept as
+    # that rounding, a bfloat16 tensor (half float32's bytes; widening it back is exact and the kernel's rounding of
+    # a rounded value is itself, so the products are the same bits), and only when W takes a gradient. The weight
+    # is the parameter itself (no copy).
     @staticmethod
     def forward(ctx, x, weight, fused: bool):
         k, n = weight.shape
         ctx.needs = (not x.stop_gradient, not weight.stop_gradient)
         ctx.fused = fused
-        if ctx.fused:  # the kernel rounds as it packs: keep the float32 operands
-            ctx.save_for_backward(x, weight)
+        ctx.x_shape = x.shape
+        ctx.save_for_backward(*([x.astype("bfloat16"), weight] if ctx.needs[1] else [weight]))
+        if ctx.fused:
             return bf16_matmul_fused(x.reshape([-1, k]), weight).reshape(x.shape[:-1] + [n])
-        xr, wr = round_bf16(x), round_bf16(weight)
-        ctx.save_for_backward(xr, wr)
-        return paddle.matmul(xr, wr)
+        return paddle.matmul(round_bf16(x), round_bf16(weight))
 
     @staticmethod
     def backward(ctx, dy):
-        x, w = ctx.saved_tensor()
+        saved = ctx.saved_tensor()
+        x, w = (saved[0].astype("float32"), saved[1]) if ctx.needs[1] else (None, saved[0])
         k, n = w.shape
+        x = x.reshape([-1, k]) if x is not None else None
+        dy2 = dy.reshape([-1, n])
         if ctx.fused:
-            dy2 = dy.reshape([-1, n])
-            dx = bf16_matmul_fused(dy2, w, trans_b=True).reshape(x.shape) if ctx.needs[0] else None
-            dw = bf16_matmul_fused(x.reshape([-1, k]), dy2, trans_a=True) if ctx.needs[1] else None
+            dx = bf16_matmul_fused(dy2, w, trans_b=True).reshape(ctx.x_shape) if ctx.needs[0] else None
+            dw = bf16_matmul_fused(x, dy2, trans_a=True) if ctx.needs[1] else None
             return dx, dw
-        dyr = round_bf16(dy)
-        dx = paddle.matmul(dyr, w, transpose_y=True) if ctx.needs[0] else None
-        dw = paddle.matmul(x.reshape([-1, k]), dyr.reshape([-1, n]), transpose_x=True) if ctx.needs[1] else None
+        dyr = round_bf16(dy2)
+        dx = paddle.matmul(dyr, round_bf16(w), transpose_y=True).reshape(ctx.x_shape) if ctx.needs[0] else None
+        dw = paddle.matmul(x, dyr, transpose_x=True) if ctx.needs[1] else None
         return dx, dw
 
 

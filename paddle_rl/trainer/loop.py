@@ -145,7 +145,7 @@ class StepLoop:
                         return self._with_router_aux_loss(out, part, num_seqs)
 
                     finite_loss = True
-                    with self.precision.autocast():
+                    with self.precision.autocast(), timer.part("update_forward_backward"):
                         outs = self.layout.forward_backward(self.actor, mini, keys, cfg.per_device_train_batch_size,
                                                             temperature, loss_fn, with_greedy)
                     for out in outs:
@@ -161,7 +161,8 @@ class StepLoop:
                         continue
                     self.nonfinite.applied()
                     grad_norms.append(norm)
-                    self.optimizer.step()
+                    with timer.part("update_optimizer_step"):
+                        self.optimizer.step()
                     self.optimizer.clear_grad(set_to_zero=False)
                     self.scheduler.step()
         metrics = {f"actor/{k}": v for k, v in self.layout.weighted_means(collected, weights).items()}

@@ -9,7 +9,8 @@
   value head) too unless use_fp32_compute. The attention core's q k^T and p v stay float32: one warning at the
   start says so (FP32_UNDER_BF16). Paddle's CPU build has no bfloat16 matmul: the products
   run the project's AMX-BF16 / AVX512-BF16 kernel where the CPU has one (ops.bf16_matmul), else they are emulated
-  (rounded copies, float32 matmuls: the numbers of bf16 training, not its speed; one warning says so).
+  (rounded copies, float32 matmuls: the numbers of bf16 training, not its speed; one warning says so). A frozen
+  model (the reference) keeps its linear layers' weights in bfloat16 (the same products, half their bytes).
 - AmpBf16 (bf16: true on a CUDA build with a GPU in use): Paddle's AMP O2, `paddle.amp.decorate(models,
   optimizers, level="O2", dtype="bfloat16", master_weight=True)` and `auto_cast` around the forward passes; the LM
   head's log-probs take float32 copies of the hidden states and head weight (bfloat16-rounded operands unless
@@ -51,6 +52,8 @@ class EmulatedBf16(Float32):
 
     def prepare_model(self, model) -> None:
         model.set_bf16(linears=True, head=not self.fp32_head and getattr(model, "is_last", True))
+        if all(p.stop_gradient for p in model.parameters()):  # a frozen model (the reference): bf16 linear weights
+            model.store_linears_bf16()
 
 
 class AmpBf16(Float32):
