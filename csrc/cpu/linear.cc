@@ -210,7 +210,7 @@ bool AmxAllowed() {
 }
 
 // float32 activations times int8 weights on AMX tiles: x as three bfloat16 parts, x exactly (two parts, 16 of x's
-// 24 bits, ran up to 1.5x faster per product at SmolLM2-135M's shapes, with errors of 12-50 u against <= 0.8 u)
+// 24 bits, ran up to 1.5x faster per product at SmolLM2-135M's shapes, with errors of 7-50 u against <= 0.8 u)
 constexpr int kInt8AmxParts = 3;
 
 // Whether this call runs the AVX-512 bfloat16 tile; the first call that runs the portable one says why, once.
