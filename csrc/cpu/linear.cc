@@ -202,8 +202,8 @@ bool EmulationForced() {
   return env && *env && std::strcmp(env, "0") != 0;
 }
 
-// Whether the bfloat16 product may run AMX tiles (where the CPU has them): PADDLE_RL_BF16_AMX=0 keeps it on the
-// AVX-512 tile (the one of CPUs without AMX; tests compare the two)
+// Whether the bfloat16 and int8 products may run AMX tiles (where the CPU has them): PADDLE_RL_BF16_AMX=0 keeps
+// them on their AVX-512 tiles (those of CPUs without AMX; tests compare the two)
 bool AmxAllowed() {
   const char* env = std::getenv("PADDLE_RL_BF16_AMX");
   return !(env && std::strcmp(env, "0") == 0);
