@@ -199,6 +199,7 @@ PEAK_KINDS = {
     "fp32": "paddle.matmul, float32",
     "bf16_linear": "the suite's bf16 training product (ops.bf16_linear: bfloat16-rounded operands, float32 sums)",
     "bf16_packed": "the suite's packed bfloat16 rollout kernel (ops.packed_linear_lowp, bfloat16 activations)",
+    "int8_packed": "the suite's packed weight_only_int8 rollout kernel (ops.packed_linear_lowp, float32 activations)",
     "torch_bf16": "PyTorch's bfloat16 matmul (an outside reference, not used by the suite)",
 }
 
@@ -242,10 +243,11 @@ def _peak_products(kind: str, m: int, k: int, n: int):
         return lambda: paddle.matmul(x, w).numpy()
     if kind == "bf16_linear":
         return lambda: ops.bf16_linear_reference(x, w).numpy()
-    if kind == "bf16_packed":
+    if kind in ("bf16_packed", "int8_packed"):
         if not ops.packing_helps(w):
             return None   # the custom ops are off: no packed kernel
-        packed = ops.pack_weight_lowp(w, format="bfloat16", bf16_act=True)
+        packed = ops.pack_weight_lowp(w, format="bfloat16", bf16_act=True) if kind == "bf16_packed" else \
+            ops.pack_weight_lowp(w, format="weight_only_int8", bf16_act=False)
         return lambda: ops.packed_linear_lowp(x, packed).numpy()
     try:
         import torch  # an outside reference only: torch is no dependency of the suite
@@ -261,8 +263,8 @@ def matmul_peaks(shape: Optional[dict] = None, repeat: int = 3, kinds=tuple(PEAK
     rows = []
     for name, m, k, n in _peak_shapes(shape):
         for kind in kinds:
-            # the packed kernel serves the rollout's few rows per decode step: timed at 64 rows at most
-            rows_m = min(m, 64) if kind == "bf16_packed" else m
+            # the packed kernels serve the rollout's few rows per decode step: timed at 64 rows at most
+            rows_m = min(m, 64) if kind in ("bf16_packed", "int8_packed") else m
             fn = _peak_products(kind, rows_m, k, n)
             gflops = None if fn is None else 2.0 * rows_m * k * n / _best_seconds(fn, repeat) / 1e9
             rows.append({"kind": kind, "shape": name, "m": rows_m, "k": k, "n": n, "gflops": gflops})
@@ -816,6 +818,7 @@ def peak_lines(result: dict) -> list:
     lines = ["  matmul peaks  GFLOP/s, best over square and the workload's linear shapes (before / after the run):"]
     for kind, label in (("fp32", "fp32 paddle.matmul"), ("bf16_linear", "bf16 suite bf16_linear (training)"),
                         ("bf16_packed", "bf16 suite packed kernel (rollout)"),
+                        ("int8_packed", "int8 suite packed kernel (rollout)"),
                         ("torch_bf16", "bf16 torch.matmul (outside reference)")):
         lines.append(f"    {label:<40} {gf(result[f'{kind}_peak_gflops']):>7} ({gf(result[f'{kind}_peak_before_gflops'])}"
                      f" / {gf(result[f'{kind}_peak_after_gflops'])}; best at {best_shape(kind)})")

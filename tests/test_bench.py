@@ -83,12 +83,13 @@ def test_matmul_peaks_cover_the_workload_shapes_before_and_after():
     assert [r["shape"] for r in before] == [n for n in names for _ in bench.PEAK_KINDS]
     assert all(r["gflops"] > 0 for r in before if r["kind"] != "torch_bf16")
     summary = bench.peak_summary(before, after)
-    for kind in ("fp32", "bf16_linear", "bf16_packed"):
+    for kind in ("fp32", "bf16_linear", "bf16_packed", "int8_packed"):
         readings = [r[f"gflops_{w}"] for r in summary["matmul_peaks"] if r["kind"] == kind for w in ("before", "after")]
         assert summary[f"{kind}_peak_gflops"] == max(readings)
         assert summary[f"{kind}_peak_before_gflops"] == max(r["gflops"] for r in before if r["kind"] == kind)
     lines = "\n".join(bench.peak_lines(summary))
     assert "fp32 paddle.matmul" in lines and "bf16 suite bf16_linear" in lines and "outside reference" in lines
+    assert "int8 suite packed kernel" in lines
 
 
 def test_a_local_rollout_server_is_timed_against_the_inline_rollout(bench_rule):

@@ -5,6 +5,7 @@ sampled tokens exactly equal (both paths draw in float64), their log-probs 2e-5;
 log-prob / entropy 2e-5 and gradients 1e-4 relative to the gradient scale. The library is built (or found in
 the cache) once for the module.
 """
+import functools
 import logging
 import os
 import zlib
@@ -597,20 +598,25 @@ def test_packed_linear_low_precision(rng, monkeypatch, fmt, bf16_act, rows, k, n
     p = ops.pack_weight_lowp(t(w), False, fmt, bf16_act)
     out = ops.packed_linear_lowp_fused(t(x), p).numpy()
     expected = lowp_numpy(x, w, fmt, bf16_act)
-    amx = fmt == "bfloat16" and "amx" in ops.bf16_kernels()   # AMX tiles: their own order of the sums
-    if bf16_act and fmt != "weight_only_int4" and not amx:
+    # AMX tiles (bfloat16, and int8 weights widened to bfloat16): their own order of the sums
+    amx = fmt != "weight_only_int4" and "amx" in ops.bf16_kernels()
+    exact = bf16_act and fmt != "weight_only_int4"
+    if exact and not amx:
         np.testing.assert_array_equal(out, expected)
     else:
         close(out, expected, rel=2e-6, what=fmt)
     close(ops.packed_linear_lowp_reference(t(x), p).numpy(), expected, rel=1e-5, what=f"{fmt} reference")
     monkeypatch.setenv("PADDLE_RL_BF16_EMULATE", "1")
     portable = ops.packed_linear_lowp_fused(t(x), p).numpy()
-    np.testing.assert_array_equal(portable, expected if amx else out)
     monkeypatch.delenv("PADDLE_RL_BF16_EMULATE")
-    if amx:  # the AVX-512 tile of CPUs without AMX: vdpbf16ps's order, NumPy's bits
+    if amx:  # the AVX-512 tiles of CPUs without AMX: NumPy's order (and bits where the products are exact)
         monkeypatch.setenv("PADDLE_RL_BF16_AMX", "0")
-        np.testing.assert_array_equal(ops.packed_linear_lowp_fused(t(x), p).numpy(), expected)
+        avx512 = ops.packed_linear_lowp_fused(t(x), p).numpy()
         monkeypatch.delenv("PADDLE_RL_BF16_AMX")
+        (np.testing.assert_array_equal if exact else functools.partial(close, rel=2e-6))(avx512, expected)
+        np.testing.assert_array_equal(portable, avx512)   # the emulation leaves the tiles too
+    else:
+        np.testing.assert_array_equal(portable, out)
     # each row alone gives the same bits (batch invariance), and the rounding shows against float32
     np.testing.assert_array_equal(ops.packed_linear_lowp_fused(t(x[-1:]), p).numpy(), out[-1:])
     gap = np.abs(out - x @ w).max() / np.abs(x @ w).max()
@@ -621,6 +627,36 @@ def test_packed_linear_low_precision(rng, monkeypatch, fmt, bf16_act, rows, k, n
     np.testing.assert_array_equal(ops.packed_linear(t(x), p, n).numpy(), out)
     table = ops.pack_weight_lowp(t(np.ascontiguousarray(w.T)), True, fmt, bf16_act)
     np.testing.assert_array_equal(ops.packed_linear(t(x), table, n).numpy(), out)
+
+
+@pytest.mark.parametrize("rows,k,n", [(1, 576, 40), (16, 576, 96), (40, 301, 70)])
+def test_int8_amx_tiles(rng, monkeypatch, rows, k, n):
+    """weight_only_int8 on AMX-BF16 tiles: float32 activations as three bfloat16 parts (x exactly: not rounded to
+    bfloat16), bf16_act as one; int8 x bfloat16 products are exact, so against float64 the error is the float32
+    sums' alone: within 4 u of s_j sum_k |x_k q_kj| (u = 2^-24; measured <= 0.8 u; two parts, 16 bits of x, miss
+    it by far at this x's range of magnitudes). Each row alone, or in another batch, gives the batch's bits (one
+    16-row block or three)."""
+    if "amx" not in ops.bf16_kernels():
+        pytest.skip("the CPU, OS or build has no AMX-BF16 tiles")
+    x = (rng.standard_normal((rows, k)) * 2.0 ** rng.integers(-30, 30, (rows, k))).astype(np.float32)
+    w = (rng.standard_normal((k, n)) * 0.05).astype(np.float32)
+    u = 2.0 ** -24
+    for bf16_act in (False, True):
+        p = ops.pack_weight_lowp(t(w), False, "weight_only_int8", bf16_act)
+        q = p.data.numpy().astype(np.float64).transpose(1, 0, 2).reshape(k, -1)[:, :n]
+        s = p.scales.numpy().astype(np.float64)[:n]
+        xa = (bf16(x) if bf16_act else x).astype(np.float64)
+        out = ops.packed_linear_lowp_fused(t(x), p).numpy()
+        err = np.abs(out - xa @ q * s) / (np.abs(xa) @ np.abs(q) * s)
+        assert err.max() <= 4 * u, (bf16_act, err.max() / u)
+        for part in (x[-1:], x[:1], x[rows // 2:rows // 2 + 3]):
+            first = [i for i in range(rows) if np.array_equal(x[i], part[0])][0]
+            np.testing.assert_array_equal(ops.packed_linear_lowp_fused(t(part), p).numpy(),
+                                          out[first:first + len(part)])
+        monkeypatch.setenv("PADDLE_RL_BF16_AMX", "0")
+        avx512 = ops.packed_linear_lowp_fused(t(x), p).numpy()
+        monkeypatch.delenv("PADDLE_RL_BF16_AMX")
+        assert not np.array_equal(out, avx512)   # the tiles ran (their order of the sums, not the FMAs')
 
 
 def test_packed_linear_low_precision_checks_its_inputs(rng):

@@ -14,6 +14,8 @@
 // - AVX512-BF16 (vdpbf16ps): 8 rows x 32 columns in 16 zmm accumulators, a k-pair per step.
 // Both flush bfloat16 subnormal inputs and float32 subnormal results to zero (their hardware does; the reference
 // does not): the only difference beyond the order of the sums, and only below 1.2e-38.
+// The rollout's packed products (PackedLinearBF16Amx: bfloat16 weights; PackedLinearInt8Amx: int8 weights widened to
+// bfloat16 on the way) run on the same AMX tiles; they are described at the end of this file.
 // Cache blocking: each thread takes a contiguous range of 32-column blocks (or of 32-row blocks when there are
 // few columns); where its part of B fits in ~1 MB of L2 the AMX kernel walks the row pairs over it, else it walks
 // the rows in chunks whose packed A fits in ~1 MB, so a chunk of A is read from memory once per thread and each
@@ -653,6 +655,184 @@ bool prl_cpu::PackedLinearBF16Amx(const uint32_t* xp, const uint16_t* packed, fl
   return true;
 #else
   (void)xp, (void)packed, (void)out, (void)rows, (void)k2, (void)n;
+  return false;
+#endif
+}
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+namespace {
+
+// v rounded to bfloat16 (nearest even; a NaN stays a NaN), as float32
+inline __m512 RoundToBF16(__m512 v) {
+  const __m512i u = _mm512_castps_si512(v), high = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  const __m512i r = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), odd);
+  const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
+                                                _mm512_set1_epi32(0x7f800000));
+  const __m512i quiet = _mm512_or_si512(u, _mm512_set1_epi32(0x00400000));
+  return _mm512_castsi512_ps(_mm512_and_si512(_mm512_mask_blend_epi32(nan, r, quiet), high));
+}
+
+// dst part p (p < parts), k2p words from dst + p * part_words: row x [k_dim] as `parts` bfloat16 terms in pairs
+// (k = 2 kk in a word's low half), zero past k_dim: part 0 x rounded to nearest even, part 1 the remainder
+// x - part 0 (exact in float32) rounded, part 2 what is left of that. Three parts hold x exactly: the first 8 or 9
+// significant bits, the next 8, the rest (fewer than 8: each remainder is at most half a unit of the last part's
+// last bit); the tiles flush a part below 2^-126 to zero (|x| < ~2^-110).
+inline void SplitRow(const float* x, int64_t k_dim, int parts, int64_t k2p, int64_t part_words, uint32_t* dst) {
+  int64_t k = 0;
+  for (; k + 32 <= k_dim; k += 32) {
+    __m512 v0 = _mm512_loadu_ps(x + k), v1 = _mm512_loadu_ps(x + k + 16);
+    for (int p = 0; p < parts; ++p) {
+      const __m512 h0 = RoundToBF16(v0), h1 = RoundToBF16(v1);
+      // h0, h1 are bfloat16 values: the conversion is exact, its pairs in k order
+      _mm512_storeu_si512(dst + p * part_words + k / 2, (__m512i)_mm512_cvtne2ps_pbh(h1, h0));
+      v0 = _mm512_sub_ps(v0, h0);
+      v1 = _mm512_sub_ps(v1, h1);
+    }
+  }
+  for (int64_t kk = k / 2; kk < k2p; ++kk) {  // the last pairs, and zeros to k2p
+    float v[2] = {2 * kk < k_dim ? x[2 * kk] : 0.0f, 2 * kk + 1 < k_dim ? x[2 * kk + 1] : 0.0f};
+    for (int p = 0; p < parts; ++p) {
+      uint32_t h[2];
+      for (int e = 0; e < 2; ++e) {
+        const uint32_t u = prl::BitCast<uint32_t>(v[e]);
+        h[e] = (u & 0x7fffffffu) > 0x7f800000u ? (u | 0x00400000u) & 0xffff0000u
+                                                : (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+        v[e] -= prl::BitCast<float>(h[e]);
+      }
+      dst[p * part_words + kk] = h[1] | (h[0] >> 16);
+    }
+  }
+}
+
+// dst [16 k-pairs][32 columns x 2] bfloat16 (two AMX tiles of B at stride 128 bytes, as a bfloat16 panel's rows):
+// the int8 panel's rows 2 kk and 2 kk + 1 for kk in [kk0, kk0 + 16), rows at or past k_dim zero. An int8 value
+// widened to float32 has at most 8 significant bits: its float32's high half is its bfloat16, exactly.
+inline void Int8StepToBF16(const int8_t* panel, int64_t k_dim, int64_t kk0, uint32_t* dst) {
+  const __m512i high = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
+  const auto row = [&](int64_t k, int half) {
+    if (k >= k_dim) return _mm512_setzero_si512();
+    const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(panel + k * kPanelCols + 16 * half));
+    return _mm512_castps_si512(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)));
+  };
+  for (int64_t j = 0; j < kPairStep; ++j) {
+    const int64_t k = 2 * (kk0 + j);
+    for (int half = 0; half < 2; ++half) {
+      const __m512i even = row(k, half), odd = row(k + 1, half);
+      // (odd & 0xffff0000) | (even >> 16): the odd k's bfloat16 in the high half, the even k's in the low
+      const __m512i w = _mm512_ternarylogic_epi32(odd, high, _mm512_srli_epi32(even, 16), 0xEA);
+      _mm512_store_si512(dst + j * kPanelCols + 16 * half, w);
+    }
+  }
+}
+
+// out[16 x 32] (ldo floats a row) = the sums of one 16-row block of A over an int8 panel: a [parts][16][k2p] words
+// (part stride part_words), b(kk) the 16-pair step's 2 KB of bfloat16 weights. Two accumulators per 16 columns,
+// the even steps (0-1) and the odd ones (2-3), each taking a step's parts in turn (two chains of tile products, so
+// that one waits less on the other's latency), added at the end: the same order whatever the other rows are.
+template <typename StepB>
+inline void AmxInt8Block(const uint32_t* a, int64_t part_words, int parts, int64_t k2p, StepB&& b, float* out,
+                         int64_t ldo) {
+  const int64_t sa = k2p * 4;
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  for (int64_t kk = 0; kk < k2p; kk += 2 * kPairStep) {
+    const uint32_t* w = b(kk);
+    _tile_loadd(6, w, 128);
+    _tile_loadd(7, w + 16, 128);
+    for (int part = 0; part < parts; ++part) {
+      _tile_loadd(4, a + part * part_words + kk, sa);
+      _tile_dpbf16ps(0, 4, 6);
+      _tile_dpbf16ps(1, 4, 7);
+    }
+    if (kk + kPairStep < k2p) {
+      const uint32_t* w2 = b(kk + kPairStep);
+      _tile_loadd(6, w2, 128);
+      _tile_loadd(7, w2 + 16, 128);
+      for (int part = 0; part < parts; ++part) {
+        _tile_loadd(5, a + part * part_words + kk + kPairStep, sa);
+        _tile_dpbf16ps(2, 5, 6);
+        _tile_dpbf16ps(3, 5, 7);
+      }
+    }
+  }
+  alignas(64) float odd[16 * 32];
+  const int64_t so = ldo * 4;
+  _tile_stored(0, out, so);
+  _tile_stored(1, out + 16, so);
+  _tile_stored(2, odd, 128);
+  _tile_stored(3, odd + 16, 128);
+  for (int64_t i = 0; i < 16; ++i) {
+    for (int h = 0; h < 2; ++h) {
+      float* o = out + i * ldo + 16 * h;
+      _mm512_storeu_ps(o, _mm512_add_ps(_mm512_loadu_ps(o), _mm512_load_ps(odd + i * 32 + 16 * h)));
+    }
+  }
+}
+
+}  // namespace
+#endif
+
+// The rollout's int8-weight product (weight_only_int8): each panel's int8 weights widened to bfloat16 a 32-row
+// step at a time (one 16-row block: into a 2 KB buffer in L1; more: the whole panel once, then every block reads
+// it), the activations' bfloat16 parts in 16-row blocks, TDPBF16PS. The products are exact (8-bit integers times
+// bfloat16), so the error is the float32 sums' alone: a chain sums at most 3 K / 2 + 48 terms, then one add and
+// the scale's multiply, |y - exact| <= (3 K / 2 + 50) u s_j sum_k |x_k q_kj| to first order (u = 2^-24), measured
+// <= 0.8 u (the AVX-512 tile's FMAs: up to 4.2 u); bfloat16 subnormal parts and float32 subnormal sums flush to
+// zero, as in the bfloat16 product.
+bool prl_cpu::PackedLinearInt8Amx(const float* xs, int parts, const int8_t* packed, const float* scales, float* out,
+                                  int64_t rows, int64_t k_dim, int64_t n) {
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+  if (!AmxUsable()) return false;
+  const int64_t k2 = (k_dim + 1) / 2, k2p = RoundUp(k2, kPairStep), rows_p = RoundUp(rows, kRowBlock);
+  const int64_t blocks = rows_p / kRowBlock, panels = (n + kPanelCols - 1) / kPanelCols, part_words = kRowBlock * k2p;
+  // the activations' parts, by 16-row block: [block][part][16 rows][k2p words], padding rows zero
+  const int64_t block_words = parts * part_words;
+  std::unique_ptr<uint32_t[], FreeDeleter> a(static_cast<uint32_t*>(std::aligned_alloc(64, blocks * block_words * 4)));
+  if (rows < rows_p) std::memset(a.get() + (blocks - 1) * block_words, 0, block_words * 4);
+  for (int64_t m = 0; m < rows; ++m) {
+    SplitRow(xs + m * k_dim, k_dim, parts, k2p, part_words,
+             a.get() + (m / kRowBlock) * block_words + (m % kRowBlock) * k2p);
+  }
+  // one row block: each step's weights converted once, into L1; more: the whole panel converted once per panel
+  const bool whole = blocks > 1;
+  prl::ParallelFor(panels, rows_p * k2p * 2 * kPanelCols * parts, [&](int, int64_t begin, int64_t end) {
+    AmxConfigure();
+    alignas(64) float stage[16 * 32];
+    alignas(64) uint32_t step[kPairStep * kPanelCols];
+    std::unique_ptr<uint32_t[], FreeDeleter> conv;
+    if (whole) conv.reset(static_cast<uint32_t*>(std::aligned_alloc(64, k2p * kPanelCols * 4)));
+    for (int64_t p = begin; p < end; ++p) {
+      const int8_t* panel = packed + p * k_dim * kPanelCols;
+      if (whole) {
+        for (int64_t kk = 0; kk < k2p; kk += kPairStep) Int8StepToBF16(panel, k_dim, kk, conv.get() + kk * kPanelCols);
+      }
+      const auto b = [&](int64_t kk) -> const uint32_t* {
+        if (whole) return conv.get() + kk * kPanelCols;
+        Int8StepToBF16(panel, k_dim, kk, step);
+        return step;
+      };
+      const int64_t col = p * kPanelCols, cols = std::min(kPanelCols, n - col);
+      const __m512 s0 = _mm512_loadu_ps(scales + col), s1 = _mm512_loadu_ps(scales + col + 16);
+      const __mmask16 lo = static_cast<__mmask16>(cols >= 16 ? 0xffff : (1u << cols) - 1);
+      const __mmask16 hi = static_cast<__mmask16>(cols >= 32 ? 0xffff : cols <= 16 ? 0 : (1u << (cols - 16)) - 1);
+      for (int64_t rb = 0; rb < blocks; ++rb) {
+        AmxInt8Block(a.get() + rb * block_words, part_words, parts, k2p, b, stage, 32);
+        const int64_t row = rb * kRowBlock, r = std::min<int64_t>(kRowBlock, rows - row);
+        for (int64_t i = 0; i < r; ++i) {  // y = s_j * the column's sum, once
+          float* o = out + (row + i) * n + col;
+          _mm512_mask_storeu_ps(o, lo, _mm512_mul_ps(_mm512_load_ps(stage + 32 * i), s0));
+          _mm512_mask_storeu_ps(o + 16, hi, _mm512_mul_ps(_mm512_load_ps(stage + 32 * i + 16), s1));
+        }
+      }
+    }
+    _tile_release();
+  });
+  return true;
+#else
+  (void)xs, (void)parts, (void)packed, (void)scales, (void)out, (void)rows, (void)k_dim, (void)n;
   return false;
 #endif
 }

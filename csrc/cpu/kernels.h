@@ -91,5 +91,11 @@ bool Bf16MatmulPacked(const float* a, const uint32_t* packed_b, float* c, int64_
 // panels of PackWeightLowp ([panels][k2][32 columns x 2]), out [rows, n]. Each row's sums run over k in the same
 // order whatever the other rows are.
 bool PackedLinearBF16Amx(const uint32_t* xp, const uint16_t* packed, float* out, int64_t rows, int64_t k2, int64_t n);
+// The int8-weight rollout product on the same AMX-BF16 tiles (false, nothing written, where they do not run): x
+// [rows, k_dim] float32 taken as the sum of `parts` (1-3) bfloat16 terms (1: x rounded to nearest even; 3: x
+// exactly), packed and scales PackWeightLowp's int8 panels; out [rows, n] = scale_j * the sum over the parts and
+// k of the products (each exact in float32), in the tiles' order. A row's result does not depend on the others.
+bool PackedLinearInt8Amx(const float* x, int parts, const int8_t* packed, const float* scales, float* out,
+                         int64_t rows, int64_t k_dim, int64_t n);
 
 }  // namespace prl_cpu
