@@ -520,6 +520,20 @@ def test_reasoning_score_of_steps_that_lead_to_a_chosen_answer():
     result = build_reward(config_from_values(dict(reward_funcs=["kk", "kk_reasoning"])))(samples)
     np.testing.assert_allclose(result.scores, [4.0, 3.25])
     assert result.metrics()["reward/kk_reasoning_mean"] == pytest.approx(0.625)
+    # a claim's truth must follow from the roles known: stated so that it agrees with its speaker's role is not enough
+    prompt = render_prompt("Knights tell the truth, knaves lie. (1) Oliver: Yvonne is a knave. (2) Yvonne: Oliver is "
+                           "a knave and Yvonne is a knave. Who is a knight and who is a knave?", "tiny")
+    right = "</think>\n<answer>(1) Oliver is a knight\n(2) Yvonne is a knave</answer>"
+    wrong = "</think>\n<answer>(1) Oliver is a knave\n(2) Yvonne is a knight</answer>"
+    assert reasoning_score(" Suppose Oliver is a knave. Oliver's claim is false, so Yvonne is a knight. Yvonne's claim "
+                           "is true: fits." + wrong, prompt) == pytest.approx(2 / 4)  # her claim is false there
+    assert reasoning_score(" Oliver's claim is true, so Oliver is a knight and Yvonne is a knave. Yvonne's claim is "
+                           "false: fits." + right, prompt) == 0.0  # nothing decides his claim yet: a guess
+    assert reasoning_score(" Yvonne's claim is false, so Yvonne is a knave. Oliver's claim is true, so Oliver is a "
+                           "knight." + right, prompt) == 0.0  # her claim is undecided until someone is supposed
+    assert reasoning_score(" Suppose Yvonne is a knight. Yvonne's claim is false: contradiction. So Yvonne is a knave. "
+                           "Oliver's claim is true, so Oliver is a knight. Yvonne's claim is false: fits." + right,
+                           prompt) == 1.0  # refuted, then forced: every step holds
 
 
 def test_tiny_builder_sft_only_people(tmp_path):
