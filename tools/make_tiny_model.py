@@ -16,6 +16,8 @@ The supervised responses carry no reasoning, only the answer. The supervised pas
 pass trains on. With --reasoning the supervised responses work the puzzle out first (paddle_rl.data.kk.reasoning:
 suppose a role for the first undecided person, follow what each claim forces, drop a supposition that meets a
 contradiction) and the defaults change (TASK_DEFAULTS["kk_reasoning"]: longer decoding, its own stop accuracy).
+--sft-only-people 4 --sft-only-examples N adds N 4-people puzzles (none of test_4p.jsonl's) to the supervised split
+alone: RL still trains on 2-3 people, and test_4p.jsonl then measures a count only the supervised pass has seen.
 
 arith: three-operand addition of 10..99 ("What is 51 + 29 + 60?"); the supervised responses carry the running
 sums (" 51 + 29 = 80. 80 + 60 = 140."), digits are single tokens. With --stop-accuracy the supervised pass
