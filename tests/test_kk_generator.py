@@ -6,6 +6,7 @@ import itertools
 import json
 import re
 
+import numpy as np
 import pytest
 
 from paddle_rl.data.kk import (
@@ -22,8 +23,11 @@ from paddle_rl.data.kk import (
 )
 from paddle_rl.data.kk.reasoning import deduce, reasoning_text
 from paddle_rl.data.kk_cli import add_kk_subparser, run_kk
-from paddle_rl.rewards.kk import kk_score
-from make_tiny_model import build_data, record_response
+from paddle_rl.data.kk.english import read_numbered_puzzle
+from paddle_rl.rewards import RewardSample, build_reward
+from paddle_rl.config import config_from_values
+from paddle_rl.rewards.kk import kk_score, reasoning_score
+from make_tiny_model import build_data, puzzle_text, record_response
 
 # ---------------------------------------------------------------------------
 # An independent reader: parse the English wording back into a formula and
@@ -439,3 +443,106 @@ def test_reasoning_records_in_the_tiny_builder(tmp_path):
         assert rows and all(set(r) == {"src", "tgt"} for r in rows)
     plain = build_data(str(tmp_path / "plain"), [2, 3], 5, n_sft=20, n_train=10, n_test=10)
     assert all("think" not in r for r in plain["sft"])
+
+
+# ---------------------------------------------------------------------------
+# The kk_reasoning reward: the case split replayed against the puzzle read from the prompt.
+# ---------------------------------------------------------------------------
+
+def test_numbered_puzzle_reads_back_to_its_statements():
+    """read_numbered_puzzle inverts the tiny data's wording exactly (2-5 people, nested connectives included)."""
+    for people in (2, 3, 4, 5):
+        for puzzle in generate_puzzles(people, 100, seed=3):
+            names, statements = read_numbered_puzzle(render_prompt(puzzle_text(puzzle), "tiny"))
+            assert names == list(puzzle.names) and tuple(statements) == tuple(puzzle.statements)
+    with pytest.raises(ValueError, match="numbered"):
+        read_numbered_puzzle("Zoey: Oliver is a knave.")
+    with pytest.raises(ValueError, match="cannot read the statement"):
+        read_numbered_puzzle("(1) Zoey: Bob is a knave. (2) Oliver: Zoey is a knight. Who is a knight and who is a knave?")
+
+
+def _corrupt(text, k):
+    """The worked text with its k-th "true"/"false" or "knight"/"knave" flipped (k counts such words)."""
+    words = list(re.finditer(r"\b(true|false|knight|knave)\b", text))
+    m = words[k % len(words)]
+    flip = {"true": "false", "false": "true", "knight": "knave", "knave": "knight"}[m.group(1)]
+    return text[:m.start()] + flip + text[m.end():], m.start()
+
+
+def test_reasoning_score_replays_the_case_split():
+    """The worked case split with its answer scores 1 (2-4 people); with the roles of the answer flipped, all but the
+    conclusion; with one word of it flipped, at least the share of sentences before the flipped one (over sentences
+    + 1), and 1 only where the independent reader (check_reasoning) accepts the changed text; no puzzle, 0."""
+    rng = np.random.default_rng(0)
+    accepted = 0
+    for people in (2, 3, 4):
+        for puzzle in generate_puzzles(people, 60, seed=11):
+            prompt = render_prompt(puzzle_text(puzzle), "tiny")
+            text, truth = reasoning_text(puzzle), puzzle.ground_truth()
+            sentences = len(SENTENCE.findall(text))
+            assert reasoning_score(f" {text}</think>\n<answer>{truth}</answer>", prompt) == 1.0
+            flipped = truth.replace("knight", "X").replace("knave", "knight").replace("X", "knave")
+            assert reasoning_score(f" {text}</think>\n<answer>{flipped}</answer>", prompt) == pytest.approx(
+                sentences / (sentences + 1))
+            bad, at = _corrupt(text, int(rng.integers(100)))
+            got = reasoning_score(f" {bad}</think>\n<answer>{truth}</answer>", prompt)
+            names, formulas = read_compact_text(puzzle.text(compact=True))
+            try:
+                final = check_reasoning(bad, names, formulas)
+                valid = all(("knight" if final[n] else "knave") in line for n, line in zip(names, truth.splitlines()))
+            except AssertionError:
+                valid = False
+            accepted += valid
+            if valid:
+                assert got == 1.0, bad
+            else:
+                assert got < 1.0, bad
+                # the sentences before the flipped one still hold (the flipped one may too: a supposition of the
+                # other role opens a branch of its own)
+                assert got >= len(SENTENCE.findall(bad[:at])) / (sentences + 1) - 1e-9, (bad, got)
+    assert accepted < 20  # a flipped word almost always breaks the replay
+    assert reasoning_score(" Suppose Zoey is a knight.</think><answer>x</answer>", "no puzzle here") == 0.0
+
+
+def test_reasoning_score_of_steps_that_lead_to_a_chosen_answer():
+    """Steps written toward an answer rather than worked out score by how far they hold: here the first claim's
+    truth is misstated (the speaker supposed a knight says something false, without calling it a contradiction)."""
+    prompt = render_prompt("Knights tell the truth, knaves lie. (1) Oliver: Yvonne is a knave. (2) Yvonne: Oliver "
+                           "is a knave. Who is a knight and who is a knave?", "tiny")
+    answer = "</think>\n<answer>(1) Oliver is a knight\n(2) Yvonne is a knave</answer>"
+    good = " Suppose Oliver is a knight. Oliver's claim is true, so Yvonne is a knave. Yvonne's claim is false: fits."
+    made_up = " Suppose Oliver is a knight. Oliver's claim is false, so Yvonne is a knave. Yvonne's claim is false: fits."
+    assert reasoning_score(good + answer, prompt) == 1.0
+    assert reasoning_score(made_up + answer, prompt) == pytest.approx(1 / 4)
+    assert kk_score(made_up + answer, "(1) Oliver is a knight\n(2) Yvonne is a knave") == 3.0  # the answer rule alone
+    truth = {"tgt": "(1) Oliver is a knight\n(2) Yvonne is a knave"}
+    samples = [RewardSample(prompt=prompt, response=r + answer, record=truth, response_length=0) for r in (good, made_up)]
+    result = build_reward(config_from_values(dict(reward_funcs=["kk", "kk_reasoning"])))(samples)
+    np.testing.assert_allclose(result.scores, [4.0, 3.25])
+    assert result.metrics()["reward/kk_reasoning_mean"] == pytest.approx(0.625)
+    # a claim's truth must follow from the roles known: stated so that it agrees with its speaker's role is not enough
+    prompt = render_prompt("Knights tell the truth, knaves lie. (1) Oliver: Yvonne is a knave. (2) Yvonne: Oliver is "
+                           "a knave and Yvonne is a knave. Who is a knight and who is a knave?", "tiny")
+    right = "</think>\n<answer>(1) Oliver is a knight\n(2) Yvonne is a knave</answer>"
+    wrong = "</think>\n<answer>(1) Oliver is a knave\n(2) Yvonne is a knight</answer>"
+    assert reasoning_score(" Suppose Oliver is a knave. Oliver's claim is false, so Yvonne is a knight. Yvonne's claim "
+                           "is true: fits." + wrong, prompt) == pytest.approx(2 / 4)  # her claim is false there
+    assert reasoning_score(" Oliver's claim is true, so Oliver is a knight and Yvonne is a knave. Yvonne's claim is "
+                           "false: fits." + right, prompt) == 0.0  # nothing decides his claim yet: a guess
+    assert reasoning_score(" Yvonne's claim is false, so Yvonne is a knave. Oliver's claim is true, so Oliver is a "
+                           "knight." + right, prompt) == 0.0  # her claim is undecided until someone is supposed
+    assert reasoning_score(" Suppose Yvonne is a knight. Yvonne's claim is false: contradiction. So Yvonne is a knave. "
+                           "Oliver's claim is true, so Oliver is a knight. Yvonne's claim is false: fits." + right,
+                           prompt) == 1.0  # refuted, then forced: every step holds
+
+
+def test_tiny_builder_sft_only_people(tmp_path):
+    """--sft-only-people 4: the supervised split gains that many 4-people puzzles, none of them in test_4p.jsonl,
+    and the RL / test files stay 2-3 people."""
+    splits = build_data(str(tmp_path / "kk"), [2, 3], 5, n_sft=20, n_train=10, n_test=10, unseen=[4],
+                        write_sft=True, reasoning=True, sft_only=[4], n_sft_only=8)
+    four = [r for r in splits["sft"] if r["tgt"].count("\n") == 3]
+    assert len(four) == 8 and len(splits["sft"]) == 28
+    assert not {r["src"] for r in four} & {r["src"] for r in splits["test_4p"]}
+    assert all(r["tgt"].count("\n") < 3 for name in ("train", "test") for r in splits[name])
+    assert len(open(tmp_path / "kk" / "sft.jsonl").readlines()) == 28

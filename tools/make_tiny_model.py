@@ -16,6 +16,8 @@ The supervised responses carry no reasoning, only the answer. The supervised pas
 pass trains on. With --reasoning the supervised responses work the puzzle out first (paddle_rl.data.kk.reasoning:
 suppose a role for the first undecided person, follow what each claim forces, drop a supposition that meets a
 contradiction) and the defaults change (TASK_DEFAULTS["kk_reasoning"]: longer decoding, its own stop accuracy).
+--sft-only-people 4 --sft-only-examples N adds N 4-people puzzles (none of test_4p.jsonl's) to the supervised split
+alone: RL still trains on 2-3 people, and test_4p.jsonl then measures a count only the supervised pass has seen.
 
 arith: three-operand addition of 10..99 ("What is 51 + 29 + 60?"); the supervised responses carry the running
 sums (" 51 + 29 = 80. 80 + 60 = 140."), digits are single tokens. With --stop-accuracy the supervised pass
@@ -126,13 +128,16 @@ def write_jsonl(path, records):
             f.write(json.dumps(r, ensure_ascii=False, sort_keys=True) + "\n")
 
 
-def build_data(out_dir, people, seed, n_sft, n_train, n_test, n_dev=0, unseen=(), write_sft=True, reasoning=False):
+def build_data(out_dir, people, seed, n_sft, n_train, n_test, n_dev=0, unseen=(), write_sft=True, reasoning=False,
+               sft_only=(), n_sft_only=0):
     """Disjoint SFT / RL-train / held-out test / dev puzzles, rendered with the tiny chat template.
 
     Each split holds an equal share of every inhabitant count in `people`. The dev split (not written) decides
     when the supervised pass stops. Each count in `unseen` gets a held-out file of its own, test_<p>p.jsonl
-    (n_test puzzles), for accuracy on a people count that neither SFT nor RL sees. With `reasoning` the supervised
-    records carry the worked case split ("think"); the written RL and test files never do."""
+    (n_test puzzles), for accuracy on a people count that RL does not train on. Each count in `sft_only` adds
+    `n_sft_only` puzzles to the supervised split alone (none of them in its held-out file); with none, the unseen
+    counts are counts that neither pass sees. With `reasoning` the supervised records carry the worked case split
+    ("think"); the written RL and test files never do."""
     os.makedirs(out_dir, exist_ok=True)
     splits = {"sft": [], "train": [], "test": [], "dev": []}
     seen = set()
@@ -159,6 +164,19 @@ def build_data(out_dir, people, seed, n_sft, n_train, n_test, n_dev=0, unseen=()
         recs = [render(puzzle) for puzzle in generate_puzzles(p, n_test, seed + 100 + k)]
         splits[f"test_{p}p"] = recs
         write_jsonl(os.path.join(out_dir, f"test_{p}p.jsonl"), recs)
+        seen.update(r["src"] for r in recs)
+    for k, p in enumerate(sft_only):
+        recs = []
+        for puzzle in generate_puzzles(p, n_sft_only * 2, seed + 200 + k):
+            rec = render(puzzle, reasoning)
+            if rec["src"] not in seen and len(recs) < n_sft_only:
+                seen.add(rec["src"])
+                recs.append(rec)
+        if len(recs) < n_sft_only:
+            raise SystemExit(f"kk: only {len(recs)} distinct {p}-people puzzles for --sft-only-people")
+        splits["sft"] += recs
+    if sft_only and write_sft:
+        write_jsonl(os.path.join(out_dir, "sft.jsonl"), splits["sft"])
     return splits
 
 
@@ -295,7 +313,11 @@ def write_readme(args, argv, tokenizer, model, splits, steps, result):
     n_params = sum(int(np.prod(p.shape)) for p in model.parameters())
     command = " ".join(["python tools/make_tiny_model.py"] + list(argv))
     if args.task == "kk":
-        unseen = ", ".join(f"{k} ({len(v)}, {k[5:-1]} people, a count neither pass trains on)"
+        sft_only = [int(p) for p in args.sft_only_people.split(",") if p]
+        unseen = ", ".join(f"{k} ({len(v)}, {k[5:-1]} people, "
+                           + (f"a count RL does not train on; the supervised pass sees {args.sft_only_examples} other "
+                              f"{k[5:-1]}-people puzzles)" if int(k[5:-1]) in sft_only else
+                              "a count neither pass trains on)")
                            for k, v in splits.items() if k.startswith("test_"))
         content = (f"- {args.task}/: {args.people.replace(',', '-')} people puzzles: train ({len(splits['train'])}, "
                    f"for RL), test ({len(splits['test'])}, held out){', ' + unseen if unseen else ''}; a separate "
@@ -329,6 +351,10 @@ def main(argv=None):
     ap.add_argument("--people", default="2,3", help="kk: inhabitant counts")
     ap.add_argument("--unseen-people", default="4", help="kk: counts that get a held-out file of their own "
                                                          "(test_<p>p.jsonl), trained on by neither pass")
+    ap.add_argument("--sft-only-people", default="", help="kk: counts whose puzzles only the supervised pass sees "
+                                                          "(e.g. 4: RL still trains on --people alone)")
+    ap.add_argument("--sft-only-examples", type=int, default=0, help="kk: supervised puzzles per --sft-only-people "
+                                                                     "count, beside --sft-examples")
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--sft-examples", type=int, default=4000)
     ap.add_argument("--train-examples", type=int, default=2000)
@@ -363,7 +389,9 @@ def main(argv=None):
         splits = build_data(data_dir, [int(p) for p in args.people.split(",")], args.seed, args.sft_examples,
                             args.train_examples, args.test_examples, args.dev_examples,
                             [int(p) for p in args.unseen_people.split(",") if p], write_sft=args.keep_sft,
-                            reasoning=args.reasoning)
+                            reasoning=args.reasoning,
+                            sft_only=[int(p) for p in args.sft_only_people.split(",") if p],
+                            n_sft_only=args.sft_only_examples)
     elif args.task == "tool":
         splits = build_tool_data(data_dir, args.seed, args.sft_examples, args.train_examples, args.test_examples,
                                  args.dev_examples, tool_share=args.tool_share, write_sft=args.keep_sft)

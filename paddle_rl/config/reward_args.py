@@ -14,7 +14,8 @@ ON_FAILURE = ("error", "skip")
 
 @dataclass
 class RewardArgs:
-    reward_funcs: list = arg(["kk"], "Reward functions to sum (with reward_weights): kk, gsm8k, gsm8k_flexible, "
+    reward_funcs: list = arg(["kk"], "Reward functions to sum (with reward_weights): kk, kk_reasoning, gsm8k, "
+                                     "gsm8k_flexible, "
                                      "math (alias accuracy), format, cosine, repetition, soft_overlong, or a "
                                      "function of reward_plugins.")
     reward_weights: list = arg([], "Weights of reward_funcs (default: all 1).")

@@ -26,7 +26,7 @@ import numpy as np
 from ..config.fields import at_least
 from ..config.options import PIECE_OPTIONS, Option, option
 from .base import RewardSample
-from .kk import ANSWER, CORRECT_SCORE, kk_score, scored_text
+from .kk import ANSWER, CORRECT_SCORE, kk_score, reasoning_score, scored_text
 
 
 class SampleError(ValueError):
@@ -159,6 +159,13 @@ def kk_rule(samples: List[RewardSample]):
     """Knights and Knaves: format +1/-1 plus answer +2/-1.5/-2 (3, -0.5, -1, -3)."""
     scores = _each(samples, lambda i, s: kk_score(s.response, _ground_truth(s, i), s.prompt))
     return scores, scores >= CORRECT_SCORE
+
+
+@register_rule("kk_reasoning")
+def kk_reasoning_rule(samples: List[RewardSample]):
+    """Knights and Knaves: the share of the <think> case split that holds against the puzzle in the prompt, up to
+    its first wrong step, with its conclusion equal to the answer counted as one more step (0..1)."""
+    return _each(samples, lambda i, s: reasoning_score(s.response, s.prompt)), None
 
 
 # ----------------------------------------------------------------------------------------------- format

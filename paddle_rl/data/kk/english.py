@@ -8,6 +8,7 @@ atom is put in parentheses, so the wording is never ambiguous.
 
 from __future__ import annotations
 
+import re
 from typing import Sequence
 
 from .logic import And, Iff, Implies, Is, Not, Or, Statement
@@ -114,3 +115,81 @@ def compact_text(names: Sequence[str], statements: Sequence[Statement]) -> str:
         parts.append(f"{names[speaker]}: {sentence(statement, names)}")
     parts.append(COMPACT_QUESTION)
     return " ".join(parts)
+
+
+# ------------------------------------------------------------------------------------------ reading it back
+
+_ATOM = re.compile(r"([A-Z][a-z]+) is (not )?a (knight|knave)")
+_NUMBERED = re.compile(r"\((\d+)\) ([A-Z][a-z]+): ")
+
+
+def _outside(text: str, token: str) -> list[int]:
+    """Offsets of `token` in `text` at parenthesis depth 0."""
+    hits, depth = [], 0
+    for i, ch in enumerate(text):
+        depth += (ch == "(") - (ch == ")")
+        if depth == 0 and text.startswith(token, i):
+            hits.append(i)
+    return hits
+
+
+def _cut(text: str, token: str) -> list[str]:
+    parts, start = [], 0
+    for i in _outside(text, token):
+        parts.append(text[start:i])
+        start = i + len(token)
+    return parts + [text[start:]]
+
+
+def _enclosed(text: str) -> bool:
+    depth = 0
+    for i, ch in enumerate(text):
+        depth += (ch == "(") - (ch == ")")
+        if depth == 0:
+            return text.startswith("(") and i == len(text) - 1
+    return False
+
+
+def read_phrase(text: str, names: Sequence[str]) -> Statement:
+    """The statement a clause of `phrase` words (the inverse of `phrase`); ValueError naming what it cannot read."""
+    text = text.strip()
+    if _enclosed(text):
+        return read_phrase(text[1:-1], names)
+    if _outside(text, " if and only if "):
+        left, right = _cut(text, " if and only if ")
+        return Iff(read_phrase(left, names), read_phrase(right, names))
+    if text[:3].lower() == "if " and _outside(text, " then "):
+        parts = _cut(text[3:], " then ")
+        if len(parts) == 2:
+            return Implies(read_phrase(parts[0], names), read_phrase(parts[1], names))
+    for word, node in (("and", And), ("or", Or)):
+        if _outside(text, f" {word} "):
+            parts = [p[:-1] if p.endswith(",") else p for p in _cut(text, f" {word} ")]
+            parts = [q for p in parts for q in _cut(p, ", ")]
+            return node(tuple(read_phrase(p, names) for p in parts))
+    if text.lower().startswith("it is not the case that "):
+        return Not(read_phrase(text[len("it is not the case that "):], names), explicit=True)
+    m = _ATOM.fullmatch(text)
+    if not m or m.group(1) not in names:
+        raise ValueError(f"cannot read the statement {text!r} (names: {', '.join(names)})")
+    atom = Is(list(names).index(m.group(1)), m.group(3) == "knight")
+    return Not(atom) if m.group(2) else atom
+
+
+def read_numbered_puzzle(text: str) -> tuple[list[str], list[Statement]]:
+    """(names, statements) of a compact puzzle with numbered speakers ("... (1) Zoey: Oliver is a knave. (2) Oliver:
+    ... Who is a knight and who is a knave?"), as the tiny KK data words it; ValueError when it is not one."""
+    found = list(_NUMBERED.finditer(text))
+    if not found or [int(m.group(1)) for m in found] != list(range(1, len(found) + 1)):
+        raise ValueError("no numbered KK speakers ('(1) Name: ...') in the text")
+    names = [m.group(2) for m in found]
+    statements = []
+    for k, m in enumerate(found):
+        end = found[k + 1].start() if k + 1 < len(found) else text.find(COMPACT_QUESTION, m.end())
+        if end < 0:
+            raise ValueError(f"the KK puzzle does not end with {COMPACT_QUESTION!r}")
+        claim = text[m.end():end].strip()
+        if not claim.endswith("."):
+            raise ValueError(f"{names[k]}'s claim does not end with a full stop: {claim!r}")
+        statements.append(read_phrase(claim[:-1], names))
+    return names, statements
