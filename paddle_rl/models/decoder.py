@@ -372,9 +372,11 @@ class CausalLM(nn.Layer):
             else:
                 param.set_value(paddle.normal(0.0, std, param.shape).astype(param.dtype))
 
-    def _heads(self) -> list:
-        """The head layers of set_bf16's `head`: the LM head (when not tied) or the score head."""
-        return [m for m in (getattr(self, "lm_head", None), getattr(self, "score", None)) if m is not None]
+    def _body_products(self) -> list:
+        """The layers of set_bf16's `linears`: every Bf16Products but the heads (the LM head when not tied, the
+        score head), which are `head`'s."""
+        heads = [m for m in (getattr(self, "lm_head", None), getattr(self, "score", None)) if m is not None]
+        return [m for m in self.sublayers() if isinstance(m, Bf16Products) and not any(m is h for h in heads)]
 
     def set_bf16(self, linears: bool, head: bool) -> None:
         """The compute precision of the products, the parameters kept float32: `linears` every matmul of the body in
@@ -382,28 +384,25 @@ class CausalLM(nn.Layer):
         MoE router, shared-expert gate and experts; layers.Bf16Products), `head` the LM head's (or a sequence
         classifier's score head: a critic's value head) likewise. trainer/precision.py sets it from `bf16` /
         `use_fp32_compute`. The attention core (q k^T, softmax, p v) is not among them (float32)."""
-        heads = self._heads()
-        for m in self.sublayers():
-            if isinstance(m, Bf16Products) and not any(m is h for h in heads):
-                m.bf16 = bool(linears)
-        for m in heads:
-            m.bf16 = bool(head)
+        for m in self._body_products():
+            m.bf16 = bool(linears)
+        for m in (getattr(self, "lm_head", None), getattr(self, "score", None)):
+            if m is not None:
+                m.bf16 = bool(head)
         self.head_bf16 = bool(head)
 
     def store_linears_bf16(self) -> None:
         """The decoder's linear layers keep their weights in bfloat16 (_Linear.store_weight_bf16): a frozen model
         computing in bf16 (the reference under `bf16: true`). Their products are the same bits; the embedding table
         (a tied LM head's too), an untied LM head, the norms and biases stay float32."""
-        for m in self.sublayers():
-            if isinstance(m, (ColumnLinear, RowLinear)) and m is not getattr(self, "lm_head", None):
+        for m in self._body_products():
+            if isinstance(m, (ColumnLinear, RowLinear)):
                 m.store_weight_bf16()
 
     @property
     def bf16(self):
         """(body products, head) computing with bfloat16 operands (set_bf16)."""
-        heads = self._heads()
-        linears = [m.bf16 for m in self.sublayers() if isinstance(m, Bf16Products) and not any(m is h for h in heads)]
-        return any(linears), self.head_bf16
+        return any(m.bf16 for m in self._body_products()), self.head_bf16
 
     @property
     def recomputes_layers(self) -> bool:
