@@ -84,12 +84,7 @@ class Registry(dict):
             _check_signature(fn, self.positional, tuple(names), label)
             if name in self:
                 self.remove(name)
-            try:
-                for key in keys:
-                    PIECE_OPTIONS.declare(key, (self.what, name))
-            except TypeError:
-                PIECE_OPTIONS.withdraw((self.what, name))
-                raise
+            PIECE_OPTIONS.declare_all(keys, (self.what, name))
             self[name] = Entry(name, fn, tuple(names), self.what, dict(traits), tuple(keys))
             return fn
         return wrap

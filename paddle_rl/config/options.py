@@ -93,6 +93,26 @@ class PieceOptions:
         if reader not in self._readers.setdefault(key, []):
             self._readers[key].append(reader)
 
+    def resolve(self, options, reader: Tuple[str, str]) -> Tuple[Option, ...]:
+        """`options` as Options: each an Option, or the key of one declared before; TypeError naming `reader`."""
+        declared = []
+        for item in options:
+            if not isinstance(item, Option) and item not in self:
+                raise TypeError(f"{reader[0]} {reader[1]!r}: option {item!r} is not declared (config.options.option)")
+            declared.append(item if isinstance(item, Option) else self.get(item))
+        return tuple(declared)
+
+    def declare_all(self, declared, reader: Tuple[str, str]) -> None:
+        """`reader` reads the Options `declared`, replacing what it declared before; on a TypeError it reads
+        nothing."""
+        self.withdraw(reader)
+        try:
+            for item in declared:
+                self.declare(item, reader)
+        except TypeError:
+            self.withdraw(reader)
+            raise
+
     def withdraw(self, reader: Tuple[str, str]) -> None:
         """Forget a piece (its registry entry is gone); keys no other piece reads leave with it."""
         for key in list(self._readers):

@@ -60,26 +60,16 @@ def register_rule(name: str, needs_config: bool = False, aliases: tuple = (), co
     `correctness`: the trait of a rule that judges a response right or wrong, as score_one(response, truth).
     `options`: the config keys the factory reads, each an `Option` (config.options.option) or the key of one
     declared before; they join the config's keys (PIECE_OPTIONS) with this rule as reader."""
-    keys = []
-    for item in options:
-        if not isinstance(item, Option) and item not in PIECE_OPTIONS:
-            raise TypeError(f"{READER} {name!r}: option {item!r} is not declared (config.options.option)")
-        keys.append(item if isinstance(item, Option) else PIECE_OPTIONS.get(item))
+    keys = PIECE_OPTIONS.resolve(options, (READER, name))
     if keys and not needs_config:
         raise TypeError(f"{READER} {name!r}: options are read by a factory (needs_config=True)")
 
     def wrap(fn):
         make = fn if needs_config else (lambda config, _fn=fn: _fn)
         doc = (fn.__doc__ or "").strip().splitlines()[0] if fn.__doc__ else ""
-        PIECE_OPTIONS.withdraw((READER, name))   # registered again: the new declaration replaces the old
-        try:
-            for key in keys:
-                PIECE_OPTIONS.declare(key, (READER, name))
-        except TypeError:
-            PIECE_OPTIONS.withdraw((READER, name))
-            raise
+        PIECE_OPTIONS.declare_all(keys, (READER, name))   # registered again: the new declaration replaces the old
         for key in (name,) + tuple(aliases):
-            RULE_REWARDS[key] = Rule(key, make, doc, correctness, tuple(keys), fn)
+            RULE_REWARDS[key] = Rule(key, make, doc, correctness, keys, fn)
         return fn
     return wrap
 

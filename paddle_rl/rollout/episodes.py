@@ -190,19 +190,9 @@ ENVIRONMENTS: Dict[str, Environment] = {}
 def _declare(options, reader) -> Tuple[Option, ...]:
     """Declare `options` (each an Option, or the key of one declared before) with `reader`, replacing what the
     same reader declared before; TypeError naming the reader otherwise."""
-    declared = []
-    for item in options:
-        if not isinstance(item, Option) and item not in PIECE_OPTIONS:
-            raise TypeError(f"{reader[0]} {reader[1]!r}: option {item!r} is not declared (config.options.option)")
-        declared.append(item if isinstance(item, Option) else PIECE_OPTIONS.get(item))
-    PIECE_OPTIONS.withdraw(reader)
-    try:
-        for item in declared:
-            PIECE_OPTIONS.declare(item, reader)
-    except TypeError:
-        PIECE_OPTIONS.withdraw(reader)
-        raise
-    return tuple(declared)
+    declared = PIECE_OPTIONS.resolve(options, reader)
+    PIECE_OPTIONS.declare_all(declared, reader)
+    return declared
 
 
 def register_environment(name: str, options: Tuple = ()):
