@@ -8,6 +8,8 @@ the cache) once for the module.
 import functools
 import logging
 import os
+import subprocess
+import sys
 import zlib
 
 import numpy as np
@@ -246,6 +248,69 @@ def test_masked_softmax_and_gradient(rng, batch, kv, groups, length, keys, bias_
     ref_grad, = paddle.grad((ref * g).sum(), [scores])
     close(grad.numpy(), ref_grad.numpy(), what="d scores")
     assert ops.masked_softmax(scores, bias, 0.125).shape == out.shape
+
+
+def packing_spans(rng, groups_of):
+    """A models.packing.Packing for prompts of random lengths with `groups_of[u]` responses each (some empty)."""
+    from paddle_rl.models.packing import Packing
+    prompts = [list(rng.integers(0, 50, int(rng.integers(1, 20)))) for _ in groups_of]
+    rows = np.repeat(np.arange(len(groups_of)), groups_of)
+    width = 24
+    lengths = rng.integers(0, width + 1, len(rows))
+    return Packing(prompts, rows, rng.integers(0, 50, (len(rows), width)), lengths)
+
+
+@pytest.mark.parametrize("groups_of,heads,kv,d", [([3, 1, 2], 6, 2, 32), ([8], 9, 3, 64), ([1, 1], 4, 4, 16),
+                                                  ([2, 4, 1, 3], 8, 1, 128)])
+def test_packed_attention_and_gradients(rng, groups_of, heads, kv, d):
+    """The packed row's attention (prompts causal, each response on its prompt and causally on itself) against
+    the dense masked reference, with q, k and v's gradients; every key's readers are the range its spans name."""
+    packing = packing_spans(rng, groups_of)
+    n, spans = packing.tokens, packing.spans
+    mask = ops.packed_key_mask(spans).numpy()
+    query_end = spans.numpy()[:, 3]
+    for j in range(n):  # the kernel's contract: key j is read by the queries [j, query_end[j]) and no other
+        assert np.array_equal(np.flatnonzero(mask[:, j]), np.arange(j, query_end[j])), j
+    q = t(rng.standard_normal((n, heads, d)), grad=True)
+    k, v = t(rng.standard_normal((n, kv, d)), grad=True), t(rng.standard_normal((n, kv, d)), grad=True)
+    out = ops.packed_attention_fused(q, k, v, spans, d ** -0.5)
+    ref = ops.packed_attention_reference(q, k, v, spans, d ** -0.5)
+    close(out.numpy(), ref.numpy(), what="out")
+    g = t(rng.standard_normal(out.shape))
+    grads = paddle.grad((out * g).sum(), [q, k, v])
+    ref_grads = paddle.grad((ref * g).sum(), [q, k, v])
+    for name, a, b in zip("qkv", grads, ref_grads):
+        close(a.numpy(), b.numpy(), what=f"d {name}")
+
+
+def test_packed_attention_bits_do_not_depend_on_threads(tmp_path):
+    """Each output and gradient row is one thread's sum in a fixed order: 1 and 2 threads give the same bits
+    (DP with one thread per process equals one process with two)."""
+    script = tmp_path / "run.py"
+    script.write_text(
+        "import sys, numpy as np, paddle\n"
+        "from paddle_rl import ops\n"
+        "from paddle_rl.models.packing import Packing\n"
+        "ops.configure('on')\n"
+        "rng = np.random.default_rng(3)\n"
+        "rows = np.repeat(np.arange(3), [4, 2, 5])\n"
+        "p = Packing([list(rng.integers(0, 9, m)) for m in (21, 5, 40)], rows, rng.integers(0, 9, (11, 70)),\n"
+        "            rng.integers(0, 71, 11))\n"
+        "n = p.tokens\n"
+        "x = [paddle.to_tensor(rng.standard_normal(s).astype('float32'), stop_gradient=False)\n"
+        "     for s in ((n, 6, 64), (n, 2, 64), (n, 2, 64))]\n"
+        "out = ops.packed_attention_fused(*x, p.spans, 0.125)\n"
+        "grads = paddle.grad((out * out).sum(), x)\n"
+        "np.savez(sys.argv[1], out=out.numpy(), *[g.numpy() for g in grads])\n")
+    results = []
+    for threads in ("1", "2"):
+        env = dict(os.environ, PADDLE_RL_OP_THREADS=threads, OMP_NUM_THREADS=threads,
+                   PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        target = tmp_path / f"t{threads}.npz"
+        subprocess.run([sys.executable, str(script), str(target)], env=env, check=True, capture_output=True)
+        results.append(np.load(target))
+    for name in results[0].files:
+        assert np.array_equal(results[0][name], results[1][name]), name
 
 
 # ------------------------------------------------------------------------------------------------ sampling

@@ -1,7 +1,15 @@
-// One decode step of grouped-query attention against the preallocated KV cache.
-//   q [B, 1, H, D] float32; cache_k, cache_v [B, KV, C, D] float32, bfloat16 or float16 (read as float32);
+// Grouped-query attention on the CPU: one decode step against the preallocated KV cache, and a packed row's
+// training / prefill attention with its backward.
+// Decode: q [B, 1, H, D] float32; cache_k, cache_v [B, KV, C, D] float32, bfloat16 or float16 (read as float32);
 //   start [B] int64: row b attends to slots start[b] .. length - 1
 //   (its left padding is skipped); out [B, 1, H * D]. Query head h reads kv head h / (H / KV).
+// Packed (models/packing.py): q [N, H, D], k, v [N, KV, D] float32 of one row of N tokens holding several
+//   sequences; spans [N, 4] int64 give each token's keys as two ranges (its prompt, then its own segment up to
+//   itself) and the queries of each key as one range (cpu/kernels.h). The forward keeps out and each row's
+//   log-sum-exp; the backward recomputes the probabilities from them, d q per query (pass 1: it also keeps
+//   delta = d out . out) and d k, d v per block of keys over the queries that attend to them (pass 2), so each
+//   gradient row is one thread's sum in a fixed order: the results do not depend on the number of threads.
+#include <array>
 #include <algorithm>
 #include <type_traits>
 #include <utility>
@@ -214,7 +222,438 @@ void Attend(const float* qp, const T* kp, const T* vp, const int64_t* st, float*
   }
 }
 
+// ---- packed attention: per block of 16 queries (forward, pass 1) or keys (pass 2) and kv head, its scores as a
+// small product of (query, head) rows against the block's keys transposed (DotTile), then the weighted sums of rows
+// (MixTile); head_dim % 16 == 0 (the Python side keeps other sizes on the reference)
+constexpr int64_t kBlock = 16;      // queries (forward, pass 1) or keys (pass 2) per block
+constexpr int64_t kQueryChunk = 32;  // pass 2: queries per chunk of a key block's queries
+
+typedef float V16 __attribute__((vector_size(64)));
+
+inline V16 Ld16(const float* p) {
+  V16 x;
+  std::memcpy(&x, p, sizeof(x));
+  return x;
+}
+
+inline void St16(float* p, V16 x) { std::memcpy(p, &x, sizeof(x)); }
+
+inline int64_t Pad16(int64_t v) { return (v + 15) / 16 * 16; }
+
+// Transposed operands are kept in panels of 16 columns: column c, element k at (c / 16) * 16 d + 16 k + c % 16, so
+// a panel's rows are consecutive cache lines.
+// s[r * lds + c] = scale * sum_k a[r][k] bt(k, c) for r < R, c < cols (cols % 16 == 0), bt the panel of column 0
+template <int R>
+inline void DotTile(const float* const* a, const float* bt, int64_t d, int64_t cols, float scale, float* s,
+                    int64_t lds) {
+  const int64_t panel = 16 * d;
+  int64_t c = 0;
+  for (; c + 32 <= cols; c += 32) {
+    V16 acc[R][2] = {};
+    const float* p0 = bt + (c / 16) * panel;
+    for (int64_t k = 0; k < d; ++k) {
+      const V16 b0 = Ld16(p0 + 16 * k), b1 = Ld16(p0 + panel + 16 * k);
+      for (int r = 0; r < R; ++r) {
+        const float x = a[r][k];
+        acc[r][0] += x * b0;
+        acc[r][1] += x * b1;
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      St16(s + r * lds + c, acc[r][0] * scale);
+      St16(s + r * lds + c + 16, acc[r][1] * scale);
+    }
+  }
+  for (; c < cols; c += 16) {
+    V16 acc[R] = {};
+    const float* p0 = bt + (c / 16) * panel;
+    for (int64_t k = 0; k < d; ++k) {
+      const V16 b0 = Ld16(p0 + 16 * k);
+      for (int r = 0; r < R; ++r) acc[r] += a[r][k] * b0;
+    }
+    for (int r = 0; r < R; ++r) St16(s + r * lds + c, acc[r] * scale);
+  }
+}
+
+// o[r][0 : d] (+)= scale * sum_c w[r * ldw + c] x[c][0 : d] for r < R, c < n (d % 16 == 0)
+template <int R, int NV>
+inline void MixTile(const float* w, int64_t ldw, const float* const* x, int64_t n, int64_t d, float scale,
+                    float* const* o, bool add) {
+  for (int64_t c0 = 0; c0 < d; c0 += 16 * NV) {
+    V16 acc[R][NV] = {};
+    for (int64_t c = 0; c < n; ++c) {
+      V16 xv[NV];
+      for (int v = 0; v < NV; ++v) xv[v] = Ld16(x[c] + c0 + 16 * v);
+      for (int r = 0; r < R; ++r) {
+        const float ww = w[r * ldw + c];
+        for (int v = 0; v < NV; ++v) acc[r][v] += ww * xv[v];
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      for (int v = 0; v < NV; ++v) {
+        float* dst = o[r] + c0 + 16 * v;
+        St16(dst, add ? Ld16(dst) + acc[r][v] * scale : acc[r][v] * scale);
+      }
+    }
+  }
+}
+
+// the R-row tiles of `rows` rows, R = 4 but for the last
+template <typename Fn>
+inline void OverRowTiles(int64_t rows, Fn&& fn) {
+  for (int64_t r0 = 0; r0 < rows; r0 += 4) {
+    switch (std::min<int64_t>(4, rows - r0)) {
+      case 4: fn(r0, std::integral_constant<int, 4>()); break;
+      case 3: fn(r0, std::integral_constant<int, 3>()); break;
+      case 2: fn(r0, std::integral_constant<int, 2>()); break;
+      default: fn(r0, std::integral_constant<int, 1>()); break;
+    }
+  }
+}
+
+// S [rows, cols] = scale * a bt (a: row pointers, bt: panels from column 0)
+inline void Dot(const float* const* a, int64_t rows, const float* bt, int64_t d, int64_t cols, float scale, float* s,
+                int64_t lds) {
+  OverRowTiles(rows, [&](int64_t r0, auto r) {
+    DotTile<decltype(r)::value>(a + r0, bt, d, cols, scale, s + r0 * lds, lds);
+  });
+}
+
+// the panel holding column c (c % 16 == 0) of panels `base`
+inline const float* Panel(const float* base, int64_t c, int64_t d) { return base + c * d; }
+
+// o rows (+)= scale * w x (w [rows, ldw], x: n row pointers)
+inline void Mix(const float* w, int64_t ldw, int64_t rows, const float* const* x, int64_t n, int64_t d, float scale,
+                float* const* o, bool add) {
+  OverRowTiles(rows, [&](int64_t r0, auto r) {
+    constexpr int R = decltype(r)::value;
+    if (d % 64 == 0) MixTile<R, 4>(w + r0 * ldw, ldw, x, n, d, scale, o + r0, add);
+    else MixTile<R, 1>(w + r0 * ldw, ldw, x, n, d, scale, o + r0, add);
+  });
+}
+
+// The token's keys: its prefix [begin0, end0) and its own segment up to itself [begin1, t]
+struct KeyRanges {
+  int64_t begin[2], end[2];
+  int64_t Count() const { return (end[0] - begin[0]) + (end[1] - begin[1]); }
+};
+
+inline KeyRanges KeysOf(const int64_t* spans, int64_t t) {
+  const int64_t* sp = spans + 4 * t;
+  return {{sp[0], sp[2]}, {sp[1], t + 1}};
+}
+
+inline bool Attends(const int64_t* spans, int64_t t, int64_t j) {
+  const int64_t* sp = spans + 4 * t;
+  return (j >= sp[0] && j < sp[1]) || (j >= sp[2] && j <= t);
+}
+
+// Blocks of up to kBlock consecutive tokens that share `same(a, b)`; returns their starts and n
+template <typename Same>
+std::vector<int64_t> TokenBlocks(int64_t n, Same same) {
+  std::vector<int64_t> starts;
+  for (int64_t j = 0; j < n;) {
+    starts.push_back(j);
+    int64_t e = j + 1;
+    while (e < n && e - j < kBlock && same(j, e)) ++e;
+    j = e;
+  }
+  starts.push_back(n);
+  return starts;
+}
+
+// [0, items) split into at most NumThreads() contiguous parts of about equal cost; returns the parts' bounds
+template <typename Cost>
+std::vector<int64_t> CostParts(int64_t items, Cost cost) {
+  std::vector<int64_t> prefix(items + 1, 0);
+  for (int64_t i = 0; i < items; ++i) prefix[i + 1] = prefix[i] + cost(i);
+  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(prl::NumThreads(), items));
+  std::vector<int64_t> bounds{0};
+  for (int64_t p = 1; p < parts; ++p) {
+    const int64_t at = std::lower_bound(prefix.begin(), prefix.end(), prefix[items] * p / parts) - prefix.begin();
+    if (at > bounds.back() && at < items) bounds.push_back(at);
+  }
+  bounds.push_back(items);
+  return bounds;
+}
+
+// fn(first item, end) over the parts, one thread each (the parts depend on the costs, the results do not)
+template <typename Fn>
+void OverCostParts(const std::vector<int64_t>& bounds, int64_t work, Fn fn) {
+  const int64_t parts = static_cast<int64_t>(bounds.size()) - 1;
+  prl::ParallelFor(parts, work / std::max<int64_t>(1, parts), [&](int, int64_t b, int64_t e) {
+    for (int64_t p = b; p < e; ++p) fn(bounds[p], bounds[p + 1]);
+  });
+}
+
+// src [n, kv, d] -> dst [kv, n, d]
+void HeadsFirst(const float* src, float* dst, int64_t n, int64_t kv, int64_t d) {
+  prl::ParallelFor(n, kv * d, [&](int, int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t) {
+      for (int64_t g = 0; g < kv; ++g) std::memcpy(dst + (g * n + t) * d, src + (t * kv + g) * d, d * sizeof(float));
+    }
+  });
+}
+
+// src [n, kv * groups, d] -> per kv head g, ld columns in panels (ld % 16 == 0; the columns past n groups zero):
+// column t * groups + j the row of head g * groups + j of token t
+void Relayout(const float* src, int64_t n, int64_t kv, int64_t groups, int64_t d, float* cols, int64_t ld) {
+  prl::ParallelFor(kv * (ld / 16), 16 * d, [&](int, int64_t b, int64_t e) {
+    for (int64_t item = b; item < e; ++item) {
+      const int64_t g = item / (ld / 16), c0 = (item % (ld / 16)) * 16;
+      float* panel = cols + g * d * ld + c0 * d;
+      for (int64_t i = 0; i < 16; ++i) {
+        const int64_t c = c0 + i, t = c / groups, j = c % groups;
+        if (t >= n) {
+          for (int64_t k = 0; k < d; ++k) panel[16 * k + i] = 0.0f;
+          continue;
+        }
+        const float* x = src + ((t * kv + g) * groups + j) * d;
+        for (int64_t k = 0; k < d; ++k) panel[16 * k + i] = x[k];
+      }
+    }
+  });
+}
+
+// A block of queries [t0, t1) sharing their prefix and segment: its keys as two column windows of a kv head's
+// transposed keys, [prefix begin, + cols0) and [segment begin, + cols1) (16-column multiples, the columns past the
+// keys masked); score column c < cols0 is prefix key c, cols0 + c is the segment's key c
+struct QueryBlock {
+  // window w covers panel-aligned columns [at[w], at[w] + cols[w]); its keys are columns off[w] .. off[w] + len[w]
+  int64_t t0, t1, at[2], off[2], len[2], cols[2], seg, zero;
+  QueryBlock(const int64_t* spans, int64_t t0, int64_t t1, int64_t n) : t0(t0), t1(t1) {
+    const KeyRanges r = KeysOf(spans, t1 - 1);
+    seg = r.begin[1];
+    zero = n;  // the zero row after the n rows of a kv head
+    for (int w = 0; w < 2; ++w) {
+      len[w] = r.end[w] - r.begin[w];
+      at[w] = len[w] ? r.begin[w] / 16 * 16 : 0;
+      off[w] = len[w] ? r.begin[w] - at[w] : 0;
+      cols[w] = Pad16(off[w] + len[w]);
+    }
+  }
+  int64_t Cols() const { return cols[0] + cols[1]; }
+  // the rows (of a kv head's rows [n + 1, d]) each score column weights: the zero row outside the keys
+  void Rows(const float* base, int64_t d, std::vector<const float*>& x) const {
+    x.resize(Cols());
+    for (int w = 0, c0 = 0; w < 2; c0 += cols[w], ++w) {
+      for (int64_t c = 0; c < cols[w]; ++c) {
+        const bool key = c >= off[w] && c < off[w] + len[w];
+        x[c0 + c] = base + (key ? at[w] + c : zero) * d;
+      }
+    }
+  }
+  // scale * the rows' scores against both windows of a kv head's key panels into s [rows, Cols()]
+  void Scores(const float* const* a, int64_t rows, const float* panels, int64_t d, float scale, float* s) const {
+    if (cols[0]) Dot(a, rows, Panel(panels, at[0], d), d, cols[0], scale, s, Cols());
+    Dot(a, rows, Panel(panels, at[1], d), d, cols[1], scale, s + cols[0], Cols());
+  }
+};
+
+// fn(columns, count) over the visible keys of a block's score row for query t (the prefix's, then its segment's
+// up to t); every other column of the row set to 0
+template <typename Fn>
+inline void OverVisible(const QueryBlock& blk, int64_t t, float* row, Fn fn) {
+  const int64_t seen[2] = {blk.len[0], t - blk.seg + 1};
+  for (int w = 0, c0 = 0; w < 2; c0 += blk.cols[w], ++w) {
+    float* x = row + c0;
+    for (int64_t c = 0; c < blk.off[w]; ++c) x[c] = 0.0f;
+    for (int64_t c = blk.off[w] + seen[w]; c < blk.cols[w]; ++c) x[c] = 0.0f;
+    fn(x + blk.off[w], seen[w]);
+  }
+}
+
+bool SameSpans(const int64_t* spans, int64_t a, int64_t b) {
+  return spans[4 * a] == spans[4 * b] && spans[4 * a + 1] == spans[4 * b + 1] && spans[4 * a + 2] == spans[4 * b + 2];
+}
+
 }  // namespace
+
+void prl_cpu::PackedAttentionForward(const float* q, const float* k, const float* v, const int64_t* spans, float* out,
+                                     float* lse, int64_t n, int64_t heads, int64_t kv, int64_t d, float scale) {
+  const int64_t groups = heads / kv, ld = Pad16(n);
+  std::vector<float> kc(kv * d * ld), vr(kv * (n + 1) * d, 0.0f);
+  Relayout(k, n, kv, 1, d, kc.data(), ld);
+  for (int64_t g = 0; g < kv; ++g) {
+    for (int64_t t = 0; t < n; ++t) std::memcpy(vr.data() + (g * (n + 1) + t) * d, v + (t * kv + g) * d, d * 4);
+  }
+  const auto blocks = TokenBlocks(n, [&](int64_t a, int64_t b) { return SameSpans(spans, a, b); });
+  const int64_t nb = static_cast<int64_t>(blocks.size()) - 1;
+  const auto parts = CostParts(nb, [&](int64_t b) {
+    return (blocks[b + 1] - blocks[b]) * KeysOf(spans, blocks[b + 1] - 1).Count();
+  });
+  OverCostParts(parts, n * heads * d * 64, [&](int64_t begin, int64_t end) {
+    std::vector<float> s;
+    std::vector<const float*> arow(kBlock * groups), x;
+    std::vector<float*> orow(kBlock * groups);
+    for (int64_t b = begin; b < end; ++b) {
+      const QueryBlock blk(spans, blocks[b], blocks[b + 1], n);
+      const int64_t rows = (blk.t1 - blk.t0) * groups, cols = blk.Cols();
+      s.resize(rows * cols);
+      for (int64_t g = 0; g < kv; ++g) {
+        for (int64_t r = 0; r < rows; ++r) {
+          const int64_t h = (blk.t0 + r / groups) * heads + g * groups + r % groups;
+          arow[r] = q + h * d;
+          orow[r] = out + h * d;
+        }
+        blk.Scores(arow.data(), rows, kc.data() + g * d * ld, d, scale, s.data());
+        for (int64_t r = 0; r < rows; ++r) {
+          float mx = -3.0e38f, sum = 0.0f;
+          OverVisible(blk, blk.t0 + r / groups, s.data() + r * cols, [&](float* x, int64_t len) {
+#pragma omp simd reduction(max : mx)
+            for (int64_t c = 0; c < len; ++c) mx = std::max(mx, x[c]);
+          });
+          OverVisible(blk, blk.t0 + r / groups, s.data() + r * cols, [&](float* x, int64_t len) {
+#pragma omp simd reduction(+ : sum)
+            for (int64_t c = 0; c < len; ++c) {
+              x[c] = prl::ExpF(x[c] - mx);
+              sum += x[c];
+            }
+          });
+          const float inv = 1.0f / sum;
+          OverVisible(blk, blk.t0 + r / groups, s.data() + r * cols, [&](float* x, int64_t len) {
+#pragma omp simd
+            for (int64_t c = 0; c < len; ++c) x[c] *= inv;
+          });
+          lse[(blk.t0 + r / groups) * heads + g * groups + r % groups] = mx + std::log(sum);
+        }
+        blk.Rows(vr.data() + g * (n + 1) * d, d, x);
+        Mix(s.data(), cols, rows, x.data(), cols, d, 1.0f, orow.data(), false);
+      }
+    }
+  });
+}
+
+void prl_cpu::PackedAttentionBackward(const float* q, const float* k, const float* v, const int64_t* spans,
+                                      const float* out, const float* lse, const float* grad, float* dq, float* dk,
+                                      float* dv, int64_t n, int64_t heads, int64_t kv, int64_t d, float scale) {
+  const int64_t groups = heads / kv, ld = Pad16(n), ldq = Pad16(n * groups);
+  // keys and values: rows [kv, n + 1, d] (a zero row last) and columns [kv, d, ld]; queries and d out: columns
+  // [kv, d, ldq] (column t * groups + j); lse and delta per kv head in the same column order
+  std::vector<float> kr(kv * (n + 1) * d, 0.0f), vr(kv * (n + 1) * d, 0.0f), kc(kv * d * ld), vc(kv * d * ld);
+  std::vector<float> qc(kv * d * ldq), gc(kv * d * ldq), lse_c(kv * ldq, 0.0f), delta_c(kv * ldq, 0.0f);
+  for (int64_t g = 0; g < kv; ++g) {
+    for (int64_t t = 0; t < n; ++t) {
+      std::memcpy(kr.data() + (g * (n + 1) + t) * d, k + (t * kv + g) * d, d * 4);
+      std::memcpy(vr.data() + (g * (n + 1) + t) * d, v + (t * kv + g) * d, d * 4);
+      for (int64_t j = 0; j < groups; ++j) lse_c[g * ldq + t * groups + j] = lse[t * heads + g * groups + j];
+    }
+  }
+  Relayout(k, n, kv, 1, d, kc.data(), ld);
+  Relayout(v, n, kv, 1, d, vc.data(), ld);
+  Relayout(q, n, kv, groups, d, qc.data(), ldq);
+  Relayout(grad, n, kv, groups, d, gc.data(), ldq);
+  const std::vector<float> zero(d, 0.0f);
+  // pass 1, per block of queries: p = exp(s - lse), d p = d out v^T, delta = d out . out, d s = p (d p - delta),
+  // d q = scale d s k
+  const auto qblocks = TokenBlocks(n, [&](int64_t a, int64_t b) { return SameSpans(spans, a, b); });
+  const int64_t nq = static_cast<int64_t>(qblocks.size()) - 1;
+  const auto qparts = CostParts(nq, [&](int64_t b) {
+    return (qblocks[b + 1] - qblocks[b]) * KeysOf(spans, qblocks[b + 1] - 1).Count();
+  });
+  OverCostParts(qparts, n * heads * d * 64, [&](int64_t begin, int64_t end) {
+    std::vector<float> s, dp;
+    std::vector<const float*> arow(kBlock * groups), grow(kBlock * groups), x;
+    std::vector<float*> dqrow(kBlock * groups);
+    for (int64_t b = begin; b < end; ++b) {
+      const QueryBlock blk(spans, qblocks[b], qblocks[b + 1], n);
+      const int64_t rows = (blk.t1 - blk.t0) * groups, cols = blk.Cols();
+      s.resize(rows * cols);
+      dp.resize(rows * cols);
+      for (int64_t g = 0; g < kv; ++g) {
+        for (int64_t r = 0; r < rows; ++r) {
+          const int64_t h = (blk.t0 + r / groups) * heads + g * groups + r % groups;
+          arow[r] = q + h * d;
+          grow[r] = grad + h * d;
+          dqrow[r] = dq + h * d;
+        }
+        blk.Scores(arow.data(), rows, kc.data() + g * d * ld, d, scale, s.data());
+        blk.Scores(grow.data(), rows, vc.data() + g * d * ld, d, 1.0f, dp.data());
+        for (int64_t r = 0; r < rows; ++r) {
+          const int64_t t = blk.t0 + r / groups, h = t * heads + g * groups + r % groups;
+          const float m = lse[h], dl = prl::Dot(grad + h * d, out + h * d, d);
+          delta_c[g * ldq + t * groups + r % groups] = dl;
+          const float* dpr = dp.data() + r * cols;
+          float* sr = s.data() + r * cols;
+          OverVisible(blk, t, sr, [&](float* x, int64_t len) {
+            const float* y = dpr + (x - sr);
+#pragma omp simd
+            for (int64_t c = 0; c < len; ++c) x[c] = prl::ExpF(x[c] - m) * (y[c] - dl);
+          });
+        }
+        blk.Rows(kr.data() + g * (n + 1) * d, d, x);
+        Mix(s.data(), cols, rows, x.data(), cols, d, scale, dqrow.data(), false);
+      }
+    }
+  });
+  // pass 2, per block of keys (consecutive, one segment, one query range [j0, q_end); key j is read by the queries
+  // t >= j of it): chunk by chunk in order, d v += p^T d out and d k += scale d s^T q, a group's heads summed into
+  // its kv head's rows
+  const auto kblocks = TokenBlocks(n, [&](int64_t a, int64_t b) {
+    return spans[4 * a + 2] == spans[4 * b + 2] && spans[4 * a + 3] == spans[4 * b + 3];
+  });
+  const int64_t nk = static_cast<int64_t>(kblocks.size()) - 1;
+  const auto kparts = CostParts(nk, [&](int64_t b) {
+    return (kblocks[b + 1] - kblocks[b]) * (spans[4 * kblocks[b] + 3] - kblocks[b]) + 1;
+  });
+  OverCostParts(kparts, n * heads * d * 64, [&](int64_t begin, int64_t end) {
+    const int64_t chunk_cols = Pad16(kQueryChunk * groups) + 16;
+    std::vector<float> st(kBlock * chunk_cols), dpt(kBlock * chunk_cols), kacc(kBlock * d), vacc(kBlock * d);
+    std::vector<const float*> krow(kBlock), vrow(kBlock), qcol(chunk_cols), gcol(chunk_cols);
+    std::vector<float*> kout(kBlock), vout(kBlock);
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t j0 = kblocks[b], j1 = kblocks[b + 1], q_end = spans[4 * j0 + 3], keys = j1 - j0;
+      for (int64_t g = 0; g < kv; ++g) {
+        for (int64_t i = 0; i < keys; ++i) {
+          krow[i] = kr.data() + (g * (n + 1) + j0 + i) * d;
+          vrow[i] = vr.data() + (g * (n + 1) + j0 + i) * d;
+          kout[i] = kacc.data() + i * d;
+          vout[i] = vacc.data() + i * d;
+        }
+        std::fill(kacc.begin(), kacc.end(), 0.0f);
+        std::fill(vacc.begin(), vacc.end(), 0.0f);
+        const float* lse_g = lse_c.data() + g * ldq;
+        const float* delta_g = delta_c.data() + g * ldq;
+        for (int64_t ta = j0; ta < q_end; ta += kQueryChunk) {
+          // the chunk's columns [ta * groups, + used) in the panel-aligned window [at, at + cols)
+          const int64_t tb = std::min(q_end, ta + kQueryChunk), used = (tb - ta) * groups;
+          const int64_t at = ta * groups / 16 * 16, off = ta * groups - at, cols = Pad16(off + used);
+          for (int64_t c = 0; c < off + used; ++c) {
+            const int64_t h = c < off ? -1 : (ta + (c - off) / groups) * heads + g * groups + (c - off) % groups;
+            qcol[c] = h < 0 ? zero.data() : q + h * d;
+            gcol[c] = h < 0 ? zero.data() : grad + h * d;
+          }
+          Dot(krow.data(), keys, Panel(qc.data() + g * d * ldq, at, d), d, cols, scale, st.data(), cols);
+          Dot(vrow.data(), keys, Panel(gc.data() + g * d * ldq, at, d), d, cols, 1.0f, dpt.data(), cols);
+          const float* lc = lse_g + at;
+          const float* dc = delta_g + at;
+          for (int64_t i = 0; i < keys; ++i) {
+            float* pr = st.data() + i * cols;
+            float* dsr = dpt.data() + i * cols;
+            const int64_t lo = off + std::min(used, std::max<int64_t>(0, (j0 + i - ta) * groups));
+            for (int64_t c = 0; c < lo; ++c) pr[c] = dsr[c] = 0.0f;
+#pragma omp simd
+            for (int64_t c = lo; c < off + used; ++c) {
+              const float p = prl::ExpF(pr[c] - lc[c]);
+              pr[c] = p;
+              dsr[c] = p * (dsr[c] - dc[c]);
+            }
+          }
+          Mix(st.data(), cols, keys, gcol.data(), off + used, d, 1.0f, vout.data(), true);
+          Mix(dpt.data(), cols, keys, qcol.data(), off + used, d, 1.0f, kout.data(), true);
+        }
+        for (int64_t i = 0; i < keys; ++i) {
+          float* kd = dk + ((j0 + i) * kv + g) * d;
+          float* vd = dv + ((j0 + i) * kv + g) * d;
+          for (int64_t c = 0; c < d; ++c) {
+            kd[c] = scale * kacc[i * d + c];
+            vd[c] = vacc[i * d + c];
+          }
+        }
+      }
+    }
+  });
+}
 
 void prl_cpu::DecodeAttention(const float* qp, const void* cache_k, const void* cache_v, KvDtype cache,
                               const int64_t* st, float* o, int64_t b, int64_t heads, int64_t kv, int64_t cap,
@@ -280,4 +719,76 @@ PD_BUILD_OP(prl_decode_attention)
     .SetKernelFn(PD_KERNEL(DecodeAttention))
     .SetInferShapeFn(PD_INFER_SHAPE(DecodeAttentionInferShape))
     .SetInferDtypeFn(PD_INFER_DTYPE(DecodeAttentionInferDtype));
+#endif  // PRL_NO_PADDLE
+
+#ifndef PRL_NO_PADDLE
+namespace {
+
+// q [N, H, D], k and v [N, KV, D] float32 CPU, spans [N, 4] int64 -> (n, heads, kv, d)
+std::array<int64_t, 4> PackedAttentionShape(const paddle::Tensor& q, const paddle::Tensor& k, const paddle::Tensor& v,
+                                            const paddle::Tensor& spans, const char* op) {
+  prl::CheckCpuFloat(q, op, "q");
+  prl::CheckCpuFloat(k, op, "k");
+  prl::CheckCpuFloat(v, op, "v");
+  PD_CHECK(spans.dtype() == paddle::DataType::INT64 && spans.is_cpu(), op, ": spans must be an int64 CPU tensor");
+  const auto& qs = q.shape();
+  const auto& ks = k.shape();
+  PD_CHECK(qs.size() == 3 && ks.size() == 3 && v.shape() == ks, op, ": q [N, H, D], k and v [N, KV, D]");
+  PD_CHECK(ks[0] == qs[0] && ks[2] == qs[2] && ks[1] > 0 && qs[1] % ks[1] == 0, op, ": shape mismatch");
+  PD_CHECK(spans.shape().size() == 2 && spans.shape()[0] == qs[0] && spans.shape()[1] == 4, op,
+           ": spans must be [N, 4]");
+  return {qs[0], qs[1], ks[1], qs[2]};
+}
+
+}  // namespace
+
+std::vector<paddle::Tensor> PackedAttention(const paddle::Tensor& q, const paddle::Tensor& k, const paddle::Tensor& v,
+                                            const paddle::Tensor& spans, float scale) {
+  const auto [n, heads, kv, d] = PackedAttentionShape(q, k, v, spans, "prl_packed_attention");
+  auto out = paddle::empty({n, heads * d}, paddle::DataType::FLOAT32, q.place());
+  auto lse = paddle::empty({n, heads}, paddle::DataType::FLOAT32, q.place());
+  prl_cpu::PackedAttentionForward(q.data<float>(), k.data<float>(), v.data<float>(), spans.data<int64_t>(),
+                                  out.data<float>(), lse.data<float>(), n, heads, kv, d, scale);
+  return {out, lse};
+}
+
+std::vector<paddle::Tensor> PackedAttentionGrad(const paddle::Tensor& q, const paddle::Tensor& k,
+                                                const paddle::Tensor& v, const paddle::Tensor& spans,
+                                                const paddle::Tensor& out, const paddle::Tensor& lse,
+                                                const paddle::Tensor& grad_out, float scale) {
+  const auto [n, heads, kv, d] = PackedAttentionShape(q, k, v, spans, "prl_packed_attention_grad");
+  auto dq = paddle::empty(q.shape(), paddle::DataType::FLOAT32, q.place());
+  auto dk = paddle::empty(k.shape(), paddle::DataType::FLOAT32, q.place());
+  auto dv = paddle::empty(v.shape(), paddle::DataType::FLOAT32, q.place());
+  prl_cpu::PackedAttentionBackward(q.data<float>(), k.data<float>(), v.data<float>(), spans.data<int64_t>(),
+                                   out.data<float>(), lse.data<float>(), grad_out.data<float>(), dq.data<float>(),
+                                   dk.data<float>(), dv.data<float>(), n, heads, kv, d, scale);
+  return {dq, dk, dv};
+}
+
+std::vector<std::vector<int64_t>> PackedAttentionInferShape(const std::vector<int64_t>& q,
+                                                            const std::vector<int64_t>& k,
+                                                            const std::vector<int64_t>& v,
+                                                            const std::vector<int64_t>& spans, float scale) {
+  return {{q[0], q[1] * q[2]}, {q[0], q[1]}};
+}
+
+std::vector<paddle::DataType> PackedAttentionInferDtype(paddle::DataType q, paddle::DataType k, paddle::DataType v,
+                                                        paddle::DataType spans) {
+  return {q, q};
+}
+
+PD_BUILD_OP(prl_packed_attention)
+    .Inputs({"Q", "K", "V", "Spans"})
+    .Outputs({"Out", "Lse"})
+    .Attrs({"scale: float"})
+    .SetKernelFn(PD_KERNEL(PackedAttention))
+    .SetInferShapeFn(PD_INFER_SHAPE(PackedAttentionInferShape))
+    .SetInferDtypeFn(PD_INFER_DTYPE(PackedAttentionInferDtype));
+
+PD_BUILD_GRAD_OP(prl_packed_attention)
+    .Inputs({"Q", "K", "V", "Spans", "Out", "Lse", paddle::Grad("Out")})
+    .Outputs({paddle::Grad("Q"), paddle::Grad("K"), paddle::Grad("V")})
+    .Attrs({"scale: float"})
+    .SetKernelFn(PD_KERNEL(PackedAttentionGrad));
 #endif  // PRL_NO_PADDLE

@@ -5,11 +5,13 @@ A packed micro-batch holds each distinct prompt once, followed by the responses 
 [prompt_u | r_1 | ... | r_k] for every prompt u (rows that do not share prompts: one prompt per row). Positions
 count from each prompt's start, so a response's tokens sit where they would in its own sequence. Attention is a
 set of segments: a prompt attends causally to itself; a response attends to its prompt and causally to itself.
-Segments of similar sizes are gathered into padded blocks (queries [rows, Lq], keys [rows, Lk]); a dynamic
-program over the segments sorted by size chooses the blocks, trading padded query-key pairs against a fixed
-cost per block (`BLOCK_PAIRS`). Each block runs the masked softmax of the padded path, and every token's
-output is gathered back to its packed position. Gathers carry gradients (a scatter-add backward), so
-log-probs and gradients equal the padded layout's up to float rounding.
+On the CPU with the fused kernels, one op (ops.packed_attention_fused) reads each token's keys from its spans
+(prefix range, own segment up to itself) and keeps no probabilities: its backward recomputes them from each row's
+log-sum-exp. Elsewhere, segments of similar sizes are gathered into padded blocks (queries [rows, Lq], keys
+[rows, Lk]); a dynamic program over the segments sorted by size chooses the blocks, trading padded query-key
+pairs against a fixed cost per block (`BLOCK_PAIRS`). Each block runs the masked softmax of the padded path,
+and every token's output is gathered back to its packed position. Gathers carry gradients (a scatter-add
+backward). Both give the padded layout's log-probs and gradients up to float rounding.
 
 As in the padded pass, a response's last column of the micro-batch is not run (it predicts nothing): each row
 runs min(length, width - 1) response tokens, so the MoE router statistics count the same tokens.
@@ -73,7 +75,7 @@ class Packing:
         rows, width = response_ids.shape
         run = np.minimum(lengths, width - 1)
         uses = np.bincount(prompt_of_row, minlength=len(prompts))
-        ids, positions, weights, prefixes, queries = [], [], [], [], []
+        ids, positions, weights, prefixes, queries, spans = [], [], [], [], [], []
         last_prompt = np.zeros(rows, dtype=np.int64)
         response_start = np.zeros(rows, dtype=np.int64)
         n = 0
@@ -85,6 +87,9 @@ class Packing:
             weights.append(np.full(p, uses[u], dtype=np.float32))
             prefixes.append(prompt_at[:0])
             queries.append(prompt_at)
+            prompt_start = n
+            prompt_spans = np.tile(np.array([n, n, n, 0], dtype=np.int64), (p, 1))
+            spans.append(prompt_spans)
             n += p
             for i in np.flatnonzero(prompt_of_row == u):
                 last_prompt[i], response_start[i] = prompt_at[-1], n
@@ -92,12 +97,18 @@ class Packing:
                 ids.append(response_ids[i, :r])
                 positions.append(np.arange(p, p + r))
                 weights.append(np.ones(r, dtype=np.float32))
+                # a response token attends to its prompt and to its own tokens up to itself
+                spans.append(np.tile(np.array([prompt_start, prompt_start + p, n, n + r],
+                                              dtype=np.int64), (r, 1)))
                 if r:
                     prefixes.append(prompt_at)
                     queries.append(np.arange(n, n + r))
                 n += r
+            prompt_spans[:, 3] = n  # a prompt token's key is read by the prompt after it and every response
         self.rows, self.width, self.tokens = rows, width, n
         self.input_ids = paddle.to_tensor(np.concatenate(ids)[None])
+        # per token (prefix_begin, prefix_end, segment_begin, query_end): the packed attention kernel's spans
+        self.spans = paddle.to_tensor(np.concatenate(spans) if spans else np.zeros((0, 4), np.int64))
         self.position_ids = paddle.to_tensor(np.concatenate(positions)[None])
         self.token_weight = paddle.to_tensor(np.concatenate(weights)[None])
         self._blocks(prefixes, queries, block_pairs)
@@ -142,8 +153,10 @@ class Packing:
     def attend(self, q, k, v, scale: float):
         """Attention of the packed row: q [1, N, heads, d], k, v [1, N, kv_heads, d] (rotary applied) ->
         [1, N, heads * d]."""
-        heads, kv_heads, d = q.shape[2], k.shape[2], q.shape[3]
-        q, k, v = q[0], k[0], v[0]
+        n, heads, kv_heads, d = q.shape[1], q.shape[2], k.shape[2], q.shape[3]
+        q, k, v = q.reshape([n, heads, d]), k.reshape([n, kv_heads, d]), v.reshape([n, kv_heads, d])
+        if ops.packed_attention_usable(q, k, v):  # the CPU kernel: no gathered blocks, no stored probabilities
+            return ops.packed_attention_fused(q, k, v, self.spans, scale).unsqueeze(0)
         outs = []
         for block in self.blocks:
             rows, length, keys = block.shape

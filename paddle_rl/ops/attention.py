@@ -1,4 +1,5 @@
-"""One decode step of grouped-query attention against a preallocated KV cache."""
+"""Grouped-query attention: one decode step against a preallocated KV cache, the masked softmax of the padded
+training / prefill path, and the attention of a packed row (several sequences in one row, with its backward)."""
 import paddle
 import paddle.nn.functional as F
 
@@ -60,3 +61,43 @@ def masked_softmax(scores, bias, scale: float):
             and _kernel_layout(scores, bias)):
         return masked_softmax_fused(scores, bias, scale)
     return masked_softmax_reference(scores, bias, scale)
+
+
+def packed_key_mask(spans):
+    """[N, N] bool: token t attends to key j (spans [N, 4]: prefix_begin, prefix_end, segment_begin, query_end)."""
+    n = spans.shape[0]
+    j = paddle.arange(n, dtype="int64").unsqueeze(0)
+    t = j.reshape([n, 1])
+    prefix = (j >= spans[:, 0:1]) & (j < spans[:, 1:2])
+    return prefix | ((j >= spans[:, 2:3]) & (j <= t))
+
+
+def packed_attention_reference(q, k, v, spans, scale: float):
+    """Attention of a packed row: q [N, H, D], k, v [N, KV, D]; token t attends to keys [prefix_begin, prefix_end)
+    and [segment_begin, t] of spans [N, 4] int64 (its last column, the end of the queries that attend to each
+    key, is the kernel's; models/packing.py). Returns [N, H * D]. Dense: N x N scores per head."""
+    n, heads, d = q.shape
+    kv = k.shape[1]
+    bias = paddle.where(packed_key_mask(spans), paddle.zeros([n, n], "float32"),
+                        paddle.full([n, n], NEG_INF, "float32"))
+    qh = q.transpose([1, 0, 2]).reshape([kv, heads // kv * n, d])  # a kv head's query heads folded into the rows
+    scores = paddle.matmul(qh, k.transpose([1, 0, 2]), transpose_y=True).reshape([kv, heads // kv, n, n])
+    probs = F.softmax(scores * scale + bias, axis=-1).reshape([kv, heads // kv * n, n])
+    out = paddle.matmul(probs, v.transpose([1, 0, 2])).reshape([heads, n, d])
+    return out.transpose([1, 0, 2]).reshape([n, heads * d])
+
+
+def packed_attention_fused(q, k, v, spans, scale: float):
+    """The CPU kernel (csrc/cpu/attention.cc): the forward keeps out and each row's log-sum-exp, the backward
+    recomputes the probabilities (no [N, keys] tensor is stored)."""
+    return build.run("prl_packed_attention", contiguous(q), contiguous(k), contiguous(v), spans, float(scale))[0]
+
+
+def packed_attention_usable(q, k, v) -> bool:
+    """The CPU kernel's case: float32 CPU tensors, head_dim a multiple of 16 (its vectors)."""
+    return fusable(q, k, v) and q.place.is_cpu_place() and q.shape[-1] % 16 == 0
+
+
+def packed_attention(q, k, v, spans, scale: float):
+    fn = packed_attention_fused if packed_attention_usable(q, k, v) else packed_attention_reference
+    return fn(q, k, v, spans, scale)
