@@ -178,7 +178,7 @@ class _ChunkedLMHead(PyLayer):
                 g = round_bf16(g) if bf16 else g
                 grad_hidden.append(paddle.matmul(g, weight, transpose_y=not transpose))
                 part = paddle.matmul(g, h, transpose_x=True) if transpose else paddle.matmul(h, g, transpose_x=True)
-            grad_weight = part if grad_weight is None else grad_weight + part
+            grad_weight = part if grad_weight is None else grad_weight.add_(part)  # in place: no new [V, H]
         grad_hidden = grad_hidden[0] if len(grad_hidden) == 1 else paddle.concat(grad_hidden)
         grads = []
         if ctx.needs[0]:
