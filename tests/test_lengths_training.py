@@ -5,6 +5,7 @@
 
 This file is also the worker the 2-process test launches (`--worker SPEC`).
 """
+import functools
 import json
 import logging
 import os
@@ -193,14 +194,17 @@ def test_packed_with_token_budget_recompute_and_reference_ops():
 
 
 @pytest.mark.parametrize("granularity", ["core_attn", "core_attn_mlp"])
-@pytest.mark.parametrize("remove_padding", [True, False])
-def test_core_attention_recompute_equals_the_kept_pass(remove_padding, granularity, monkeypatch):
+@pytest.mark.parametrize("remove_padding,kernels", [(True, "on"), (True, "off"), (False, "on")])
+def test_core_attention_recompute_equals_the_kept_pass(remove_padding, kernels, granularity, monkeypatch, request):
     """recompute_granularity core_attn: the attention core (the packing's blocks, or the padded pass with the
     shared prompt prefix, whose keys and values are made outside the recomputed part) runs again in the backward,
     and the update equals the pass that keeps its probabilities; core_attn_mlp (the MLP blocks with their norms
-    recomputed too) equals it as well."""
+    recomputed too) equals it as well. The packed kernel (kernels on) keeps no probabilities and recomputes them in
+    its own backward: its core does not run twice."""
     from paddle_rl.models.decoder import Attention
     from paddle_rl.models.packing import Packing
+    request.addfinalizer(functools.partial(ops.configure, ops.mode()))
+    ops.configure(kernels)
     model, batch = make_model(), long_tail_batch(seed=2)
     layout = build_layout(share_prompts=True, remove_padding=remove_padding)
     kept = run(layout, model, batch)
@@ -222,7 +226,10 @@ def test_core_attention_recompute_equals_the_kept_pass(remove_padding, granulari
     plain = []
     monkeypatch.setattr(*core, lambda self, *args: plain.append(1) or original(self, *args))
     run(layout, model, batch)
-    assert len(calls) > len(plain)   # the recomputed cores ran again in the backward
+    if remove_padding and kernels == "on":
+        assert len(calls) == len(plain)  # the packed kernel: its backward recomputes the probabilities itself
+    else:
+        assert len(calls) > len(plain)   # the recomputed cores ran again in the backward
 
 
 def test_packed_refuses_the_pipeline():

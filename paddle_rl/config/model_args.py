@@ -64,7 +64,8 @@ class ModelArgs:
     recompute_granularity: str = arg("full", "With recompute: full (each decoder layer: only the layer inputs are "
                                              "kept) | full_attn (each self-attention block) | core_attn (the "
                                              "attention core softmax(QK^T)V: its probabilities, which grow with the "
-                                             "sequence length, are not kept) | core_attn_mlp (this suite's: the "
+                                             "sequence length, are not kept; the packed CPU kernel keeps none "
+                                             "anyway and is not run twice) | core_attn_mlp (this suite's: the "
                                              "attention core and each dense MLP block with its norm; sparse MoE "
                                              "blocks are kept).")
     offload_level: str = arg("", acted=False)

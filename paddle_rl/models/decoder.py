@@ -225,7 +225,9 @@ class Attention(nn.Layer):
             if cache is not None:
                 k, v = cache.update(k, v)
             core, args = self._core, (q, k, v, p.attention_bias)
-        if p.recompute in ("core_attn", "core_attn_mlp"):
+        # core_attn recomputes the probabilities in the backward; the packed kernel's backward does that itself
+        # (it keeps only the output and each row's log-sum-exp), so it is not run twice
+        if p.recompute in ("core_attn", "core_attn_mlp") and not (p.packing is not None and p.packing.fused(q, k, v)):
             return self.o_proj(_recompute(core, *args))
         return self.o_proj(core(*args))
 

@@ -150,6 +150,11 @@ class Packing:
         self.targets = paddle.to_tensor(targets.astype(np.int64)[None])
         self.place_index = paddle.to_tensor(place)
 
+    @staticmethod
+    def fused(q, k, v) -> bool:
+        """Whether attend runs the packed kernel for these q, k, v [1, N, heads, d]."""
+        return ops.packed_attention_usable(q, k, v)
+
     def attend(self, q, k, v, scale: float):
         """Attention of the packed row: q [1, N, heads, d], k, v [1, N, kv_heads, d] (rotary applied) ->
         [1, N, heads * d]."""
