@@ -74,6 +74,12 @@ inline void RowPairs(const float* row, int64_t k, uint32_t* d) {
   if (k % 2) d[kk] = Pair(row[k - 1], 0.0f);
 }
 
+// a bfloat16 row (the bits of Paddle's bfloat16): its pairs are its memory
+inline void RowPairs(const uint16_t* row, int64_t k, uint32_t* d) {
+  std::memcpy(d, row, k / 2 * sizeof(uint32_t));
+  if (k % 2) d[k / 2] = row[k - 1];
+}
+
 // d[i] = the pair (even[i], odd[i]) for i < count (<= 16)
 inline void InterleavePairs(const float* even, const float* odd, int64_t count, uint32_t* d) {
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
@@ -88,14 +94,28 @@ inline void InterleavePairs(const float* even, const float* odd, int64_t count, 
   for (int64_t i = 0; i < count; ++i) d[i] = Pair(even[i], odd ? odd[i] : 0.0f);
 }
 
+inline void InterleavePairs(const uint16_t* even, const uint16_t* odd, int64_t count, uint32_t* d) {
+#if defined(__AVX512F__)
+  if (count == kRowBlock && odd) {
+    const __m512i e = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(even)));
+    const __m512i o = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(odd)));
+    _mm512_storeu_si512(d, _mm512_or_si512(e, _mm512_slli_epi32(o, 16)));
+    return;
+  }
+#endif
+  for (int64_t i = 0; i < count; ++i) d[i] = even[i] | (odd ? uint32_t{odd[i]} << 16 : 0u);
+}
+
 // the word of row i < 16, pair kk of a block of A / B
 inline int64_t AIndex(int64_t i, int64_t kk) { return ((kk >> 4) << 8) + (i << 4) + (kk & 15); }
 inline int64_t BIndex(int64_t i, int64_t kk) { return kk * kRowBlock + i; }
 
 // src element (r, k), r < rows, k < k: src[r * k + k] when k_contiguous, else src[k * rows + r]; a_layout: the
-// blocks of A, else those of B
+// blocks of A, else those of B. T: float (rounded here) or uint16_t (bfloat16 bits, taken as they are: a float32
+// rounded by Bf16High gives the same pack as its bfloat16)
 // dst: where to write (PackedWords(rows, k) words), else a buffer of its own
-Packed Pack(const float* src, int64_t rows, int64_t k, bool k_contiguous, bool a_layout, uint32_t* dst = nullptr) {
+template <typename T>
+Packed Pack(const T* src, int64_t rows, int64_t k, bool k_contiguous, bool a_layout, uint32_t* dst = nullptr) {
   Packed p;
   p.rows_p = RoundUp(rows, kRowBlock);
   p.k2p = RoundUp((k + 1) / 2, kPairStep);
@@ -156,7 +176,7 @@ Packed Pack(const float* src, int64_t rows, int64_t k, bool k_contiguous, bool a
           const int64_t r0 = rb * kRowBlock, valid = std::min(kRowBlock, rows - r0);
           for (int64_t j = 0; j < pairs; ++j) {
             const int64_t kk = kq + j;
-            const float* even = src + 2 * kk * rows + r0;
+            const T* even = src + 2 * kk * rows + r0;
             InterleavePairs(even, 2 * kk + 1 < k ? even + rows : nullptr, valid, tile[j]);
           }
           if (a_layout) {
@@ -445,11 +465,33 @@ int prl_cpu::Bf16MatmulKernels() {
   return (AmxUsable() ? 1 : 0) | (Avx512Bf16Usable() ? 2 : 0);
 }
 
-bool prl_cpu::Bf16Matmul(const float* a, const float* b, float* c, int64_t m, int64_t n, int64_t k, bool trans_a,
-                         bool trans_b, Bf16Kernel kernel) {
+bool prl_cpu::Bf16Matmul(const void* a, bool a_bf16, const float* b, float* c, int64_t m, int64_t n, int64_t k,
+                         bool trans_a, bool trans_b, Bf16Kernel kernel) {
   Packed pb;  // an empty product reads no B (Bf16MatmulPacked answers it, and an unusable kernel, first)
   if (m > 0 && n > 0 && k > 0) pb = Pack(b, n, k, trans_b, false);
-  return Bf16MatmulPacked(a, pb.data, c, m, n, k, trans_a, kernel);
+  return Bf16MatmulPacked(a, a_bf16, pb.data, c, m, n, k, trans_a, kernel);
+}
+
+void prl_cpu::ToBf16(const float* x, uint16_t* out, int64_t count) {
+  constexpr int64_t kStep = 4096;
+  prl::ParallelFor((count + kStep - 1) / kStep, kStep, [&](int, int64_t begin, int64_t end) {
+    int64_t i = begin * kStep;
+    const int64_t stop = std::min(count, end * kStep);
+#if defined(__AVX512F__)
+    // Bf16High's integers, 16 at a time: u + 0x7fff + (bit 16 of u), the high half; a NaN 0x7fff
+    const __m512i bias = _mm512_set1_epi32(0x7fff), one = _mm512_set1_epi32(1);
+    const __m512i abs_mask = _mm512_set1_epi32(0x7fffffff), inf = _mm512_set1_epi32(0x7f800000);
+    for (; i + 16 <= stop; i += 16) {
+      const __m512i u = _mm512_loadu_si512(x + i);
+      const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), one);
+      const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, bias), odd), 16);
+      const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, abs_mask), inf);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), _mm512_cvtepi32_epi16(_mm512_mask_blend_epi32(nan, r,
+                                                                                                             bias)));
+    }
+#endif
+    for (; i < stop; ++i) out[i] = static_cast<uint16_t>(Bf16High(x[i]) >> 16);
+  });
 }
 
 int64_t prl_cpu::Bf16PackedWords(int64_t n, int64_t k) {
@@ -461,8 +503,8 @@ int64_t prl_cpu::Bf16PackB(const float* b, uint32_t* packed, int64_t n, int64_t 
   return Bf16PackedWords(n, k);
 }
 
-bool prl_cpu::Bf16MatmulPacked(const float* a, const uint32_t* packed_b, float* c, int64_t m, int64_t n, int64_t k,
-                               bool trans_a, Bf16Kernel kernel) {
+bool prl_cpu::Bf16MatmulPacked(const void* a, bool a_bf16, const uint32_t* packed_b, float* c, int64_t m, int64_t n,
+                               int64_t k, bool trans_a, Bf16Kernel kernel) {
   if (kernel == Bf16Kernel::kAuto) kernel = AmxUsable() ? Bf16Kernel::kAmx : Bf16Kernel::kAvx512Bf16;
   if ((kernel == Bf16Kernel::kAmx && !AmxUsable()) || (kernel == Bf16Kernel::kAvx512Bf16 && !Avx512Bf16Usable())) {
     return false;
@@ -472,7 +514,8 @@ bool prl_cpu::Bf16MatmulPacked(const float* a, const uint32_t* packed_b, float* 
     std::fill(c, c + m * n, 0.0f);
     return true;
   }
-  const Packed pa = Pack(a, m, k, !trans_a, true);
+  const Packed pa = a_bf16 ? Pack(static_cast<const uint16_t*>(a), m, k, !trans_a, true)
+                           : Pack(static_cast<const float*>(a), m, k, !trans_a, true);
   Packed pb;
   pb.data = packed_b;
   pb.rows_p = RoundUp(n, kRowBlock);
@@ -493,12 +536,24 @@ bool prl_cpu::Bf16MatmulPacked(const float* a, const uint32_t* packed_b, float* 
 }
 
 #ifndef PRL_NO_PADDLE
-// A [M, K] (or [K, M] with trans_a), B [K, N] (or [N, K] with trans_b), float32 -> C [M, N]; kernel: 0 the best
-// the CPU has, 1 AMX, 2 AVX512-BF16 (an error where it is not usable)
+namespace {
+// a's data and whether it is bfloat16: a float32 or bfloat16 CPU tensor
+std::pair<const void*, bool> Bf16Operand(const paddle::Tensor& a, const char* op) {
+  if (a.dtype() == paddle::DataType::BFLOAT16) {
+    PD_CHECK(a.is_cpu(), op, ": a must be a CPU tensor");
+    return {a.data<phi::dtype::bfloat16>(), true};
+  }
+  prl::CheckCpuFloat(a, op, "a (float32 or bfloat16)");
+  return {a.data<float>(), false};
+}
+}  // namespace
+
+// A [M, K] (or [K, M] with trans_a) float32 or bfloat16, B [K, N] (or [N, K] with trans_b) float32 -> C [M, N]
+// float32; kernel: 0 the best the CPU has, 1 AMX, 2 AVX512-BF16 (an error where it is not usable)
 std::vector<paddle::Tensor> Bf16MatmulOp(const paddle::Tensor& a, const paddle::Tensor& b, bool trans_a, bool trans_b,
                                          int64_t kernel) {
   const char* op = "prl_bf16_matmul";
-  prl::CheckCpuFloat(a, op, "a");
+  const auto [a_data, a_bf16] = Bf16Operand(a, op);
   prl::CheckCpuFloat(b, op, "b");
   PD_CHECK(a.shape().size() == 2 && b.shape().size() == 2, op, ": a and b must be 2-D");
   PD_CHECK(kernel >= 0 && kernel <= 2, op, ": kernel must be 0 (auto), 1 (amx) or 2 (avx512_bf16), got ", kernel);
@@ -506,7 +561,7 @@ std::vector<paddle::Tensor> Bf16MatmulOp(const paddle::Tensor& a, const paddle::
   const int64_t kb = b.shape()[trans_b ? 1 : 0], n = b.shape()[trans_b ? 0 : 1];
   PD_CHECK(k == kb, op, ": inner dimensions differ (a gives ", k, ", b gives ", kb, ")");
   auto out = paddle::empty({m, n}, paddle::DataType::FLOAT32, a.place());
-  const bool done = prl_cpu::Bf16Matmul(a.data<float>(), b.data<float>(), out.data<float>(), m, n, k, trans_a,
+  const bool done = prl_cpu::Bf16Matmul(a_data, a_bf16, b.data<float>(), out.data<float>(), m, n, k, trans_a,
                                         trans_b, static_cast<prl_cpu::Bf16Kernel>(kernel));
   PD_CHECK(done, op, ": the ", kernel == 1 ? "AMX-BF16" : kernel == 2 ? "AVX512-BF16" : "AMX-BF16 and AVX512-BF16",
            " kernel is not usable here (CPU, OS or build: see prl_bf16_kernels)");
@@ -518,7 +573,9 @@ std::vector<std::vector<int64_t>> Bf16MatmulInferShape(const std::vector<int64_t
   return {{a[trans_a ? 1 : 0], b[trans_b ? 0 : 1]}};
 }
 
-std::vector<paddle::DataType> Bf16MatmulInferDtype(paddle::DataType a, paddle::DataType b) { return {a}; }
+std::vector<paddle::DataType> Bf16MatmulInferDtype(paddle::DataType a, paddle::DataType b) {
+  return {paddle::DataType::FLOAT32};
+}
 
 PD_BUILD_OP(prl_bf16_matmul)
     .Inputs({"A", "B"})
@@ -560,7 +617,7 @@ PD_BUILD_OP(prl_bf16_pack_b)
 std::vector<paddle::Tensor> Bf16MatmulPackedOp(const paddle::Tensor& a, const paddle::Tensor& packed_b, bool trans_a,
                                                int64_t n, int64_t kernel) {
   const char* op = "prl_bf16_matmul_packed";
-  prl::CheckCpuFloat(a, op, "a");
+  const auto [a_data, a_bf16] = Bf16Operand(a, op);
   PD_CHECK(a.shape().size() == 2, op, ": a must be 2-D");
   PD_CHECK(packed_b.dtype() == paddle::DataType::INT32 && packed_b.shape().size() == 2 && packed_b.is_cpu(), op,
            ": packed_b must be prl_bf16_pack_b's int32 [N16, K2] CPU tensor");
@@ -570,7 +627,7 @@ std::vector<paddle::Tensor> Bf16MatmulPackedOp(const paddle::Tensor& a, const pa
            ": packed_b [", packed_b.shape()[0], ", ", packed_b.shape()[1], "] is not the pack of a [", k, ", ", n,
            "] operand");
   auto out = paddle::empty({m, n}, paddle::DataType::FLOAT32, a.place());
-  const bool done = prl_cpu::Bf16MatmulPacked(a.data<float>(),
+  const bool done = prl_cpu::Bf16MatmulPacked(a_data, a_bf16,
                                               reinterpret_cast<const uint32_t*>(packed_b.data<int32_t>()),
                                               out.data<float>(), m, n, k, trans_a,
                                               static_cast<prl_cpu::Bf16Kernel>(kernel));
@@ -585,7 +642,9 @@ std::vector<std::vector<int64_t>> Bf16MatmulPackedInferShape(const std::vector<i
   return {{a[trans_a ? 1 : 0], n}};
 }
 
-std::vector<paddle::DataType> Bf16MatmulPackedInferDtype(paddle::DataType a, paddle::DataType b) { return {a}; }
+std::vector<paddle::DataType> Bf16MatmulPackedInferDtype(paddle::DataType a, paddle::DataType b) {
+  return {paddle::DataType::FLOAT32};
+}
 
 PD_BUILD_OP(prl_bf16_matmul_packed)
     .Inputs({"A", "PackedB"})
@@ -594,6 +653,25 @@ PD_BUILD_OP(prl_bf16_matmul_packed)
     .SetKernelFn(PD_KERNEL(Bf16MatmulPackedOp))
     .SetInferShapeFn(PD_INFER_SHAPE(Bf16MatmulPackedInferShape))
     .SetInferDtypeFn(PD_INFER_DTYPE(Bf16MatmulPackedInferDtype));
+
+// x float32 -> x rounded to bfloat16 (Paddle's cast's bits: nearest even, a NaN 0x7fff), in parallel
+std::vector<paddle::Tensor> ToBf16Op(const paddle::Tensor& x) {
+  prl::CheckCpuFloat(x, "prl_to_bf16", "x");
+  auto out = paddle::empty(x.shape(), paddle::DataType::BFLOAT16, x.place());
+  prl_cpu::ToBf16(x.data<float>(), reinterpret_cast<uint16_t*>(out.data<phi::dtype::bfloat16>()), x.numel());
+  return {out};
+}
+
+std::vector<std::vector<int64_t>> ToBf16InferShape(const std::vector<int64_t>& x) { return {x}; }
+
+std::vector<paddle::DataType> ToBf16InferDtype(paddle::DataType x) { return {paddle::DataType::BFLOAT16}; }
+
+PD_BUILD_OP(prl_to_bf16)
+    .Inputs({"X"})
+    .Outputs({"Out"})
+    .SetKernelFn(PD_KERNEL(ToBf16Op))
+    .SetInferShapeFn(PD_INFER_SHAPE(ToBf16InferShape))
+    .SetInferDtypeFn(PD_INFER_DTYPE(ToBf16InferDtype));
 
 // [2] int32: whether the AMX-BF16 and the AVX512-BF16 kernels are usable (CPU, OS and build); x is not read
 std::vector<paddle::Tensor> Bf16KernelsOp(const paddle::Tensor& x) {
