@@ -656,3 +656,42 @@ def test_bf16_matmul_takes_a_bfloat16_left_operand(kernel):
             np.testing.assert_array_equal(got.numpy(), expected)
             np.testing.assert_array_equal(ops.bf16_matmul_packed(ab, ops.bf16_pack_b(b), trans_a, kernel=kernel)
                                           .numpy(), expected)
+
+
+_THREAD_PRODUCTS = """
+import sys
+import numpy as np
+import paddle
+from paddle_rl import ops
+rng = np.random.default_rng(13)
+out = {}
+# (m, k, n, trans_a, trans_b): B's part over L2 in panels (k 576), a long k in chunks of A's rows (k 3072), the
+# rows split instead of the columns (n 40), the weight gradient's and the input gradient's transposes, edges
+for i, (m, k, n, ta, tb) in enumerate(((96, 576, 3072, False, False), (100, 3072, 600, False, True),
+                                       (300, 70, 40, False, False), (200, 600, 1000, True, False))):
+    a = paddle.to_tensor(rng.standard_normal([k, m] if ta else [m, k]).astype(np.float32))
+    b = paddle.to_tensor(rng.standard_normal([n, k] if tb else [k, n]).astype(np.float32))
+    for kernel in ops.bf16_kernels():
+        out[f"{i}_{kernel}"] = ops.bf16_matmul_fused(a, b, ta, tb, kernel=kernel).numpy()
+        out[f"{i}_{kernel}_bf16a"] = ops.bf16_matmul_fused(ops.to_bf16(a), b, ta, tb, kernel=kernel).numpy()
+np.savez(sys.argv[1], **out)
+"""
+
+
+def test_bf16_matmul_bits_do_not_depend_on_the_thread_count(tmp_path):
+    """The kernels' products with 1, 2 and 3 threads (PADDLE_RL_OP_THREADS, each in a process of its own) are the
+    same bits: each element's sum runs over k in one order whatever the split (so a data-parallel run with one
+    thread a process gives one process's numbers), for each blocking the product picks."""
+    if not ops.bf16_kernels():
+        pytest.skip("no bf16 kernel is usable here")
+    results = []
+    for threads in (1, 2, 3):
+        path = str(tmp_path / f"t{threads}.npz")
+        env = dict(os.environ, PADDLE_RL_OP_THREADS=str(threads), OMP_NUM_THREADS=str(threads),
+                   PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        subprocess.run([sys.executable, "-c", _THREAD_PRODUCTS, path], env=env, check=True, capture_output=True)
+        results.append(dict(np.load(path)))
+    assert len(results[0]) == 4 * 2 * len(ops.bf16_kernels())
+    for name, value in results[0].items():
+        for other in results[1:]:
+            assert np.array_equal(value, other[name]), name

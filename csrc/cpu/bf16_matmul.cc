@@ -16,10 +16,15 @@
 // does not): the only difference beyond the order of the sums, and only below 1.2e-38.
 // The rollout's packed products (PackedLinearBF16Amx: bfloat16 weights; PackedLinearInt8Amx: int8 weights widened to
 // bfloat16 on the way) run on the same AMX tiles; they are described at the end of this file.
+// Packing: A row by row (each row's 16 pairs of a step written in place, 64 bytes), or pair by pair from two source
+// rows (trans_a: 16 x 16 tiles transposed); B pair by pair reads its source rows in order, each column block's pair
+// 64 bytes. A may be bfloat16 (to_bf16's copy, Paddle's cast bit for bit): its pairs are read as they are. The packs
+// go to a grow-only buffer per thread (Workspace), so that their pages are not faulted in again on every call.
 // Cache blocking: each thread takes a contiguous range of 32-column blocks (or of 32-row blocks when there are
-// few columns); where its part of B fits in ~1 MB of L2 the AMX kernel walks the row pairs over it, else it walks
-// the rows in chunks whose packed A fits in ~1 MB, so a chunk of A is read from memory once per thread and each
-// column block's B once per chunk.
+// few columns); where its part of B fits in ~1.5 MB of L2, or a row pair of A in L1 (K <= 1024), the AMX kernel
+// walks the row pairs over B panels of ~1 MB (C written row by row); else (a long K) it walks the rows in chunks
+// whose packed A fits in ~1 MB, so a chunk of A is read from memory once per thread and each column block's B once
+// per chunk. Each element's sum runs over k in one order whatever the split: the bits do not depend on the threads.
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -34,7 +39,8 @@ namespace {
 
 constexpr int64_t kRowBlock = 16;  // rows (A) or columns (B) per packed block
 constexpr int64_t kPairStep = 16;  // k-pairs per AMX step: K is padded to 2 * 16
-constexpr int64_t kChunkBytes = int64_t{1} << 20;  // packed A per row chunk (L2)
+constexpr int64_t kChunkBytes = int64_t{1} << 20;  // packed A per row chunk, packed B per column panel (L2)
+constexpr int64_t kPairInL1 = 64 << 10;             // a row pair of packed A that stays in L1 (48 KB) over a panel
 
 inline int64_t RoundUp(int64_t v, int64_t to) { return (v + to - 1) / to * to; }
 
@@ -110,6 +116,20 @@ inline void InterleavePairs(const uint16_t* even, const uint16_t* odd, int64_t c
 inline int64_t AIndex(int64_t i, int64_t kk) { return ((kk >> 4) << 8) + (i << 4) + (kk & 15); }
 inline int64_t BIndex(int64_t i, int64_t kk) { return kk * kRowBlock + i; }
 
+// A grow-only buffer per calling thread and role (0: A's pack, 1: B's) that every product's packs reuse, so that
+// their pages are not faulted in (and zeroed) again on each call (~2 us a 4 KB page here: a quarter of packing
+// 25 MB); it keeps the largest pack asked for on that thread until the thread ends
+uint32_t* Workspace(int role, int64_t words) {
+  thread_local std::unique_ptr<uint32_t[], FreeDeleter> buffers[2];
+  thread_local int64_t sizes[2] = {0, 0};
+  if (sizes[role] < words) {
+    buffers[role].reset();
+    buffers[role].reset(static_cast<uint32_t*>(std::aligned_alloc(64, RoundUp(words * 4, 64))));
+    sizes[role] = words;
+  }
+  return buffers[role].get();
+}
+
 // src element (r, k), r < rows, k < k: src[r * k + k] when k_contiguous, else src[k * rows + r]; a_layout: the
 // blocks of A, else those of B. T: float (rounded here) or uint16_t (bfloat16 bits, taken as they are: a float32
 // rounded by Bf16High gives the same pack as its bfloat16)
@@ -135,21 +155,22 @@ Packed Pack(const T* src, int64_t rows, int64_t k, bool k_contiguous, bool a_lay
       for (int64_t kk = i < valid ? k2 : 0; kk < k2p; ++kk) blk[a_layout ? AIndex(i, kk) : BIndex(i, kk)] = 0;
     }
   }
-  if (k_contiguous) {  // row by row: each row's pairs are contiguous; a block's 16 rows staged, then laid out
+  if (k_contiguous) {  // row by row: each row's pairs are contiguous
     prl::ParallelFor(blocks, kRowBlock * k2p * 2, [&](int, int64_t begin, int64_t end) {
-      std::vector<uint32_t> tmp(kRowBlock * k2p);
+      std::vector<uint32_t> tmp(a_layout ? 0 : kRowBlock * k2p);
       for (int64_t rb = begin; rb < end; ++rb) {
         uint32_t* blk = base + rb * kRowBlock * k2p;
         const int64_t r0 = rb * kRowBlock, valid = std::min(kRowBlock, rows - r0);
-        for (int64_t i = 0; i < valid; ++i) RowPairs(src + (r0 + i) * k, k, tmp.data() + i * k2p);
-        if (a_layout) {
+        if (a_layout) {  // a row's 16 pairs of a step are one 64-byte row of its tile: written in place
           for (int64_t i = 0; i < valid; ++i) {
             for (int64_t kq = 0; kq < k2; kq += kPairStep) {
-              std::memcpy(blk + AIndex(i, kq), tmp.data() + i * k2p + kq,
-                          std::min(kPairStep, k2 - kq) * sizeof(uint32_t));
+              RowPairs(src + (r0 + i) * k + 2 * kq, std::min(2 * kPairStep, k - 2 * kq), blk + AIndex(i, kq));
             }
           }
-        } else if (valid == kRowBlock) {
+          continue;
+        }
+        for (int64_t i = 0; i < valid; ++i) RowPairs(src + (r0 + i) * k, k, tmp.data() + i * k2p);
+        if (valid == kRowBlock) {
           for (int64_t kk = 0; kk < k2; ++kk) {
             for (int64_t i = 0; i < kRowBlock; ++i) blk[BIndex(i, kk)] = tmp[i * k2p + kk];
           }
@@ -162,8 +183,22 @@ Packed Pack(const T* src, int64_t rows, int64_t k, bool k_contiguous, bool a_lay
     });
     return p;
   }
-  // pair by pair: source rows 2 kk and 2 kk + 1 hold the pairs of all the rows; a group of 8 blocks reads 512
-  // contiguous bytes of each source row and writes 16 x 16 tiles of pairs (transposed for A's layout)
+  if (!a_layout) {  // B pair by pair: source rows 2 kk and 2 kk + 1 read in order, each block's pair kk 64 bytes
+    prl::ParallelFor(k2, rows * 2, [&](int, int64_t begin, int64_t end) {
+      for (int64_t kk = begin; kk < end; ++kk) {
+        const T* even = src + 2 * kk * rows;
+        const T* odd = 2 * kk + 1 < k ? even + rows : nullptr;
+        for (int64_t rb = 0; rb < blocks; ++rb) {
+          const int64_t r0 = rb * kRowBlock;
+          InterleavePairs(even + r0, odd ? odd + r0 : nullptr, std::min(kRowBlock, rows - r0),
+                          base + rb * kRowBlock * k2p + kk * kRowBlock);
+        }
+      }
+    });
+    return p;
+  }
+  // A pair by pair: source rows 2 kk and 2 kk + 1 hold the pairs of all the rows; a group of 8 blocks reads 512
+  // contiguous bytes of each source row and writes 16 x 16 tiles of pairs, transposed
   constexpr int64_t kGroup = 8;
   prl::ParallelFor((blocks + kGroup - 1) / kGroup, kGroup * kRowBlock * k2p * 2, [&](int, int64_t begin,
                                                                                       int64_t end) {
@@ -179,14 +214,8 @@ Packed Pack(const T* src, int64_t rows, int64_t k, bool k_contiguous, bool a_lay
             const T* even = src + 2 * kk * rows + r0;
             InterleavePairs(even, 2 * kk + 1 < k ? even + rows : nullptr, valid, tile[j]);
           }
-          if (a_layout) {
-            for (int64_t i = 0; i < valid; ++i) {
-              for (int64_t j = 0; j < pairs; ++j) blk[AIndex(i, kq + j)] = tile[j][i];
-            }
-          } else if (valid == kRowBlock) {
-            std::memcpy(blk + kq * kRowBlock, tile, pairs * kRowBlock * sizeof(uint32_t));
-          } else {
-            for (int64_t j = 0; j < pairs; ++j) std::memcpy(blk + (kq + j) * kRowBlock, tile[j], valid * 4);
+          for (int64_t i = 0; i < valid; ++i) {
+            for (int64_t j = 0; j < pairs; ++j) blk[AIndex(i, kq + j)] = tile[j][i];
           }
         }
       }
@@ -340,16 +369,24 @@ inline void AmxPair(const Packed& a, const Packed& b, int64_t rb, int64_t cb, in
   }
 }
 
-// A part's B in L2 (its column blocks' packs within kChunkBytes): row pairs outer, so that C is written row by row
-// and each row pair of A is read once; else chunks of A's rows in L2, the column pairs over each chunk
+// Where a part's B fits in L2 (its packs within 1.5 kChunkBytes; L2 is 2 MB a core here) or a row pair of A in L1
+// (k <= 1024): B in panels of kChunkBytes, each panel's column pairs under every row pair (A's pair from L1, B's
+// from L2; C written row by row, which its stores need: walking C down a column block by block runs at half the
+// speed); else (a long k) chunks of A's rows in L2, the column pairs over each chunk
 void AmxProduct(const Packed& a, const Packed& b, float* c, int64_t m, int64_t n) {
   const int64_t mb = a.rows_p / kRowBlock, nb = b.rows_p / kRowBlock, chunk = ChunkBlocks(a.k2p);
+  const int64_t block_bytes = kRowBlock * b.k2p * 4;
   OverParts(mb, nb, 32 * 32 * a.k2p, [&](int, int64_t m0, int64_t m1, int64_t n0, int64_t n1) {
     AmxConfigure();
     alignas(64) float stage[32 * 32];
-    if ((n1 - n0) * kRowBlock * b.k2p * 4 <= kChunkBytes) {
-      for (int64_t rb = m0; rb < m1; rb += 2) {
-        for (int64_t cb = n0; cb < n1; cb += 2) AmxPair(a, b, rb, cb, m1, n1, c, m, n, stage);
+    const bool fits = (n1 - n0) * block_bytes <= kChunkBytes * 3 / 2;
+    if (fits || 2 * block_bytes <= kPairInL1) {
+      const int64_t panel = fits ? n1 - n0 : std::max<int64_t>(2, kChunkBytes / block_bytes / 2 * 2);
+      for (int64_t p0 = n0; p0 < n1; p0 += panel) {
+        const int64_t p1 = std::min(n1, p0 + panel);
+        for (int64_t rb = m0; rb < m1; rb += 2) {
+          for (int64_t cb = p0; cb < p1; cb += 2) AmxPair(a, b, rb, cb, m1, p1, c, m, n, stage);
+        }
       }
     } else {
       for (int64_t mc = m0; mc < m1; mc += chunk) {
@@ -468,7 +505,7 @@ int prl_cpu::Bf16MatmulKernels() {
 bool prl_cpu::Bf16Matmul(const void* a, bool a_bf16, const float* b, float* c, int64_t m, int64_t n, int64_t k,
                          bool trans_a, bool trans_b, Bf16Kernel kernel) {
   Packed pb;  // an empty product reads no B (Bf16MatmulPacked answers it, and an unusable kernel, first)
-  if (m > 0 && n > 0 && k > 0) pb = Pack(b, n, k, trans_b, false);
+  if (m > 0 && n > 0 && k > 0) pb = Pack(b, n, k, trans_b, false, Workspace(1, Bf16PackedWords(n, k)));
   return Bf16MatmulPacked(a, a_bf16, pb.data, c, m, n, k, trans_a, kernel);
 }
 
@@ -514,8 +551,9 @@ bool prl_cpu::Bf16MatmulPacked(const void* a, bool a_bf16, const uint32_t* packe
     std::fill(c, c + m * n, 0.0f);
     return true;
   }
-  const Packed pa = a_bf16 ? Pack(static_cast<const uint16_t*>(a), m, k, !trans_a, true)
-                           : Pack(static_cast<const float*>(a), m, k, !trans_a, true);
+  uint32_t* a_words = Workspace(0, Bf16PackedWords(m, k));
+  const Packed pa = a_bf16 ? Pack(static_cast<const uint16_t*>(a), m, k, !trans_a, true, a_words)
+                           : Pack(static_cast<const float*>(a), m, k, !trans_a, true, a_words);
   Packed pb;
   pb.data = packed_b;
   pb.rows_p = RoundUp(n, kRowBlock);
