@@ -112,6 +112,34 @@ inline void InterleavePairs(const uint16_t* even, const uint16_t* odd, int64_t c
   for (int64_t i = 0; i < count; ++i) d[i] = even[i] | (odd ? uint32_t{odd[i]} << 16 : 0u);
 }
 
+#if defined(__AVX512F__)
+// dst[i * 16 + j] = src[j * 16 + i] for a 16 x 16 tile of words (dst 64-byte aligned): unpacks of 32- then 64-bit
+// halves give each 128-bit lane 4 x 4 transposed, two 128-bit shuffles put the lanes in place
+inline void Transpose16x16(const uint32_t* src, uint32_t* dst) {
+  __m512i r[16], t[16];
+  for (int j = 0; j < 16; ++j) r[j] = _mm512_load_si512(src + 16 * j);
+  for (int j = 0; j < 16; j += 2) {
+    t[j] = _mm512_unpacklo_epi32(r[j], r[j + 1]);
+    t[j + 1] = _mm512_unpackhi_epi32(r[j], r[j + 1]);
+  }
+  for (int j = 0; j < 16; j += 4) {  // r[j + q], lane L: column 4 L + q of source rows j .. j + 3
+    r[j] = _mm512_unpacklo_epi64(t[j], t[j + 2]);
+    r[j + 1] = _mm512_unpackhi_epi64(t[j], t[j + 2]);
+    r[j + 2] = _mm512_unpacklo_epi64(t[j + 1], t[j + 3]);
+    r[j + 3] = _mm512_unpackhi_epi64(t[j + 1], t[j + 3]);
+  }
+  for (int q = 0; q < 4; ++q) {
+    const __m512i v0 = _mm512_shuffle_i32x4(r[q], r[4 + q], 0x88), w0 = _mm512_shuffle_i32x4(r[q], r[4 + q], 0xDD);
+    const __m512i v1 = _mm512_shuffle_i32x4(r[8 + q], r[12 + q], 0x88);
+    const __m512i w1 = _mm512_shuffle_i32x4(r[8 + q], r[12 + q], 0xDD);
+    _mm512_store_si512(dst + 16 * q, _mm512_shuffle_i32x4(v0, v1, 0x88));
+    _mm512_store_si512(dst + 16 * (8 + q), _mm512_shuffle_i32x4(v0, v1, 0xDD));
+    _mm512_store_si512(dst + 16 * (4 + q), _mm512_shuffle_i32x4(w0, w1, 0x88));
+    _mm512_store_si512(dst + 16 * (12 + q), _mm512_shuffle_i32x4(w0, w1, 0xDD));
+  }
+}
+#endif
+
 // the word of row i < 16, pair kk of a block of A / B
 inline int64_t AIndex(int64_t i, int64_t kk) { return ((kk >> 4) << 8) + (i << 4) + (kk & 15); }
 inline int64_t BIndex(int64_t i, int64_t kk) { return kk * kRowBlock + i; }
@@ -214,6 +242,12 @@ Packed Pack(const T* src, int64_t rows, int64_t k, bool k_contiguous, bool a_lay
             const T* even = src + 2 * kk * rows + r0;
             InterleavePairs(even, 2 * kk + 1 < k ? even + rows : nullptr, valid, tile[j]);
           }
+#if defined(__AVX512F__)
+          if (valid == kRowBlock && pairs == kPairStep) {  // the step's 16 x 16 words of the block: one tile
+            Transpose16x16(&tile[0][0], blk + AIndex(0, kq));
+            continue;
+          }
+#endif
           for (int64_t i = 0; i < valid; ++i) {
             for (int64_t j = 0; j < pairs; ++j) blk[AIndex(i, kq + j)] = tile[j][i];
           }
