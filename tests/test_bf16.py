@@ -606,3 +606,92 @@ def test_tensor_parallel_layers_take_the_bf16_products(tmp_path):
             gaps = [np.abs(np.array(a) - np.array(b)).max() / np.abs(np.array(b)).max()
                     for a, b in zip(bf16["single"], fp32["single"])]
             assert min(gaps) > 2e-4, (layer, gaps)
+
+
+def _special_floats(rng, count: int) -> np.ndarray:
+    """Normal values with NaNs (quiet, signalling, negative), infinities, subnormals, halfway ties (both parities),
+    the largest float32 (rounds to infinity) and zeros of both signs mixed in."""
+    x = rng.standard_normal(count).astype(np.float32)
+    bits = x.view(np.uint32)
+    specials = np.array([0x7FC00000, 0xFFC00000, 0x7F800001, 0xFFBFFFFF, 0x7F800000, 0xFF800000, 0x00000001,
+                         0x807FFFFF, 0x00018000, 0x00008000, 0x3F808000, 0x3F818000, 0x7F7FFFFF, 0, 0x80000000],
+                        np.uint32)
+    at = rng.choice(count, size=(len(specials), min(40, count // len(specials))), replace=False)
+    for value, where in zip(specials, at):
+        bits[where] = value
+    return x
+
+
+def test_to_bf16_is_paddles_cast_bit_for_bit():
+    """ops.to_bf16's kernel (vectorized, in parallel; what bf16_linear keeps for the backward) gives the bits of
+    Paddle's astype("bfloat16"), NaN (0x7fff), infinities, subnormals and ties included, on a length that is no
+    multiple of the vector (the scalar tail) and one long enough to be split over the threads."""
+    if not ops.available():
+        pytest.skip("the custom ops are not in use")
+    rng = np.random.default_rng(11)
+    for count in (37, 300_007):
+        x = paddle.to_tensor(_special_floats(rng, count).reshape(-1, 1) if count == 37 else _special_floats(rng, count))
+        got, expected = ops.to_bf16_fused(x), x.astype("bfloat16")
+        assert got.dtype == paddle.bfloat16 and got.shape == x.shape
+        assert np.array_equal(got.numpy().view(np.uint16), expected.numpy().view(np.uint16)), count
+
+
+@pytest.mark.parametrize("kernel", list(ops.BF16_KERNELS))
+def test_bf16_matmul_takes_a_bfloat16_left_operand(kernel):
+    """bf16_matmul_fused / bf16_matmul_packed with `a` a bfloat16 tensor (to_bf16's copy: what the weight gradient
+    reads) give the float32 a's bits, for both layouts of a (its rows' pairs copied; trans_a: pairs interleaved
+    from two rows) and sizes off the kernels' blocks."""
+    if kernel not in ops.bf16_kernels():
+        pytest.skip(f"{kernel} is not usable here (usable: {ops.bf16_kernels() or 'none'})")
+    rng = np.random.default_rng(12)
+    for m, n, k in ((37, 45, 67), (70, 33, 301), (130, 40, 96)):
+        for trans_a in (False, True):
+            a = rng.standard_normal([k, m] if trans_a else [m, k]).astype(np.float32)
+            b = paddle.to_tensor(rng.standard_normal([k, n]).astype(np.float32))
+            af = paddle.to_tensor(a)
+            ab = ops.to_bf16(af)
+            expected = ops.bf16_matmul_fused(af, b, trans_a, kernel=kernel).numpy()
+            got = ops.bf16_matmul_fused(ab, b, trans_a, kernel=kernel)
+            assert got.dtype == paddle.float32
+            np.testing.assert_array_equal(got.numpy(), expected)
+            np.testing.assert_array_equal(ops.bf16_matmul_packed(ab, ops.bf16_pack_b(b), trans_a, kernel=kernel)
+                                          .numpy(), expected)
+
+
+_THREAD_PRODUCTS = """
+import sys
+import numpy as np
+import paddle
+from paddle_rl import ops
+rng = np.random.default_rng(13)
+out = {}
+# (m, k, n, trans_a, trans_b): B's part over L2 in panels (k 576), a long k in chunks of A's rows (k 3072), the
+# rows split instead of the columns (n 40), the weight gradient's and the input gradient's transposes, edges
+for i, (m, k, n, ta, tb) in enumerate(((96, 576, 3072, False, False), (100, 3072, 600, False, True),
+                                       (300, 70, 40, False, False), (200, 600, 1000, True, False))):
+    a = paddle.to_tensor(rng.standard_normal([k, m] if ta else [m, k]).astype(np.float32))
+    b = paddle.to_tensor(rng.standard_normal([n, k] if tb else [k, n]).astype(np.float32))
+    for kernel in ops.bf16_kernels():
+        out[f"{i}_{kernel}"] = ops.bf16_matmul_fused(a, b, ta, tb, kernel=kernel).numpy()
+        out[f"{i}_{kernel}_bf16a"] = ops.bf16_matmul_fused(ops.to_bf16(a), b, ta, tb, kernel=kernel).numpy()
+np.savez(sys.argv[1], **out)
+"""
+
+
+def test_bf16_matmul_bits_do_not_depend_on_the_thread_count(tmp_path):
+    """The kernels' products with 1, 2 and 3 threads (PADDLE_RL_OP_THREADS, each in a process of its own) are the
+    same bits: each element's sum runs over k in one order whatever the split (so a data-parallel run with one
+    thread a process gives one process's numbers), for each blocking the product picks."""
+    if not ops.bf16_kernels():
+        pytest.skip("no bf16 kernel is usable here")
+    results = []
+    for threads in (1, 2, 3):
+        path = str(tmp_path / f"t{threads}.npz")
+        env = dict(os.environ, PADDLE_RL_OP_THREADS=str(threads), OMP_NUM_THREADS=str(threads),
+                   PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        subprocess.run([sys.executable, "-c", _THREAD_PRODUCTS, path], env=env, check=True, capture_output=True)
+        results.append(dict(np.load(path)))
+    assert len(results[0]) == 4 * 2 * len(ops.bf16_kernels())
+    for name, value in results[0].items():
+        for other in results[1:]:
+            assert np.array_equal(value, other[name]), name

@@ -16,10 +16,15 @@
 // does not): the only difference beyond the order of the sums, and only below 1.2e-38.
 // The rollout's packed products (PackedLinearBF16Amx: bfloat16 weights; PackedLinearInt8Amx: int8 weights widened to
 // bfloat16 on the way) run on the same AMX tiles; they are described at the end of this file.
+// Packing: A row by row (each row's 16 pairs of a step written in place, 64 bytes), or pair by pair from two source
+// rows (trans_a: 16 x 16 tiles transposed); B pair by pair reads its source rows in order, each column block's pair
+// 64 bytes. A may be bfloat16 (to_bf16's copy, Paddle's cast bit for bit): its pairs are read as they are. The packs
+// go to a grow-only buffer per thread (Workspace), so that their pages are not faulted in again on every call.
 // Cache blocking: each thread takes a contiguous range of 32-column blocks (or of 32-row blocks when there are
-// few columns); where its part of B fits in ~1 MB of L2 the AMX kernel walks the row pairs over it, else it walks
-// the rows in chunks whose packed A fits in ~1 MB, so a chunk of A is read from memory once per thread and each
-// column block's B once per chunk.
+// few columns); where its part of B fits in ~1.5 MB of L2, or a row pair of A in L1 (K <= 1024), the AMX kernel
+// walks the row pairs over B panels of ~1 MB (C written row by row); else (a long K) it walks the rows in chunks
+// whose packed A fits in ~1 MB, so a chunk of A is read from memory once per thread and each column block's B once
+// per chunk. Each element's sum runs over k in one order whatever the split: the bits do not depend on the threads.
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -34,7 +39,8 @@ namespace {
 
 constexpr int64_t kRowBlock = 16;  // rows (A) or columns (B) per packed block
 constexpr int64_t kPairStep = 16;  // k-pairs per AMX step: K is padded to 2 * 16
-constexpr int64_t kChunkBytes = int64_t{1} << 20;  // packed A per row chunk (L2)
+constexpr int64_t kChunkBytes = int64_t{1} << 20;  // packed A per row chunk, packed B per column panel (L2)
+constexpr int64_t kPairInL1 = 64 << 10;             // a row pair of packed A that stays in L1 (48 KB) over a panel
 
 inline int64_t RoundUp(int64_t v, int64_t to) { return (v + to - 1) / to * to; }
 
@@ -74,6 +80,12 @@ inline void RowPairs(const float* row, int64_t k, uint32_t* d) {
   if (k % 2) d[kk] = Pair(row[k - 1], 0.0f);
 }
 
+// a bfloat16 row (the bits of Paddle's bfloat16): its pairs are its memory
+inline void RowPairs(const uint16_t* row, int64_t k, uint32_t* d) {
+  std::memcpy(d, row, k / 2 * sizeof(uint32_t));
+  if (k % 2) d[k / 2] = row[k - 1];
+}
+
 // d[i] = the pair (even[i], odd[i]) for i < count (<= 16)
 inline void InterleavePairs(const float* even, const float* odd, int64_t count, uint32_t* d) {
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
@@ -88,14 +100,70 @@ inline void InterleavePairs(const float* even, const float* odd, int64_t count, 
   for (int64_t i = 0; i < count; ++i) d[i] = Pair(even[i], odd ? odd[i] : 0.0f);
 }
 
+inline void InterleavePairs(const uint16_t* even, const uint16_t* odd, int64_t count, uint32_t* d) {
+#if defined(__AVX512F__)
+  if (count == kRowBlock && odd) {
+    const __m512i e = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(even)));
+    const __m512i o = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(odd)));
+    _mm512_storeu_si512(d, _mm512_or_si512(e, _mm512_slli_epi32(o, 16)));
+    return;
+  }
+#endif
+  for (int64_t i = 0; i < count; ++i) d[i] = even[i] | (odd ? uint32_t{odd[i]} << 16 : 0u);
+}
+
+#if defined(__AVX512F__)
+// dst[i * 16 + j] = src[j * 16 + i] for a 16 x 16 tile of words (dst 64-byte aligned): unpacks of 32- then 64-bit
+// halves give each 128-bit lane 4 x 4 transposed, two 128-bit shuffles put the lanes in place
+inline void Transpose16x16(const uint32_t* src, uint32_t* dst) {
+  __m512i r[16], t[16];
+  for (int j = 0; j < 16; ++j) r[j] = _mm512_load_si512(src + 16 * j);
+  for (int j = 0; j < 16; j += 2) {
+    t[j] = _mm512_unpacklo_epi32(r[j], r[j + 1]);
+    t[j + 1] = _mm512_unpackhi_epi32(r[j], r[j + 1]);
+  }
+  for (int j = 0; j < 16; j += 4) {  // r[j + q], lane L: column 4 L + q of source rows j .. j + 3
+    r[j] = _mm512_unpacklo_epi64(t[j], t[j + 2]);
+    r[j + 1] = _mm512_unpackhi_epi64(t[j], t[j + 2]);
+    r[j + 2] = _mm512_unpacklo_epi64(t[j + 1], t[j + 3]);
+    r[j + 3] = _mm512_unpackhi_epi64(t[j + 1], t[j + 3]);
+  }
+  for (int q = 0; q < 4; ++q) {
+    const __m512i v0 = _mm512_shuffle_i32x4(r[q], r[4 + q], 0x88), w0 = _mm512_shuffle_i32x4(r[q], r[4 + q], 0xDD);
+    const __m512i v1 = _mm512_shuffle_i32x4(r[8 + q], r[12 + q], 0x88);
+    const __m512i w1 = _mm512_shuffle_i32x4(r[8 + q], r[12 + q], 0xDD);
+    _mm512_store_si512(dst + 16 * q, _mm512_shuffle_i32x4(v0, v1, 0x88));
+    _mm512_store_si512(dst + 16 * (8 + q), _mm512_shuffle_i32x4(v0, v1, 0xDD));
+    _mm512_store_si512(dst + 16 * (4 + q), _mm512_shuffle_i32x4(w0, w1, 0x88));
+    _mm512_store_si512(dst + 16 * (12 + q), _mm512_shuffle_i32x4(w0, w1, 0xDD));
+  }
+}
+#endif
+
 // the word of row i < 16, pair kk of a block of A / B
 inline int64_t AIndex(int64_t i, int64_t kk) { return ((kk >> 4) << 8) + (i << 4) + (kk & 15); }
 inline int64_t BIndex(int64_t i, int64_t kk) { return kk * kRowBlock + i; }
 
+// A grow-only buffer per calling thread and role (0: A's pack, 1: B's) that every product's packs reuse, so that
+// their pages are not faulted in (and zeroed) again on each call (~2 us a 4 KB page here: a quarter of packing
+// 25 MB); it keeps the largest pack asked for on that thread until the thread ends
+uint32_t* Workspace(int role, int64_t words) {
+  thread_local std::unique_ptr<uint32_t[], FreeDeleter> buffers[2];
+  thread_local int64_t sizes[2] = {0, 0};
+  if (sizes[role] < words) {
+    buffers[role].reset();
+    buffers[role].reset(static_cast<uint32_t*>(std::aligned_alloc(64, RoundUp(words * 4, 64))));
+    sizes[role] = words;
+  }
+  return buffers[role].get();
+}
+
 // src element (r, k), r < rows, k < k: src[r * k + k] when k_contiguous, else src[k * rows + r]; a_layout: the
-// blocks of A, else those of B
+// blocks of A, else those of B. T: float (rounded here) or uint16_t (bfloat16 bits, taken as they are: a float32
+// rounded by Bf16High gives the same pack as its bfloat16)
 // dst: where to write (PackedWords(rows, k) words), else a buffer of its own
-Packed Pack(const float* src, int64_t rows, int64_t k, bool k_contiguous, bool a_layout, uint32_t* dst = nullptr) {
+template <typename T>
+Packed Pack(const T* src, int64_t rows, int64_t k, bool k_contiguous, bool a_layout, uint32_t* dst = nullptr) {
   Packed p;
   p.rows_p = RoundUp(rows, kRowBlock);
   p.k2p = RoundUp((k + 1) / 2, kPairStep);
@@ -115,21 +183,22 @@ Packed Pack(const float* src, int64_t rows, int64_t k, bool k_contiguous, bool a
       for (int64_t kk = i < valid ? k2 : 0; kk < k2p; ++kk) blk[a_layout ? AIndex(i, kk) : BIndex(i, kk)] = 0;
     }
   }
-  if (k_contiguous) {  // row by row: each row's pairs are contiguous; a block's 16 rows staged, then laid out
+  if (k_contiguous) {  // row by row: each row's pairs are contiguous
     prl::ParallelFor(blocks, kRowBlock * k2p * 2, [&](int, int64_t begin, int64_t end) {
-      std::vector<uint32_t> tmp(kRowBlock * k2p);
+      std::vector<uint32_t> tmp(a_layout ? 0 : kRowBlock * k2p);
       for (int64_t rb = begin; rb < end; ++rb) {
         uint32_t* blk = base + rb * kRowBlock * k2p;
         const int64_t r0 = rb * kRowBlock, valid = std::min(kRowBlock, rows - r0);
-        for (int64_t i = 0; i < valid; ++i) RowPairs(src + (r0 + i) * k, k, tmp.data() + i * k2p);
-        if (a_layout) {
+        if (a_layout) {  // a row's 16 pairs of a step are one 64-byte row of its tile: written in place
           for (int64_t i = 0; i < valid; ++i) {
             for (int64_t kq = 0; kq < k2; kq += kPairStep) {
-              std::memcpy(blk + AIndex(i, kq), tmp.data() + i * k2p + kq,
-                          std::min(kPairStep, k2 - kq) * sizeof(uint32_t));
+              RowPairs(src + (r0 + i) * k + 2 * kq, std::min(2 * kPairStep, k - 2 * kq), blk + AIndex(i, kq));
             }
           }
-        } else if (valid == kRowBlock) {
+          continue;
+        }
+        for (int64_t i = 0; i < valid; ++i) RowPairs(src + (r0 + i) * k, k, tmp.data() + i * k2p);
+        if (valid == kRowBlock) {
           for (int64_t kk = 0; kk < k2; ++kk) {
             for (int64_t i = 0; i < kRowBlock; ++i) blk[BIndex(i, kk)] = tmp[i * k2p + kk];
           }
@@ -142,8 +211,22 @@ Packed Pack(const float* src, int64_t rows, int64_t k, bool k_contiguous, bool a
     });
     return p;
   }
-  // pair by pair: source rows 2 kk and 2 kk + 1 hold the pairs of all the rows; a group of 8 blocks reads 512
-  // contiguous bytes of each source row and writes 16 x 16 tiles of pairs (transposed for A's layout)
+  if (!a_layout) {  // B pair by pair: source rows 2 kk and 2 kk + 1 read in order, each block's pair kk 64 bytes
+    prl::ParallelFor(k2, rows * 2, [&](int, int64_t begin, int64_t end) {
+      for (int64_t kk = begin; kk < end; ++kk) {
+        const T* even = src + 2 * kk * rows;
+        const T* odd = 2 * kk + 1 < k ? even + rows : nullptr;
+        for (int64_t rb = 0; rb < blocks; ++rb) {
+          const int64_t r0 = rb * kRowBlock;
+          InterleavePairs(even + r0, odd ? odd + r0 : nullptr, std::min(kRowBlock, rows - r0),
+                          base + rb * kRowBlock * k2p + kk * kRowBlock);
+        }
+      }
+    });
+    return p;
+  }
+  // A pair by pair: source rows 2 kk and 2 kk + 1 hold the pairs of all the rows; a group of 8 blocks reads 512
+  // contiguous bytes of each source row and writes 16 x 16 tiles of pairs, transposed
   constexpr int64_t kGroup = 8;
   prl::ParallelFor((blocks + kGroup - 1) / kGroup, kGroup * kRowBlock * k2p * 2, [&](int, int64_t begin,
                                                                                       int64_t end) {
@@ -156,17 +239,17 @@ Packed Pack(const float* src, int64_t rows, int64_t k, bool k_contiguous, bool a
           const int64_t r0 = rb * kRowBlock, valid = std::min(kRowBlock, rows - r0);
           for (int64_t j = 0; j < pairs; ++j) {
             const int64_t kk = kq + j;
-            const float* even = src + 2 * kk * rows + r0;
+            const T* even = src + 2 * kk * rows + r0;
             InterleavePairs(even, 2 * kk + 1 < k ? even + rows : nullptr, valid, tile[j]);
           }
-          if (a_layout) {
-            for (int64_t i = 0; i < valid; ++i) {
-              for (int64_t j = 0; j < pairs; ++j) blk[AIndex(i, kq + j)] = tile[j][i];
-            }
-          } else if (valid == kRowBlock) {
-            std::memcpy(blk + kq * kRowBlock, tile, pairs * kRowBlock * sizeof(uint32_t));
-          } else {
-            for (int64_t j = 0; j < pairs; ++j) std::memcpy(blk + (kq + j) * kRowBlock, tile[j], valid * 4);
+#if defined(__AVX512F__)
+          if (valid == kRowBlock && pairs == kPairStep) {  // the step's 16 x 16 words of the block: one tile
+            Transpose16x16(&tile[0][0], blk + AIndex(0, kq));
+            continue;
+          }
+#endif
+          for (int64_t i = 0; i < valid; ++i) {
+            for (int64_t j = 0; j < pairs; ++j) blk[AIndex(i, kq + j)] = tile[j][i];
           }
         }
       }
@@ -320,16 +403,24 @@ inline void AmxPair(const Packed& a, const Packed& b, int64_t rb, int64_t cb, in
   }
 }
 
-// A part's B in L2 (its column blocks' packs within kChunkBytes): row pairs outer, so that C is written row by row
-// and each row pair of A is read once; else chunks of A's rows in L2, the column pairs over each chunk
+// Where a part's B fits in L2 (its packs within 1.5 kChunkBytes; L2 is 2 MB a core here) or a row pair of A in L1
+// (k <= 1024): B in panels of kChunkBytes, each panel's column pairs under every row pair (A's pair from L1, B's
+// from L2; C written row by row, which its stores need: walking C down a column block by block runs at half the
+// speed); else (a long k) chunks of A's rows in L2, the column pairs over each chunk
 void AmxProduct(const Packed& a, const Packed& b, float* c, int64_t m, int64_t n) {
   const int64_t mb = a.rows_p / kRowBlock, nb = b.rows_p / kRowBlock, chunk = ChunkBlocks(a.k2p);
+  const int64_t block_bytes = kRowBlock * b.k2p * 4;
   OverParts(mb, nb, 32 * 32 * a.k2p, [&](int, int64_t m0, int64_t m1, int64_t n0, int64_t n1) {
     AmxConfigure();
     alignas(64) float stage[32 * 32];
-    if ((n1 - n0) * kRowBlock * b.k2p * 4 <= kChunkBytes) {
-      for (int64_t rb = m0; rb < m1; rb += 2) {
-        for (int64_t cb = n0; cb < n1; cb += 2) AmxPair(a, b, rb, cb, m1, n1, c, m, n, stage);
+    const bool fits = (n1 - n0) * block_bytes <= kChunkBytes * 3 / 2;
+    if (fits || 2 * block_bytes <= kPairInL1) {
+      const int64_t panel = fits ? n1 - n0 : std::max<int64_t>(2, kChunkBytes / block_bytes / 2 * 2);
+      for (int64_t p0 = n0; p0 < n1; p0 += panel) {
+        const int64_t p1 = std::min(n1, p0 + panel);
+        for (int64_t rb = m0; rb < m1; rb += 2) {
+          for (int64_t cb = p0; cb < p1; cb += 2) AmxPair(a, b, rb, cb, m1, p1, c, m, n, stage);
+        }
       }
     } else {
       for (int64_t mc = m0; mc < m1; mc += chunk) {
@@ -445,11 +536,33 @@ int prl_cpu::Bf16MatmulKernels() {
   return (AmxUsable() ? 1 : 0) | (Avx512Bf16Usable() ? 2 : 0);
 }
 
-bool prl_cpu::Bf16Matmul(const float* a, const float* b, float* c, int64_t m, int64_t n, int64_t k, bool trans_a,
-                         bool trans_b, Bf16Kernel kernel) {
+bool prl_cpu::Bf16Matmul(const void* a, bool a_bf16, const float* b, float* c, int64_t m, int64_t n, int64_t k,
+                         bool trans_a, bool trans_b, Bf16Kernel kernel) {
   Packed pb;  // an empty product reads no B (Bf16MatmulPacked answers it, and an unusable kernel, first)
-  if (m > 0 && n > 0 && k > 0) pb = Pack(b, n, k, trans_b, false);
-  return Bf16MatmulPacked(a, pb.data, c, m, n, k, trans_a, kernel);
+  if (m > 0 && n > 0 && k > 0) pb = Pack(b, n, k, trans_b, false, Workspace(1, Bf16PackedWords(n, k)));
+  return Bf16MatmulPacked(a, a_bf16, pb.data, c, m, n, k, trans_a, kernel);
+}
+
+void prl_cpu::ToBf16(const float* x, uint16_t* out, int64_t count) {
+  constexpr int64_t kStep = 4096;
+  prl::ParallelFor((count + kStep - 1) / kStep, kStep, [&](int, int64_t begin, int64_t end) {
+    int64_t i = begin * kStep;
+    const int64_t stop = std::min(count, end * kStep);
+#if defined(__AVX512F__)
+    // Bf16High's integers, 16 at a time: u + 0x7fff + (bit 16 of u), the high half; a NaN 0x7fff
+    const __m512i bias = _mm512_set1_epi32(0x7fff), one = _mm512_set1_epi32(1);
+    const __m512i abs_mask = _mm512_set1_epi32(0x7fffffff), inf = _mm512_set1_epi32(0x7f800000);
+    for (; i + 16 <= stop; i += 16) {
+      const __m512i u = _mm512_loadu_si512(x + i);
+      const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), one);
+      const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, bias), odd), 16);
+      const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, abs_mask), inf);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), _mm512_cvtepi32_epi16(_mm512_mask_blend_epi32(nan, r,
+                                                                                                             bias)));
+    }
+#endif
+    for (; i < stop; ++i) out[i] = static_cast<uint16_t>(Bf16High(x[i]) >> 16);
+  });
 }
 
 int64_t prl_cpu::Bf16PackedWords(int64_t n, int64_t k) {
@@ -461,8 +574,8 @@ int64_t prl_cpu::Bf16PackB(const float* b, uint32_t* packed, int64_t n, int64_t 
   return Bf16PackedWords(n, k);
 }
 
-bool prl_cpu::Bf16MatmulPacked(const float* a, const uint32_t* packed_b, float* c, int64_t m, int64_t n, int64_t k,
-                               bool trans_a, Bf16Kernel kernel) {
+bool prl_cpu::Bf16MatmulPacked(const void* a, bool a_bf16, const uint32_t* packed_b, float* c, int64_t m, int64_t n,
+                               int64_t k, bool trans_a, Bf16Kernel kernel) {
   if (kernel == Bf16Kernel::kAuto) kernel = AmxUsable() ? Bf16Kernel::kAmx : Bf16Kernel::kAvx512Bf16;
   if ((kernel == Bf16Kernel::kAmx && !AmxUsable()) || (kernel == Bf16Kernel::kAvx512Bf16 && !Avx512Bf16Usable())) {
     return false;
@@ -472,7 +585,9 @@ bool prl_cpu::Bf16MatmulPacked(const float* a, const uint32_t* packed_b, float* 
     std::fill(c, c + m * n, 0.0f);
     return true;
   }
-  const Packed pa = Pack(a, m, k, !trans_a, true);
+  uint32_t* a_words = Workspace(0, Bf16PackedWords(m, k));
+  const Packed pa = a_bf16 ? Pack(static_cast<const uint16_t*>(a), m, k, !trans_a, true, a_words)
+                           : Pack(static_cast<const float*>(a), m, k, !trans_a, true, a_words);
   Packed pb;
   pb.data = packed_b;
   pb.rows_p = RoundUp(n, kRowBlock);
@@ -493,12 +608,24 @@ bool prl_cpu::Bf16MatmulPacked(const float* a, const uint32_t* packed_b, float* 
 }
 
 #ifndef PRL_NO_PADDLE
-// A [M, K] (or [K, M] with trans_a), B [K, N] (or [N, K] with trans_b), float32 -> C [M, N]; kernel: 0 the best
-// the CPU has, 1 AMX, 2 AVX512-BF16 (an error where it is not usable)
+namespace {
+// a's data and whether it is bfloat16: a float32 or bfloat16 CPU tensor
+std::pair<const void*, bool> Bf16Operand(const paddle::Tensor& a, const char* op) {
+  if (a.dtype() == paddle::DataType::BFLOAT16) {
+    PD_CHECK(a.is_cpu(), op, ": a must be a CPU tensor");
+    return {a.data<phi::dtype::bfloat16>(), true};
+  }
+  prl::CheckCpuFloat(a, op, "a (float32 or bfloat16)");
+  return {a.data<float>(), false};
+}
+}  // namespace
+
+// A [M, K] (or [K, M] with trans_a) float32 or bfloat16, B [K, N] (or [N, K] with trans_b) float32 -> C [M, N]
+// float32; kernel: 0 the best the CPU has, 1 AMX, 2 AVX512-BF16 (an error where it is not usable)
 std::vector<paddle::Tensor> Bf16MatmulOp(const paddle::Tensor& a, const paddle::Tensor& b, bool trans_a, bool trans_b,
                                          int64_t kernel) {
   const char* op = "prl_bf16_matmul";
-  prl::CheckCpuFloat(a, op, "a");
+  const auto [a_data, a_bf16] = Bf16Operand(a, op);
   prl::CheckCpuFloat(b, op, "b");
   PD_CHECK(a.shape().size() == 2 && b.shape().size() == 2, op, ": a and b must be 2-D");
   PD_CHECK(kernel >= 0 && kernel <= 2, op, ": kernel must be 0 (auto), 1 (amx) or 2 (avx512_bf16), got ", kernel);
@@ -506,7 +633,7 @@ std::vector<paddle::Tensor> Bf16MatmulOp(const paddle::Tensor& a, const paddle::
   const int64_t kb = b.shape()[trans_b ? 1 : 0], n = b.shape()[trans_b ? 0 : 1];
   PD_CHECK(k == kb, op, ": inner dimensions differ (a gives ", k, ", b gives ", kb, ")");
   auto out = paddle::empty({m, n}, paddle::DataType::FLOAT32, a.place());
-  const bool done = prl_cpu::Bf16Matmul(a.data<float>(), b.data<float>(), out.data<float>(), m, n, k, trans_a,
+  const bool done = prl_cpu::Bf16Matmul(a_data, a_bf16, b.data<float>(), out.data<float>(), m, n, k, trans_a,
                                         trans_b, static_cast<prl_cpu::Bf16Kernel>(kernel));
   PD_CHECK(done, op, ": the ", kernel == 1 ? "AMX-BF16" : kernel == 2 ? "AVX512-BF16" : "AMX-BF16 and AVX512-BF16",
            " kernel is not usable here (CPU, OS or build: see prl_bf16_kernels)");
@@ -518,7 +645,9 @@ std::vector<std::vector<int64_t>> Bf16MatmulInferShape(const std::vector<int64_t
   return {{a[trans_a ? 1 : 0], b[trans_b ? 0 : 1]}};
 }
 
-std::vector<paddle::DataType> Bf16MatmulInferDtype(paddle::DataType a, paddle::DataType b) { return {a}; }
+std::vector<paddle::DataType> Bf16MatmulInferDtype(paddle::DataType a, paddle::DataType b) {
+  return {paddle::DataType::FLOAT32};
+}
 
 PD_BUILD_OP(prl_bf16_matmul)
     .Inputs({"A", "B"})
@@ -560,7 +689,7 @@ PD_BUILD_OP(prl_bf16_pack_b)
 std::vector<paddle::Tensor> Bf16MatmulPackedOp(const paddle::Tensor& a, const paddle::Tensor& packed_b, bool trans_a,
                                                int64_t n, int64_t kernel) {
   const char* op = "prl_bf16_matmul_packed";
-  prl::CheckCpuFloat(a, op, "a");
+  const auto [a_data, a_bf16] = Bf16Operand(a, op);
   PD_CHECK(a.shape().size() == 2, op, ": a must be 2-D");
   PD_CHECK(packed_b.dtype() == paddle::DataType::INT32 && packed_b.shape().size() == 2 && packed_b.is_cpu(), op,
            ": packed_b must be prl_bf16_pack_b's int32 [N16, K2] CPU tensor");
@@ -570,7 +699,7 @@ std::vector<paddle::Tensor> Bf16MatmulPackedOp(const paddle::Tensor& a, const pa
            ": packed_b [", packed_b.shape()[0], ", ", packed_b.shape()[1], "] is not the pack of a [", k, ", ", n,
            "] operand");
   auto out = paddle::empty({m, n}, paddle::DataType::FLOAT32, a.place());
-  const bool done = prl_cpu::Bf16MatmulPacked(a.data<float>(),
+  const bool done = prl_cpu::Bf16MatmulPacked(a_data, a_bf16,
                                               reinterpret_cast<const uint32_t*>(packed_b.data<int32_t>()),
                                               out.data<float>(), m, n, k, trans_a,
                                               static_cast<prl_cpu::Bf16Kernel>(kernel));
@@ -585,7 +714,9 @@ std::vector<std::vector<int64_t>> Bf16MatmulPackedInferShape(const std::vector<i
   return {{a[trans_a ? 1 : 0], n}};
 }
 
-std::vector<paddle::DataType> Bf16MatmulPackedInferDtype(paddle::DataType a, paddle::DataType b) { return {a}; }
+std::vector<paddle::DataType> Bf16MatmulPackedInferDtype(paddle::DataType a, paddle::DataType b) {
+  return {paddle::DataType::FLOAT32};
+}
 
 PD_BUILD_OP(prl_bf16_matmul_packed)
     .Inputs({"A", "PackedB"})
@@ -594,6 +725,25 @@ PD_BUILD_OP(prl_bf16_matmul_packed)
     .SetKernelFn(PD_KERNEL(Bf16MatmulPackedOp))
     .SetInferShapeFn(PD_INFER_SHAPE(Bf16MatmulPackedInferShape))
     .SetInferDtypeFn(PD_INFER_DTYPE(Bf16MatmulPackedInferDtype));
+
+// x float32 -> x rounded to bfloat16 (Paddle's cast's bits: nearest even, a NaN 0x7fff), in parallel
+std::vector<paddle::Tensor> ToBf16Op(const paddle::Tensor& x) {
+  prl::CheckCpuFloat(x, "prl_to_bf16", "x");
+  auto out = paddle::empty(x.shape(), paddle::DataType::BFLOAT16, x.place());
+  prl_cpu::ToBf16(x.data<float>(), reinterpret_cast<uint16_t*>(out.data<phi::dtype::bfloat16>()), x.numel());
+  return {out};
+}
+
+std::vector<std::vector<int64_t>> ToBf16InferShape(const std::vector<int64_t>& x) { return {x}; }
+
+std::vector<paddle::DataType> ToBf16InferDtype(paddle::DataType x) { return {paddle::DataType::BFLOAT16}; }
+
+PD_BUILD_OP(prl_to_bf16)
+    .Inputs({"X"})
+    .Outputs({"Out"})
+    .SetKernelFn(PD_KERNEL(ToBf16Op))
+    .SetInferShapeFn(PD_INFER_SHAPE(ToBf16InferShape))
+    .SetInferDtypeFn(PD_INFER_DTYPE(ToBf16InferDtype));
 
 // [2] int32: whether the AMX-BF16 and the AVX512-BF16 kernels are usable (CPU, OS and build); x is not read
 std::vector<paddle::Tensor> Bf16KernelsOp(const paddle::Tensor& x) {

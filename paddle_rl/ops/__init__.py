@@ -34,7 +34,8 @@ from .linear import (ROLLOUT_DTYPES, BF16_KERNELS, bf16_kernel, bf16_kernels, bf
                      pack_weight_fused,
                      pack_weight_lowp, pack_weight_lowp_fused, pack_weight_lowp_reference, pack_weight_reference,
                      packed_linear, packed_linear_fused, packed_linear_lowp, packed_linear_lowp_fused,
-                     packed_linear_lowp_reference, packed_linear_reference, packing_helps, rollout_weight_format)
+                     packed_linear_lowp_reference, packed_linear_reference, packing_helps, rollout_weight_format,
+                     to_bf16, to_bf16_fused, to_bf16_reference)
 from .logprob import lm_head_logprobs, lm_head_logprobs_reference, logprobs_from_logits
 from .norm import rms_norm, rms_norm_fused, rms_norm_reference
 from .rollout_state import StepState, step_update, step_update_fused, step_update_reference
@@ -52,7 +53,7 @@ __all__ = ["configure", "available", "mode", "status", "CustomOpsError",
            "packed_linear", "packed_linear_fused", "packed_linear_reference", "packing_helps",
            "bf16_linear", "bf16_linear_reference", "round_bf16", "BF16_KERNELS", "bf16_kernel", "bf16_kernels",
            "bf16_matmul", "bf16_matmul_fused", "bf16_matmul_packed", "bf16_pack_b", "Bf16PackedB",
-           "bf16_matmul_reference", "emulation_forced",
+           "bf16_matmul_reference", "emulation_forced", "to_bf16", "to_bf16_fused", "to_bf16_reference",
            "ROLLOUT_DTYPES", "ROLLOUT_QUANT_TYPES", "LowpPacked", "rollout_weight_format",
            "pack_weight_lowp", "pack_weight_lowp_fused", "pack_weight_lowp_reference",
            "packed_linear_lowp", "packed_linear_lowp_fused", "packed_linear_lowp_reference",

@@ -192,8 +192,9 @@ def bf16_matmul_reference(a, b, trans_a: bool = False, trans_b: bool = False):
 
 
 def bf16_matmul_fused(a, b, trans_a: bool = False, trans_b: bool = False, kernel: str = "auto"):
-    """The kernel's op(a) @ op(b); `kernel`: auto (the best usable) | amx | avx512_bf16 (an error where the CPU, OS
-    or build cannot run it)."""
+    """The kernel's op(a) @ op(b); `a` float32 or bfloat16 (to_bf16's copy of it: the same product, its packing
+    reading half the bytes and no cast); `kernel`: auto (the best usable) | amx | avx512_bf16 (an error where the
+    CPU, OS or build cannot run it)."""
     if kernel not in _KERNEL_CODES:
         raise ValueError(f"bf16_matmul kernel: must be one of {', '.join(_KERNEL_CODES)}, got {kernel!r}")
     return build.run("prl_bf16_matmul", contiguous(a), contiguous(b), bool(trans_a), bool(trans_b),
@@ -220,6 +221,20 @@ def bf16_matmul_packed(a, packed: Bf16PackedB, trans_a: bool = False, kernel: st
         raise ValueError(f"bf16_matmul kernel: must be one of {', '.join(_KERNEL_CODES)}, got {kernel!r}")
     return build.run("prl_bf16_matmul_packed", contiguous(a), packed.words, bool(trans_a), int(packed.n),
                      _KERNEL_CODES[kernel])[0]
+
+
+def to_bf16_reference(x):
+    return x.astype("bfloat16")
+
+
+def to_bf16_fused(x):
+    return build.run("prl_to_bf16", contiguous(x))[0]
+
+
+def to_bf16(x):
+    """float32 x rounded to bfloat16 (nearest even, a NaN 0x7fff): Paddle's cast, bit for bit; by the kernel (in
+    parallel, vectorized) where the custom ops run, Paddle's CPU cast being several times slower."""
+    return (to_bf16_fused if fusable(x) and x.place.is_cpu_place() else to_bf16_reference)(x)
 
 
 _usable_kernels = []
@@ -273,31 +288,34 @@ def bf16_matmul(a, b, trans_a: bool = False, trans_b: bool = False):
 
 class _Bf16Linear(PyLayer):
     # What the backward keeps: the weight gradient reads x only through its bfloat16 rounding, so x is kept as
-    # that rounding, a bfloat16 tensor (half float32's bytes; widening it back is exact and the kernel's rounding of
-    # a rounded value is itself, so the products are the same bits), and only when W takes a gradient. The weight
-    # is the parameter itself (no copy).
+    # that rounding, a bfloat16 tensor (half float32's bytes; the kernel's rounding of a rounded value is itself, so
+    # the products are the same bits), and only when W takes a gradient. The weight is the parameter itself (no
+    # copy). Fused, the rounding is to_bf16's kernel and the products read it as it is (no Paddle cast either way:
+    # Paddle's CPU cast costs several times the kernel's); the forward's product then packs x from that copy too.
     @staticmethod
     def forward(ctx, x, weight, fused: bool):
         k, n = weight.shape
         ctx.needs = (not x.stop_gradient, not weight.stop_gradient)
         ctx.fused = fused
         ctx.x_shape = x.shape
-        ctx.save_for_backward(*([x.astype("bfloat16"), weight] if ctx.needs[1] else [weight]))
         if ctx.fused:
-            return bf16_matmul_fused(x.reshape([-1, k]), weight).reshape(x.shape[:-1] + [n])
+            xb = to_bf16_fused(x) if ctx.needs[1] else None
+            ctx.save_for_backward(*([xb, weight] if ctx.needs[1] else [weight]))
+            return bf16_matmul_fused((x if xb is None else xb).reshape([-1, k]), weight).reshape(x.shape[:-1] + [n])
+        ctx.save_for_backward(*([x.astype("bfloat16"), weight] if ctx.needs[1] else [weight]))
         return paddle.matmul(round_bf16(x), round_bf16(weight))
 
     @staticmethod
     def backward(ctx, dy):
         saved = ctx.saved_tensor()
-        x, w = (saved[0].astype("float32"), saved[1]) if ctx.needs[1] else (None, saved[0])
+        x, w = (saved[0], saved[1]) if ctx.needs[1] else (None, saved[0])
         k, n = w.shape
-        x = x.reshape([-1, k]) if x is not None else None
         dy2 = dy.reshape([-1, n])
         if ctx.fused:
             dx = bf16_matmul_fused(dy2, w, trans_b=True).reshape(ctx.x_shape) if ctx.needs[0] else None
-            dw = bf16_matmul_fused(x, dy2, trans_a=True) if ctx.needs[1] else None
+            dw = bf16_matmul_fused(x.reshape([-1, k]), dy2, trans_a=True) if ctx.needs[1] else None
             return dx, dw
+        x = x.astype("float32").reshape([-1, k]) if x is not None else None
         dyr = round_bf16(dy2)
         dx = paddle.matmul(dyr, round_bf16(w), transpose_y=True).reshape(ctx.x_shape) if ctx.needs[0] else None
         dw = paddle.matmul(x, dyr, transpose_x=True) if ctx.needs[1] else None
