@@ -11,18 +11,23 @@
 void prl_cpu::LogprobForward(const float* xp, const int64_t* yp, float* lp, float* hp, float* sp, float* mp,
                              int64_t n, int64_t v, float scale) {
   prl::ParallelFor(n, v, [&](int, int64_t begin, int64_t end) {
-    std::vector<float> z(v);
+    // locals, not the captured references: a store through a float pointer may alias a captured float (or the
+    // loop bound), which keeps the loops below from vectorizing
+    const int64_t vocab = v;
+    const float sc = scale;
+    std::vector<float> buffer(vocab);
+    float* z = buffer.data();
     for (int64_t r = begin; r < end; ++r) {
-      const float* x = xp + r * v;
+      const float* x = xp + r * vocab;
       float m = -3.0e38f;
 #pragma omp simd reduction(max : m)
-      for (int64_t i = 0; i < v; ++i) {
-        z[i] = x[i] * scale;
+      for (int64_t i = 0; i < vocab; ++i) {
+        z[i] = x[i] * sc;
         m = std::max(m, z[i]);
       }
       double s = 0.0, sz = 0.0;
 #pragma omp simd reduction(+ : s, sz)
-      for (int64_t i = 0; i < v; ++i) {
+      for (int64_t i = 0; i < vocab; ++i) {
         const float e = prl::ExpF(z[i] - m);
         s += e;
         sz += static_cast<double>(e) * z[i];
@@ -40,17 +45,20 @@ void prl_cpu::LogprobForward(const float* xp, const int64_t* yp, float* lp, floa
 void prl_cpu::LogprobBackward(const float* xp, const int64_t* yp, const float* sp, const float* mp, const float* gl,
                               const float* ge, float* gp, int64_t n, int64_t v, float scale) {
   prl::ParallelFor(n, v, [&](int, int64_t begin, int64_t end) {
+    const int64_t vocab = v;  // locals: see LogprobForward
+    const float sc = scale;
     for (int64_t r = begin; r < end; ++r) {
-      const float* x = xp + r * v;
-      float* g = gp + r * v;
-      const float l = sp[r], mz = mp[r], a = gl[r] * scale, c = (ge ? ge[r] : 0.0f) * scale;
-      for (int64_t i = 0; i < v; ++i) {
-        const float z = x[i] * scale;
+      const float* x = xp + r * vocab;
+      float* g = gp + r * vocab;
+      const float l = sp[r], mz = mp[r], a = gl[r] * sc, c = (ge ? ge[r] : 0.0f) * sc;
+#pragma omp simd
+      for (int64_t i = 0; i < vocab; ++i) {
+        const float z = x[i] * sc;
         const float p = prl::ExpF(z - l);
         g[i] = -a * p - c * p * (z - mz);
       }
       const int64_t y = yp[r];
-      if (y >= 0 && y < v) g[y] += a;
+      if (y >= 0 && y < vocab) g[y] += a;
     }
   });
 }
