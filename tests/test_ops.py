@@ -446,6 +446,22 @@ def test_lm_head_logprob_gradient_of_logp_only(rng):
         close(g.numpy(), r.numpy(), rel=1e-4, what="grad")
 
 
+def test_row_argmax_is_paddles_argmax(rng):
+    """The CPU kernel's argmax of each row equals paddle.argmax: the first index of a tie, -inf entries, rows
+    wider than a vector and a row whose largest value is last."""
+    logits = rng.standard_normal((37, 4099)).astype(np.float32)
+    logits[1] = 0.0                                   # an all-way tie: 0
+    logits[2, [5, 900, 4000]] = 9.0                   # a 3-way tie: 5
+    logits[3, :] = -np.inf
+    logits[3, 77] = -1.0
+    logits[4, -1] = 50.0                              # the last column
+    logits = np.round(logits, 1)                      # many ties
+    x = t(logits)
+    got = logprob_module.row_argmax(x).numpy()
+    np.testing.assert_array_equal(got, paddle.argmax(x, axis=-1).numpy())
+    assert got[1] == 0 and got[2] == 5 and got[3] == 77 and got[4] == 4098
+
+
 @pytest.mark.parametrize("fused", [True, False])
 @pytest.mark.parametrize("tied", [False, True])
 def test_lm_head_greedy_is_the_argmax_of_each_row(rng, fused, tied):

@@ -64,6 +64,9 @@ void LogprobForward(const float* logits, const int64_t* labels, float* logp, flo
 void LogprobBackward(const float* logits, const int64_t* labels, const float* lse, const float* mean_z,
                      const float* grad_logp, const float* grad_entropy, float* grad, int64_t n, int64_t v,
                      float scale);
+// argmax [n] int64 of each row of logits [n, v]: the first index of the row's largest value (paddle.argmax's tie
+// rule; a NaN is skipped)
+void RowArgmax(const float* logits, int64_t* argmax, int64_t n, int64_t v);
 
 // Every array [b] but stop [n_stop], seen [b, v] (or null: v unused) and done [1].
 void StepUpdate(const int64_t* tokens, const float* logprob, const bool* finished, const int64_t* lengths,

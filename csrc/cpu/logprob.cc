@@ -4,6 +4,7 @@
 //   backward: d logits = scale * (g_logp * (onehot(label) - p) - g_entropy * p * (z - mean_z)), p = exp(z - lse).
 // The LM-head matmuls around it run in Paddle (paddle_rl/ops/logprob.py), chunk by chunk.
 #include <algorithm>
+#include <limits>
 
 #include "../prl_common.h"
 #include "kernels.h"
@@ -59,6 +60,21 @@ void prl_cpu::LogprobBackward(const float* xp, const int64_t* yp, const float* s
       }
       const int64_t y = yp[r];
       if (y >= 0 && y < vocab) g[y] += a;
+    }
+  });
+}
+
+void prl_cpu::RowArgmax(const float* xp, int64_t* ap, int64_t n, int64_t v) {
+  prl::ParallelFor(n, v, [&](int, int64_t begin, int64_t end) {
+    const int64_t vocab = v;  // a local: see LogprobForward
+    for (int64_t r = begin; r < end; ++r) {
+      const float* x = xp + r * vocab;
+      float m = -std::numeric_limits<float>::infinity();
+#pragma omp simd reduction(max : m)
+      for (int64_t i = 0; i < vocab; ++i) m = std::max(m, x[i]);
+      int64_t at = 0;
+      while (at < vocab && !(x[at] == m)) ++at;
+      ap[r] = at < vocab ? at : 0;
     }
   });
 }
@@ -143,6 +159,29 @@ std::vector<paddle::DataType> LogprobBackwardInferDtype(paddle::DataType logits,
                                                         const paddle::optional<paddle::DataType>& grad_entropy) {
   return {logits};
 }
+
+// logits [N, V] float32 CPU -> the first index of each row's largest value, int64 [N]
+std::vector<paddle::Tensor> RowArgmax(const paddle::Tensor& logits) {
+  const char* op = "prl_row_argmax";
+  prl::CheckCpuFloat(logits, op, "logits");
+  PD_CHECK(logits.shape().size() == 2, op, ": logits must be [N, V]");
+  const int64_t n = logits.shape()[0], v = logits.shape()[1];
+  PD_CHECK(v > 0, op, ": logits have no columns");
+  auto out = paddle::empty({n}, paddle::DataType::INT64, logits.place());
+  prl_cpu::RowArgmax(logits.data<float>(), out.data<int64_t>(), n, v);
+  return {out};
+}
+
+std::vector<std::vector<int64_t>> RowArgmaxInferShape(const std::vector<int64_t>& logits) { return {{logits[0]}}; }
+
+std::vector<paddle::DataType> RowArgmaxInferDtype(paddle::DataType logits) { return {paddle::DataType::INT64}; }
+
+PD_BUILD_OP(prl_row_argmax)
+    .Inputs({"Logits"})
+    .Outputs({"Argmax"})
+    .SetKernelFn(PD_KERNEL(RowArgmax))
+    .SetInferShapeFn(PD_INFER_SHAPE(RowArgmaxInferShape))
+    .SetInferDtypeFn(PD_INFER_DTYPE(RowArgmaxInferDtype));
 
 PD_BUILD_OP(prl_logprob)
     .Inputs({"Logits", "Labels"})
