@@ -536,10 +536,14 @@ int prl_cpu::Bf16MatmulKernels() {
   return (AmxUsable() ? 1 : 0) | (Avx512Bf16Usable() ? 2 : 0);
 }
 
-bool prl_cpu::Bf16Matmul(const void* a, bool a_bf16, const float* b, float* c, int64_t m, int64_t n, int64_t k,
-                         bool trans_a, bool trans_b, Bf16Kernel kernel) {
+bool prl_cpu::Bf16Matmul(const void* a, bool a_bf16, const void* b, bool b_bf16, float* c, int64_t m, int64_t n,
+                         int64_t k, bool trans_a, bool trans_b, Bf16Kernel kernel) {
   Packed pb;  // an empty product reads no B (Bf16MatmulPacked answers it, and an unusable kernel, first)
-  if (m > 0 && n > 0 && k > 0) pb = Pack(b, n, k, trans_b, false, Workspace(1, Bf16PackedWords(n, k)));
+  if (m > 0 && n > 0 && k > 0) {
+    uint32_t* words = Workspace(1, Bf16PackedWords(n, k));
+    pb = b_bf16 ? Pack(static_cast<const uint16_t*>(b), n, k, trans_b, false, words)
+                : Pack(static_cast<const float*>(b), n, k, trans_b, false, words);
+  }
   return Bf16MatmulPacked(a, a_bf16, pb.data, c, m, n, k, trans_a, kernel);
 }
 
@@ -569,8 +573,12 @@ int64_t prl_cpu::Bf16PackedWords(int64_t n, int64_t k) {
   return RoundUp(n, kRowBlock) * RoundUp((k + 1) / 2, kPairStep);
 }
 
-int64_t prl_cpu::Bf16PackB(const float* b, uint32_t* packed, int64_t n, int64_t k, bool trans_b) {
-  Pack(b, n, k, trans_b, false, packed);
+int64_t prl_cpu::Bf16PackB(const void* b, bool b_bf16, uint32_t* packed, int64_t n, int64_t k, bool trans_b) {
+  if (b_bf16) {
+    Pack(static_cast<const uint16_t*>(b), n, k, trans_b, false, packed);
+  } else {
+    Pack(static_cast<const float*>(b), n, k, trans_b, false, packed);
+  }
   return Bf16PackedWords(n, k);
 }
 
@@ -609,31 +617,31 @@ bool prl_cpu::Bf16MatmulPacked(const void* a, bool a_bf16, const uint32_t* packe
 
 #ifndef PRL_NO_PADDLE
 namespace {
-// a's data and whether it is bfloat16: a float32 or bfloat16 CPU tensor
-std::pair<const void*, bool> Bf16Operand(const paddle::Tensor& a, const char* op) {
-  if (a.dtype() == paddle::DataType::BFLOAT16) {
-    PD_CHECK(a.is_cpu(), op, ": a must be a CPU tensor");
-    return {a.data<phi::dtype::bfloat16>(), true};
+// an operand's data and whether it is bfloat16: a float32 or bfloat16 CPU tensor
+std::pair<const void*, bool> Bf16Operand(const paddle::Tensor& t, const char* op, const char* name) {
+  if (t.dtype() == paddle::DataType::BFLOAT16) {
+    PD_CHECK(t.is_cpu(), op, ": ", name, " must be a CPU tensor");
+    return {t.data<phi::dtype::bfloat16>(), true};
   }
-  prl::CheckCpuFloat(a, op, "a (float32 or bfloat16)");
-  return {a.data<float>(), false};
+  prl::CheckCpuFloat(t, op, name);
+  return {t.data<float>(), false};
 }
 }  // namespace
 
-// A [M, K] (or [K, M] with trans_a) float32 or bfloat16, B [K, N] (or [N, K] with trans_b) float32 -> C [M, N]
+// A [M, K] (or [K, M] with trans_a), B [K, N] (or [N, K] with trans_b), each float32 or bfloat16 -> C [M, N]
 // float32; kernel: 0 the best the CPU has, 1 AMX, 2 AVX512-BF16 (an error where it is not usable)
 std::vector<paddle::Tensor> Bf16MatmulOp(const paddle::Tensor& a, const paddle::Tensor& b, bool trans_a, bool trans_b,
                                          int64_t kernel) {
   const char* op = "prl_bf16_matmul";
-  const auto [a_data, a_bf16] = Bf16Operand(a, op);
-  prl::CheckCpuFloat(b, op, "b");
+  const auto [a_data, a_bf16] = Bf16Operand(a, op, "a (float32 or bfloat16)");
+  const auto [b_data, b_bf16] = Bf16Operand(b, op, "b (float32 or bfloat16)");
   PD_CHECK(a.shape().size() == 2 && b.shape().size() == 2, op, ": a and b must be 2-D");
   PD_CHECK(kernel >= 0 && kernel <= 2, op, ": kernel must be 0 (auto), 1 (amx) or 2 (avx512_bf16), got ", kernel);
   const int64_t m = a.shape()[trans_a ? 1 : 0], k = a.shape()[trans_a ? 0 : 1];
   const int64_t kb = b.shape()[trans_b ? 1 : 0], n = b.shape()[trans_b ? 0 : 1];
   PD_CHECK(k == kb, op, ": inner dimensions differ (a gives ", k, ", b gives ", kb, ")");
   auto out = paddle::empty({m, n}, paddle::DataType::FLOAT32, a.place());
-  const bool done = prl_cpu::Bf16Matmul(a_data, a_bf16, b.data<float>(), out.data<float>(), m, n, k, trans_a,
+  const bool done = prl_cpu::Bf16Matmul(a_data, a_bf16, b_data, b_bf16, out.data<float>(), m, n, k, trans_a,
                                         trans_b, static_cast<prl_cpu::Bf16Kernel>(kernel));
   PD_CHECK(done, op, ": the ", kernel == 1 ? "AMX-BF16" : kernel == 2 ? "AVX512-BF16" : "AMX-BF16 and AVX512-BF16",
            " kernel is not usable here (CPU, OS or build: see prl_bf16_kernels)");
@@ -657,16 +665,17 @@ PD_BUILD_OP(prl_bf16_matmul)
     .SetInferShapeFn(PD_INFER_SHAPE(Bf16MatmulInferShape))
     .SetInferDtypeFn(PD_INFER_DTYPE(Bf16MatmulInferDtype));
 
-// B [K, N] (or [N, K] with trans_b) float32 -> its pack for prl_bf16_matmul_packed: [N padded to 16, K / 2 padded to
-// 16] int32 words (pairs of bfloat16, the layout above): a weight packed once and multiplied many times
+// B [K, N] (or [N, K] with trans_b) float32 or bfloat16 -> its pack for prl_bf16_matmul_packed: [N padded to 16,
+// K / 2 padded to 16] int32 words (pairs of bfloat16, the layout above): a weight packed once and multiplied many
+// times
 std::vector<paddle::Tensor> Bf16PackBOp(const paddle::Tensor& b, bool trans_b) {
   const char* op = "prl_bf16_pack_b";
-  prl::CheckCpuFloat(b, op, "b");
+  const auto [b_data, b_bf16] = Bf16Operand(b, op, "b (float32 or bfloat16)");
   PD_CHECK(b.shape().size() == 2, op, ": b must be 2-D");
   const int64_t k = b.shape()[trans_b ? 1 : 0], n = b.shape()[trans_b ? 0 : 1];
   auto out = paddle::empty({RoundUp(n, kRowBlock), RoundUp((k + 1) / 2, kPairStep)}, paddle::DataType::INT32,
                            b.place());
-  prl_cpu::Bf16PackB(b.data<float>(), reinterpret_cast<uint32_t*>(out.data<int32_t>()), n, k, trans_b);
+  prl_cpu::Bf16PackB(b_data, b_bf16, reinterpret_cast<uint32_t*>(out.data<int32_t>()), n, k, trans_b);
   return {out};
 }
 
@@ -689,7 +698,7 @@ PD_BUILD_OP(prl_bf16_pack_b)
 std::vector<paddle::Tensor> Bf16MatmulPackedOp(const paddle::Tensor& a, const paddle::Tensor& packed_b, bool trans_a,
                                                int64_t n, int64_t kernel) {
   const char* op = "prl_bf16_matmul_packed";
-  const auto [a_data, a_bf16] = Bf16Operand(a, op);
+  const auto [a_data, a_bf16] = Bf16Operand(a, op, "a (float32 or bfloat16)");
   PD_CHECK(a.shape().size() == 2, op, ": a must be 2-D");
   PD_CHECK(packed_b.dtype() == paddle::DataType::INT32 && packed_b.shape().size() == 2 && packed_b.is_cpu(), op,
            ": packed_b must be prl_bf16_pack_b's int32 [N16, K2] CPU tensor");
