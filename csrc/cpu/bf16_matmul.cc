@@ -547,27 +547,6 @@ bool prl_cpu::Bf16Matmul(const void* a, bool a_bf16, const void* b, bool b_bf16,
   return Bf16MatmulPacked(a, a_bf16, pb.data, c, m, n, k, trans_a, kernel);
 }
 
-void prl_cpu::ToBf16(const float* x, uint16_t* out, int64_t count) {
-  constexpr int64_t kStep = 4096;
-  prl::ParallelFor((count + kStep - 1) / kStep, kStep, [&](int, int64_t begin, int64_t end) {
-    int64_t i = begin * kStep;
-    const int64_t stop = std::min(count, end * kStep);
-#if defined(__AVX512F__)
-    // Bf16High's integers, 16 at a time: u + 0x7fff + (bit 16 of u), the high half; a NaN 0x7fff
-    const __m512i bias = _mm512_set1_epi32(0x7fff), one = _mm512_set1_epi32(1);
-    const __m512i abs_mask = _mm512_set1_epi32(0x7fffffff), inf = _mm512_set1_epi32(0x7f800000);
-    for (; i + 16 <= stop; i += 16) {
-      const __m512i u = _mm512_loadu_si512(x + i);
-      const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), one);
-      const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, bias), odd), 16);
-      const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, abs_mask), inf);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), _mm512_cvtepi32_epi16(_mm512_mask_blend_epi32(nan, r,
-                                                                                                             bias)));
-    }
-#endif
-    for (; i < stop; ++i) out[i] = static_cast<uint16_t>(Bf16High(x[i]) >> 16);
-  });
-}
 
 int64_t prl_cpu::Bf16PackedWords(int64_t n, int64_t k) {
   return RoundUp(n, kRowBlock) * RoundUp((k + 1) / 2, kPairStep);
@@ -617,6 +596,29 @@ bool prl_cpu::Bf16MatmulPacked(const void* a, bool a_bf16, const uint32_t* packe
 
 #ifndef PRL_NO_PADDLE
 namespace {
+// out[i] = x[i] rounded to bfloat16, nearest even, a NaN 0x7fff, subnormals kept: Paddle's cast, bit for bit
+void ToBf16(const float* x, uint16_t* out, int64_t count) {
+  constexpr int64_t kStep = 4096;
+  prl::ParallelFor((count + kStep - 1) / kStep, kStep, [&](int, int64_t begin, int64_t end) {
+    int64_t i = begin * kStep;
+    const int64_t stop = std::min(count, end * kStep);
+#if defined(__AVX512F__)
+    // Bf16High's integers, 16 at a time: u + 0x7fff + (bit 16 of u), the high half; a NaN 0x7fff
+    const __m512i bias = _mm512_set1_epi32(0x7fff), one = _mm512_set1_epi32(1);
+    const __m512i abs_mask = _mm512_set1_epi32(0x7fffffff), inf = _mm512_set1_epi32(0x7f800000);
+    for (; i + 16 <= stop; i += 16) {
+      const __m512i u = _mm512_loadu_si512(x + i);
+      const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), one);
+      const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, bias), odd), 16);
+      const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, abs_mask), inf);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), _mm512_cvtepi32_epi16(_mm512_mask_blend_epi32(nan, r,
+                                                                                                             bias)));
+    }
+#endif
+    for (; i < stop; ++i) out[i] = static_cast<uint16_t>(Bf16High(x[i]) >> 16);
+  });
+}
+
 // an operand's data and whether it is bfloat16: a float32 or bfloat16 CPU tensor
 std::pair<const void*, bool> Bf16Operand(const paddle::Tensor& t, const char* op, const char* name) {
   if (t.dtype() == paddle::DataType::BFLOAT16) {
@@ -739,7 +741,7 @@ PD_BUILD_OP(prl_bf16_matmul_packed)
 std::vector<paddle::Tensor> ToBf16Op(const paddle::Tensor& x) {
   prl::CheckCpuFloat(x, "prl_to_bf16", "x");
   auto out = paddle::empty(x.shape(), paddle::DataType::BFLOAT16, x.place());
-  prl_cpu::ToBf16(x.data<float>(), reinterpret_cast<uint16_t*>(out.data<phi::dtype::bfloat16>()), x.numel());
+  ToBf16(x.data<float>(), reinterpret_cast<uint16_t*>(out.data<phi::dtype::bfloat16>()), x.numel());
   return {out};
 }
 
