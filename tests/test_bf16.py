@@ -637,25 +637,31 @@ def test_to_bf16_is_paddles_cast_bit_for_bit():
 
 
 @pytest.mark.parametrize("kernel", list(ops.BF16_KERNELS))
-def test_bf16_matmul_takes_a_bfloat16_left_operand(kernel):
-    """bf16_matmul_fused / bf16_matmul_packed with `a` a bfloat16 tensor (to_bf16's copy: what the weight gradient
-    reads) give the float32 a's bits, for both layouts of a (its rows' pairs copied; trans_a: pairs interleaved
-    from two rows) and sizes off the kernels' blocks."""
+def test_bf16_matmul_takes_bfloat16_operands(kernel):
+    """bf16_matmul_fused / bf16_pack_b / bf16_matmul_packed with a or b a bfloat16 tensor (to_bf16's copy: what the
+    weight gradient reads; a frozen layer's bfloat16 weight) give the float32 operands' bits, for both layouts of
+    each (rows' pairs copied; pairs interleaved from two rows) and sizes off the kernels' blocks; bf16_linear with a
+    bfloat16 weight and no gradient gives the float32 weight's bits."""
     if kernel not in ops.bf16_kernels():
         pytest.skip(f"{kernel} is not usable here (usable: {ops.bf16_kernels() or 'none'})")
     rng = np.random.default_rng(12)
     for m, n, k in ((37, 45, 67), (70, 33, 301), (130, 40, 96)):
-        for trans_a in (False, True):
-            a = rng.standard_normal([k, m] if trans_a else [m, k]).astype(np.float32)
-            b = paddle.to_tensor(rng.standard_normal([k, n]).astype(np.float32))
-            af = paddle.to_tensor(a)
-            ab = ops.to_bf16(af)
-            expected = ops.bf16_matmul_fused(af, b, trans_a, kernel=kernel).numpy()
-            got = ops.bf16_matmul_fused(ab, b, trans_a, kernel=kernel)
-            assert got.dtype == paddle.float32
-            np.testing.assert_array_equal(got.numpy(), expected)
-            np.testing.assert_array_equal(ops.bf16_matmul_packed(ab, ops.bf16_pack_b(b), trans_a, kernel=kernel)
-                                          .numpy(), expected)
+        for trans_a, trans_b in ((False, False), (True, True), (False, True), (True, False)):
+            a = paddle.to_tensor(rng.standard_normal([k, m] if trans_a else [m, k]).astype(np.float32))
+            b = paddle.to_tensor(rng.standard_normal([n, k] if trans_b else [k, n]).astype(np.float32))
+            ab, bb = ops.to_bf16(a), ops.to_bf16(b)
+            expected = ops.bf16_matmul_fused(a, b, trans_a, trans_b, kernel=kernel).numpy()
+            for x, y in ((ab, b), (a, bb), (ab, bb)):
+                got = ops.bf16_matmul_fused(x, y, trans_a, trans_b, kernel=kernel)
+                assert got.dtype == paddle.float32
+                np.testing.assert_array_equal(got.numpy(), expected)
+                packed = ops.bf16_pack_b(y, trans_b)
+                np.testing.assert_array_equal(ops.bf16_matmul_packed(x, packed, trans_a, kernel=kernel).numpy(),
+                                              expected)
+    x = paddle.to_tensor(rng.standard_normal([2, 9, 64]).astype(np.float32))
+    w = paddle.to_tensor(rng.standard_normal([64, 40]).astype(np.float32))
+    with paddle.no_grad():
+        np.testing.assert_array_equal(ops.bf16_linear(x, ops.to_bf16(w)).numpy(), ops.bf16_linear(x, w).numpy())
 
 
 _THREAD_PRODUCTS = """

@@ -88,20 +88,19 @@ void PackWeightLowp(const float* w, LowpFormat format, void* packed, float* scal
 void PackedLinearLowp(const float* x, const void* packed, const float* scales, LowpFormat format, float* out,
                       int64_t rows, int64_t k_dim, int64_t n, bool bf16_act);
 // C [m, n] = op(A) op(B) with A [m, k] (or [k, m] with trans_a), B [k, n] (or [n, k] with trans_b), both rounded to
-// bfloat16 (nearest even), float32 sums; A float32, or bfloat16 bits with a_bf16 (ToBf16's: the same product).
+// bfloat16 (nearest even), float32 sums; A and B float32, or bfloat16 bits with a_bf16 / b_bf16 (prl_to_bf16's: the
+// same product).
 // kernel kAuto: the best usable; false when the kernel asked for (or any, for kAuto) is not usable on this CPU, OS
 // and build. Bf16MatmulKernels: bit 0 AMX-BF16, bit 1 AVX512-BF16.
 enum class Bf16Kernel : int { kAuto = 0, kAmx = 1, kAvx512Bf16 = 2 };
 int Bf16MatmulKernels();
-bool Bf16Matmul(const void* a, bool a_bf16, const float* b, float* c, int64_t m, int64_t n, int64_t k, bool trans_a,
-                bool trans_b, Bf16Kernel kernel);
-// out[i] = x[i] rounded to bfloat16, nearest even, a NaN 0x7fff, subnormals kept: Paddle's cast, bit for bit
-void ToBf16(const float* x, uint16_t* out, int64_t count);
+bool Bf16Matmul(const void* a, bool a_bf16, const void* b, bool b_bf16, float* c, int64_t m, int64_t n, int64_t k,
+                bool trans_a, bool trans_b, Bf16Kernel kernel);
 // Bf16Matmul with B packed once: Bf16PackB writes B [k, n] (or [n, k] trans_b) rounded and packed into
 // Bf16PackedWords(n, k) words (and returns that count); Bf16MatmulPacked multiplies op(A) by it (Bf16Matmul's
 // numbers).
 int64_t Bf16PackedWords(int64_t n, int64_t k);
-int64_t Bf16PackB(const float* b, uint32_t* packed, int64_t n, int64_t k, bool trans_b);
+int64_t Bf16PackB(const void* b, bool b_bf16, uint32_t* packed, int64_t n, int64_t k, bool trans_b);
 bool Bf16MatmulPacked(const void* a, bool a_bf16, const uint32_t* packed_b, float* c, int64_t m, int64_t n,
                       int64_t k, bool trans_a, Bf16Kernel kernel);
 // The bfloat16 rollout product by AMX tiles where the CPU, OS and build run them (false, nothing written, where

@@ -153,10 +153,10 @@ class _Linear(Bf16Products):
 
     def project(self, x, weight):
         """x @ weight: from the packed copy while the rollout holds one, else a matmul (a weight stored in bfloat16,
-        store_weight_bf16, widened for it: exact)."""
+        store_weight_bf16: read as it is by bf16_linear's kernel, else widened for it: exact)."""
         if self.packed is not None:
             return ops.packed_linear(x, self.packed, weight.shape[1])
-        return self.product(x, weight if weight.dtype == paddle.float32 else weight.astype("float32"))
+        return self.product(x, weight if weight.dtype == paddle.float32 or self.bf16 else weight.astype("float32"))
 
     def store_weight_bf16(self) -> None:
         """Keep the weight as its bfloat16 rounding (nearest even), half the bytes, for a model that only runs

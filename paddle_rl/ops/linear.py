@@ -192,8 +192,8 @@ def bf16_matmul_reference(a, b, trans_a: bool = False, trans_b: bool = False):
 
 
 def bf16_matmul_fused(a, b, trans_a: bool = False, trans_b: bool = False, kernel: str = "auto"):
-    """The kernel's op(a) @ op(b); `a` float32 or bfloat16 (to_bf16's copy of it: the same product, its packing
-    reading half the bytes and no cast); `kernel`: auto (the best usable) | amx | avx512_bf16 (an error where the
+    """The kernel's op(a) @ op(b); `a` and `b` each float32 or bfloat16 (to_bf16's copy: the same product, its
+    packing reading half the bytes and no cast); `kernel`: auto (the best usable) | amx | avx512_bf16 (an error where the
     CPU, OS or build cannot run it)."""
     if kernel not in _KERNEL_CODES:
         raise ValueError(f"bf16_matmul kernel: must be one of {', '.join(_KERNEL_CODES)}, got {kernel!r}")
@@ -332,7 +332,14 @@ def bf16_linear_reference(x, weight):
 
 def bf16_linear(x, weight):
     """The bf16 training linear layer: bf16_linear_reference's numbers, its products by the bf16 kernel where
-    bf16_kernel(x, weight) names one (else the emulation, which warns once)."""
+    bf16_kernel(x, weight) names one (else the emulation, which warns once). A bfloat16 weight (a frozen layer's,
+    store_weight_bf16) is read by the kernel as it is where no gradient is taken, else widened (exact)."""
+    if weight.dtype == paddle.bfloat16:
+        if weight.stop_gradient and (x.stop_gradient or not paddle.is_grad_enabled()) \
+                and bf16_kernel(x) != "emulated":
+            k, n = weight.shape
+            return bf16_matmul_fused(x.reshape([-1, k]), weight).reshape(x.shape[:-1] + [n])
+        weight = weight.astype("float32")
     if bf16_kernel(x, weight) == "emulated":
         return bf16_linear_reference(x, weight)
     if not paddle.is_grad_enabled() or (x.stop_gradient and weight.stop_gradient):
