@@ -222,6 +222,26 @@ void Attend(const float* qp, const T* kp, const T* vp, const int64_t* st, float*
   }
 }
 
+}  // namespace
+
+// The packed attention's launchers (CPU only: no CUDA counterpart, so not in kernels.h, whose launchers the
+// standalone CUDA check compares one by one).
+namespace prl_cpu {
+// Attention of a packed row (several sequences in one row of n tokens): q [n, heads, d], k, v [n, kv, d] float32
+// (query head h reads kv head h / (heads / kv)); spans [n, 4] int64 per token t: (prefix_begin, prefix_end,
+// segment_begin, query_end): t attends to keys [prefix_begin, prefix_end) and [segment_begin, t]; the queries that
+// attend to key t are exactly [t, query_end). out [n, heads, d]; lse [n, heads] (the log-sum-exp of each row's
+// scaled scores, what the backward recomputes the probabilities from).
+void PackedAttentionForward(const float* q, const float* k, const float* v, const int64_t* spans, float* out,
+                            float* lse, int64_t n, int64_t heads, int64_t kv, int64_t d, float scale);
+// dq [n, heads, d], dk, dv [n, kv, d] from d out (grad) and the forward's out and lse.
+void PackedAttentionBackward(const float* q, const float* k, const float* v, const int64_t* spans, const float* out,
+                             const float* lse, const float* grad, float* dq, float* dk, float* dv, int64_t n,
+                             int64_t heads, int64_t kv, int64_t d, float scale);
+}  // namespace prl_cpu
+
+namespace {
+
 // ---- packed attention: per block of 16 queries (forward, pass 1) or keys (pass 2) and kv head, its scores as a
 // small product of (query, head) rows against the block's keys transposed (DotTile), then the weighted sums of rows
 // (MixTile); head_dim % 16 == 0 (the Python side keeps other sizes on the reference)

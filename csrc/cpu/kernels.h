@@ -35,18 +35,6 @@ void RotaryQkvCache(const float* qkv, const int64_t* positions, const float* inv
                     void* cache_v, KvDtype cache, const float* q_norm, const float* k_norm, int64_t b, int64_t l,
                     int num_heads, int num_kv_heads, int64_t d, int64_t cap, int64_t slot, float eps);
 
-// Attention of a packed row (several sequences in one row of n tokens): q [n, heads, d], k, v [n, kv, d] float32
-// (query head h reads kv head h / (heads / kv)); spans [n, 4] int64 per token t: (prefix_begin, prefix_end,
-// segment_begin, query_end): t attends to keys [prefix_begin, prefix_end) and [segment_begin, t]; the queries that
-// attend to key t are exactly [t, query_end). out [n, heads, d]; lse [n, heads] (the log-sum-exp of each row's
-// scaled scores, what the backward recomputes the probabilities from).
-void PackedAttentionForward(const float* q, const float* k, const float* v, const int64_t* spans, float* out,
-                            float* lse, int64_t n, int64_t heads, int64_t kv, int64_t d, float scale);
-// dq [n, heads, d], dk, dv [n, kv, d] from d out (grad) and the forward's out and lse.
-void PackedAttentionBackward(const float* q, const float* k, const float* v, const int64_t* spans, const float* out,
-                             const float* lse, const float* grad, float* dq, float* dk, float* dv, int64_t n,
-                             int64_t heads, int64_t kv, int64_t d, float scale);
-
 // q [b, heads, d]; caches [b, kv, cap, d] of `cache` dtype; start [b]; out [b, heads, d].
 void DecodeAttention(const float* q, const void* cache_k, const void* cache_v, KvDtype cache, const int64_t* start,
                      float* out, int64_t b, int64_t heads, int64_t kv, int64_t cap, int64_t d, int64_t length,
@@ -64,9 +52,7 @@ void LogprobForward(const float* logits, const int64_t* labels, float* logp, flo
 void LogprobBackward(const float* logits, const int64_t* labels, const float* lse, const float* mean_z,
                      const float* grad_logp, const float* grad_entropy, float* grad, int64_t n, int64_t v,
                      float scale);
-// argmax [n] int64 of each row of logits [n, v]: the first index of the row's largest value (paddle.argmax's tie
-// rule; a NaN is skipped)
-void RowArgmax(const float* logits, int64_t* argmax, int64_t n, int64_t v);
+
 
 // Every array [b] but stop [n_stop], seen [b, v] (or null: v unused) and done [1].
 void StepUpdate(const int64_t* tokens, const float* logprob, const bool* finished, const int64_t* lengths,

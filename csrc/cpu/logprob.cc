@@ -64,6 +64,13 @@ void prl_cpu::LogprobBackward(const float* xp, const int64_t* yp, const float* s
   });
 }
 
+namespace prl_cpu {
+// (CPU only: no CUDA counterpart, so not in kernels.h, whose launchers the standalone CUDA check compares)
+// argmax [n] int64 of each row of logits [n, v]: the first index of the row's largest value (paddle.argmax's tie
+// rule; a NaN is skipped)
+void RowArgmax(const float* logits, int64_t* argmax, int64_t n, int64_t v);
+}  // namespace prl_cpu
+
 void prl_cpu::RowArgmax(const float* xp, int64_t* ap, int64_t n, int64_t v) {
   prl::ParallelFor(n, v, [&](int, int64_t begin, int64_t end) {
     const int64_t vocab = v;  // a local: see LogprobForward
