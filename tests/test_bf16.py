@@ -154,6 +154,37 @@ def test_bf16_matmul_paths_equal_the_rounded_product(kernel, monkeypatch):
                 assert np.abs(got - fp32).max() > 1e-3 * np.abs(fp32).max()   # bf16 operands, not float32's
 
 
+@pytest.mark.parametrize("kernel", list(ops.BF16_KERNELS))
+def test_bf16_matmul_accumulate_adds_the_product_in_place(kernel):
+    """bf16_matmul_accumulate(c, a, b) makes c + op(a) op(b) in c's own memory (the LM head's weight gradient over
+    its chunks), within float32 summation rounding of the rounded operands' product plus c, for the four transposes
+    and sizes off the kernels' blocks (tiles staged at the edges start from c too); c = 0 gives bf16_matmul's bits."""
+    if kernel not in ops.bf16_kernels():
+        pytest.skip(f"{kernel} is not usable here (usable: {ops.bf16_kernels() or 'none'})")
+    rng = np.random.default_rng(21)
+    for m, n, k in ((37, 45, 67), (70, 33, 301), (64, 64, 32), (1, 16, 2)):
+        for trans_a in (False, True):
+            for trans_b in (False, True):
+                a = rng.standard_normal([k, m] if trans_a else [m, k]).astype(np.float32)
+                b = rng.standard_normal([n, k] if trans_b else [k, n]).astype(np.float32)
+                c0 = rng.standard_normal([m, n]).astype(np.float32) * 4
+                c = paddle.to_tensor(c0)
+                address = c.data_ptr()
+                out = ops.bf16_matmul_accumulate(c, paddle.to_tensor(a), paddle.to_tensor(b), trans_a, trans_b,
+                                                 kernel=kernel)
+                assert out is c and c.data_ptr() == address
+                ar, br = bf16_round(a).astype(np.float64), bf16_round(b).astype(np.float64)
+                ar, br = (ar.T if trans_a else ar), (br.T if trans_b else br)
+                expected = c0.astype(np.float64) + ar @ br
+                bound = (k + 1) * 2.0 ** -24 * (np.abs(c0) + np.abs(ar) @ np.abs(br))
+                assert (np.abs(c.numpy() - expected) - bound).max() <= 1e-30, (m, n, k, trans_a, trans_b)
+                zero = paddle.zeros([m, n], "float32")
+                ops.bf16_matmul_accumulate(zero, paddle.to_tensor(a), paddle.to_tensor(b), trans_a, trans_b,
+                                           kernel=kernel)
+                np.testing.assert_array_equal(zero.numpy(), ops.bf16_matmul_fused(
+                    paddle.to_tensor(a), paddle.to_tensor(b), trans_a, trans_b, kernel=kernel).numpy())
+
+
 def test_lm_head_logprobs_bf16_matches_its_definition():
     """The chunked LM-head log-probs with bf16 (forward and both gradients) equal plain autograd over the
     bf16-rounded products, and differ from the float32 head."""

@@ -338,16 +338,26 @@ void AmxConfigure() {
   _tile_loadconfig(&cfg);
 }
 
-// C[32 x 32] at (row block rb, column block cb) of the packs, both pairs of blocks present
-inline void AmxBlock2x2(const Packed& a, const Packed& b, int64_t rb, int64_t cb, float* out, int64_t ldo) {
+// C[32 x 32] at (row block rb, column block cb) of the packs, both pairs of blocks present; `accumulate`: the sums
+// start from out's values (C += A B) instead of zero
+inline void AmxBlock2x2(const Packed& a, const Packed& b, int64_t rb, int64_t cb, float* out, int64_t ldo,
+                        bool accumulate) {
   const uint32_t* a0 = a.Block(rb);
   const uint32_t* a1 = a.Block(rb + 1);
   const uint32_t* b0 = b.Block(cb);
   const uint32_t* b1 = b.Block(cb + 1);
-  _tile_zero(0);
-  _tile_zero(1);
-  _tile_zero(2);
-  _tile_zero(3);
+  if (accumulate) {
+    const int64_t so = ldo * 4;
+    _tile_loadd(0, out, so);
+    _tile_loadd(1, out + 16, so);
+    _tile_loadd(2, out + 16 * ldo, so);
+    _tile_loadd(3, out + 16 * ldo + 16, so);
+  } else {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+  }
   for (int64_t kk = 0; kk < a.k2p; kk += kPairStep) {
     _tile_loadd(4, a0 + kk * kRowBlock, 64);
     _tile_loadd(6, b0 + kk * kRowBlock, 64);
@@ -366,10 +376,15 @@ inline void AmxBlock2x2(const Packed& a, const Packed& b, int64_t rb, int64_t cb
 }
 
 // C[16 x 16] at (rb, cb)
-inline void AmxBlock1x1(const Packed& a, const Packed& b, int64_t rb, int64_t cb, float* out, int64_t ldo) {
+inline void AmxBlock1x1(const Packed& a, const Packed& b, int64_t rb, int64_t cb, float* out, int64_t ldo,
+                        bool accumulate) {
   const uint32_t* a0 = a.Block(rb);
   const uint32_t* b0 = b.Block(cb);
-  _tile_zero(0);
+  if (accumulate) {
+    _tile_loadd(0, out, ldo * 4);
+  } else {
+    _tile_zero(0);
+  }
   for (int64_t kk = 0; kk < a.k2p; kk += kPairStep) {
     _tile_loadd(4, a0 + kk * kRowBlock, 64);
     _tile_loadd(6, b0 + kk * kRowBlock, 64);
@@ -378,16 +393,23 @@ inline void AmxBlock1x1(const Packed& a, const Packed& b, int64_t rb, int64_t cb
   _tile_stored(0, out, ldo * 4);
 }
 
+// the part of C at (r, c) staged into buf (row stride ld), zeros around it: an accumulating tile's start
+inline void CopyIn(const float* c, int64_t ldc, float* buf, int64_t ld, int64_t rows, int64_t cols, int64_t tile) {
+  std::fill(buf, buf + tile * ld, 0.0f);
+  for (int64_t r = 0; r < rows; ++r) std::memcpy(buf + r * ld, c + r * ldc, cols * sizeof(float));
+}
+
 // C[32 x 32] (or its part in C) at row block pair rb, column block pair cb
 inline void AmxPair(const Packed& a, const Packed& b, int64_t rb, int64_t cb, int64_t m_end, int64_t n_end, float* c,
-                    int64_t m, int64_t n, float* stage) {
+                    int64_t m, int64_t n, float* stage, bool accumulate) {
   const int64_t row = rb * kRowBlock, col = cb * kRowBlock;
   const int64_t rows = std::min<int64_t>(32, m - row), cols = std::min<int64_t>(32, n - col);
   if (rb + 1 < m_end && cb + 1 < n_end) {
     if (rows == 32 && cols == 32) {
-      AmxBlock2x2(a, b, rb, cb, c + row * n + col, n);
+      AmxBlock2x2(a, b, rb, cb, c + row * n + col, n, accumulate);
     } else {
-      AmxBlock2x2(a, b, rb, cb, stage, 32);
+      if (accumulate) CopyIn(c + row * n + col, n, stage, 32, rows, cols, 32);
+      AmxBlock2x2(a, b, rb, cb, stage, 32, accumulate);
       CopyOut(stage, 32, c + row * n + col, n, rows, cols);
     }
     return;
@@ -395,8 +417,10 @@ inline void AmxPair(const Packed& a, const Packed& b, int64_t rb, int64_t cb, in
   for (int64_t i = 0; i < 2 && rb + i < m_end; ++i) {  // a lone 16-row or 16-column block
     for (int64_t j = 0; j < 2 && cb + j < n_end; ++j) {
       const int64_t r = row + 16 * i, cc = col + 16 * j;
-      AmxBlock1x1(a, b, rb + i, cb + j, stage, 16);
-      CopyOut(stage, 16, c + r * n + cc, n, std::min<int64_t>(16, m - r), std::min<int64_t>(16, n - cc));
+      const int64_t tr = std::min<int64_t>(16, m - r), tc = std::min<int64_t>(16, n - cc);
+      if (accumulate) CopyIn(c + r * n + cc, n, stage, 16, tr, tc, 16);
+      AmxBlock1x1(a, b, rb + i, cb + j, stage, 16, accumulate);
+      CopyOut(stage, 16, c + r * n + cc, n, tr, tc);
     }
   }
 }
@@ -405,7 +429,7 @@ inline void AmxPair(const Packed& a, const Packed& b, int64_t rb, int64_t cb, in
 // (k <= 1024): B in panels of kChunkBytes, each panel's column pairs under every row pair (A's pair from L1, B's
 // from L2; C written row by row, which its stores need: walking C down a column block by block runs at half the
 // speed); else (a long k) chunks of A's rows in L2, the column pairs over each chunk
-void AmxProduct(const Packed& a, const Packed& b, float* c, int64_t m, int64_t n) {
+void AmxProduct(const Packed& a, const Packed& b, float* c, int64_t m, int64_t n, bool accumulate) {
   const int64_t mb = a.rows_p / kRowBlock, nb = b.rows_p / kRowBlock, chunk = ChunkBlocks(a.k2p);
   const int64_t block_bytes = kRowBlock * b.k2p * 4;
   OverParts(mb, nb, 32 * 32 * a.k2p, [&](int, int64_t m0, int64_t m1, int64_t n0, int64_t n1) {
@@ -417,14 +441,16 @@ void AmxProduct(const Packed& a, const Packed& b, float* c, int64_t m, int64_t n
       for (int64_t p0 = n0; p0 < n1; p0 += panel) {
         const int64_t p1 = std::min(n1, p0 + panel);
         for (int64_t rb = m0; rb < m1; rb += 2) {
-          for (int64_t cb = p0; cb < p1; cb += 2) AmxPair(a, b, rb, cb, m1, p1, c, m, n, stage);
+          for (int64_t cb = p0; cb < p1; cb += 2) AmxPair(a, b, rb, cb, m1, p1, c, m, n, stage, accumulate);
         }
       }
     } else {
       for (int64_t mc = m0; mc < m1; mc += chunk) {
         const int64_t mc_end = std::min(m1, mc + chunk);
         for (int64_t cb = n0; cb < n1; cb += 2) {
-          for (int64_t rb = mc; rb < mc_end; rb += 2) AmxPair(a, b, rb, cb, mc_end, n1, c, m, n, stage);
+          for (int64_t rb = mc; rb < mc_end; rb += 2) {
+            AmxPair(a, b, rb, cb, mc_end, n1, c, m, n, stage, accumulate);
+          }
         }
       }
     }
@@ -483,10 +509,14 @@ constexpr int kAvxRows = 8;  // rows per vdpbf16ps tile: 8 x 2 accumulators
 // column blocks of B
 template <int NT>
 inline void Avx512Tile(const uint32_t* a, const uint32_t* b0, const uint32_t* b1, int64_t k2, float* out, int64_t ldo,
-                       int64_t rows, int64_t cols) {
+                       int64_t rows, int64_t cols, bool accumulate) {
   __m512 acc[kAvxRows][NT];
   for (int r = 0; r < kAvxRows; ++r) {
-    for (int j = 0; j < NT; ++j) acc[r][j] = _mm512_setzero_ps();
+    for (int j = 0; j < NT; ++j) {
+      const int64_t c = std::max<int64_t>(0, std::min<int64_t>(16, cols - 16 * j));
+      const __mmask16 mask = c == 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << c) - 1);
+      acc[r][j] = accumulate && r < rows ? _mm512_maskz_loadu_ps(mask, out + r * ldo + 16 * j) : _mm512_setzero_ps();
+    }
   }
   for (int64_t kk = 0; kk < k2; ++kk) {
     __m512bh w[NT];
@@ -504,7 +534,7 @@ inline void Avx512Tile(const uint32_t* a, const uint32_t* b0, const uint32_t* b1
   }
 }
 
-void Avx512Product(const Packed& a, const Packed& b, float* c, int64_t m, int64_t n, int64_t k) {
+void Avx512Product(const Packed& a, const Packed& b, float* c, int64_t m, int64_t n, int64_t k, bool accumulate) {
   const int64_t mb = a.rows_p / kRowBlock, nb = b.rows_p / kRowBlock, chunk = ChunkBlocks(a.k2p);
   const int64_t k2 = (k + 1) / 2;  // the pairs that hold data (the rest of k2p is zeros)
   OverParts(mb, nb, 32 * 32 * a.k2p, [&](int, int64_t m0, int64_t m1, int64_t n0, int64_t n1) {
@@ -517,9 +547,9 @@ void Avx512Product(const Packed& a, const Packed& b, float* c, int64_t m, int64_
           const uint32_t* ap = a.Block(row / kRowBlock) + AIndex(row % kRowBlock, 0);
           const int64_t rows = std::min<int64_t>(kAvxRows, row_end - row);
           if (cb + 1 < n1) {
-            Avx512Tile<2>(ap, b0, b.Block(cb + 1), k2, c + row * n + col, n, rows, cols);
+            Avx512Tile<2>(ap, b0, b.Block(cb + 1), k2, c + row * n + col, n, rows, cols, accumulate);
           } else {
-            Avx512Tile<1>(ap, b0, b0, k2, c + row * n + col, n, rows, cols);
+            Avx512Tile<1>(ap, b0, b0, k2, c + row * n + col, n, rows, cols, accumulate);
           }
         }
       }
@@ -535,14 +565,14 @@ int prl_cpu::Bf16MatmulKernels() {
 }
 
 bool prl_cpu::Bf16Matmul(const void* a, bool a_bf16, const void* b, bool b_bf16, float* c, int64_t m, int64_t n,
-                         int64_t k, bool trans_a, bool trans_b, Bf16Kernel kernel) {
+                         int64_t k, bool trans_a, bool trans_b, Bf16Kernel kernel, bool accumulate) {
   Packed pb;  // an empty product reads no B (Bf16MatmulPacked answers it, and an unusable kernel, first)
   if (m > 0 && n > 0 && k > 0) {
     uint32_t* words = Workspace(1, Bf16PackedWords(n, k));
     pb = b_bf16 ? Pack(static_cast<const uint16_t*>(b), n, k, trans_b, false, words)
                 : Pack(static_cast<const float*>(b), n, k, trans_b, false, words);
   }
-  return Bf16MatmulPacked(a, a_bf16, pb.data, c, m, n, k, trans_a, kernel);
+  return Bf16MatmulPacked(a, a_bf16, pb.data, c, m, n, k, trans_a, kernel, accumulate);
 }
 
 
@@ -560,14 +590,14 @@ int64_t prl_cpu::Bf16PackB(const void* b, bool b_bf16, uint32_t* packed, int64_t
 }
 
 bool prl_cpu::Bf16MatmulPacked(const void* a, bool a_bf16, const uint32_t* packed_b, float* c, int64_t m, int64_t n,
-                               int64_t k, bool trans_a, Bf16Kernel kernel) {
+                               int64_t k, bool trans_a, Bf16Kernel kernel, bool accumulate) {
   if (kernel == Bf16Kernel::kAuto) kernel = AmxUsable() ? Bf16Kernel::kAmx : Bf16Kernel::kAvx512Bf16;
   if ((kernel == Bf16Kernel::kAmx && !AmxUsable()) || (kernel == Bf16Kernel::kAvx512Bf16 && !Avx512Bf16Usable())) {
     return false;
   }
   if (m == 0 || n == 0) return true;
   if (k == 0) {
-    std::fill(c, c + m * n, 0.0f);
+    if (!accumulate) std::fill(c, c + m * n, 0.0f);
     return true;
   }
   uint32_t* a_words = Workspace(0, Bf16PackedWords(m, k));
@@ -579,13 +609,13 @@ bool prl_cpu::Bf16MatmulPacked(const void* a, bool a_bf16, const uint32_t* packe
   pb.k2p = RoundUp((k + 1) / 2, kPairStep);
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
   if (kernel == Bf16Kernel::kAmx) {
-    AmxProduct(pa, pb, c, m, n);
+    AmxProduct(pa, pb, c, m, n, accumulate);
     return true;
   }
 #endif
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
   if (kernel == Bf16Kernel::kAvx512Bf16) {
-    Avx512Product(pa, pb, c, m, n, k);
+    Avx512Product(pa, pb, c, m, n, k, accumulate);
     return true;
   }
 #endif
@@ -664,6 +694,47 @@ PD_BUILD_OP(prl_bf16_matmul)
     .SetKernelFn(PD_KERNEL(Bf16MatmulOp))
     .SetInferShapeFn(PD_INFER_SHAPE(Bf16MatmulInferShape))
     .SetInferDtypeFn(PD_INFER_DTYPE(Bf16MatmulInferDtype));
+
+// C [M, N] float32 += op(A) op(B) (prl_bf16_matmul's operands and numbers, the sums starting from C's values): a sum
+// of products without a new [M, N] tensor per term (the LM head's weight gradient over its chunks)
+void Bf16MatmulAccumulateOp(paddle::Tensor& c, const paddle::Tensor& a, const paddle::Tensor& b, bool trans_a,
+                            bool trans_b, int64_t kernel) {
+  const char* op = "prl_bf16_matmul_accumulate";
+  const auto [a_data, a_bf16] = Bf16Operand(a, op, "a (float32 or bfloat16)");
+  const auto [b_data, b_bf16] = Bf16Operand(b, op, "b (float32 or bfloat16)");
+  prl::CheckCpuFloat(c, op, "c");
+  PD_CHECK(a.shape().size() == 2 && b.shape().size() == 2 && c.shape().size() == 2, op, ": a, b and c must be 2-D");
+  PD_CHECK(kernel >= 0 && kernel <= 2, op, ": kernel must be 0 (auto), 1 (amx) or 2 (avx512_bf16), got ", kernel);
+  const int64_t m = a.shape()[trans_a ? 1 : 0], k = a.shape()[trans_a ? 0 : 1];
+  const int64_t kb = b.shape()[trans_b ? 1 : 0], n = b.shape()[trans_b ? 0 : 1];
+  PD_CHECK(k == kb, op, ": inner dimensions differ (a gives ", k, ", b gives ", kb, ")");
+  PD_CHECK(c.shape()[0] == m && c.shape()[1] == n, op, ": c must be [", m, ", ", n, "]");
+  const bool done = prl_cpu::Bf16Matmul(a_data, a_bf16, b_data, b_bf16, c.data<float>(), m, n, k, trans_a, trans_b,
+                                        static_cast<prl_cpu::Bf16Kernel>(kernel), true);
+  PD_CHECK(done, op, ": the ", kernel == 1 ? "AMX-BF16" : kernel == 2 ? "AVX512-BF16" : "AMX-BF16 and AVX512-BF16",
+           " kernel is not usable here (CPU, OS or build: see prl_bf16_kernels)");
+}
+
+std::vector<std::vector<int64_t>> Bf16MatmulAccumulateInferShape(const std::vector<int64_t>& c,
+                                                                 const std::vector<int64_t>& a,
+                                                                 const std::vector<int64_t>& b, bool trans_a,
+                                                                 bool trans_b, int64_t kernel) {
+  return {c};
+}
+
+std::vector<paddle::DataType> Bf16MatmulAccumulateInferDtype(paddle::DataType c, paddle::DataType a,
+                                                             paddle::DataType b) {
+  return {c};
+}
+
+PD_BUILD_OP(prl_bf16_matmul_accumulate)
+    .Inputs({"C", "A", "B"})
+    .Outputs({"COut"})
+    .Attrs({"trans_a: bool", "trans_b: bool", "kernel: int64_t"})
+    .SetInplaceMap({{"C", "COut"}})
+    .SetKernelFn(PD_KERNEL(Bf16MatmulAccumulateOp))
+    .SetInferShapeFn(PD_INFER_SHAPE(Bf16MatmulAccumulateInferShape))
+    .SetInferDtypeFn(PD_INFER_DTYPE(Bf16MatmulAccumulateInferDtype));
 
 // B [K, N] (or [N, K] with trans_b) float32 or bfloat16 -> its pack for prl_bf16_matmul_packed: [N padded to 16,
 // K / 2 padded to 16] int32 words (pairs of bfloat16, the layout above): a weight packed once and multiplied many

@@ -80,15 +80,16 @@ void PackedLinearLowp(const float* x, const void* packed, const float* scales, L
 // and build. Bf16MatmulKernels: bit 0 AMX-BF16, bit 1 AVX512-BF16.
 enum class Bf16Kernel : int { kAuto = 0, kAmx = 1, kAvx512Bf16 = 2 };
 int Bf16MatmulKernels();
+// accumulate: C += op(A) op(B) (each sum starts from C's value).
 bool Bf16Matmul(const void* a, bool a_bf16, const void* b, bool b_bf16, float* c, int64_t m, int64_t n, int64_t k,
-                bool trans_a, bool trans_b, Bf16Kernel kernel);
+                bool trans_a, bool trans_b, Bf16Kernel kernel, bool accumulate = false);
 // Bf16Matmul with B packed once: Bf16PackB writes B [k, n] (or [n, k] trans_b) rounded and packed into
 // Bf16PackedWords(n, k) words (and returns that count); Bf16MatmulPacked multiplies op(A) by it (Bf16Matmul's
 // numbers).
 int64_t Bf16PackedWords(int64_t n, int64_t k);
 int64_t Bf16PackB(const void* b, bool b_bf16, uint32_t* packed, int64_t n, int64_t k, bool trans_b);
 bool Bf16MatmulPacked(const void* a, bool a_bf16, const uint32_t* packed_b, float* c, int64_t m, int64_t n,
-                      int64_t k, bool trans_a, Bf16Kernel kernel);
+                      int64_t k, bool trans_a, Bf16Kernel kernel, bool accumulate = false);
 // The bfloat16 rollout product by AMX tiles where the CPU, OS and build run them (false, nothing written, where
 // they do not): xp [rows, k2] the activations as bfloat16 pairs (k = 2 kk in the low half), packed the bfloat16
 // panels of PackWeightLowp ([panels][k2][32 columns x 2]), out [rows, n]. Each row's sums run over k in the same

@@ -144,6 +144,20 @@ std::vector<paddle::Tensor> LogprobBackward(const paddle::Tensor& logits, const 
   return {grad};
 }
 
+// prl_logprob_backward's d logits written over the logits themselves (each element is read once, then written): no
+// new [N, V] tensor per chunk of the LM head's backward
+void LogprobBackwardInplace(paddle::Tensor& logits, const paddle::Tensor& labels, const paddle::Tensor& lse,
+                            const paddle::Tensor& mean_z, const paddle::Tensor& grad_logp,
+                            const paddle::optional<paddle::Tensor>& grad_entropy, float scale) {
+  const char* op = "prl_logprob_backward_inplace";
+  CheckInputs(logits, labels, op);
+  const int64_t n = logits.shape()[0], v = logits.shape()[1];
+  float* x = logits.data<float>();
+  prl_cpu::LogprobBackward(x, labels.data<int64_t>(), lse.data<float>(), mean_z.data<float>(),
+                           grad_logp.data<float>(), grad_entropy ? grad_entropy->data<float>() : nullptr, x, n, v,
+                           scale);
+}
+
 std::vector<std::vector<int64_t>> LogprobInferShape(const std::vector<int64_t>& logits,
                                                     const std::vector<int64_t>& labels, float scale) {
   return {{logits[0]}, {logits[0]}, {logits[0]}, {logits[0]}};
@@ -197,6 +211,15 @@ PD_BUILD_OP(prl_logprob)
     .SetKernelFn(PD_KERNEL(LogprobForward))
     .SetInferShapeFn(PD_INFER_SHAPE(LogprobInferShape))
     .SetInferDtypeFn(PD_INFER_DTYPE(LogprobInferDtype));
+
+PD_BUILD_OP(prl_logprob_backward_inplace)
+    .Inputs({"Logits", "Labels", "Lse", "MeanZ", "GradLogp", paddle::Optional("GradEntropy")})
+    .Outputs({"GradLogits"})
+    .Attrs({"scale: float"})
+    .SetInplaceMap({{"Logits", "GradLogits"}})
+    .SetKernelFn(PD_KERNEL(LogprobBackwardInplace))
+    .SetInferShapeFn(PD_INFER_SHAPE(LogprobBackwardInferShape))
+    .SetInferDtypeFn(PD_INFER_DTYPE(LogprobBackwardInferDtype));
 
 PD_BUILD_OP(prl_logprob_backward)
     .Inputs({"Logits", "Labels", "Lse", "MeanZ", "GradLogp", paddle::Optional("GradEntropy")})

@@ -29,7 +29,7 @@ from .attention import (decode_attention, decode_attention_fused, decode_attenti
 from .build import CustomOpsError, available, configure, mode, status
 from .kv_cache import kv_place, kv_place_fused, kv_place_reference
 from .linear import (ROLLOUT_DTYPES, BF16_KERNELS, bf16_kernel, bf16_kernels, bf16_linear, bf16_linear_reference,
-                     bf16_matmul, bf16_matmul_fused, bf16_matmul_packed, bf16_matmul_reference, bf16_pack_b,
+                     bf16_matmul, bf16_matmul_accumulate, bf16_matmul_fused, bf16_matmul_packed, bf16_matmul_reference, bf16_pack_b,
                      Bf16PackedB, emulation_forced, round_bf16, ROLLOUT_QUANT_TYPES, LowpPacked, pack_weight,
                      pack_weight_fused,
                      pack_weight_lowp, pack_weight_lowp_fused, pack_weight_lowp_reference, pack_weight_reference,
@@ -52,7 +52,7 @@ __all__ = ["configure", "available", "mode", "status", "CustomOpsError",
            "pack_weight", "pack_weight_fused", "pack_weight_reference",
            "packed_linear", "packed_linear_fused", "packed_linear_reference", "packing_helps",
            "bf16_linear", "bf16_linear_reference", "round_bf16", "BF16_KERNELS", "bf16_kernel", "bf16_kernels",
-           "bf16_matmul", "bf16_matmul_fused", "bf16_matmul_packed", "bf16_pack_b", "Bf16PackedB",
+           "bf16_matmul", "bf16_matmul_accumulate", "bf16_matmul_fused", "bf16_matmul_packed", "bf16_pack_b", "Bf16PackedB",
            "bf16_matmul_reference", "emulation_forced", "to_bf16", "to_bf16_fused", "to_bf16_reference",
            "ROLLOUT_DTYPES", "ROLLOUT_QUANT_TYPES", "LowpPacked", "rollout_weight_format",
            "pack_weight_lowp", "pack_weight_lowp_fused", "pack_weight_lowp_reference",

@@ -201,6 +201,18 @@ def bf16_matmul_fused(a, b, trans_a: bool = False, trans_b: bool = False, kernel
                      _KERNEL_CODES[kernel])[0]
 
 
+def bf16_matmul_accumulate(c, a, b, trans_a: bool = False, trans_b: bool = False, kernel: str = "auto"):
+    """c += op(a) @ op(b) in place by the kernel (bf16_matmul_fused's operands and products, each sum starting from
+    c's value): no new tensor per term of a sum of products. c: float32 [M, N], contiguous. Returns c."""
+    if kernel not in _KERNEL_CODES:
+        raise ValueError(f"bf16_matmul kernel: must be one of {', '.join(_KERNEL_CODES)}, got {kernel!r}")
+    if not c.is_contiguous():
+        raise ValueError("bf16_matmul_accumulate: c must be contiguous (it is written in place)")
+    build.run("prl_bf16_matmul_accumulate", c, contiguous(a), contiguous(b), bool(trans_a), bool(trans_b),
+              _KERNEL_CODES[kernel])
+    return c
+
+
 class Bf16PackedB:
     """A right operand B [K, N] rounded to bfloat16 and packed once (prl_bf16_pack_b) for many products
     (bf16_matmul_packed): `words` the pack, `n` its columns (the pack's rows are padded; the op checks K)."""

@@ -19,8 +19,8 @@ from paddle.autograd import PyLayer
 
 from . import build
 from ._util import contiguous, fusable
-from .linear import (bf16_kernel, bf16_linear_reference, bf16_matmul_fused, bf16_matmul_packed, bf16_pack_b,
-                     round_bf16)
+from .linear import (bf16_kernel, bf16_linear_reference, bf16_matmul_accumulate, bf16_matmul_fused,
+                     bf16_matmul_packed, bf16_pack_b, round_bf16)
 
 CHUNK_ELEMENTS = 1 << 24       # logits per chunk (64 MB of float32)
 SAVE_LOGITS_BYTES = 256 << 20  # keep the logits for the backward up to this size, else recompute them
@@ -100,6 +100,14 @@ def chunk_backward_fused(logits, labels, lse, mean_z, grad_logp, grad_entropy, s
                      None if grad_entropy is None else contiguous(grad_entropy), float(scale))[0]
 
 
+def chunk_backward_over_logits(logits, labels, lse, mean_z, grad_logp, grad_entropy, scale: float):
+    """chunk_backward_fused written over `logits` (the caller's own contiguous CPU chunk, not read again): no new
+    [rows, vocab] tensor per chunk. Returns the overwritten tensor."""
+    build.run("prl_logprob_backward_inplace", logits, labels, lse, mean_z, contiguous(grad_logp),
+              None if grad_entropy is None else contiguous(grad_entropy), float(scale))
+    return logits
+
+
 def row_argmax(logits):
     """paddle.argmax(logits, axis=-1) of [N, V] logits (the first index of each row's largest value), by the CPU
     kernel where it runs (Paddle's CPU argmax reads a [341, 49152] chunk in ~25 ms)."""
@@ -174,19 +182,25 @@ class _ChunkedLMHead(PyLayer):
             h = hidden[start:stop]
             logits = kept[index] if kept else _head(h, weight, transpose, bf16_fused, packed)
             g_ent = None if grad_entropy is None else grad_entropy[start:stop]
-            g = backward(logits, labels[start:stop], lse[start:stop], mean_z[start:stop], grad_logp[start:stop],
-                         g_ent, scale)
+            # the chunk's logits are this loop's own: the CPU kernel writes d logits over them
+            over = fused and logits.place.is_cpu_place() and logits.is_contiguous()
+            g = (chunk_backward_over_logits if over else backward)(
+                logits, labels[start:stop], lse[start:stop], mean_z[start:stop], grad_logp[start:stop], g_ent, scale)
             if kept:
                 kept[index] = None
             if bf16_fused:  # the kernel rounds g, h and the weight
                 grad_hidden.append(bf16_matmul_packed(g, packed_dx) if packed_dx is not None
                                    else bf16_matmul_fused(g, weight, trans_b=not transpose))
-                part = bf16_matmul_fused(g, h, trans_a=True) if transpose else bf16_matmul_fused(h, g, trans_a=True)
+                left, right = (g, h) if transpose else (h, g)
+                if grad_weight is None:
+                    grad_weight = bf16_matmul_fused(left, right, trans_a=True)
+                else:  # summed in place over the chunks: no [vocab, hidden] tensor per chunk
+                    bf16_matmul_accumulate(grad_weight, left, right, trans_a=True)
             else:
                 g = round_bf16(g) if bf16 else g
                 grad_hidden.append(paddle.matmul(g, weight, transpose_y=not transpose))
                 part = paddle.matmul(g, h, transpose_x=True) if transpose else paddle.matmul(h, g, transpose_x=True)
-            grad_weight = part if grad_weight is None else grad_weight.add_(part)  # in place: no new [V, H]
+                grad_weight = part if grad_weight is None else grad_weight.add_(part)  # in place: no new [V, H]
         grad_hidden = grad_hidden[0] if len(grad_hidden) == 1 else paddle.concat(grad_hidden)
         grads = []
         if ctx.needs[0]:
