@@ -453,6 +453,10 @@ struct QueryBlock {
     }
   }
   int64_t Cols() const { return cols[0] + cols[1]; }
+  // the head row (token * heads + head) of the block's score row r for kv head g: rows are (query, group head)
+  int64_t Head(int64_t r, int64_t g, int64_t groups, int64_t heads) const {
+    return (t0 + r / groups) * heads + g * groups + r % groups;
+  }
   // the rows (of a kv head's rows [n + 1, d]) each score column weights: the zero row outside the keys
   void Rows(const float* base, int64_t d, std::vector<const float*>& x) const {
     x.resize(Cols());
@@ -512,7 +516,7 @@ void prl_cpu::PackedAttentionForward(const float* q, const float* k, const float
       s.resize(rows * cols);
       for (int64_t g = 0; g < kv; ++g) {
         for (int64_t r = 0; r < rows; ++r) {
-          const int64_t h = (blk.t0 + r / groups) * heads + g * groups + r % groups;
+          const int64_t h = blk.Head(r, g, groups, heads);
           arow[r] = q + h * d;
           orow[r] = out + h * d;
         }
@@ -535,7 +539,7 @@ void prl_cpu::PackedAttentionForward(const float* q, const float* k, const float
 #pragma omp simd
             for (int64_t c = 0; c < len; ++c) x[c] *= inv;
           });
-          lse[(blk.t0 + r / groups) * heads + g * groups + r % groups] = mx + std::log(sum);
+          lse[blk.Head(r, g, groups, heads)] = mx + std::log(sum);
         }
         blk.Rows(vr.data() + g * (n + 1) * d, d, x);
         Mix(s.data(), cols, rows, x.data(), cols, d, 1.0f, orow.data(), false);
@@ -582,7 +586,7 @@ void prl_cpu::PackedAttentionBackward(const float* q, const float* k, const floa
       dp.resize(rows * cols);
       for (int64_t g = 0; g < kv; ++g) {
         for (int64_t r = 0; r < rows; ++r) {
-          const int64_t h = (blk.t0 + r / groups) * heads + g * groups + r % groups;
+          const int64_t h = blk.Head(r, g, groups, heads);
           arow[r] = q + h * d;
           grow[r] = grad + h * d;
           dqrow[r] = dq + h * d;
@@ -590,7 +594,7 @@ void prl_cpu::PackedAttentionBackward(const float* q, const float* k, const floa
         blk.Scores(arow.data(), rows, kc.data() + g * d * ld, d, scale, s.data());
         blk.Scores(grow.data(), rows, vc.data() + g * d * ld, d, 1.0f, dp.data());
         for (int64_t r = 0; r < rows; ++r) {
-          const int64_t t = blk.t0 + r / groups, h = t * heads + g * groups + r % groups;
+          const int64_t t = blk.t0 + r / groups, h = blk.Head(r, g, groups, heads);
           const float m = lse[h], dl = prl::Dot(grad + h * d, out + h * d, d);
           delta_c[g * ldq + t * groups + r % groups] = dl;
           const float* dpr = dp.data() + r * cols;
