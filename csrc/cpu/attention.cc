@@ -363,11 +363,6 @@ inline KeyRanges KeysOf(const int64_t* spans, int64_t t) {
   return {{sp[0], sp[2]}, {sp[1], t + 1}};
 }
 
-inline bool Attends(const int64_t* spans, int64_t t, int64_t j) {
-  const int64_t* sp = spans + 4 * t;
-  return (j >= sp[0] && j < sp[1]) || (j >= sp[2] && j <= t);
-}
-
 // Blocks of up to kBlock consecutive tokens that share `same(a, b)`; returns their starts and n
 template <typename Same>
 std::vector<int64_t> TokenBlocks(int64_t n, Same same) {
@@ -491,22 +486,36 @@ bool SameSpans(const int64_t* spans, int64_t a, int64_t b) {
   return spans[4 * a] == spans[4 * b] && spans[4 * a + 1] == spans[4 * b + 1] && spans[4 * a + 2] == spans[4 * b + 2];
 }
 
+// fn(starts, first block, end block) over the query blocks (up to kBlock consecutive tokens that share their
+// spans; `starts` their first tokens and n), split over the threads by their keys
+template <typename Fn>
+void OverQueryBlocks(const int64_t* spans, int64_t n, int64_t work, Fn fn) {
+  const auto starts = TokenBlocks(n, [&](int64_t a, int64_t b) { return SameSpans(spans, a, b); });
+  const auto parts = CostParts(static_cast<int64_t>(starts.size()) - 1, [&](int64_t b) {
+    return (starts[b + 1] - starts[b]) * KeysOf(spans, starts[b + 1] - 1).Count();
+  });
+  OverCostParts(parts, work, [&](int64_t begin, int64_t end) { fn(starts, begin, end); });
+}
+
+// src [n, kv, d] -> [kv, n + 1, d]: each kv head's rows contiguous, then a zero row (QueryBlock::Rows' padding)
+std::vector<float> HeadRows(const float* src, int64_t n, int64_t kv, int64_t d) {
+  std::vector<float> rows(kv * (n + 1) * d, 0.0f);
+  for (int64_t g = 0; g < kv; ++g) {
+    for (int64_t t = 0; t < n; ++t) std::memcpy(rows.data() + (g * (n + 1) + t) * d, src + (t * kv + g) * d, d * 4);
+  }
+  return rows;
+}
+
 }  // namespace
 
 void prl_cpu::PackedAttentionForward(const float* q, const float* k, const float* v, const int64_t* spans, float* out,
                                      float* lse, int64_t n, int64_t heads, int64_t kv, int64_t d, float scale) {
   const int64_t groups = heads / kv, ld = Pad16(n);
-  std::vector<float> kc(kv * d * ld), vr(kv * (n + 1) * d, 0.0f);
+  std::vector<float> kc(kv * d * ld);
   Relayout(k, n, kv, 1, d, kc.data(), ld);
-  for (int64_t g = 0; g < kv; ++g) {
-    for (int64_t t = 0; t < n; ++t) std::memcpy(vr.data() + (g * (n + 1) + t) * d, v + (t * kv + g) * d, d * 4);
-  }
-  const auto blocks = TokenBlocks(n, [&](int64_t a, int64_t b) { return SameSpans(spans, a, b); });
-  const int64_t nb = static_cast<int64_t>(blocks.size()) - 1;
-  const auto parts = CostParts(nb, [&](int64_t b) {
-    return (blocks[b + 1] - blocks[b]) * KeysOf(spans, blocks[b + 1] - 1).Count();
-  });
-  OverCostParts(parts, n * heads * d * 64, [&](int64_t begin, int64_t end) {
+  const std::vector<float> vr = HeadRows(v, n, kv, d);
+  const int64_t work = n * heads * d * 64;
+  OverQueryBlocks(spans, n, work, [&](const std::vector<int64_t>& blocks, int64_t begin, int64_t end) {
     std::vector<float> s;
     std::vector<const float*> arow(kBlock * groups), x;
     std::vector<float*> orow(kBlock * groups);
@@ -554,12 +563,11 @@ void prl_cpu::PackedAttentionBackward(const float* q, const float* k, const floa
   const int64_t groups = heads / kv, ld = Pad16(n), ldq = Pad16(n * groups);
   // keys and values: rows [kv, n + 1, d] (a zero row last) and columns [kv, d, ld]; queries and d out: columns
   // [kv, d, ldq] (column t * groups + j); lse and delta per kv head in the same column order
-  std::vector<float> kr(kv * (n + 1) * d, 0.0f), vr(kv * (n + 1) * d, 0.0f), kc(kv * d * ld), vc(kv * d * ld);
+  const std::vector<float> kr = HeadRows(k, n, kv, d), vr = HeadRows(v, n, kv, d);
+  std::vector<float> kc(kv * d * ld), vc(kv * d * ld);
   std::vector<float> qc(kv * d * ldq), gc(kv * d * ldq), lse_c(kv * ldq, 0.0f), delta_c(kv * ldq, 0.0f);
   for (int64_t g = 0; g < kv; ++g) {
     for (int64_t t = 0; t < n; ++t) {
-      std::memcpy(kr.data() + (g * (n + 1) + t) * d, k + (t * kv + g) * d, d * 4);
-      std::memcpy(vr.data() + (g * (n + 1) + t) * d, v + (t * kv + g) * d, d * 4);
       for (int64_t j = 0; j < groups; ++j) lse_c[g * ldq + t * groups + j] = lse[t * heads + g * groups + j];
     }
   }
@@ -570,12 +578,8 @@ void prl_cpu::PackedAttentionBackward(const float* q, const float* k, const floa
   const std::vector<float> zero(d, 0.0f);
   // pass 1, per block of queries: p = exp(s - lse), d p = d out v^T, delta = d out . out, d s = p (d p - delta),
   // d q = scale d s k
-  const auto qblocks = TokenBlocks(n, [&](int64_t a, int64_t b) { return SameSpans(spans, a, b); });
-  const int64_t nq = static_cast<int64_t>(qblocks.size()) - 1;
-  const auto qparts = CostParts(nq, [&](int64_t b) {
-    return (qblocks[b + 1] - qblocks[b]) * KeysOf(spans, qblocks[b + 1] - 1).Count();
-  });
-  OverCostParts(qparts, n * heads * d * 64, [&](int64_t begin, int64_t end) {
+  const int64_t work = n * heads * d * 64;
+  OverQueryBlocks(spans, n, work, [&](const std::vector<int64_t>& qblocks, int64_t begin, int64_t end) {
     std::vector<float> s, dp;
     std::vector<const float*> arow(kBlock * groups), grow(kBlock * groups), x;
     std::vector<float*> dqrow(kBlock * groups);

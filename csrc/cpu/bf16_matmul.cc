@@ -31,6 +31,7 @@
 #include <cpuid.h>
 #include <memory>
 #include <mutex>
+#include <tuple>
 
 #include "../prl_common.h"
 #include "kernels.h"
@@ -656,6 +657,38 @@ std::pair<const void*, bool> Bf16Operand(const paddle::Tensor& t, const char* op
   prl::CheckCpuFloat(t, op, name);
   return {t.data<float>(), false};
 }
+
+void CheckKernelCode(int64_t kernel, const char* op) {
+  PD_CHECK(kernel >= 0 && kernel <= 2, op, ": kernel must be 0 (auto), 1 (amx) or 2 (avx512_bf16), got ", kernel);
+}
+
+// `done`: whether the launcher ran the kernel asked for
+void CheckKernelRan(bool done, int64_t kernel, const char* op) {
+  PD_CHECK(done, op, ": the ", kernel == 1 ? "AMX-BF16" : kernel == 2 ? "AVX512-BF16" : "AMX-BF16 and AVX512-BF16",
+           " kernel is not usable here (CPU, OS or build: see prl_bf16_kernels)");
+}
+
+// op(A) op(B)'s operands (float32 or bfloat16 CPU tensors, 2-D) and sizes, checked
+struct Bf16Operands {
+  const void* a;
+  bool a_bf16;
+  const void* b;
+  bool b_bf16;
+  int64_t m, n, k;
+
+  Bf16Operands(const paddle::Tensor& ta, const paddle::Tensor& tb, bool trans_a, bool trans_b, int64_t kernel,
+               const char* op) {
+    std::tie(a, a_bf16) = Bf16Operand(ta, op, "a (float32 or bfloat16)");
+    std::tie(b, b_bf16) = Bf16Operand(tb, op, "b (float32 or bfloat16)");
+    PD_CHECK(ta.shape().size() == 2 && tb.shape().size() == 2, op, ": a and b must be 2-D");
+    CheckKernelCode(kernel, op);
+    m = ta.shape()[trans_a ? 1 : 0];
+    k = ta.shape()[trans_a ? 0 : 1];
+    const int64_t kb = tb.shape()[trans_b ? 1 : 0];
+    n = tb.shape()[trans_b ? 0 : 1];
+    PD_CHECK(k == kb, op, ": inner dimensions differ (a gives ", k, ", b gives ", kb, ")");
+  }
+};
 }  // namespace
 
 // A [M, K] (or [K, M] with trans_a), B [K, N] (or [N, K] with trans_b), each float32 or bfloat16 -> C [M, N]
@@ -663,18 +696,11 @@ std::pair<const void*, bool> Bf16Operand(const paddle::Tensor& t, const char* op
 std::vector<paddle::Tensor> Bf16MatmulOp(const paddle::Tensor& a, const paddle::Tensor& b, bool trans_a, bool trans_b,
                                          int64_t kernel) {
   const char* op = "prl_bf16_matmul";
-  const auto [a_data, a_bf16] = Bf16Operand(a, op, "a (float32 or bfloat16)");
-  const auto [b_data, b_bf16] = Bf16Operand(b, op, "b (float32 or bfloat16)");
-  PD_CHECK(a.shape().size() == 2 && b.shape().size() == 2, op, ": a and b must be 2-D");
-  PD_CHECK(kernel >= 0 && kernel <= 2, op, ": kernel must be 0 (auto), 1 (amx) or 2 (avx512_bf16), got ", kernel);
-  const int64_t m = a.shape()[trans_a ? 1 : 0], k = a.shape()[trans_a ? 0 : 1];
-  const int64_t kb = b.shape()[trans_b ? 1 : 0], n = b.shape()[trans_b ? 0 : 1];
-  PD_CHECK(k == kb, op, ": inner dimensions differ (a gives ", k, ", b gives ", kb, ")");
-  auto out = paddle::empty({m, n}, paddle::DataType::FLOAT32, a.place());
-  const bool done = prl_cpu::Bf16Matmul(a_data, a_bf16, b_data, b_bf16, out.data<float>(), m, n, k, trans_a,
-                                        trans_b, static_cast<prl_cpu::Bf16Kernel>(kernel));
-  PD_CHECK(done, op, ": the ", kernel == 1 ? "AMX-BF16" : kernel == 2 ? "AVX512-BF16" : "AMX-BF16 and AVX512-BF16",
-           " kernel is not usable here (CPU, OS or build: see prl_bf16_kernels)");
+  const Bf16Operands x(a, b, trans_a, trans_b, kernel, op);
+  auto out = paddle::empty({x.m, x.n}, paddle::DataType::FLOAT32, a.place());
+  CheckKernelRan(prl_cpu::Bf16Matmul(x.a, x.a_bf16, x.b, x.b_bf16, out.data<float>(), x.m, x.n, x.k, trans_a,
+                                     trans_b, static_cast<prl_cpu::Bf16Kernel>(kernel)),
+                 kernel, op);
   return {out};
 }
 
@@ -700,19 +726,13 @@ PD_BUILD_OP(prl_bf16_matmul)
 void Bf16MatmulAccumulateOp(paddle::Tensor& c, const paddle::Tensor& a, const paddle::Tensor& b, bool trans_a,
                             bool trans_b, int64_t kernel) {
   const char* op = "prl_bf16_matmul_accumulate";
-  const auto [a_data, a_bf16] = Bf16Operand(a, op, "a (float32 or bfloat16)");
-  const auto [b_data, b_bf16] = Bf16Operand(b, op, "b (float32 or bfloat16)");
+  const Bf16Operands x(a, b, trans_a, trans_b, kernel, op);
   prl::CheckCpuFloat(c, op, "c");
-  PD_CHECK(a.shape().size() == 2 && b.shape().size() == 2 && c.shape().size() == 2, op, ": a, b and c must be 2-D");
-  PD_CHECK(kernel >= 0 && kernel <= 2, op, ": kernel must be 0 (auto), 1 (amx) or 2 (avx512_bf16), got ", kernel);
-  const int64_t m = a.shape()[trans_a ? 1 : 0], k = a.shape()[trans_a ? 0 : 1];
-  const int64_t kb = b.shape()[trans_b ? 1 : 0], n = b.shape()[trans_b ? 0 : 1];
-  PD_CHECK(k == kb, op, ": inner dimensions differ (a gives ", k, ", b gives ", kb, ")");
-  PD_CHECK(c.shape()[0] == m && c.shape()[1] == n, op, ": c must be [", m, ", ", n, "]");
-  const bool done = prl_cpu::Bf16Matmul(a_data, a_bf16, b_data, b_bf16, c.data<float>(), m, n, k, trans_a, trans_b,
-                                        static_cast<prl_cpu::Bf16Kernel>(kernel), true);
-  PD_CHECK(done, op, ": the ", kernel == 1 ? "AMX-BF16" : kernel == 2 ? "AVX512-BF16" : "AMX-BF16 and AVX512-BF16",
-           " kernel is not usable here (CPU, OS or build: see prl_bf16_kernels)");
+  PD_CHECK(c.shape().size() == 2 && c.shape()[0] == x.m && c.shape()[1] == x.n, op, ": c must be [", x.m, ", ", x.n,
+           "]");
+  CheckKernelRan(prl_cpu::Bf16Matmul(x.a, x.a_bf16, x.b, x.b_bf16, c.data<float>(), x.m, x.n, x.k, trans_a, trans_b,
+                                     static_cast<prl_cpu::Bf16Kernel>(kernel), true),
+                 kernel, op);
 }
 
 std::vector<std::vector<int64_t>> Bf16MatmulAccumulateInferShape(const std::vector<int64_t>& c,
@@ -773,18 +793,16 @@ std::vector<paddle::Tensor> Bf16MatmulPackedOp(const paddle::Tensor& a, const pa
   PD_CHECK(a.shape().size() == 2, op, ": a must be 2-D");
   PD_CHECK(packed_b.dtype() == paddle::DataType::INT32 && packed_b.shape().size() == 2 && packed_b.is_cpu(), op,
            ": packed_b must be prl_bf16_pack_b's int32 [N16, K2] CPU tensor");
-  PD_CHECK(kernel >= 0 && kernel <= 2, op, ": kernel must be 0 (auto), 1 (amx) or 2 (avx512_bf16), got ", kernel);
+  CheckKernelCode(kernel, op);
   const int64_t m = a.shape()[trans_a ? 1 : 0], k = a.shape()[trans_a ? 0 : 1];
   PD_CHECK(packed_b.shape()[0] == RoundUp(n, kRowBlock) && packed_b.shape()[1] == RoundUp((k + 1) / 2, kPairStep), op,
            ": packed_b [", packed_b.shape()[0], ", ", packed_b.shape()[1], "] is not the pack of a [", k, ", ", n,
            "] operand");
   auto out = paddle::empty({m, n}, paddle::DataType::FLOAT32, a.place());
-  const bool done = prl_cpu::Bf16MatmulPacked(a_data, a_bf16,
-                                              reinterpret_cast<const uint32_t*>(packed_b.data<int32_t>()),
-                                              out.data<float>(), m, n, k, trans_a,
-                                              static_cast<prl_cpu::Bf16Kernel>(kernel));
-  PD_CHECK(done, op, ": the ", kernel == 1 ? "AMX-BF16" : kernel == 2 ? "AVX512-BF16" : "AMX-BF16 and AVX512-BF16",
-           " kernel is not usable here (CPU, OS or build: see prl_bf16_kernels)");
+  CheckKernelRan(prl_cpu::Bf16MatmulPacked(a_data, a_bf16, reinterpret_cast<const uint32_t*>(packed_b.data<int32_t>()),
+                                           out.data<float>(), m, n, k, trans_a,
+                                           static_cast<prl_cpu::Bf16Kernel>(kernel)),
+                 kernel, op);
   return {out};
 }
 
