@@ -160,7 +160,7 @@ class Packing:
         [1, N, heads * d]."""
         n, heads, kv_heads, d = q.shape[1], q.shape[2], k.shape[2], q.shape[3]
         q, k, v = q.reshape([n, heads, d]), k.reshape([n, kv_heads, d]), v.reshape([n, kv_heads, d])
-        if ops.packed_attention_usable(q, k, v):  # the CPU kernel: no gathered blocks, no stored probabilities
+        if self.fused(q, k, v):  # the CPU kernel: no gathered blocks, no stored probabilities
             return ops.packed_attention_fused(q, k, v, self.spans, scale).unsqueeze(0)
         outs = []
         for block in self.blocks:

@@ -16,20 +16,21 @@ when it is in use, else the reference). `configure("auto" | "on" | "off")` selec
 - kv_place: the rollout's KV-cache relayout (rows' windows copied into another buffer, in place)
 - decode_attention: one decode step of grouped-query attention over the cache
 - masked_softmax: the training / prefill attention's softmax(scale * scores + bias), with its backward
-- packed_attention: attention of a packed row (several sequences, each token's keys as two ranges), with its
-  backward; the fused kernel stores no probabilities
+- packed_attention_fused / _reference: attention of a packed row (several sequences, each token's keys as two
+  ranges), with its backward; the fused kernel stores no probabilities
 - sample: penalty, stop-token ban, temperature, top-k, top-p and the inverse-CDF draw; log-prob of the draw
 - lm_head_logprobs: per-token log-prob and entropy from hidden states and the LM-head weight, chunked
 - step_update: the rollout's per-step stop flags, lengths, seen tokens and min-length ban
 """
 from .activation import swiglu, swiglu_fused, swiglu_reference
 from .attention import (decode_attention, decode_attention_fused, decode_attention_reference, masked_softmax,
-                        masked_softmax_fused, masked_softmax_reference, packed_attention, packed_attention_fused,
+                        masked_softmax_fused, masked_softmax_reference, packed_attention_fused,
                         packed_attention_reference, packed_attention_usable, packed_key_mask)
 from .build import CustomOpsError, available, configure, mode, status
 from .kv_cache import kv_place, kv_place_fused, kv_place_reference
 from .linear import (ROLLOUT_DTYPES, BF16_KERNELS, bf16_kernel, bf16_kernels, bf16_linear, bf16_linear_reference,
-                     bf16_matmul, bf16_matmul_accumulate, bf16_matmul_fused, bf16_matmul_packed, bf16_matmul_reference, bf16_pack_b,
+                     bf16_matmul, bf16_matmul_accumulate, bf16_matmul_fused, bf16_matmul_packed, bf16_matmul_reference,
+                     bf16_pack_b,
                      Bf16PackedB, emulation_forced, round_bf16, ROLLOUT_QUANT_TYPES, LowpPacked, pack_weight,
                      pack_weight_fused,
                      pack_weight_lowp, pack_weight_lowp_fused, pack_weight_lowp_reference, pack_weight_reference,
@@ -52,14 +53,15 @@ __all__ = ["configure", "available", "mode", "status", "CustomOpsError",
            "pack_weight", "pack_weight_fused", "pack_weight_reference",
            "packed_linear", "packed_linear_fused", "packed_linear_reference", "packing_helps",
            "bf16_linear", "bf16_linear_reference", "round_bf16", "BF16_KERNELS", "bf16_kernel", "bf16_kernels",
-           "bf16_matmul", "bf16_matmul_accumulate", "bf16_matmul_fused", "bf16_matmul_packed", "bf16_pack_b", "Bf16PackedB",
+           "bf16_matmul", "bf16_matmul_accumulate", "bf16_matmul_fused", "bf16_matmul_packed", "bf16_pack_b",
+           "Bf16PackedB",
            "bf16_matmul_reference", "emulation_forced", "to_bf16", "to_bf16_fused", "to_bf16_reference",
            "ROLLOUT_DTYPES", "ROLLOUT_QUANT_TYPES", "LowpPacked", "rollout_weight_format",
            "pack_weight_lowp", "pack_weight_lowp_fused", "pack_weight_lowp_reference",
            "packed_linear_lowp", "packed_linear_lowp_fused", "packed_linear_lowp_reference",
            "decode_attention", "decode_attention_fused", "decode_attention_reference",
            "masked_softmax", "masked_softmax_fused", "masked_softmax_reference",
-           "packed_attention", "packed_attention_fused", "packed_attention_reference", "packed_attention_usable",
+           "packed_attention_fused", "packed_attention_reference", "packed_attention_usable",
            "packed_key_mask",
            "sample", "sample_fused", "sample_reference",
            "lm_head_logprobs", "lm_head_logprobs_reference", "logprobs_from_logits",

@@ -96,8 +96,3 @@ def packed_attention_fused(q, k, v, spans, scale: float):
 def packed_attention_usable(q, k, v) -> bool:
     """The CPU kernel's case: float32 CPU tensors, head_dim a multiple of 16 (its vectors)."""
     return fusable(q, k, v) and q.place.is_cpu_place() and q.shape[-1] % 16 == 0
-
-
-def packed_attention(q, k, v, spans, scale: float):
-    fn = packed_attention_fused if packed_attention_usable(q, k, v) else packed_attention_reference
-    return fn(q, k, v, spans, scale)

@@ -193,8 +193,8 @@ def bf16_matmul_reference(a, b, trans_a: bool = False, trans_b: bool = False):
 
 def bf16_matmul_fused(a, b, trans_a: bool = False, trans_b: bool = False, kernel: str = "auto"):
     """The kernel's op(a) @ op(b); `a` and `b` each float32 or bfloat16 (to_bf16's copy: the same product, its
-    packing reading half the bytes and no cast); `kernel`: auto (the best usable) | amx | avx512_bf16 (an error where the
-    CPU, OS or build cannot run it)."""
+    packing reading half the bytes and no cast); `kernel`: auto (the best usable) | amx | avx512_bf16 (an error where
+    the CPU, OS or build cannot run it)."""
     if kernel not in _KERNEL_CODES:
         raise ValueError(f"bf16_matmul kernel: must be one of {', '.join(_KERNEL_CODES)}, got {kernel!r}")
     return build.run("prl_bf16_matmul", contiguous(a), contiguous(b), bool(trans_a), bool(trans_b),
