@@ -756,3 +756,50 @@ def test_packed_linear_low_precision_checks_its_inputs(rng):
         ops.pack_weight_lowp(w, False, "int8")
     with pytest.raises(ValueError, match="rollout_quant_type: must be '' .off., weight_only_int8 or weight_only_int4"):
         ops.rollout_weight_format("float32", "a8w8")
+
+
+# ------------------------------------------------------------------------------------------------ residual add
+
+def test_residual_add_shares_its_gradient(rng):
+    """x + y's backward passes one tensor to both inputs; with x also read elsewhere (as a residual stream is, by
+    the next norm) the gradients equal Paddle's add's bit for bit."""
+    x = t(rng.standard_normal((5, 8)), grad=True)
+    w = t(rng.standard_normal((8, 8)), grad=True)
+    g = t(rng.standard_normal((5, 8)))
+    got = {}
+    for name, add in (("residual", ops.residual_add), ("paddle", ops.residual_add_reference)):
+        h = paddle.tanh(x)
+        out = add(h, paddle.matmul(ops.rms_norm_reference(h, paddle.ones([8]), 1e-6), w))
+        out = add(out, paddle.sin(out))
+        got[name] = [a.numpy() for a in paddle.grad(out, [x, w], g)]
+    for a, b in zip(got["residual"], got["paddle"]):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("recompute", [None, "full", "full_attn", "core_attn_mlp"])
+def test_model_gradients_with_residual_add(rng, monkeypatch, recompute):
+    """The decoder's gradients with the shared-gradient residual add equal those with Paddle's add, bit for bit,
+    under each recompute setting (the recomputed blocks read the residual stream's tensors again)."""
+    from paddle_rl.models import CausalLM, ModelConfig
+    from paddle_rl.models.logprobs import token_logprobs
+    paddle.seed(3)
+    cfg = ModelConfig(model_type="qwen3", vocab_size=90, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
+                      num_attention_heads=4, num_key_value_heads=2)
+    model = CausalLM(cfg)
+    model.init_weights(0.2)
+    model.train()
+    model.recompute = recompute
+    ids = paddle.to_tensor(rng.integers(0, 90, (2, 9)))
+    mask = paddle.to_tensor(np.array([[1] * 9, [0] * 2 + [1] * 7]))
+    grads = {}
+    for name in ("residual", "paddle"):
+        with monkeypatch.context() as m:
+            if name == "paddle":
+                m.setattr(ops, "residual_add", ops.residual_add_reference)
+            logp, _ = token_logprobs(model, ids, mask, 3, ids[:, 3:], 1.0)
+            logp.sum().backward()
+        grads[name] = {n: p.grad.numpy().copy() for n, p in model.named_parameters()}
+        model.clear_gradients()
+    assert grads["residual"].keys() == grads["paddle"].keys()
+    for n, ref in grads["paddle"].items():
+        np.testing.assert_array_equal(grads["residual"][n], ref, err_msg=n)

@@ -285,13 +285,13 @@ class DecoderLayer(nn.Layer):
     def forward(self, x, p: Pass, cache=None):
         h = self.input_layernorm(x)
         if p.recompute == "full_attn" and cache is None:
-            x = x + _recompute(self.self_attn, h, p, None)
+            x = ops.residual_add(x, _recompute(self.self_attn, h, p, None))
         else:
-            x = x + self.self_attn(h, p, cache)
+            x = ops.residual_add(x, self.self_attn(h, p, cache))
         if p.recompute == "core_attn_mlp" and isinstance(self.mlp, MLP):
             # only the block's input is kept: the norm's output, gate/up and SwiGLU outputs are made again
-            return x + _recompute(self._mlp_block, x, p)
-        return x + self._mlp_block(x, p)
+            return ops.residual_add(x, _recompute(self._mlp_block, x, p))
+        return ops.residual_add(x, self._mlp_block(x, p))
 
     def _mlp_block(self, x, p: Pass):
         return self.mlp(self.post_attention_layernorm(x), p)

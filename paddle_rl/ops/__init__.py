@@ -5,6 +5,7 @@ when it is in use, else the reference). `configure("auto" | "on" | "off")` selec
 `use_custom_ops`); see build.py for the cache and the modes.
 
 - rms_norm: RMSNorm with its backward
+- residual_add: the residual stream's sum, its backward passing one gradient tensor to both inputs (no copies)
 - swiglu: silu(gate) * up of a fused [gate | up] projection, with its backward
 - rotary: rotate-half rotary embedding with its backward
 - rotary_qkv_cache: the decode step's qkv split + q/k norm + rotary + in-place KV-cache write
@@ -39,13 +40,14 @@ from .linear import (ROLLOUT_DTYPES, BF16_KERNELS, bf16_kernel, bf16_kernels, bf
                      to_bf16, to_bf16_fused, to_bf16_reference)
 from .logprob import lm_head_logprobs, lm_head_logprobs_reference, logprobs_from_logits
 from .norm import rms_norm, rms_norm_fused, rms_norm_reference
+from .residual import residual_add, residual_add_reference
 from .rollout_state import StepState, step_update, step_update_fused, step_update_reference
 from .rope import (rotary, rotary_fused, rotary_qkv_cache, rotary_qkv_cache_fused, rotary_qkv_cache_reference,
                      rotary_reference, rotary_tables)
 from .sampling import sample, sample_fused, sample_reference
 
 __all__ = ["configure", "available", "mode", "status", "CustomOpsError",
-           "rms_norm", "rms_norm_fused", "rms_norm_reference",
+           "rms_norm", "rms_norm_fused", "rms_norm_reference", "residual_add", "residual_add_reference",
            "swiglu", "swiglu_fused", "swiglu_reference",
            "rotary", "rotary_fused", "rotary_reference", "rotary_tables",
            "rotary_qkv_cache", "rotary_qkv_cache_fused", "rotary_qkv_cache_reference",
