@@ -21,6 +21,7 @@ when it is in use, else the reference). `configure("auto" | "on" | "off")` selec
   ranges), with its backward; the fused kernel stores no probabilities
 - sample: penalty, stop-token ban, temperature, top-k, top-p and the inverse-CDF draw; log-prob of the draw
 - lm_head_logprobs: per-token log-prob and entropy from hidden states and the LM-head weight, chunked
+- row_argmax: each row's first largest index (Paddle's argmax over the last axis of [N, V]), the greedy choice
 - step_update: the rollout's per-step stop flags, lengths, seen tokens and min-length ban
 """
 from .activation import swiglu, swiglu_fused, swiglu_reference
@@ -38,7 +39,7 @@ from .linear import (ROLLOUT_DTYPES, BF16_KERNELS, bf16_kernel, bf16_kernels, bf
                      packed_linear, packed_linear_fused, packed_linear_lowp, packed_linear_lowp_fused,
                      packed_linear_lowp_reference, packed_linear_reference, packing_helps, rollout_weight_format,
                      to_bf16, to_bf16_fused, to_bf16_reference)
-from .logprob import lm_head_logprobs, lm_head_logprobs_reference, logprobs_from_logits
+from .logprob import lm_head_logprobs, lm_head_logprobs_reference, logprobs_from_logits, row_argmax
 from .norm import rms_norm, rms_norm_fused, rms_norm_reference
 from .residual import residual_add, residual_add_reference
 from .rollout_state import StepState, step_update, step_update_fused, step_update_reference
@@ -66,5 +67,5 @@ __all__ = ["configure", "available", "mode", "status", "CustomOpsError",
            "packed_attention_fused", "packed_attention_reference", "packed_attention_usable",
            "packed_key_mask",
            "sample", "sample_fused", "sample_reference",
-           "lm_head_logprobs", "lm_head_logprobs_reference", "logprobs_from_logits",
+           "lm_head_logprobs", "lm_head_logprobs_reference", "logprobs_from_logits", "row_argmax",
            "StepState", "step_update", "step_update_fused", "step_update_reference"]

@@ -195,7 +195,7 @@ class RolloutEngine:
         generated = batch.lengths()
         lengths = paddle.to_tensor(generated)
         logits = batch.logits
-        greedy_np = paddle.argmax(logits, axis=-1).numpy()  # the distribution's own greedy choice, per row
+        greedy_np = ops.row_argmax(logits).numpy()  # the distribution's own greedy choice, per row
         for stage in self._stages_with("logits"):
             logits = stage.logits(batch.seqs, logits, generated, stop_ids)
         uniforms = None
