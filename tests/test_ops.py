@@ -762,7 +762,7 @@ def test_packed_linear_low_precision_checks_its_inputs(rng):
 
 def test_residual_add_shares_its_gradient(rng):
     """x + y's backward passes one tensor to both inputs; with x also read elsewhere (as a residual stream is, by
-    the next norm) the gradients equal Paddle's add's bit for bit."""
+    the next norm) the gradients equal Paddle's add's bit for bit. The sum overwrites y."""
     x = t(rng.standard_normal((5, 8)), grad=True)
     w = t(rng.standard_normal((8, 8)), grad=True)
     g = t(rng.standard_normal((5, 8)))
@@ -774,6 +774,20 @@ def test_residual_add_shares_its_gradient(rng):
         got[name] = [a.numpy() for a in paddle.grad(out, [x, w], g)]
     for a, b in zip(got["residual"], got["paddle"]):
         np.testing.assert_array_equal(a, b)
+    # the sum is written over y (no new tensor), with and without a recorded gradient
+    for grad in (True, False):
+        y = paddle.sin(x)
+        if not grad:
+            x, y = x.detach(), y.detach()
+        before = y.numpy() + x.numpy()
+        out = ops.residual_add(x, y)
+        np.testing.assert_array_equal(y.numpy(), before)
+        np.testing.assert_array_equal(out.numpy(), before)
+    # a y its maker saved for its backward (exp keeps its output): Paddle refuses the backward, loudly
+    x = t(rng.standard_normal((5, 8)), grad=True)
+    e = paddle.exp(x)
+    with pytest.raises(RuntimeError, match="inplace"):
+        paddle.grad(ops.residual_add(x, e), [x], g)
 
 
 @pytest.mark.parametrize("recompute", [None, "full", "full_attn", "core_attn_mlp"])
