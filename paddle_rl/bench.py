@@ -277,6 +277,9 @@ def matmul_peak(size: int = 1024, repeat: int = 5) -> float:
     return 2 * size ** 3 / _best_seconds(fn, repeat) / 1e9
 
 
+PEAK_DRIFT_WARN = 0.15   # the report warns when a kind's peak moved more than this between before and after
+
+
 def peak_summary(before: list, after: list) -> dict:
     """The JSON fields of two `matmul_peaks` measurements (before and after the run): per kind the best over
     shapes and both times, and each shape's two readings."""
@@ -290,6 +293,12 @@ def peak_summary(before: list, after: list) -> dict:
         out[f"{kind}_peak_before_gflops"], out[f"{kind}_peak_after_gflops"] = b, a
         out[f"{kind}_peak_gflops"] = max(v for v in (b, a) if v is not None) if b is not None or a is not None \
             else None
+    # how far the machine's own speed moved between the two measurements: the largest relative change of a kind's
+    # best (a shared host's cores can run a product at half the speed minutes later; step times of runs far apart
+    # then differ by as much, whatever the code)
+    moves = [abs(out[f"{k}_peak_after_gflops"] - out[f"{k}_peak_before_gflops"]) / out[f"{k}_peak_gflops"]
+             for k in PEAK_KINDS if out[f"{k}_peak_before_gflops"] and out[f"{k}_peak_after_gflops"]]
+    out["peak_drift"] = max(moves) if moves else None
     return out
 
 
@@ -822,6 +831,10 @@ def peak_lines(result: dict) -> list:
                         ("torch_bf16", "bf16 torch.matmul (outside reference)")):
         lines.append(f"    {label:<40} {gf(result[f'{kind}_peak_gflops']):>7} ({gf(result[f'{kind}_peak_before_gflops'])}"
                      f" / {gf(result[f'{kind}_peak_after_gflops'])}; best at {best_shape(kind)})")
+    drift = result.get("peak_drift")
+    if drift is not None and drift > PEAK_DRIFT_WARN:
+        lines.append(f"    the machine's speed moved during the run: a peak changed by {100 * drift:.0f}% between before "
+                     f"and after; compare steps of one sitting, over several runs")
     return lines
 
 

@@ -90,6 +90,16 @@ def test_matmul_peaks_cover_the_workload_shapes_before_and_after():
     lines = "\n".join(bench.peak_lines(summary))
     assert "fp32 paddle.matmul" in lines and "bf16 suite bf16_linear" in lines and "outside reference" in lines
     assert "int8 suite packed kernel" in lines
+    # the drift: the largest relative move of a kind's best between the two measurements, warned above 15%
+    moves = [abs(summary[f"{k}_peak_after_gflops"] - summary[f"{k}_peak_before_gflops"]) / summary[f"{k}_peak_gflops"]
+             for k in bench.PEAK_KINDS if summary[f"{k}_peak_before_gflops"] and summary[f"{k}_peak_after_gflops"]]
+    assert summary["peak_drift"] == max(moves)
+    slower = [dict(r, gflops=None if r["gflops"] is None else r["gflops"] / 2) for r in before]
+    halved = bench.peak_summary([dict(r) for r in before], slower)
+    assert halved["peak_drift"] == pytest.approx(0.5)
+    assert "speed moved during the run: a peak changed by 50%" in "\n".join(bench.peak_lines(halved))
+    steady = bench.peak_summary([dict(r) for r in before], [dict(r) for r in before])
+    assert steady["peak_drift"] == 0.0 and "speed moved" not in "\n".join(bench.peak_lines(steady))
 
 
 def test_a_local_rollout_server_is_timed_against_the_inline_rollout(bench_rule):
