@@ -51,7 +51,7 @@ import time
 from typing import Optional
 
 from .config import load_config
-from .env import configure_threads
+from .env import configure_threads, malloc_mode
 from .model_files.hub import resolve_model
 from .monitor import memory
 
@@ -521,7 +521,7 @@ def run(args) -> dict:
         "optimizer_state_mb": optimizer_bytes / 2**20, "trainable_params": trainable,
         "threads": os.environ.get("OMP_NUM_THREADS"), "setup_s": build_s,
         "cpu_s_per_step": cpu_s / max(len(records), 1), "load_avg": [load_before, os.getloadavg()[0]],
-        "stride_kernel": os.environ.get("FLAGS_use_stride_kernel"),
+        "stride_kernel": os.environ.get("FLAGS_use_stride_kernel"), "malloc": malloc_mode(),
         "custom_ops": _custom_ops_status(), "overrides": args.set or [],
         "rollout_dtype": config.rollout_dtype, "rollout_quant_type": config.rollout_quant_type,
         "cpu_flags": cpu_flags(), "bf16": bool(config.bf16),
@@ -759,8 +759,8 @@ def report(result: dict) -> str:
              f"{result['rollout_n']}, prompt ~{result['prompt_len']:.0f}, response {exact} {result['response_len']} "
              f"tokens (mean {result['response_length_mean']:.1f}); "
              f"{result['steps_timed']} timed step(s), OMP_NUM_THREADS={result['threads']}, custom ops "
-             f"{result['custom_ops']}, load average {result['load_avg'][0]:.1f} -> {result['load_avg'][1]:.1f}, "
-             f"rollout {result['rollout_dtype']}{' ' + result['rollout_quant_type'] if result['rollout_quant_type'] else ''}",
+             f"{result['custom_ops']}, malloc {result.get('malloc', '?')}, load average {result['load_avg'][0]:.1f} -> "
+             f"{result['load_avg'][1]:.1f}, rollout {result['rollout_dtype']}{' ' + result['rollout_quant_type'] if result['rollout_quant_type'] else ''}",
              f"  step          {result['step_s']:8.3f} s"]
     for stage in STAGES + tuple(s for s in CRITIC_STAGES if f"{s}_s" in result):
         fused = stage == "values" and result[f"{stage}_s"] == 0  # one update pass: its forward gave the values

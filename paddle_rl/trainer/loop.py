@@ -25,6 +25,7 @@ from paddle.utils import unique_name
 
 from .. import ops
 from ..batch import StepBatch
+from ..env import training_heap
 from ..data.loader import PromptSampler, load_prompt_dataset
 from ..layouts import build_layout
 from ..models import Tokenizer
@@ -261,9 +262,11 @@ class StepLoop:
     # ---------------------------------------------------------------- the loop
     def run(self, job) -> dict:
         """Run `job`'s steps to the end; the run's summary (monitor/summary.py) is logged last, finished or failed.
-        Returns the last step's metrics."""
+        Returns the last step's metrics. The steps allocate from glibc's heap and keep what they free
+        (env.training_heap, PADDLE_RL_MALLOC)."""
         try:
-            last = self._run(job)
+            with training_heap():
+                last = self._run(job)
         except BaseException as e:
             watchdog.leaving()  # peers raising the same error may exit first: not a dead rank
             self._log_summary(time.time() - self.started, e)
