@@ -11,8 +11,9 @@ glibc does:
 - `train` (the default): while a training run's steps go on (`training_heap`, entered by the step loop), every
   block comes from the heap and freed memory stays there, as a caching allocator would keep it; when the run
   ends glibc's mapping is back and the freed heap goes back to the system (malloc_trim). Costs: the peak RSS
-  can grow by what the heap's free pieces hold (W3 float32: 6.5 -> 7.1 GB; a 0.5B model with recompute off:
-  9.3 -> 11.2 GB); the time saved is the update's page faults (W3's update ~15%).
+  can grow by what the heap's free pieces hold (W3 float32: 6.1 -> 6.6 GB; with `heap` 6.5 -> 7.1 GB, and a 0.5B
+  model with recompute off 9.3 -> 11.2 GB); the time saved is the page faults (W3's bf16 step: median 66.4 ->
+  59.4 s in one sitting; docs/performance.md).
 - `heap`: the same for the whole process from its start (`configure_allocator`, before Paddle is imported).
 - `system`: glibc's own behaviour throughout.
 
