@@ -759,7 +759,7 @@ def report(result: dict) -> str:
              f"{result['rollout_n']}, prompt ~{result['prompt_len']:.0f}, response {exact} {result['response_len']} "
              f"tokens (mean {result['response_length_mean']:.1f}); "
              f"{result['steps_timed']} timed step(s), OMP_NUM_THREADS={result['threads']}, custom ops "
-             f"{result['custom_ops']}, malloc {result.get('malloc', '?')}, load average {result['load_avg'][0]:.1f} -> "
+             f"{result['custom_ops']}, malloc {result['malloc']}, load average {result['load_avg'][0]:.1f} -> "
              f"{result['load_avg'][1]:.1f}, rollout {result['rollout_dtype']}{' ' + result['rollout_quant_type'] if result['rollout_quant_type'] else ''}",
              f"  step          {result['step_s']:8.3f} s"]
     for stage in STAGES + tuple(s for s in CRITIC_STAGES if f"{s}_s" in result):

@@ -57,9 +57,13 @@ _M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4
 _GLIBC_MMAP_MAX, _TRIM_AFTER = 65536, 64 << 20   # glibc's default mmap count; twice its largest mmap threshold
 
 
+def _malloc_setting() -> str:
+    return os.environ.get("PADDLE_RL_MALLOC", "").strip().lower() or "train"
+
+
 def malloc_mode() -> str:
     """PADDLE_RL_MALLOC: train (the default), heap or system (the module docstring)."""
-    value = os.environ.get("PADDLE_RL_MALLOC", "").strip().lower() or "train"
+    value = _malloc_setting()
     if value not in MALLOC_MODES:
         raise ValueError(f"PADDLE_RL_MALLOC={value!r}: expected one of {', '.join(MALLOC_MODES)}")
     return value
@@ -83,10 +87,9 @@ def _keep_in_heap(libc) -> bool:
 def configure_allocator() -> bool:
     """With PADDLE_RL_MALLOC=heap: large blocks from the heap, never trimmed back to the OS (glibc only), for the
     whole process. Returns whether it applied."""
-    libc = _glibc()
-    if os.environ.get("PADDLE_RL_MALLOC", "").strip().lower() != "heap" or libc is None:
-        return False
-    return _keep_in_heap(libc)
+    # read, not checked: this runs when the package is imported (an unknown value is refused when a run starts)
+    libc = _glibc() if _malloc_setting() == "heap" else None
+    return libc is not None and _keep_in_heap(libc)
 
 
 @contextlib.contextmanager

@@ -519,20 +519,26 @@ def test_modes(monkeypatch, caplog):
 
 # ------------------------------------------------------------------------------------------------ in the model
 
+def _training_decoder(seed: int, vocab: int, layers: int):
+    """A small qwen3-shaped decoder (hidden 32, GQA 4 / 2 heads) at random init, in training mode."""
+    from paddle_rl.models import CausalLM, ModelConfig
+    paddle.seed(seed)
+    model = CausalLM(ModelConfig(model_type="qwen3", vocab_size=vocab, hidden_size=32, intermediate_size=48,
+                                 num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2))
+    model.init_weights(0.2)
+    model.train()
+    return model
+
+
 def test_model_gradients_with_kernels_and_recompute(rng, monkeypatch):
     """A decoder's log-prob gradients are the same with the fused kernels or the references, and with each
     recompute_granularity (paddle.distributed.fleet.utils.recompute on CPU): full reruns every layer in the
     backward, full_attn every self-attention block, core_attn every attention core (softmax(QK^T)V) and nothing
     else, core_attn_mlp every attention core and MLP block."""
-    from paddle_rl.models import CausalLM, ModelConfig
     from paddle_rl.models.decoder import MLP, Attention, DecoderLayer
     from paddle_rl.models.logprobs import token_logprobs
-    paddle.seed(1)
-    cfg = ModelConfig(model_type="qwen3", vocab_size=120, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2)
-    model = CausalLM(cfg)
-    model.init_weights(0.2)
-    model.train()
+    model = _training_decoder(seed=1, vocab=120, layers=2)
+    cfg = model.config
     ids = paddle.to_tensor(rng.integers(0, 120, (3, 10)))
     mask = paddle.to_tensor(np.array([[1] * 10, [0] * 3 + [1] * 7, [0] + [1] * 9]))
     # calls of each part, counted apart in the forward pass and in the backward
@@ -794,14 +800,8 @@ def test_residual_add_shares_its_gradient(rng):
 def test_model_gradients_with_residual_add(rng, monkeypatch, recompute):
     """The decoder's gradients with the shared-gradient residual add equal those with Paddle's add, bit for bit,
     under each recompute setting (the recomputed blocks read the residual stream's tensors again)."""
-    from paddle_rl.models import CausalLM, ModelConfig
     from paddle_rl.models.logprobs import token_logprobs
-    paddle.seed(3)
-    cfg = ModelConfig(model_type="qwen3", vocab_size=90, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
-                      num_attention_heads=4, num_key_value_heads=2)
-    model = CausalLM(cfg)
-    model.init_weights(0.2)
-    model.train()
+    model = _training_decoder(seed=3, vocab=90, layers=3)
     model.recompute = recompute
     ids = paddle.to_tensor(rng.integers(0, 90, (2, 9)))
     mask = paddle.to_tensor(np.array([[1] * 9, [0] * 2 + [1] * 7]))
