@@ -376,3 +376,65 @@ def test_tokens_out_of_the_loss_mask_stay_in_the_sequence(layout):
     got = build_layout(**layout).logprobs(model, holes, 1.0, 4)
     assert (mask < batch["response_mask"]).sum() > 20
     assert np.abs(got - full * mask).max() <= 1e-5
+
+
+def _kept_mb(model, ids, mask):
+    """MB of tensors a training forward leaves alive for the backward (Paddle's CPU allocator, live bytes)."""
+    from paddle_rl.models.logprobs import token_logprobs
+    core = paddle.base.core
+    before = core.host_memory_stat_current_value("Allocated", 0)
+    logp = token_logprobs(model, ids, mask, 4, ids[:, 4:], 1.0)[0]
+    kept = (core.host_memory_stat_current_value("Allocated", 0) - before) / 2**20
+    logp.sum().backward()
+    model.clear_gradients()
+    return kept
+
+
+@pytest.mark.parametrize("granularity", ["core_attn_mlp", "full_attn"])
+@pytest.mark.parametrize("remove_padding,kind", [(True, "qwen2"), (False, "qwen2"), (True, "qwen3_moe")])
+def test_bf16_recomputes_attention_from_its_bfloat16_operand(remove_padding, kind, granularity, monkeypatch):
+    """bf16: the attention block reads its input only through the q/k/v product's bfloat16 operand, so
+    core_attn_mlp and full_attn recompute the whole block from that rounding (decoder.recompute_from_bf16, the
+    one tensor kept): the update equals the pass that keeps everything bit for bit, the blocks run again in the
+    backward, and a forward keeps less than when each block keeps its own (the feature off)."""
+    from paddle_rl.models.decoder import Attention
+    from paddle_rl.models.layers import ColumnLinear
+    model, batch = make_model(kind), long_tail_batch(seed=2)
+    model.set_bf16(True, True)
+    layout = build_layout(share_prompts=remove_padding, remove_padding=remove_padding)
+    kept = run(layout, model, batch)
+    calls = []
+    original = Attention.forward
+    monkeypatch.setattr(Attention, "forward",
+                        lambda self, *args: calls.append(paddle.is_grad_enabled()) or original(self, *args))
+    model.recompute = granularity
+    try:
+        recomputed = run(layout, model, batch)
+    finally:
+        model.recompute = None
+    assert recomputed["loss"] == kept["loss"]
+    np.testing.assert_array_equal(recomputed["logp"], kept["logp"])
+    for name, g in kept["grads"].items():
+        np.testing.assert_array_equal(recomputed["grads"][name], g, err_msg=name)
+    layers = model.config.num_hidden_layers
+    assert calls.count(True) == layers * len(recomputed["layouts"])  # every block once more in the backward
+    monkeypatch.setattr(Attention, "forward", original)
+    rng = np.random.default_rng(0)
+    ids = paddle.to_tensor(rng.integers(1, 211, (8, 96)))
+    mask = paddle.ones([8, 96], "int64")
+    model.train()
+    model.recompute = granularity
+    try:
+        on = _kept_mb(model, ids, mask)
+        monkeypatch.setattr(ColumnLinear, "reads_input_rounded", property(lambda self: False))
+        off = _kept_mb(model, ids, mask)
+    finally:
+        model.recompute = None
+    # bytes per token and layer: under core_attn_mlp the block kept its input's rounding (64 bfloat16, for the q/k/v
+    # weight gradient), q, k, v (4 + 2 + 2 heads x 16 float32, the recomputed core's inputs) and o_proj's operand
+    # (64 bfloat16); under full_attn its input h (64 float32); now h's rounding alone
+    per_token = {"core_attn_mlp": 64 * 2 + 128 * 4 + 64 * 2, "full_attn": 64 * 4}[granularity] - 64 * 2
+    saved = 8 * 96 * layers * per_token / 2**20
+    if kind == "qwen2":   # (qwen3's q/k norms keep their inputs too)
+        assert 0.98 * saved <= off - on <= 1.02 * saved, (on, off, saved)
+    assert off - on >= 0.8 * saved, (on, off, saved)

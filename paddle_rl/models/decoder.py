@@ -12,12 +12,14 @@ rollout runs inside `packed_weights()`, where the linear layers and the tied hea
 A pipeline stage is the same model restricted to a range of layers (`stage=(index, count)`).
 """
 import contextlib
+import copy
 import logging
 import math
 from typing import List, Optional
 
 import paddle
 import paddle.nn as nn
+from paddle.autograd import PyLayer
 
 from .. import ops
 from ..parallel.collectives import copy_to_group, gather_from_group, group_size
@@ -74,6 +76,33 @@ def _recompute(fn, *args):
     recompute, which runs on CPU)."""
     from paddle.distributed.fleet.utils import recompute
     return recompute(fn, *args, use_reentrant=False)
+
+
+class _RecomputeFromBf16(PyLayer):
+    # fn runs without autograd in the forward; the backward widens the kept rounding (exact), runs fn again with
+    # autograd and backpropagates through it: the parameters inside fn take their gradients there, h's is returned.
+    @staticmethod
+    def forward(ctx, h, fn):
+        ctx.fn = fn
+        ctx.save_for_backward(ops.to_bf16(h))
+        return fn(h)
+
+    @staticmethod
+    def backward(ctx, dy):
+        (hb,) = ctx.saved_tensor()
+        h = hb.astype("float32")
+        h.stop_gradient = False
+        with paddle.set_grad_enabled(True):
+            y = ctx.fn(h)
+        paddle.autograd.backward([y], [dy])
+        return h.grad
+
+
+def recompute_from_bf16(fn, h):
+    """fn(h), its activations recomputed in the backward from h's bfloat16 rounding, the one tensor kept (half of
+    h's bytes). For a block that reads h only through bf16 products (their operands are that rounding, so the
+    recomputation makes the same bits and the same gradients as keeping everything); h must take a gradient."""
+    return _RecomputeFromBf16.apply(h, fn)
 
 
 class LayerCache:
@@ -181,6 +210,12 @@ class Pass:
     def decode(self) -> bool:
         return self.decode_start is not None
 
+    def kept(self) -> "Pass":
+        """This pass with nothing recomputed: for a block that is itself recomputed as a whole."""
+        inner = copy.copy(self)
+        inner.recompute = None
+        return inner
+
     def cache(self, i: int):
         return None if self.caches is None else self.caches[i]
 
@@ -241,6 +276,11 @@ class Attention(nn.Layer):
         out = paddle.matmul(probs, v).reshape([batch, self.num_heads, length, self.head_dim])
         return out.transpose([0, 2, 1, 3]).reshape([batch, length, self.num_heads * self.head_dim])
 
+    @property
+    def reads_input_rounded(self) -> bool:
+        """Whether the block reads its input only through bfloat16 rounding (its q/k/v projection's)."""
+        return self.qkv_proj.reads_input_rounded
+
     def _decode(self, x, p: Pass, cache: LayerCache):
         """One token per row: split, q/k norm, rotary and the cache write in one kernel, then attention over
         the cache from each row's start slot."""
@@ -284,7 +324,14 @@ class DecoderLayer(nn.Layer):
 
     def forward(self, x, p: Pass, cache=None):
         h = self.input_layernorm(x)
-        if p.recompute == "full_attn" and cache is None:
+        if cache is None and p.recompute in ("full_attn", "core_attn_mlp") and self.self_attn.reads_input_rounded \
+                and not h.stop_gradient:
+            # bf16: the attention block reads h only through its products' bfloat16 operands, so the whole block is
+            # recomputed from that rounding (which its q/k/v product would keep anyway) instead of keeping q, k, v,
+            # the attention output and o_proj's operand
+            inner = p.kept()
+            x = ops.residual_add(x, recompute_from_bf16(lambda t: self.self_attn(t, inner, None), h))
+        elif p.recompute == "full_attn" and cache is None:
             x = ops.residual_add(x, _recompute(self.self_attn, h, p, None))
         else:
             x = ops.residual_add(x, self.self_attn(h, p, cache))

@@ -147,6 +147,17 @@ class _Linear(Bf16Products):
         # self.bf16: bf16 products (the packed copy wins while it exists)
 
     @property
+    def reads_input_rounded(self) -> bool:
+        """Whether the forward reads x only through its bfloat16 rounding: bf16 products, no packed copy, and no
+        LoRA dropout in training (it scales x before the adapter's product rounds it). A block whose input only
+        such layers read can be recomputed from that rounding (models/decoder.py, recompute_from_bf16)."""
+        if not self.bf16 or self.packed is not None:
+            return False
+        lora = self.lora
+        return (lora is None or lora.merged is not None or not lora.enabled
+                or (lora.bf16 and not (lora.p > 0 and lora.training)))
+
+    @property
     def effective_weight(self):
         """What x is multiplied by: the weight, or the LoRA-merged one while merged."""
         return self.weight if self.lora is None else self.lora.weight(self.weight)
