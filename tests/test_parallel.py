@@ -433,6 +433,20 @@ def test_tensor_parallel(setup, reference):
     check_parity(setup, reference, out_dir)
 
 
+def test_tensor_parallel_bf16_with_recomputed_attention(setup):
+    """bf16 under core_attn_mlp recomputes each attention block from its input's bfloat16 rounding, a second
+    forward and a nested backward through the column and row layers' collectives: under tensor parallelism the run
+    is the run that keeps the blocks' activations, bit for bit (bf16 against one process differs at bf16's rounding,
+    a sum's order moving an operand across a rounding boundary)."""
+    keys = dict(bf16=True, recompute=True, use_remove_padding=True, tensor_parallel_degree=2)
+    kept, _ = run_layout(setup, "tp-bf16-kept", recompute_granularity="core_attn", **keys)
+    recomputed, _ = run_layout(setup, "tp-bf16-recompute", recompute_granularity="core_attn_mlp", **keys)
+    errors = compare_runs(kept, recomputed)
+    assert max(errors.values()) == 0.0, max(errors, key=errors.get)
+    np.testing.assert_array_equal(np.load(os.path.join(recomputed, "greedy.npy")),
+                                  np.load(os.path.join(kept, "greedy.npy")))
+
+
 def test_sharding_stage1_halves_optimizer_state(setup, reference):
     out_dir, _ = run_layout(setup, "sharding1", sharding_parallel_degree=2, sharding="stage1")
     memory = check_parity(setup, reference, out_dir)
