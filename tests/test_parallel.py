@@ -39,7 +39,8 @@ def run_overrides(micro, out_dir, plugin, **extra):
                   per_device_logprob_batch_size=4, learning_rate=2e-3, weight_decay=0.01, max_steps=3,
                   do_eval=False, save_steps=2, seed=5, disable_tqdm=True, report_to="none",
                   reward_plugins=plugin, reward_funcs="length_parity", kl_loss_coeff=0.05, max_grad_norm=0.5,
-                  adam_epsilon=1e-6, lr_scheduler_type="constant")  # the config file's own schedule is not the point
+                  adam_epsilon=1e-6, lr_scheduler_type="constant",  # the config file's own schedule is not the point
+                  clip_range_ratio_high=0.2, dynamic_sampling=False)  # nor its clip-higher and dynamic sampling
     values.update(extra)
     return [f"{k}={v}" for k, v in values.items()]
 
