@@ -67,9 +67,9 @@ class ModelArgs:
                                              "sequence length, are not kept; the packed CPU kernel keeps none "
                                              "anyway and is not run twice) | core_attn_mlp (this suite's: the "
                                              "attention core and each dense MLP block with its norm; sparse MoE "
-                                             "blocks are kept). With bf16 on a CPU, full_attn and core_attn_mlp recompute "
-                                             "each attention block from its input's bfloat16 rounding (what its "
-                                             "q/k/v product reads), the one tensor it keeps.")
+                                             "blocks are kept). With bf16 on a CPU, full_attn and core_attn_mlp "
+                                             "recompute each attention block from its input's bfloat16 rounding "
+                                             "(what its q/k/v product reads), the one tensor it keeps.")
     offload_level: str = arg("", acted=False)
     release_grads: bool = arg(False, acted=False)
     offload_optim: bool = arg(False, acted=False)
