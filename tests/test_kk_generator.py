@@ -546,3 +546,18 @@ def test_tiny_builder_sft_only_people(tmp_path):
     assert not {r["src"] for r in four} & {r["src"] for r in splits["test_4p"]}
     assert all(r["tgt"].count("\n") < 3 for name in ("train", "test") for r in splits[name])
     assert len(open(tmp_path / "kk" / "sft.jsonl").readlines()) == 28
+    assert not (tmp_path / "kk" / "train_4p.jsonl").exists()
+
+
+def test_tiny_builder_rl_extra_people(tmp_path):
+    """--rl-extra-people 4: RL gets a 4-people file of its own, disjoint from the supervised 4-people puzzles and
+    from the held-out test_4p.jsonl; train.jsonl and test.jsonl stay 2-3 people."""
+    splits = build_data(str(tmp_path / "kk"), [2, 3], 5, n_sft=20, n_train=10, n_test=10, unseen=[4],
+                        write_sft=True, reasoning=True, sft_only=[4], n_sft_only=8, rl_extra=[4], n_rl_extra=6)
+    rl4 = [json.loads(line) for line in open(tmp_path / "kk" / "train_4p.jsonl")]
+    assert len(rl4) == 6 and all(r["tgt"].count("\n") == 3 and set(r) == {"src", "tgt"} for r in rl4)
+    sources = {r["src"] for r in rl4}
+    assert len(sources) == 6
+    for name in ("sft", "train", "test", "test_4p"):
+        assert not sources & {r["src"] for r in splits[name]}, name
+    assert all(r["tgt"].count("\n") < 3 for name in ("train", "test") for r in splits[name])

@@ -129,15 +129,16 @@ def write_jsonl(path, records):
 
 
 def build_data(out_dir, people, seed, n_sft, n_train, n_test, n_dev=0, unseen=(), write_sft=True, reasoning=False,
-               sft_only=(), n_sft_only=0):
+               sft_only=(), n_sft_only=0, rl_extra=(), n_rl_extra=0):
     """Disjoint SFT / RL-train / held-out test / dev puzzles, rendered with the tiny chat template.
 
     Each split holds an equal share of every inhabitant count in `people`. The dev split (not written) decides
     when the supervised pass stops. Each count in `unseen` gets a held-out file of its own, test_<p>p.jsonl
     (n_test puzzles), for accuracy on a people count that RL does not train on. Each count in `sft_only` adds
     `n_sft_only` puzzles to the supervised split alone (none of them in its held-out file); with none, the unseen
-    counts are counts that neither pass sees. With `reasoning` the supervised records carry the worked case split
-    ("think"); the written RL and test files never do."""
+    counts are counts that neither pass sees. Each count in `rl_extra` gets an RL file of its own, train_<p>p.jsonl
+    (`n_rl_extra` puzzles, none in any other split). With `reasoning` the supervised records carry the worked case
+    split ("think"); the written RL and test files never do."""
     os.makedirs(out_dir, exist_ok=True)
     splits = {"sft": [], "train": [], "test": [], "dev": []}
     seen = set()
@@ -165,18 +166,26 @@ def build_data(out_dir, people, seed, n_sft, n_train, n_test, n_dev=0, unseen=()
         splits[f"test_{p}p"] = recs
         write_jsonl(os.path.join(out_dir, f"test_{p}p.jsonl"), recs)
         seen.update(r["src"] for r in recs)
-    for k, p in enumerate(sft_only):
+
+    def fresh(p, n, pool_seed, with_reasoning, flag):
+        """n puzzles of p people that no split holds yet (they join `seen`)."""
         recs = []
-        for puzzle in generate_puzzles(p, n_sft_only * 2, seed + 200 + k):
-            rec = render(puzzle, reasoning)
-            if rec["src"] not in seen and len(recs) < n_sft_only:
+        for puzzle in generate_puzzles(p, n * 2, pool_seed):
+            rec = render(puzzle, with_reasoning)
+            if rec["src"] not in seen and len(recs) < n:
                 seen.add(rec["src"])
                 recs.append(rec)
-        if len(recs) < n_sft_only:
-            raise SystemExit(f"kk: only {len(recs)} distinct {p}-people puzzles for --sft-only-people")
-        splits["sft"] += recs
+        if len(recs) < n:
+            raise SystemExit(f"kk: only {len(recs)} distinct {p}-people puzzles for {flag}")
+        return recs
+
+    for k, p in enumerate(sft_only):
+        splits["sft"] += fresh(p, n_sft_only, seed + 200 + k, reasoning, "--sft-only-people")
     if sft_only and write_sft:
         write_jsonl(os.path.join(out_dir, "sft.jsonl"), splits["sft"])
+    for k, p in enumerate(rl_extra):
+        splits[f"train_{p}p"] = recs = fresh(p, n_rl_extra, seed + 300 + k, False, "--rl-extra-people")
+        write_jsonl(os.path.join(out_dir, f"train_{p}p.jsonl"), [{"src": r["src"], "tgt": r["tgt"]} for r in recs])
     return splits
 
 
@@ -314,11 +323,15 @@ def write_readme(args, argv, tokenizer, model, splits, steps, result):
     command = " ".join(["python tools/make_tiny_model.py"] + list(argv))
     if args.task == "kk":
         sft_only = [int(p) for p in args.sft_only_people.split(",") if p]
-        unseen = ", ".join(f"{k} ({len(v)}, {k[5:-1]} people, "
-                           + (f"a count RL does not train on; the supervised pass sees {args.sft_only_examples} other "
-                              f"{k[5:-1]}-people puzzles)" if int(k[5:-1]) in sft_only else
-                              "a count neither pass trains on)")
-                           for k, v in splits.items() if k.startswith("test_"))
+        rl_extra = [int(p) for p in args.rl_extra_people.split(",") if p]
+
+        def held_out(name, records):
+            p = int(name[5:-1])
+            seen_by = ([f"the supervised pass sees {args.sft_only_examples} other {p}-people puzzles"] * (p in sft_only)
+                       + [f"RL trains on {args.rl_extra_examples} others, train_{p}p.jsonl"] * (p in rl_extra))
+            return (f"{name} ({len(records)}, {p} people, held out; "
+                    + ("; ".join(seen_by) if seen_by else "a count neither pass trains on") + ")")
+        unseen = ", ".join(held_out(k, v) for k, v in splits.items() if k.startswith("test_"))
         content = (f"- {args.task}/: {args.people.replace(',', '-')} people puzzles: train ({len(splits['train'])}, "
                    f"for RL), test ({len(splits['test'])}, held out){', ' + unseen if unseen else ''}; a separate "
                    f"dev split ({len(splits['dev'])}, not written) decides when the supervised pass stops; the "
@@ -351,10 +364,13 @@ def main(argv=None):
     ap.add_argument("--people", default="2,3", help="kk: inhabitant counts")
     ap.add_argument("--unseen-people", default="4", help="kk: counts that get a held-out file of their own "
                                                          "(test_<p>p.jsonl), trained on by neither pass")
-    ap.add_argument("--sft-only-people", default="", help="kk: counts whose puzzles only the supervised pass sees "
-                                                          "(e.g. 4: RL still trains on --people alone)")
+    ap.add_argument("--sft-only-people", default="", help="kk: counts outside --people whose puzzles the supervised "
+                                                          "pass sees (RL too if --rl-extra-people names them)")
     ap.add_argument("--sft-only-examples", type=int, default=0, help="kk: supervised puzzles per --sft-only-people "
                                                                      "count, beside --sft-examples")
+    ap.add_argument("--rl-extra-people", default="", help="kk: counts RL trains on as well, from a file of their "
+                                                          "own (train_<p>p.jsonl; their held-out test_<p>p.jsonl stays)")
+    ap.add_argument("--rl-extra-examples", type=int, default=0, help="kk: RL puzzles per --rl-extra-people count")
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--sft-examples", type=int, default=4000)
     ap.add_argument("--train-examples", type=int, default=2000)
@@ -391,7 +407,9 @@ def main(argv=None):
                             [int(p) for p in args.unseen_people.split(",") if p], write_sft=args.keep_sft,
                             reasoning=args.reasoning,
                             sft_only=[int(p) for p in args.sft_only_people.split(",") if p],
-                            n_sft_only=args.sft_only_examples)
+                            n_sft_only=args.sft_only_examples,
+                            rl_extra=[int(p) for p in args.rl_extra_people.split(",") if p],
+                            n_rl_extra=args.rl_extra_examples)
     elif args.task == "tool":
         splits = build_tool_data(data_dir, args.seed, args.sft_examples, args.train_examples, args.test_examples,
                                  args.dev_examples, tool_share=args.tool_share, write_sft=args.keep_sft)
