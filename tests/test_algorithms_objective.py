@@ -1,5 +1,6 @@
 """Objective: YAML selection, presets, score shaping, DAPO filters, adaptive KL and resumable state."""
 import json
+import logging
 import os
 
 import numpy as np
@@ -408,3 +409,23 @@ def test_loss_metrics_are_floats():
     assert out.metrics["approx_kl"] == pytest.approx(0.5 * 0.01, rel=1e-4)
     _, metrics = obj.advantages_and_metrics(scores, mask, groups)
     assert {"advantage/mean", "advantage/std", "advantage/max", "advantage/min", "kl_coeff"} <= set(metrics)
+
+
+def test_a_clip_that_cannot_act_says_so(caplog):
+    """clip_range_ratio_high set while each rollout batch makes one optimizer step: the ratio is 1 up to the
+    rollout / trainer gap, so the clip cannot act on the policy's own change; the Objective says so, once, naming
+    the key. More passes or more mini-batches (or leaving the key unset) say nothing."""
+    def said(*overrides):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="paddle_rl"):
+            objective(*overrides)
+        return [r.getMessage() for r in caplog.records if "single optimizer step" in r.getMessage()]
+
+    one_step = ["global_batch_size=4", "global_mini_batch_size=4", "update_iters=1"]
+    warned = said(*one_step, "clip_range_ratio_high=0.28")
+    assert len(warned) == 1 and warned[0].startswith("clip_range_ratio_high: set"), warned
+    assert said(*one_step, "clip_range_ratio_high=0.28", "clip_range_ratio_low=0.1")[0].startswith(
+        "clip_range_ratio_low, clip_range_ratio_high: set")
+    assert said(*one_step) == []
+    assert said("global_batch_size=4", "global_mini_batch_size=2", "update_iters=1", "clip_range_ratio_high=0.28") == []
+    assert said("global_batch_size=4", "global_mini_batch_size=4", "update_iters=2", "clip_range_ratio_high=0.28") == []

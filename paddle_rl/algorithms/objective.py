@@ -26,7 +26,7 @@ from .aggregation import LOSS_AGG_MODES, LOSS_SCALE_FACTOR, aggregate_loss, loss
 from .correction import GAP_METRICS, SUMMED, correction_metrics, rollout_correction
 from .dapo import overlong_filtered_mask, select_groups, soft_overlong_penalty, zero_variance_groups
 from .kl import KL_ESTIMATORS, AdaptiveKLController, FixedKLController, kl_penalty
-from .losses import POLICY_LOSSES, masked_mean, policy_loss_tensors
+from .losses import CLIP_OPTIONS, POLICY_LOSSES, masked_mean, policy_loss_tensors
 from .stats import RunningMoments, global_sum, masked_whiten
 from .value import clipped_value_loss, value_statistics
 
@@ -113,6 +113,14 @@ class Objective:
         if cfg.kl_loss_coeff > 0 and self.kl_loss_coeff == 0:
             logger.warning("kl_loss_coeff: not applied with rl_algorithm reinforce_plus_plus (KL enters the reward "
                            "through kl_coeff); set advantage_estimator: reinforce_plus_plus to add a loss KL too")
+        clip_set = [o.key for o in CLIP_OPTIONS if o in self._policy_loss.keys and getattr(cfg, o.key) is not None]
+        if clip_set and cfg.update_iters == 1 and cfg.mini_batch_prompts == cfg.global_batch_size \
+                and not cfg.async_rollout:
+            logger.warning("%s: set, but each rollout batch makes a single optimizer step (update_iters 1, "
+                           "global_mini_batch_size = global_batch_size, no async_rollout): the ratio is 1 up to the "
+                           "gap between the rollout's and the trainer's log-probs, so the clip acts on that gap alone "
+                           "(actor/clipfrac_* stay 0 with a float32 rollout); update_iters > 1 or smaller mini-batches "
+                           "let it act", ", ".join(clip_set))
         ignored = [k for k, on, used in (("normalize_reward", cfg.normalize_reward, self.normalize_reward),
                                          ("normalize_advantage", cfg.normalize_advantage, self.normalize_advantage))
                    if on and not used]
