@@ -46,6 +46,7 @@ from paddle_rl.data.kk import generate_puzzles, render_prompt  # noqa: E402
 from paddle_rl.data.kk.english import COMPACT_INTRO, COMPACT_QUESTION, sentence  # noqa: E402
 from paddle_rl.config import load_config  # noqa: E402
 from paddle_rl.data.kk.reasoning import reasoning_text  # noqa: E402
+from paddle_rl.data.kk_cli import people_list  # noqa: E402
 from paddle_rl.models import CausalLM, ModelConfig, Tokenizer  # noqa: E402
 from paddle_rl.models.pretrained import save_model, write_generation_config  # noqa: E402
 from paddle_rl.rewards.kk import CORRECT_SCORE, kk_score  # noqa: E402
@@ -318,21 +319,25 @@ TASK_DEFAULTS = {
 }
 
 
+def people_counts(text: str) -> tuple:
+    """A --people style list ("2,3"), checked as `paddle-rl data kk` checks it; empty: none."""
+    return people_list(text) if text.strip() else ()
+
+
 def write_readme(args, argv, tokenizer, model, splits, steps, result):
     n_params = sum(int(np.prod(p.shape)) for p in model.parameters())
     command = " ".join(["python tools/make_tiny_model.py"] + list(argv))
     if args.task == "kk":
-        sft_only = [int(p) for p in args.sft_only_people.split(",") if p]
-        rl_extra = [int(p) for p in args.rl_extra_people.split(",") if p]
-
         def held_out(name, records):
             p = int(name[5:-1])
-            seen_by = ([f"the supervised pass sees {args.sft_only_examples} other {p}-people puzzles"] * (p in sft_only)
-                       + [f"RL trains on {args.rl_extra_examples} others, train_{p}p.jsonl"] * (p in rl_extra))
+            seen_by = ([f"the supervised pass sees {args.sft_only_examples} other {p}-people puzzles"]
+                       * (p in args.sft_only_people)
+                       + [f"RL trains on {args.rl_extra_examples} others, train_{p}p.jsonl"]
+                       * (p in args.rl_extra_people))
             return (f"{name} ({len(records)}, {p} people, held out; "
                     + ("; ".join(seen_by) if seen_by else "a count neither pass trains on") + ")")
         unseen = ", ".join(held_out(k, v) for k, v in splits.items() if k.startswith("test_"))
-        content = (f"- {args.task}/: {args.people.replace(',', '-')} people puzzles: train ({len(splits['train'])}, "
+        content = (f"- {args.task}/: {'-'.join(map(str, args.people))} people puzzles: train ({len(splits['train'])}, "
                    f"for RL), test ({len(splits['test'])}, held out){', ' + unseen if unseen else ''}; a separate "
                    f"dev split ({len(splits['dev'])}, not written) decides when the supervised pass stops; the "
                    + ("supervised responses work the puzzle out (paddle_rl.data.kk.reasoning: a case split that "
@@ -361,15 +366,18 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--task", choices=sorted(k for k in TASK_DEFAULTS if k != "kk_reasoning"), default="arith")
     ap.add_argument("--out", help="output folder (kk: data/tiny, arith: data/tiny_arith)")
-    ap.add_argument("--people", default="2,3", help="kk: inhabitant counts")
-    ap.add_argument("--unseen-people", default="4", help="kk: counts that get a held-out file of their own "
-                                                         "(test_<p>p.jsonl), trained on by neither pass")
-    ap.add_argument("--sft-only-people", default="", help="kk: counts outside --people whose puzzles the supervised "
-                                                          "pass sees (RL too if --rl-extra-people names them)")
+    ap.add_argument("--people", type=people_list, default="2,3", help="kk: inhabitant counts")
+    ap.add_argument("--unseen-people", type=people_counts, default="4",
+                    help="kk: counts that get a held-out file of their own (test_<p>p.jsonl), trained on by neither "
+                         "pass")
+    ap.add_argument("--sft-only-people", type=people_counts, default="",
+                    help="kk: counts outside --people whose puzzles the supervised pass sees (RL too if "
+                         "--rl-extra-people names them)")
     ap.add_argument("--sft-only-examples", type=int, default=0, help="kk: supervised puzzles per --sft-only-people "
                                                                      "count, beside --sft-examples")
-    ap.add_argument("--rl-extra-people", default="", help="kk: counts RL trains on as well, from a file of their "
-                                                          "own (train_<p>p.jsonl; their held-out test_<p>p.jsonl stays)")
+    ap.add_argument("--rl-extra-people", type=people_counts, default="",
+                    help="kk: counts RL trains on as well, from a file of their own (train_<p>p.jsonl; their "
+                         "held-out test_<p>p.jsonl stays)")
     ap.add_argument("--rl-extra-examples", type=int, default=0, help="kk: RL puzzles per --rl-extra-people count")
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--sft-examples", type=int, default=4000)
@@ -402,13 +410,10 @@ def main(argv=None):
     np.random.seed(args.seed)
     data_dir, model_dir = os.path.join(args.out, args.task), os.path.join(args.out, "model")
     if args.task == "kk":
-        splits = build_data(data_dir, [int(p) for p in args.people.split(",")], args.seed, args.sft_examples,
-                            args.train_examples, args.test_examples, args.dev_examples,
-                            [int(p) for p in args.unseen_people.split(",") if p], write_sft=args.keep_sft,
-                            reasoning=args.reasoning,
-                            sft_only=[int(p) for p in args.sft_only_people.split(",") if p],
-                            n_sft_only=args.sft_only_examples,
-                            rl_extra=[int(p) for p in args.rl_extra_people.split(",") if p],
+        splits = build_data(data_dir, args.people, args.seed, args.sft_examples, args.train_examples,
+                            args.test_examples, args.dev_examples, args.unseen_people, write_sft=args.keep_sft,
+                            reasoning=args.reasoning, sft_only=args.sft_only_people,
+                            n_sft_only=args.sft_only_examples, rl_extra=args.rl_extra_people,
                             n_rl_extra=args.rl_extra_examples)
     elif args.task == "tool":
         splits = build_tool_data(data_dir, args.seed, args.sft_examples, args.train_examples, args.test_examples,
