@@ -20,7 +20,7 @@ import sys
 
 from .config import load_config
 from .data.loader import DatasetError, iter_records
-from .data.records import RecordError, to_prompt_record
+from .data.records import ChatForm, RecordError, to_prompt_record
 from .env import configure_threads
 from .errors import setup_error_types
 from .rewards import RewardError, RewardSample, RewardServerError, build_reward
@@ -28,12 +28,11 @@ from .rewards import RewardError, RewardSample, RewardServerError, build_reward
 
 def load_scoring_records(path: str, config, tokenizer):
     """(location, RewardSample) per line of `path`: the prompt as the trainer renders it, the record's response."""
-    chat = tokenizer is not None and getattr(tokenizer, "chat_template", None)
-    render = (lambda messages: tokenizer.apply_chat_template(messages, add_generation_prompt=True)) if chat else None
+    chat = ChatForm(tokenizer, config.apply_chat_template)
     out = []
     for location, _, raw in iter_records(path):
         try:
-            item = to_prompt_record(raw, config.prompt_key, config.response_key, render, require_ground_truth=False)
+            item = to_prompt_record(raw, config.prompt_key, config.response_key, chat, require_ground_truth=False)
         except RecordError as e:
             raise DatasetError(f"{location}: {e}") from None
         response = raw.get("response")

@@ -99,6 +99,7 @@ def test_missing_file_and_bad_overflow(tmp_path, tok):
 # ----------------------------------------------------------------------------------------------- overflow
 
 def _overflow_file(tmp_path):
+    """Prompts counted in tokens as written (loaded with apply_chat_template false: no template around them)."""
     return write_jsonl(tmp_path / "o.jsonl", [
         {"src": "a b c", "tgt": "1"},
         {"src": "a b c d e f g", "tgt": "2"},       # 7 tokens
@@ -110,7 +111,7 @@ def _overflow_file(tmp_path):
 def test_truncate_keeps_the_end_and_counts(tmp_path, tok, caplog):
     path = _overflow_file(tmp_path)
     with caplog.at_level(logging.INFO, logger="paddle_rl"):
-        data = load_prompt_dataset(path, tok, max_prompt_len=4, overflow="truncate")
+        data = load_prompt_dataset(path, tok, max_prompt_len=4, overflow="truncate", apply_chat_template="false")
     assert len(data) == 4
     assert data.stats["truncated"] == 2 and data.stats["dropped"] == 0
     assert data.stats["records"] == 4 and data.stats["kept"] == 4 and data.stats["longest_prompt"] == 7
@@ -125,17 +126,17 @@ def test_truncate_keeps_the_end_and_counts(tmp_path, tok, caplog):
 def test_drop_removes_and_counts(tmp_path, tok, caplog):
     path = _overflow_file(tmp_path)
     with caplog.at_level(logging.INFO, logger="paddle_rl"):
-        data = load_prompt_dataset(path, tok, max_prompt_len=4, overflow="drop")
+        data = load_prompt_dataset(path, tok, max_prompt_len=4, overflow="drop", apply_chat_template="false")
     assert [it["ground_truth"] for it in data.items] == ["1", "3"]
     assert data.stats["dropped"] == 2 and data.stats["truncated"] == 0 and data.stats["kept"] == 2
     assert "2 prompts over max_prompt_len=4 dropped" in caplog.text
     with pytest.raises(DatasetError, match="no usable prompts"):
-        load_prompt_dataset(path, tok, max_prompt_len=1, overflow="drop")
+        load_prompt_dataset(path, tok, max_prompt_len=1, overflow="drop", apply_chat_template="false")
 
 
 def test_limit_and_uids(tmp_path, tok):
     path = _overflow_file(tmp_path)
-    data = load_prompt_dataset(path, tok, max_prompt_len=4, overflow="drop", limit=2)
+    data = load_prompt_dataset(path, tok, max_prompt_len=4, overflow="drop", limit=2, apply_chat_template="false")
     assert [it["uid"] for it in data.items] == ["o.jsonl:1", "o.jsonl:3"]
 
 

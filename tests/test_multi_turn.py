@@ -5,6 +5,7 @@ down, environment rewards reach the reward functions, a raising plugin is named,
 a multi-turn run."""
 import json
 import os
+import shutil
 import time
 
 import numpy as np
@@ -165,23 +166,31 @@ def test_kill_9_mid_run_and_resume_reproduces_a_multi_turn_run(micro, plugin, tm
                                                                                          "metrics.jsonl")))
 
 
-def test_a_records_tool_schemas_reach_the_chat_template():
+def test_a_records_tool_schemas_reach_the_chat_template(tmp_path):
     """ms-swift `tools` (a list or its JSON string) and verl `extra_info.tools` are rendered by the template."""
-    from paddle_rl.data.records import RecordError, to_prompt_record
+    from paddle_rl.data.records import ChatForm, RecordError, to_prompt_record
+    from paddle_rl.data.templates import QWEN25_CHAT_TEMPLATE
+    from paddle_rl.models import Tokenizer
+    folder = tmp_path / "tok"
+    shutil.copytree(os.path.join(ROOT, "data", "tiny_tool", "model"), folder)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    # Qwen2.5's layout with a tools block first, as its own template writes the schemas into the system turn
+    config["chat_template"] = ("{%- if tools %}{{- '<|im_start|>system\\n# Tools\\n' }}{%- for t in tools %}"
+                               "{{- t | tojson }}{%- endfor %}{{- '<|im_end|>\\n' }}{%- endif %}" + QWEN25_CHAT_TEMPLATE)
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    chat = ChatForm(Tokenizer.from_pretrained(str(folder)))
     schema = [{"type": "function", "function": {"name": "calculator", "parameters": {"type": "object"}}}]
-    seen = []
-
-    def render(messages, tools=None):
-        seen.append(tools)
-        return "rendered"
     messages = [{"role": "user", "content": "What is 2 + 2?"}]
+    plain = to_prompt_record({"messages": messages, "solution": "4"}, "src", "tgt", chat)["prompt"]
+    assert "calculator" not in plain and plain.endswith("<|im_start|>user\nWhat is 2 + 2?<|im_end|>\n"
+                                                         "<|im_start|>assistant\n")
     for raw in ({"messages": messages, "tools": schema, "solution": "4"},
                 {"messages": messages, "tools": json.dumps(schema), "solution": "4"},
                 {"prompt": messages, "extra_info": {"tools": schema}, "solution": "4"}):
-        assert to_prompt_record(raw, "src", "tgt", render)["prompt"] == "rendered"
-    assert seen == [schema] * 3
+        prompt = to_prompt_record(raw, "src", "tgt", chat)["prompt"]
+        assert prompt == "<|im_start|>system\n# Tools\n" + json.dumps(schema[0], sort_keys=True) + "<|im_end|>\n" + plain
     with pytest.raises(RecordError, match="'tools' must be a list of tool schemas"):
-        to_prompt_record({"messages": messages, "tools": {"x": 1}, "solution": "4"}, "src", "tgt", render)
+        to_prompt_record({"messages": messages, "tools": {"x": 1}, "solution": "4"}, "src", "tgt", chat)
 
 
 # ---- an environment's config keys are declared where it registers; a plugin class declares its own

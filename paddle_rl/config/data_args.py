@@ -10,6 +10,14 @@ class DataArgs:
                                  "metrics per file besides the overall eval/*).")
     prompt_key: str = arg("src", "Record key of the prompt.")
     response_key: str = arg("tgt", "Record key of the label / ground truth.")
+    apply_chat_template: str = arg("auto", "How prompts meet the tokenizer's chat template (one rule for every record "
+                                           "format): auto uses a prompt already in the template's chat form as it "
+                                           "is and templates a plain question as a user turn (messages always); "
+                                           "true templates every prompt and refuses one already templated; false "
+                                           "never templates (PaddleNLP's reader: turns joined as written) and "
+                                           "refuses messages. docs/formats.md.",
+                                   choices=("auto", "true", "false"),
+                                   spellings={"yes": "true", "no": "false", "on": "true", "off": "false"})
     max_prompt_len: int = arg(512, "Prompts longer than this (in tokens) are truncated or dropped.")
     prompt_overflow: str = arg("truncate", "What to do with prompts over max_prompt_len: truncate (keep the end) | drop.")
     dataloader_drop_last: bool = arg(False, "Drop the last incomplete batch of an epoch.")

@@ -7,7 +7,7 @@ from typing import Iterator, List, Sequence, Tuple, Union
 
 import numpy as np
 
-from .records import RecordError, record_tools, sft_conversation, sft_response, to_prompt_record
+from .records import TEMPLATED, ChatForm, RecordError, record_tools, sft_conversation, sft_response, to_prompt_record
 
 logger = logging.getLogger("paddle_rl")
 
@@ -107,8 +107,10 @@ def _uid_names(paths: List[str]) -> dict:
 
 def load_prompt_dataset(paths: Union[str, Sequence[str]], tokenizer, prompt_key: str = "src",
                         response_key: str = "tgt", max_prompt_len: int = 512, overflow: str = "truncate",
-                        limit: int = -1, require_ground_truth: bool = True) -> PromptDataset:
-    """Prompts of every file in `paths` (comma separated), tokenized.
+                        limit: int = -1, require_ground_truth: bool = True,
+                        apply_chat_template: str = "auto") -> PromptDataset:
+    """Prompts of every file in `paths` (comma separated), as the model sees them (records.ChatForm's rule, with
+    `apply_chat_template` auto | true | false), tokenized.
 
     A prompt over `max_prompt_len` tokens is truncated (the end is kept: the generation prompt lives there)
     or dropped, per `overflow`; the counts land in `stats` and in a log line. `limit` > 0 keeps at most that
@@ -120,12 +122,10 @@ def load_prompt_dataset(paths: Union[str, Sequence[str]], tokenizer, prompt_key:
     files = split_paths(paths)
     if not files:
         raise DatasetError("no dataset files given")
-    render = None
-    if getattr(tokenizer, "chat_template", None):
-        def render(messages, tools=None):
-            if tools:  # a record's tool schemas, rendered by the template (Qwen2.5: a system block of them)
-                return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=tools)
-            return tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    try:
+        chat = ChatForm(tokenizer, apply_chat_template)
+    except ValueError as e:
+        raise DatasetError(str(e)) from None
     uid_name = _uid_names(files)
     stats = {"files": len(files), "records": 0, "kept": 0, "truncated": 0, "dropped": 0, "longest_prompt": 0,
              "max_prompt_len": max_prompt_len, "overflow": overflow}
@@ -135,7 +135,7 @@ def load_prompt_dataset(paths: Union[str, Sequence[str]], tokenizer, prompt_key:
         for path in files:
             for location, number, raw in iter_records(path):
                 try:
-                    item = to_prompt_record(raw, prompt_key, response_key, render, require_ground_truth)
+                    item = to_prompt_record(raw, prompt_key, response_key, chat, require_ground_truth)
                 except RecordError as e:
                     raise DatasetError(f"{location}: {e}") from None
                 except Exception as e:  # noqa: BLE001 - e.g. a chat template that rejects the messages
@@ -193,13 +193,13 @@ def load_prompt_dataset(paths: Union[str, Sequence[str]], tokenizer, prompt_key:
 
 def load_sft_dataset(paths, tokenizer, prompt_key: str = "src", response_key: str = "tgt",
                      max_prompt_len: int = 512, overflow: str = "truncate", max_response_len: int = 512,
-                     stop_ids: Sequence[int] = ()) -> PromptDataset:
+                     stop_ids: Sequence[int] = (), apply_chat_template: str = "auto") -> PromptDataset:
     """Prompt / response pairs for supervised fine-tuning: the prompts as `load_prompt_dataset` reads them (no
     ground truth needed), each item's `response_ids` its target (`records.sft_response`) tokenized, ending in a
     stop token (the first of `stop_ids` appended unless the text already ends in one), cut at `max_response_len`
     tokens (counted in `stats["responses_truncated"]`, with a warning)."""
     data = load_prompt_dataset(paths, tokenizer, prompt_key, response_key, max_prompt_len, overflow,
-                               require_ground_truth=False)
+                               require_ground_truth=False, apply_chat_template=apply_chat_template)
     texts = []
     for item in data.items:
         try:
@@ -210,7 +210,10 @@ def load_sft_dataset(paths, tokenizer, prompt_key: str = "src", response_key: st
     truncated = 0
     for item, ids in zip(data.items, tokenizer.encode_batch(texts)):
         ids = list(ids)
-        conversation = sft_conversation(item["record"], prompt_key)
+        # several assistant turns are learned where the template made the prompt (turns used or joined as written
+        # cannot be located in a rendering: only their last answer is learned)
+        conversation = (sft_conversation(item["record"], prompt_key, response_key)
+                        if item["prompt_form"] == TEMPLATED else None)
         if conversation is not None:  # several assistant turns: learn each, the turns between are context
             item["prompt_ids"], ids, item["loss_mask"] = _conversation_ids(
                 conversation, record_tools(item["record"]), tokenizer, stops, item["uid"], max_prompt_len)

@@ -140,14 +140,36 @@ def _length(sample: RewardSample, index: int, rule: str) -> int:
 
 # ----------------------------------------------------------------------------------------------- kk
 
+def kk_label(truth) -> str:
+    """The KK label as text ("(1) Name is a knight\\n..."): a string; a one-item list of one (PaddleNLP's tgt); the
+    `solution_text_format` of a mapping (Logic-RL's verl files). Any other list or mapping is refused: its printed
+    form would score every answer wrong."""
+    if isinstance(truth, dict) and isinstance(truth.get("solution_text_format"), str):
+        return truth["solution_text_format"]
+    if isinstance(truth, list) and len(truth) == 1 and isinstance(truth[0], str):
+        return truth[0]
+    if isinstance(truth, (list, dict)):
+        raise ValueError(f"the kk rule reads its label as text, one \"(k) Name is a knight|knave\" line per person "
+                         f"(or a mapping with solution_text_format), got a {type(truth).__name__}: {truth!r:.120}")
+    return str(truth)
+
+
 def kk_correct(response: str, truth) -> float:
-    return 1.0 if kk_score(response, str(truth)) >= CORRECT_SCORE else 0.0
+    return 1.0 if kk_score(response, kk_label(truth)) >= CORRECT_SCORE else 0.0
+
+
+def _kk_truth(sample: RewardSample, index: int) -> str:
+    _ground_truth(sample, index)  # none at all: named as for every rule
+    try:
+        return kk_label(sample.ground_truth)
+    except ValueError as e:
+        raise SampleError(index, str(e)) from None
 
 
 @register_rule("kk", correctness=kk_correct)
 def kk_rule(samples: List[RewardSample]):
     """Knights and Knaves: format +1/-1 plus answer +2/-1.5/-2 (3, -0.5, -1, -3)."""
-    scores = _each(samples, lambda i, s: kk_score(s.response, _ground_truth(s, i), s.prompt))
+    scores = _each(samples, lambda i, s: kk_score(s.response, _kk_truth(s, i), s.prompt))
     return scores, scores >= CORRECT_SCORE
 
 

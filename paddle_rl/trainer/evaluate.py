@@ -1,6 +1,7 @@
 """Greedy evaluation on held-out prompts: accuracy and mean reward."""
 
 import os
+from typing import Optional
 
 import numpy as np
 
@@ -8,14 +9,18 @@ from ..batch import StepBatch, object_column
 from ..data.loader import load_prompt_dataset
 from ..models import Tokenizer, load_model
 from ..model_files.hub import resolve_model
+from ..monitor.completions import write_records
 from ..rewards import build_reward, check_reward_config
 from ..rollout import EngineSettings, RolloutEngine, SamplingParams
 from ..rollout.episodes import episode_maker as environment_episodes
+from .completions import completion_records
 from .scoring import reward_record, reward_result, score
 
 
-def evaluate(engine, tokenizer, dataset, reward_fn, config, stop_ids, episodes_for=None) -> dict:
-    """`episodes_for(items, n)`: the multi-turn episodes of a chunk (None: single-turn)."""
+def evaluate(engine, tokenizer, dataset, reward_fn, config, stop_ids, episodes_for=None,
+             records: Optional[list] = None) -> dict:
+    """`episodes_for(items, n)`: the multi-turn episodes of a chunk (None: single-turn); `records`: a list that
+    receives every response's completion record (trainer/completions.py), in the dataset's order."""
     params = SamplingParams.from_config(config, stop_ids, greedy=True,
                                         max_dec_len=config.eval_max_dec_len or config.max_dec_len)
     items = dataset.items
@@ -28,6 +33,8 @@ def evaluate(engine, tokenizer, dataset, reward_fn, config, stop_ids, episodes_f
         score(batch, tokenizer, reward_fn)
         parts.append(batch)
     batch = StepBatch.concat(parts)
+    if records is not None:
+        records.extend(completion_records(batch, tokenizer))
     metrics = eval_metrics(batch, "eval")
     files = np.array([it["file"] for it in items])
     names = sorted(set(files.tolist()))
@@ -61,8 +68,10 @@ def file_label(name: str) -> str:
     return name.replace("/", "_")
 
 
-def run_eval(config) -> dict:
-    """Greedy evaluation of config.actor_model_name_or_path on config.eval_datasets (no training data needed)."""
+def run_eval(config, write_responses: Optional[str] = None) -> dict:
+    """Greedy evaluation of config.actor_model_name_or_path on config.eval_datasets (no training data needed);
+    `write_responses`: a JSONL file that receives every response's record, as a training run's
+    eval_completions/step-N.jsonl."""
     model_dir = config.actor_model_name_or_path = resolve_model(config.actor_model_name_or_path)
     if not os.path.isdir(model_dir):
         raise FileNotFoundError(f"actor_model_name_or_path: folder not found: {model_dir}")
@@ -72,11 +81,16 @@ def run_eval(config) -> dict:
     tokenizer = Tokenizer.from_pretrained(config.tokenizer_name_or_path or model_dir)
     model = load_model(model_dir, adapter=config.lora_path or None)
     dataset = load_prompt_dataset(config.eval_datasets, tokenizer, config.prompt_key, config.response_key,
-                                  config.max_prompt_len, config.prompt_overflow, limit=config.max_eval_samples)
+                                  config.max_prompt_len, config.prompt_overflow, limit=config.max_eval_samples,
+                                  apply_chat_template=config.apply_chat_template)
     stop_ids = sorted(set(tokenizer.eos_token_ids) | set(model.config.eos_token_ids))
     engine = RolloutEngine(model, settings=EngineSettings.from_config(config, tokenizer.pad_token_id, stop_ids))
-    return evaluate(engine, tokenizer, dataset, build_reward(config), config, stop_ids,
-                    episode_maker(config, tokenizer, stop_ids))  # multi-turn, as in training
+    records = None if write_responses is None else []
+    metrics = evaluate(engine, tokenizer, dataset, build_reward(config), config, stop_ids,
+                       episode_maker(config, tokenizer, stop_ids), records)  # multi-turn, as in training
+    if write_responses is not None:
+        write_records(write_responses, records)
+    return metrics
 
 
 def episode_maker(config, tokenizer, stop_ids):

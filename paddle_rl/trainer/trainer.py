@@ -25,6 +25,7 @@ from ..rewards import check_reward_config
 from ..rollout import SamplingParams, sample_key
 from . import faults
 from .checkpoint import resolve_resume
+from .completions import completion_records, record_columns, sample_rows
 from .critic import build_critic, check_critic_config
 from .logprobs import old_logprobs_from_update, reuses_rollout_logprobs
 from .loop import StepLoop
@@ -51,7 +52,8 @@ class RLTrainer:
         self.objective = Objective(config, reduce=self.layout.stats_reduce)
         check_critic_config(config, self.objective.uses_critic)  # the layouts a critic runs on, before models load
         loop.load_data(load_prompt_dataset(config.train_datasets, self.tokenizer, config.prompt_key,
-                                           config.response_key, config.max_prompt_len, config.prompt_overflow))
+                                           config.response_key, config.max_prompt_len, config.prompt_overflow,
+                                           apply_chat_template=config.apply_chat_template))
         loop.load_actor()
         self.train_data, self.eval_data, self.sampler = loop.train_data, loop.eval_data, loop.sampler
         self.total_steps, self.mini_batches_per_step = loop.total_steps, loop.mini_batches_per_step
@@ -239,6 +241,7 @@ class RLTrainer:
         else:
             metrics["actor/skipped_update"] = 1.0
         elapsed = time.perf_counter() - start
+        self._log_completions(step, batch)
         metrics.update(timer.metrics())
         metrics.update(self.rollout.metrics)
         metrics["time/step"] = elapsed
@@ -334,6 +337,16 @@ class RLTrainer:
                 metrics.update(self.layout.batch.reduce_metrics(
                     self.objective.rollout_correction(batch["old_logp"], rollout_logp, mask, greedy=greedy)[2]))
         return metrics
+
+    def _log_completions(self, step: int, batch: StepBatch) -> None:
+        """log_completions: every log_completions_steps steps (default logging_steps), num_completions_to_print of
+        the rows the step trained on (every rank's, gathered), to completions.jsonl and the dashboards."""
+        cfg = self.config
+        every = cfg.log_completions_steps or cfg.logging_steps
+        if not cfg.log_completions or step % every:
+            return
+        rows = sample_rows(self.layout.batch.gather(batch, record_columns(batch)), cfg.num_completions_to_print)
+        self.log.log_completions(step, completion_records(rows, self.tokenizer))
 
     @staticmethod
     def _length_metrics(batch: StepBatch) -> dict:
