@@ -98,11 +98,15 @@ def _eval(args) -> int:
 
     # deferred: the trainer loads Paddle, only when evaluation runs (after configure_threads)
     from .trainer.evaluate import run_eval
+    if args.write_responses is not None and os.path.isdir(args.write_responses):
+        print(f"error: --write-responses: {args.write_responses} is a folder; name the JSONL file to write",
+              file=sys.stderr)
+        return 2
     try:
         config = load_config(args.config, args.overrides)
         if not config.eval_datasets:
             raise ConfigError("eval_datasets: required for evaluation")
-        metrics = run_eval(config)
+        metrics = run_eval(config, write_responses=args.write_responses)
     except setup_error_types() as e:  # the message names the key / file: one line; anything else: traceback
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -113,6 +117,9 @@ def _eval(args) -> int:
 def _add_eval(sub):
     p = sub.add_parser("eval", help="greedy evaluation of a model folder on eval_datasets (accuracy, mean reward)")
     _add_config_arguments(p, "actor_model_name_or_path=output/checkpoint-60")
+    p.add_argument("--write-responses", metavar="FILE", default=None,
+                   help="write every response with its scores to FILE, one JSON object a line (the records of a "
+                        "training run's eval_completions/step-N.jsonl)")
     p.set_defaults(func=_eval)
 
 

@@ -1,7 +1,7 @@
 from dataclasses import dataclass
 from typing import Optional
 
-from .fields import arg
+from .fields import arg, at_least
 
 DASHBOARDS = ("visualdl", "tensorboard", "wandb")
 REPORT_TO_WORDS = DASHBOARDS + ("all", "none")
@@ -22,6 +22,16 @@ class LoggingArgs:
                                      "installed) | none (also an empty value or list). A named dashboard whose "
                                      "package is missing stops the run.")
     run_name: Optional[str] = arg(None, "Name of the run in dashboards.")
+    log_completions: bool = arg(False, "Every log_completions_steps steps, write a sample of the step's prompts "
+                                       "with their responses, each reward function's score, the advantage, the "
+                                       "response length and the finish reason to <output_dir>/completions.jsonl "
+                                       "and as a table to the report_to dashboards (evaluations write all their "
+                                       "responses to <output_dir>/eval_completions/ whatever this says).")
+    log_completions_steps: Optional[int] = arg(None, "Steps between two logs of completions (default: "
+                                                     "logging_steps).", check=at_least(1))
+    num_completions_to_print: Optional[int] = arg(None, "Completions logged per such step, whole prompt groups "
+                                                        "first (default: every completion the step trained on).",
+                                                  check=at_least(1))
     disable_tqdm: bool = arg(False, "No progress bar.")
     skip_profile_timer: bool = arg(True, acted=False)
     wandb_http_proxy: str = arg("", acted=False)

@@ -12,6 +12,7 @@ from typing import Dict, List, Optional
 
 from ..config.loader import ConfigError
 from ..config.logging_args import DASHBOARDS, REPORT_TO_WORDS, report_to_words
+from .completions import markdown, plain
 
 logger = logging.getLogger("paddle_rl")
 
@@ -57,6 +58,11 @@ class VisualDLDashboard:
             self.writer.add_scalar(tag=key, value=value, step=step)
         self.writer.flush()
 
+    def add_table(self, step: int, tag: str, columns: List[str], rows: List[List[str]]) -> None:
+        """A text entry: one block of `column: value` lines per row."""
+        self.writer.add_text(tag=tag, text_string=plain(columns, rows), step=step)
+        self.writer.flush()
+
     def restart(self, step: int) -> None:
         """VisualDL has no marker for a resumed run: its charts keep the interrupted run's later points."""
 
@@ -74,8 +80,13 @@ class TensorBoardDashboard:
         # deferred like visualdl's: importing tensorboardX also imports torch when torch is installed (seconds)
         from tensorboardX.event_file_writer import EventsWriter
         from tensorboardX.proto.event_pb2 import Event, SessionLog
-        from tensorboardX.proto.summary_pb2 import Summary
+        from tensorboardX.proto.plugin_text_pb2 import TextPluginData
+        from tensorboardX.proto.summary_pb2 import Summary, SummaryMetadata
+        from tensorboardX.proto.tensor_pb2 import TensorProto
+        from tensorboardX.proto.tensor_shape_pb2 import TensorShapeProto
         self._event, self._session_log, self._summary = Event, SessionLog, Summary
+        self._metadata, self._text_plugin_data, self._tensor, self._shape = (SummaryMetadata, TextPluginData,
+                                                                             TensorProto, TensorShapeProto)
         self.writer = EventsWriter(os.path.join(logdir, "events"), filename_suffix=f".{os.getpid()}")
         self.writer.flush()  # the file-version event
 
@@ -84,6 +95,16 @@ class TensorBoardDashboard:
         for key, value in scalars.items():
             summary = self._summary(value=[self._summary.Value(tag=key, simple_value=float(value))])
             self.writer.write_event(self._event(wall_time=now, step=step, summary=summary))
+        self.writer.flush()
+
+    def add_table(self, step: int, tag: str, columns: List[str], rows: List[List[str]]) -> None:
+        """A text summary (TensorBoard's Text tab, plugin `text`) holding the table as Markdown, drawn as a table."""
+        metadata = self._metadata(plugin_data=self._metadata.PluginData(
+            plugin_name="text", content=self._text_plugin_data(version=0).SerializeToString()))
+        tensor = self._tensor(dtype="DT_STRING", string_val=[markdown(columns, rows).encode("utf-8")],
+                              tensor_shape=self._shape(dim=[self._shape.Dim(size=1)]))
+        summary = self._summary(value=[self._summary.Value(tag=tag, metadata=metadata, tensor=tensor)])
+        self.writer.write_event(self._event(wall_time=time.time(), step=step, summary=summary))
         self.writer.flush()
 
     def restart(self, step: int) -> None:
@@ -102,11 +123,15 @@ class WandbDashboard:
     def __init__(self, logdir: str, run_name: Optional[str]):
         import wandb
         os.makedirs(logdir, exist_ok=True)
+        self._wandb = wandb
         self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", "paddle_rl"), name=run_name, dir=logdir,
                               mode=os.environ.get("WANDB_MODE", "offline"))
 
     def add_scalars(self, step: int, scalars: Dict[str, float]) -> None:
         self.run.log(dict(scalars), step=step)
+
+    def add_table(self, step: int, tag: str, columns: List[str], rows: List[List[str]]) -> None:
+        self.run.log({tag: self._wandb.Table(columns=list(columns), data=[list(r) for r in rows])}, step=step)
 
     def restart(self, step: int) -> None:
         """A resumed run is a new wandb run; nothing to mark."""

@@ -1,9 +1,12 @@
-"""metrics.jsonl (every step) and the dashboards of report_to (every logging_steps; dashboards.py)."""
+"""metrics.jsonl (every step) and the dashboards of report_to (every logging_steps; dashboards.py); the sampled
+completions and evaluation responses beside them (completions.py)."""
 import json
 import math
 import os
-from typing import Optional
+from typing import List, Optional
 
+from .completions import COMPLETIONS_FILE, EVAL_COMPLETIONS_DIR, drop_steps_after, eval_completions_path, table, \
+    write_records
 from .dashboards import OPENERS, open_dashboards
 
 METRICS_FILE = "metrics.jsonl"
@@ -22,7 +25,9 @@ class MetricsLog:
         """`logging_dir` (default <output_dir>/logs) holds the dashboards' files; `enabled` is false on every
         rank but the logging one. A dashboard named in report_to that cannot be opened raises ConfigError."""
         self.enabled = enabled
+        self.output_dir = output_dir
         self.path = os.path.join(output_dir, METRICS_FILE)
+        self.completions_path = os.path.join(output_dir, COMPLETIONS_FILE)
         self.logging_steps = logging_steps
         self.dashboards, self.dashboard_names = [], []
         self.logging_dir = logging_dir or os.path.join(output_dir, "logs")
@@ -39,14 +44,12 @@ class MetricsLog:
             return
         for dashboard in self.dashboards:
             dashboard.restart(step)
-        if not os.path.isfile(self.path):
-            return
-        with open(self.path, encoding="utf-8") as f:
-            lines = [line for line in f if line.strip() and json.loads(line)["step"] <= step]
-        tmp = self.path + ".tmp"
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.writelines(lines)
-        os.replace(tmp, self.path)
+        drop_steps_after(self.completions_path, step)
+        evals = os.path.join(self.output_dir, EVAL_COMPLETIONS_DIR)
+        for name in os.listdir(evals) if os.path.isdir(evals) else []:
+            if name.startswith("step-") and name.endswith(".jsonl") and name[5:-6].isdigit() and int(name[5:-6]) > step:
+                os.remove(os.path.join(evals, name))
+        drop_steps_after(self.path, step)
 
     def log(self, step: int, metrics: dict) -> None:
         if not self.enabled:
@@ -60,6 +63,26 @@ class MetricsLog:
             scalars = {k: v for k, v in record.items() if k != "step" and isinstance(v, float)}
             for dashboard in self.dashboards:
                 dashboard.add_scalars(step, scalars)
+
+    def log_completions(self, step: int, records: List[dict], tag: str = "completions") -> None:
+        """A training step's sampled completions: appended to completions.jsonl (each with its step) and a table
+        on every dashboard."""
+        if not self.enabled or not records:
+            return
+        write_records(self.completions_path, [{"step": step, **r} for r in records], append=True)
+        self._table(step, tag, records)
+
+    def log_eval_completions(self, step: int, records: List[dict]) -> str:
+        """Every response of the evaluation after step `step`: eval_completions/step-<step>.jsonl (its path)."""
+        path = eval_completions_path(self.output_dir, step)
+        if self.enabled:
+            write_records(path, records)
+        return path
+
+    def _table(self, step: int, tag: str, records: List[dict]) -> None:
+        columns, rows = table(records)
+        for dashboard in self.dashboards:
+            dashboard.add_table(step, tag, columns, rows)
 
     def close(self) -> None:
         for dashboard in self.dashboards:
