@@ -145,3 +145,40 @@ def test_stage_timer_records_each_stage_s_own_memory_peaks():
     assert 16 <= m["memory/small_part_peak_tensor_mb"] <= m["memory/small_peak_tensor_mb"]
     assert m["memory/small_peak_rss_mb"] < m["memory/big_peak_rss_mb"] - 150
     assert memory.process_peak_mb() >= m["memory/big_peak_rss_mb"]
+
+
+def test_wandb_gets_the_completions_as_a_table(tmp_path, monkeypatch):
+    logged = []
+
+    class Table:
+        def __init__(self, columns, data):
+            self.columns, self.data = columns, data
+
+    fake = types.ModuleType("wandb")
+    fake.Table = Table
+    fake.init = lambda **kw: types.SimpleNamespace(log=lambda data, step: logged.append((step, data)),
+                                                   finish=lambda: None)
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    log = MetricsLog(str(tmp_path / "out"), str(tmp_path / "logs"), report_to="wandb")
+    log.log_completions(3, [{"prompt": "1+1?", "response": "2", "reward": 1.5, "rewards": {"math": 1.0, "fmt": 0.5},
+                             "advantage": 0.25, "response_length": 1, "finish_reason": "stop"}])
+    log.close()
+    (step, data), = logged
+    assert step == 3 and data["completions"].columns == ["prompt", "response", "reward", "reward/math",
+                                                           "reward/fmt", "advantage", "response_length",
+                                                           "finish_reason"]
+    assert data["completions"].data == [["1+1?", "2", "1.5", "1", "0.5", "0.25", "1", "stop"]]
+
+
+def test_resume_drops_later_completions(tmp_path):
+    """An interrupted run resumed at step 2 keeps the completions and evaluation responses of steps <= 2."""
+    from paddle_rl.monitor.completions import read_records
+    out = tmp_path / "out"
+    first = MetricsLog(str(out), None, report_to="none")
+    for step in range(1, 5):
+        first.log_completions(step, [{"prompt": "p", "response": str(step), "reward": float(step)}])
+        first.log_eval_completions(step, [{"prompt": "q", "response": str(step), "reward": 0.0}])
+    first.close()
+    MetricsLog(str(out), None, report_to="none").truncate_after(2)
+    assert [r["step"] for r in read_records(str(out / "completions.jsonl"))] == [1, 2]
+    assert sorted(os.listdir(out / "eval_completions")) == ["step-1.jsonl", "step-2.jsonl"]
