@@ -231,9 +231,9 @@ def test_shape_scores_penalty_and_clip():
                                        np.array([False, False, True, False]))
     assert scores.dtype == np.float32
     np.testing.assert_allclose(scores, [1.0, 0.5, 0.0, 5.0])
-    assert metrics["truncated_share"] == 0.25
-    assert metrics["overlong_penalty_mean"] == pytest.approx((0 - 0.5 - 1.0 + 0) / 4)
-    assert metrics["score_clip_share"] == 0.25
+    assert metrics["score/truncated_share"] == 0.25
+    assert metrics["score/overlong_penalty_mean"] == pytest.approx((0 - 0.5 - 1.0 + 0) / 4)
+    assert metrics["score/clip_share"] == 0.25
 
 
 def test_normalize_reward_running_statistics_and_resume():
@@ -242,7 +242,7 @@ def test_normalize_reward_running_statistics_and_resume():
     # batch 1 [1, 3]: mean 2, unbiased var 2
     s1, m1 = obj.shape_scores(np.array([1.0, 3.0]), np.array([1, 1]), none)
     np.testing.assert_allclose(s1, [-1 / np.sqrt(2 + 1e-8), 1 / np.sqrt(2 + 1e-8)], rtol=1e-6)
-    assert m1["reward_running_mean"] == 2.0
+    assert m1["score/running_mean"] == 2.0
     # batch 2 [5]: the stream [1, 3, 5] has mean 3 and unbiased var 4
     s2, _ = obj.shape_scores(np.array([5.0]), np.array([1]), none[:1])
     np.testing.assert_allclose(s2, [2 / np.sqrt(4 + 1e-8)], rtol=1e-6)
@@ -289,9 +289,9 @@ FILTER_GROUPS = np.array(["a", "a", "b", "b", "c", "d", "d"])   # a, d: all equa
 def test_filter_groups():
     keep, metrics = objective("dynamic_sampling=true").filter_groups(FILTER_SCORES, FILTER_GROUPS)
     np.testing.assert_array_equal(keep, [False, False, True, True, True, False, False])
-    assert metrics["zero_variance_group_share"] == 0.5
+    assert metrics["batch/zero_variance_group_share"] == 0.5
     keep, metrics = objective().filter_groups(FILTER_SCORES, FILTER_GROUPS)
-    assert keep.all() and metrics["zero_variance_group_share"] == 0.5
+    assert keep.all() and metrics["batch/zero_variance_group_share"] == 0.5
 
 
 def test_select_groups_and_fallbacks():
@@ -345,7 +345,7 @@ def test_reward_kl_metric_and_current_coefficient_in_the_reward():
     ref = np.array([[-1.2, -1.6], [-1.4, 0.0]])      # k1 on valid tokens: [0.2, 0.6], [0.4]
     adv, metrics = obj.advantages_and_metrics(np.array([1.0, 1.0]), mask, [0, 0], old, ref)
     # per-sequence token means 0.4 and 0.4
-    assert metrics["reward_kl"] == pytest.approx(0.4) and metrics["reward_kl_num_seqs"] == 2
+    assert metrics["actor/reward_kl"] == pytest.approx(0.4) and metrics["actor/reward_kl_num_seqs"] == 2
     # scores 1 - 0.5 * 0.8 = 0.6 and 1 - 0.5 * 0.4 = 0.8 -> dr_grpo [-0.1, 0.1]
     np.testing.assert_allclose(adv.numpy(), [[-0.1, -0.1], [0.1, 0.0]], rtol=1e-5)
 
@@ -358,18 +358,18 @@ def test_step_advantages_kl_metric_and_controller_count_the_global_batch():
     two_ranks = objective(*keys, reduce=lambda v: 2 * v)
     _, metrics = two_ranks.step_advantages(scores, mask, groups, old, ref)
     # k1 = old - ref = 0.1 on every response token: the token mean (kl) and the reward KL (kl_penalty: kl)
-    assert metrics["kl"] == pytest.approx(0.1) and metrics["reward_kl"] == pytest.approx(0.1)
-    assert metrics["reward_kl_num_seqs"] == 8.0
+    assert metrics["actor/ref_kl"] == pytest.approx(0.1) and metrics["actor/reward_kl"] == pytest.approx(0.1)
+    assert metrics["actor/reward_kl_num_seqs"] == 8.0
     # error clip(0.1 / 0.05 - 1, -0.2, 0.2) = 0.2, over the 8 sequences of the global batch
-    assert metrics["kl_coeff"] == pytest.approx(0.05 * (1 + 0.2 * 8 / 100)) == two_ranks.kl_coeff
+    assert metrics["actor/reward_kl_coeff"] == pytest.approx(0.05 * (1 + 0.2 * 8 / 100)) == two_ranks.kl_coeff
     # one process holding the whole (4-sequence) batch
-    assert objective(*keys).step_advantages(scores, mask, groups, old, ref)[1]["kl_coeff"] == pytest.approx(
-        0.05 * (1 + 0.2 * 4 / 100))
+    alone = objective(*keys).step_advantages(scores, mask, groups, old, ref)[1]
+    assert alone["actor/reward_kl_coeff"] == pytest.approx(0.05 * (1 + 0.2 * 4 / 100))
     # advantages_and_metrics has no side effects; without reference log-probs there is no kl metric
     fresh = objective(*keys)
     fresh.advantages_and_metrics(scores, mask, groups, old, ref)
     assert fresh.kl_coeff == 0.05
-    assert "kl" not in objective().step_advantages(scores, mask, groups, old)[1]
+    assert "actor/ref_kl" not in objective().step_advantages(scores, mask, groups, old)[1]
 
 
 # group of four; "acc" applies to every sample, "fmt" only to samples 0 and 1 (NaN: not applicable)
@@ -408,7 +408,8 @@ def test_loss_metrics_are_floats():
     assert out.metrics["entropy"] == pytest.approx(0.7)
     assert out.metrics["approx_kl"] == pytest.approx(0.5 * 0.01, rel=1e-4)
     _, metrics = obj.advantages_and_metrics(scores, mask, groups)
-    assert {"advantage/mean", "advantage/std", "advantage/max", "advantage/min", "kl_coeff"} <= set(metrics)
+    assert {"advantage/mean", "advantage/std", "advantage/max", "advantage/min",
+            "actor/reward_kl_coeff"} <= set(metrics)
 
 
 def test_a_clip_that_cannot_act_says_so(caplog):

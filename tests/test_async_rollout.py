@@ -92,7 +92,7 @@ def test_staleness_1_trains_on_the_weights_one_version_back(micro, plugin, tmp_p
     a, b = _rows(tmp_path / "sync"), _rows(tmp_path / "k1")
     assert a[0] == b[0] and a[1] != b[1]
     # the sampler runs a step ahead of the trainer, but each step reports (and saves at) its own batch's epoch
-    assert [r["epoch"] for r in b] == [r["epoch"] for r in a] == [0, 0, 0, 0, 1]
+    assert [r["training/epoch"] for r in b] == [r["training/epoch"] for r in a] == [0, 0, 0, 0, 1]
     assert sorted(p.name for p in (tmp_path / "k1").glob("checkpoint-*")) == ["checkpoint-4", "checkpoint-5"]
 
 

@@ -65,7 +65,7 @@ def test_completions_jsonl_holds_each_step_s_samples_with_its_scores(logged_run)
         for name in ("math", "format"):
             assert np.mean([r["rewards"][name] for r in records]) == pytest.approx(m[f"reward/{name}_mean"], abs=1e-6)
         assert all(r["reward"] == pytest.approx(sum(r["rewards"].values())) for r in records)
-        assert np.mean([r["correct"] for r in records]) == pytest.approx(m["accuracy"], abs=1e-9)
+        assert np.mean([r["correct"] for r in records]) == pytest.approx(m["reward/accuracy"], abs=1e-9)
         lengths = np.array([r["response_length"] for r in records])
         assert lengths.mean() == pytest.approx(m["response_length/mean"]) and lengths.max() == m["response_length/max"]
         finished = [r["finish_reason"] for r in records]
@@ -180,3 +180,16 @@ def test_num_completions_and_steps_choose_what_is_logged(micro, tmp_path):
     records = read_records(str(out / "completions.jsonl"))
     assert [(r["step"], r["sample"]) for r in records] == [(2, s) for s in (0, 1, 2, 3, 0, 1)]
     assert len({r["prompt"] for r in records[:4]}) == 1 and records[4]["prompt"] != records[0]["prompt"]
+
+
+def test_every_metric_sits_in_a_section(logged_run):
+    """Every name of the step records is `<section>/...` (monitor/metrics_log.py SECTIONS); training accuracy is
+    reward/accuracy beside eval/accuracy."""
+    from paddle_rl.monitor.metrics_log import unsectioned
+    out, stderr = logged_run
+    rows = read_metrics(str(out / "metrics.jsonl"))
+    names = {k for r in rows for k in r if k != "step"}
+    assert unsectioned(names) == [] and "metrics outside the sections" not in stderr
+    assert {"reward/accuracy", "eval/accuracy", "training/epoch", "batch/gen_rounds", "batch/kept_share",
+            "score/clip_share", "actor/reward_kl_coeff"} <= names
+    assert unsectioned(["accuracy", "kl", "actor/pg_loss", "foo/bar"]) == ["accuracy", "foo/bar", "kl"]

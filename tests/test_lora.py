@@ -143,7 +143,7 @@ def test_reference_is_the_base_and_only_adapters_train(micro, tmp_path):
     trainer.train()
     assert all(np.array_equal(base[n], p.numpy()) for n, p in trainer.actor.named_parameters() if p.stop_gradient)
     rows = read_metrics(str(tmp_path / "run" / "metrics.jsonl"))
-    assert rows[-1]["kl"] > 0  # the adapters moved the policy away from the reference (the base)
+    assert rows[-1]["actor/ref_kl"] > 0  # the adapters moved the policy away from the reference (the base)
     state = trainer.layout.optimizer_state_bytes(trainer.optimizer)
     assert state["moments"] == 2 * 4 * adapter_size
     # the reference's log-probs are the base model's

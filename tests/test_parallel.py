@@ -382,8 +382,8 @@ def test_data_parallel_adaptive_kl_counts_the_global_batch(setup):
     train_and_probe(run_overrides(setup["micro"], single, setup["plugin"], rl_algorithm="reinforce_plus_plus",
                                   kl_coeff=0.02, kl_loss_coeff=0.0, **adaptive), single, setup["prompts"])
     out_dir, _ = run_layout(setup, "dp-rpp-adaptive-kl", algo="reinforce_plus_plus", **adaptive)
-    ref_coeff = [r["kl_coeff"] for r in read_rows(single)]
-    par_coeff = [r["kl_coeff"] for r in read_rows(out_dir)]
+    ref_coeff = [r["actor/reward_kl_coeff"] for r in read_rows(single)]
+    par_coeff = [r["actor/reward_kl_coeff"] for r in read_rows(out_dir)]
     # each step: error clip(kl / 0.1 - 1) = -0.2 over 16 sequences -> coeff *= 1 - 0.2 * 16 / 50
     np.testing.assert_allclose(ref_coeff, [0.02 * 0.936 ** k for k in (1, 2, 3)], rtol=1e-9)
     np.testing.assert_allclose(par_coeff, ref_coeff, rtol=1e-9)
@@ -399,9 +399,9 @@ def test_data_parallel_dynamic_sampling_agrees_with_one_process(setup):
     os.makedirs(single, exist_ok=True)
     train_and_probe(run_overrides(setup["micro"], single, setup["plugin"], **extra), single, setup["prompts"])
     rows = read_rows(single)
-    assert max(r["gen_rounds"] for r in rows) > 1, "the reward must leave some groups flat"
+    assert max(r["batch/gen_rounds"] for r in rows) > 1, "the reward must leave some groups flat"
     out_dir, _ = run_layout(setup, "dp-dynamic", **extra)
-    assert [r["gen_rounds"] for r in read_rows(out_dir)] == [r["gen_rounds"] for r in rows]
+    assert [r["batch/gen_rounds"] for r in read_rows(out_dir)] == [r["batch/gen_rounds"] for r in rows]
     check_parity(setup, {"grpo": single}, out_dir)
 
 
@@ -423,8 +423,8 @@ def test_data_parallel_grpo_reward_kl_with_equal_score_groups(tmp_path):
     launch([os.path.join(ROOT, "paddle_rl", "run_rl.py"), config, *keys, f"output_dir={dp}",
             "data_parallel_degree=2"], str(tmp_path / "log"))
     ref, par = read_rows(single), read_rows(dp)
-    assert 0 < ref[0]["reward_kl"] < 1e-6  # step 1: the policy is the reference, the KL is rounding
-    for key in ("reward/mean", "accuracy", "response_length/mean"):  # the same samples, step after step
+    assert 0 < ref[0]["actor/reward_kl"] < 1e-6  # step 1: the policy is the reference, the KL is rounding
+    for key in ("reward/mean", "reward/accuracy", "response_length/mean"):  # the same samples, step after step
         assert [r[key] for r in par] == [r[key] for r in ref], key
     assert_parity(single, dp)
 

@@ -240,7 +240,7 @@ def test_weights_and_per_function_metrics():
     assert m["reward/mean"] == pytest.approx(1.25)
     assert m["reward/math_mean"] == pytest.approx(0.5)
     assert m["reward/format_mean"] == pytest.approx(0.5)
-    assert m["accuracy"] == pytest.approx(0.5)
+    assert m["reward/accuracy"] == pytest.approx(0.5)
     assert "reward/skipped" not in m
 
 

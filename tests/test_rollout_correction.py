@@ -295,10 +295,10 @@ def test_on_policy_old_logprobs_come_from_the_update(micro, tmp_path, varied_rew
     with_pass = _train(micro, tmp_path / "on", old_logprob_pass="on", **keys)
     assert all("time/old_logprob" not in r for r in auto) and all("time/old_logprob" in r for r in with_pass)
     for step in (0, 1):
-        for key in GAP + ("rollout_corr/greedy_differs", "kl", "actor/pg_loss", "actor/kl_loss", "actor/grad_norm"):
+        for key in GAP + ("rollout_corr/greedy_differs", "actor/ref_kl", "actor/pg_loss", "actor/kl_loss", "actor/grad_norm"):
             assert auto[step][key] == pytest.approx(with_pass[step][key], rel=1e-4, abs=1e-7), (step, key)
-    print("kl", auto[0]["kl"], auto[1]["kl"], "k3", auto[0]["rollout_corr/k3_kl"])
-    assert auto[0]["rollout_corr/k3_kl"] > 0 and abs(auto[0]["kl"]) < 1e-6   # step 1: the reference is the actor
-    assert abs(auto[1]["kl"]) > 1e-5
+    print("ref_kl", auto[0]["actor/ref_kl"], auto[1]["actor/ref_kl"], "k3", auto[0]["rollout_corr/k3_kl"])
+    assert auto[0]["rollout_corr/k3_kl"] > 0 and abs(auto[0]["actor/ref_kl"]) < 1e-6   # step 1: the reference is the actor
+    assert abs(auto[1]["actor/ref_kl"]) > 1e-5
     reward_kl = _train(micro, tmp_path / "reward_kl", kl_coeff=0.05, max_steps=1, **keys)
     assert "time/old_logprob" in reward_kl[0]

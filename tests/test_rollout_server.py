@@ -409,7 +409,7 @@ def test_dynamic_sampling_rounds_on_a_server_equal_the_inline_run(micro, server,
     _train(_overrides(micro, tmp_path / "server", rollout_server_urls=server.url, rollout_server_api_key=KEY,
                       **extra_values))
     rows = _rows(tmp_path / "server")
-    assert rows == _rows(tmp_path / "inline") and max(r["gen_rounds"] for r in rows) > 1
+    assert rows == _rows(tmp_path / "inline") and max(r["batch/gen_rounds"] for r in rows) > 1
 
 
 def test_config_refuses_what_servers_cannot_do(micro, tmp_path):

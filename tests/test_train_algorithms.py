@@ -86,7 +86,7 @@ def test_dynamic_sampling_keeps_only_informative_groups(micro, tmp_path, monkeyp
     for row, (pool, train, _), (update_scores, update_uids) in zip(rows, generated, updated):
         pool_scores = pool["scores"].reshape(-1, n)
         informative = pool_scores.var(axis=1) > 1e-6
-        rounds = int(row["gen_rounds"])
+        rounds = int(row["batch/gen_rounds"])
         assert 1 <= rounds <= 3 and pool.size == rounds * groups * n
         # generation stopped at the first round with enough informative groups (no fallback filling)
         assert informative.sum() >= groups and informative[:(rounds - 1) * groups].sum() < groups
@@ -100,10 +100,10 @@ def test_dynamic_sampling_keeps_only_informative_groups(micro, tmp_path, monkeyp
         np.testing.assert_array_equal(update_scores, train["scores"])
         assert update_uids == [it["uid"] for it in train["item"]]
         # the logged shares describe the pool the groups were picked from
-        assert row["zero_variance_group_share"] == pytest.approx(1.0 - informative.mean())
-        assert row["kept_share"] == pytest.approx(informative.mean())
+        assert row["batch/zero_variance_group_share"] == pytest.approx(1.0 - informative.mean())
+        assert row["batch/kept_share"] == pytest.approx(informative.mean())
         dropped += int((~informative).sum())
-    assert dropped > 0 and max(r["gen_rounds"] for r in rows) > 1  # groups were dropped and more rounds generated
+    assert dropped > 0 and max(r["batch/gen_rounds"] for r in rows) > 1  # groups were dropped and more rounds generated
 
 
 def test_dynamic_sampling_error_is_clear(micro, tmp_path, monkeypatch):

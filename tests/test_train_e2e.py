@@ -13,10 +13,10 @@ from paddle_rl.config import load_config
 from paddle_rl.monitor import TIMING_PREFIXES, read_metrics
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-STEP_KEYS = ["reward/mean", "reward/std", "reward/kk_mean", "accuracy", "actor/entropy", "actor/pg_loss",
+STEP_KEYS = ["reward/mean", "reward/std", "reward/kk_mean", "reward/accuracy", "actor/entropy", "actor/pg_loss",
              "actor/clipfrac_low", "actor/clipfrac_high", "actor/approx_kl", "actor/grad_norm", "actor/lr",
              "response_length/mean", "response_length/max", "response_length/clipped_share",
-             "zero_variance_group_share", "time/rollout", "time/reward", "time/old_logprob", "time/update",
+             "batch/zero_variance_group_share", "time/rollout", "time/reward", "time/old_logprob", "time/update",
              "time/step", "perf/tokens_per_s", "perf/generated_tokens_per_s"]
 
 
@@ -45,7 +45,7 @@ def test_grpo_run_writes_every_metric_checkpoint_and_dashboard(micro, tmp_path):
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
     assert "eval/accuracy" in rows[0] and "eval/reward_mean" in rows[0] and "reward/mean" not in rows[0]
     for row in rows[1:]:
-        for key in STEP_KEYS + ["kl", "actor/kl_loss", "time/ref_logprob"]:
+        for key in STEP_KEYS + ["actor/ref_kl", "actor/kl_loss", "time/ref_logprob"]:
             assert key in row, key
             assert isinstance(row[key], float) and math.isfinite(row[key]), (key, row[key])
         assert -3.0 <= row["reward/mean"] <= 3.0 and 1 <= row["response_length/max"] <= 12
@@ -97,7 +97,7 @@ def test_no_reference_model_without_kl(micro, tmp_path):
     trainer = RLTrainer(load_config(None, micro_overrides(micro, str(tmp_path), max_steps=1, do_eval=False)))
     assert trainer.reference is None
     metrics = trainer.train_step()
-    assert "kl" not in metrics and "time/ref_logprob" not in metrics
+    assert "actor/ref_kl" not in metrics and "time/ref_logprob" not in metrics
 
 
 def test_reinforce_pp_run(micro, tmp_path):
@@ -106,7 +106,7 @@ def test_reinforce_pp_run(micro, tmp_path):
     rows = read_metrics(str(tmp_path / "metrics.jsonl"))
     assert trainer.reference is not None and len(rows) == 3
     for row in rows:
-        assert math.isfinite(row["actor/pg_loss"]) and "kl" in row
+        assert math.isfinite(row["actor/pg_loss"]) and "actor/ref_kl" in row
         # REINFORCE++ whitens advantages over all valid tokens of the batch
         assert abs(row["advantage/mean"]) < 1e-4
 
@@ -194,10 +194,11 @@ def test_eval_reports_each_eval_file(micro, tmp_path):
 
 def test_step_summary_shows_each_eval_files_accuracy():
     from paddle_rl.trainer.loop import summary_line
-    line = summary_line({"reward/mean": 1.0, "accuracy": 0.5, "eval/accuracy": 0.2, "eval/test/accuracy": 0.4,
-                         "eval/test_4p/accuracy": 0.0, "eval/test/reward_mean": 1.0, "time/step": 2.0})
-    assert line == ("reward/mean=1 accuracy=0.5 eval/accuracy=0.2 eval/test/accuracy=0.4 eval/test_4p/accuracy=0 "
-                    "time/step=2")
+    line = summary_line({"reward/mean": 1.0, "reward/accuracy": 0.5, "eval/accuracy": 0.2,
+                         "eval/test/accuracy": 0.4, "eval/test_4p/accuracy": 0.0, "eval/test/reward_mean": 1.0,
+                         "time/step": 2.0})
+    assert line == ("reward/mean=1 reward/accuracy=0.5 eval/accuracy=0.2 eval/test/accuracy=0.4 "
+                    "eval/test_4p/accuracy=0 time/step=2")
 
 
 def test_do_train_false_evaluates_the_starting_model_only(micro, tmp_path):

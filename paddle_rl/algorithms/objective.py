@@ -161,20 +161,20 @@ class Objective:
         cfg = self.config
         s = to_numpy(scores)
         truncated = to_numpy(truncated, dtype=bool).reshape(-1)
-        metrics = {"truncated_share": float(truncated.mean()) if truncated.size else 0.0,
+        metrics = {"score/truncated_share": float(truncated.mean()) if truncated.size else 0.0,
                    "score/raw_mean": float(s.mean()) if s.size else 0.0}
         if cfg.enable_overlong_reward_buffer:
             penalty = soft_overlong_penalty(lengths, cfg.max_dec_len, cfg.overlong_reward_buffer,
                                             cfg.overlong_penalty_factor)
             s = s + penalty
-            metrics["overlong_penalty_mean"] = float(penalty.mean()) if penalty.size else 0.0
+            metrics["score/overlong_penalty_mean"] = float(penalty.mean()) if penalty.size else 0.0
         if self.normalize_reward:
             self.reward_moments.update(s, self.reduce)
             s = (s - self.reward_moments.mean) / np.sqrt(self.reward_moments.var + REWARD_NORM_EPS)
-            metrics["reward_running_mean"] = float(self.reward_moments.mean)
-            metrics["reward_running_std"] = self.reward_moments.std
+            metrics["score/running_mean"] = float(self.reward_moments.mean)
+            metrics["score/running_std"] = self.reward_moments.std
         clip = cfg.clip_range_score
-        metrics["score_clip_share"] = float((np.abs(s) > clip).mean()) if s.size else 0.0
+        metrics["score/clip_share"] = float((np.abs(s) > clip).mean()) if s.size else 0.0
         s = np.clip(s, -clip, clip)
         metrics["score/shaped_mean"] = float(s.mean()) if s.size else 0.0
         return s.astype(np.float32), metrics
@@ -182,11 +182,12 @@ class Objective:
     def filter_groups(self, scores, group_ids):
         """DAPO dynamic sampling: (keep [B] bool, metrics). Groups of two or more whose score variance is
         <= 1e-6 are dropped when dynamic_sampling is on; otherwise everything is kept. The metric
-        zero_variance_group_share is reported either way."""
+        batch/zero_variance_group_share is reported either way."""
         keep, share = zero_variance_groups(scores, group_ids)
         if not self.config.dynamic_sampling:
             keep = np.ones_like(keep)
-        return keep, {"zero_variance_group_share": float(share), "kept_share": float(keep.mean()) if keep.size else 0.0}
+        return keep, {"batch/zero_variance_group_share": float(share),
+                      "batch/kept_share": float(keep.mean()) if keep.size else 0.0}
 
     def select_groups(self, keep, group_ids, target_groups: int, gen_round: int):
         """Indices of the training batch among the responses generated so far, or None to generate more.
@@ -229,9 +230,9 @@ class Objective:
 
     def advantages_and_metrics(self, scores, response_mask, group_ids, old_logp=None, ref_logp=None,
                                per_function_scores=None, values=None):
-        """(advantages, metrics), no side effects. With kl_coeff > 0 the metrics hold reward_kl, the global
-        mean over sequences of each sequence's token-mean KL(old || ref), and reward_kl_num_seqs. `values`: the
-        critic's (gae)."""
+        """(advantages, metrics), no side effects. With kl_coeff > 0 the metrics hold actor/reward_kl, the
+        global mean over sequences of each sequence's token-mean KL(old || ref), and actor/reward_kl_num_seqs.
+        `values`: the critic's (gae)."""
         adv, _, metrics = self._advantages(scores, response_mask, group_ids, old_logp, ref_logp, per_function_scores,
                                            values)
         kl_metrics, _ = self._kl_statistics(to_numpy(response_mask), old_logp, ref_logp, token_kl=False)
@@ -248,9 +249,10 @@ class Objective:
     def step_advantages_and_returns(self, scores, response_mask, group_ids, old_logp=None, ref_logp=None,
                                     per_function_scores=None, values=None):
         """Once per RL step: (advantages, metrics) as `advantages_and_metrics`, and then
-        - metrics["kl"]: the token mean of old_logp - ref_logp (k1) over the global batch (when ref_logp is given);
+        - metrics["actor/ref_kl"]: the token mean of old_logp - ref_logp (k1) over the global batch (when ref_logp is
+          given);
         - the reward KL controller moves (adaptive_kl) by this step's reward_kl over the number of sequences
-          in the global batch; metrics["kl_coeff"] is the coefficient after the move (the next step's).
+          in the global batch; metrics["actor/reward_kl_coeff"] is the coefficient after the move (the next step's).
         per_function_scores may hold NaN where a reward function does not apply (gdpo leaves those out).
         Every rank of the batch group calls this once per step (it sums over the group).
         `values` [B, T]: the critic's values of the rollout (a critic estimator, `uses_critic`); returns: the
@@ -261,8 +263,8 @@ class Objective:
         kl_metrics, num_seqs = self._kl_statistics(mask, old_logp, ref_logp,
                                                    token_kl=old_logp is not None and ref_logp is not None)
         metrics.update(kl_metrics)
-        if "reward_kl" in kl_metrics:
-            metrics["kl_coeff"] = self.kl_controller.update(kl_metrics["reward_kl"], num_seqs)
+        if "actor/reward_kl" in kl_metrics:
+            metrics["actor/reward_kl_coeff"] = self.kl_controller.update(kl_metrics["actor/reward_kl"], num_seqs)
         if returns is not None:
             metrics.update(value_statistics(values, returns, mask, self.reduce))
             returns = returns.astype(np.float32)
@@ -292,7 +294,7 @@ class Objective:
                    "advantage/std": float(values.std()) if values.size else 0.0,
                    "advantage/max": float(values.max()) if values.size else 0.0,
                    "advantage/min": float(values.min()) if values.size else 0.0,
-                   "kl_coeff": self.kl_coeff}
+                   "actor/reward_kl_coeff": self.kl_coeff}
         return adv, returns, metrics
 
     def _kl_statistics(self, mask, old_logp, ref_logp, token_kl: bool, reward: bool = True):
@@ -315,16 +317,16 @@ class Objective:
         metrics, num_seqs = {}, None
         if reward:
             total, count, num_seqs = sums[:3]
-            metrics["reward_kl"] = float(total / count) if count else 0.0
-            metrics["reward_kl_num_seqs"] = float(count)
+            metrics["actor/reward_kl"] = float(total / count) if count else 0.0
+            metrics["actor/reward_kl_num_seqs"] = float(count)
             sums = sums[3:]
         if token_kl:
             total, tokens = sums
-            metrics["kl"] = float(total / max(tokens, 1.0))
+            metrics["actor/ref_kl"] = float(total / max(tokens, 1.0))
         return metrics, num_seqs
 
     def old_policy_kl(self, response_mask, old_logp, ref_logp) -> dict:
-        """{"kl": the token mean of old_logp - ref_logp over the global batch} when ref_logp is given (what
+        """{"actor/ref_kl": the token mean of old_logp - ref_logp over the global batch} when ref_logp is given (what
         `step_advantages_and_returns` reports, for old log-probs that come after it: the update's own)."""
         if ref_logp is None:
             return {}
@@ -332,7 +334,7 @@ class Objective:
 
     def update_kl_controller(self, observed_kl: float, n_steps: int) -> float:
         """Adaptive KL: coeff *= 1 + clip(observed/target - 1, -0.2, 0.2) * n_steps / kl_horizon; a no-op without
-        adaptive_kl. `step_advantages` calls it (observed_kl = reward_kl, n_steps = sequences in the global
+        adaptive_kl. `step_advantages` calls it (observed_kl = actor/reward_kl, n_steps = sequences in the global
         batch); call it yourself only when not using step_advantages. Returns the coefficient for the next step."""
         return self.kl_controller.update(observed_kl, n_steps)
 

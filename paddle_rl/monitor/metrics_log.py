@@ -1,6 +1,7 @@
 """metrics.jsonl (every step) and the dashboards of report_to (every logging_steps; dashboards.py); the sampled
 completions and evaluation responses beside them (completions.py)."""
 import json
+import logging
 import math
 import os
 from typing import List, Optional
@@ -12,6 +13,16 @@ from .dashboards import OPENERS, open_dashboards
 METRICS_FILE = "metrics.jsonl"
 # Wall-clock and memory figures: they differ between two runs of the same computation.
 TIMING_PREFIXES = ("time/", "perf/", "memory/")
+# The sections of a step record: every metric is named `<section>/...` (docs/metrics.md lists the names).
+SECTIONS = ("actor", "critic", "reward", "score", "advantage", "batch", "training", "response_length",
+            "prompt_length", "episode", "rollout_corr", "async", "rollout_server", "eval", "time", "perf", "memory")
+
+logger = logging.getLogger("paddle_rl")
+
+
+def unsectioned(names) -> list:
+    """The metric names outside every section of SECTIONS."""
+    return sorted(n for n in names if n.split("/", 1)[0] not in SECTIONS or "/" not in n)
 
 
 def _clean(value):
@@ -29,6 +40,7 @@ class MetricsLog:
         self.path = os.path.join(output_dir, METRICS_FILE)
         self.completions_path = os.path.join(output_dir, COMPLETIONS_FILE)
         self.logging_steps = logging_steps
+        self._warned = set()
         self.dashboards, self.dashboard_names = [], []
         self.logging_dir = logging_dir or os.path.join(output_dir, "logs")
         if not enabled:
@@ -55,6 +67,10 @@ class MetricsLog:
         if not self.enabled:
             return
         record = {"step": step, **{k: _clean(v) for k, v in sorted(metrics.items())}}
+        stray = [n for n in unsectioned(metrics) if n not in self._warned]
+        if stray:  # written as given, named once: a metric's producer names it in a section
+            self._warned.update(stray)
+            logger.warning("metrics outside the sections of monitor/metrics_log.py SECTIONS: %s", ", ".join(stray))
         with open(self.path, "a", encoding="utf-8") as f:
             f.write(json.dumps(record) + "\n")
             f.flush()

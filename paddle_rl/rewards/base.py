@@ -77,7 +77,7 @@ class RewardResult:
             out[f"{prefix}/skipped"] = float(np.asarray(self.skipped, dtype=bool).sum())
         if self.correct is not None:
             correct = np.asarray(self.correct, dtype=bool)[kept]
-            out["accuracy"] = float(correct.mean()) if correct.size else float("nan")
+            out[f"{prefix}/accuracy"] = float(correct.mean()) if correct.size else float("nan")
         return out
 
 

@@ -57,7 +57,7 @@ def overlong_errors(config, named: List[Tuple[str, str]], plugins: Dict[str, Plu
         return []
     return [f"{keys[0]} names {OVERLONG_RULE!r} and {OVERLONG_KEY} is true: both apply the DAPO soft overlong "
             f"penalty, so it would count twice. Keep one: {OVERLONG_KEY}: true (the objective adds the penalty to "
-            f"the summed score; metric overlong_penalty_mean) or the {OVERLONG_RULE} reward function (a weighted "
+            f"the summed score; metric score/overlong_penalty_mean) or the {OVERLONG_RULE} reward function (a weighted "
             f"reward; metric reward/{OVERLONG_RULE}_mean)"]
 
 

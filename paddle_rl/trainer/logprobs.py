@@ -33,8 +33,8 @@ def old_logprobs_from_update(config, mini_batches_per_step: int, uses_critic: bo
     are the ones the update's forward runs, so pi_old is pi_theta detached and the PPO ratio is exactly 1. Not when
     something reads them before the update: the reward KL (kl_coeff > 0), a critic's returns, rollout correction (its
     weights and rejections enter the loss), an asynchronous rollout that may lag; nor under a pipeline (only its last
-    stage sees the log-probs). The trainer then logs the pass's metrics after the update (`kl`, the rollout_corr gap
-    metrics and greedy_differs, from the update's own log-probs and argmax)."""
+    stage sees the log-probs). The trainer then logs the pass's metrics after the update (`actor/ref_kl`, the
+    rollout_corr gap metrics and greedy_differs, from the update's own log-probs and argmax)."""
     if str(getattr(config, "old_logprob_pass", "on")) != "auto":
         return False
     lagging = getattr(config, "async_rollout", False) and config.max_staleness > 0

@@ -343,8 +343,8 @@ def _topology(config):
     return topology_from_config(config)
 
 
-SUMMARY_KEYS = ("reward/mean", "accuracy", "eval/accuracy", "eval/reward_mean", "kl", "actor/pg_loss",
-                "response_length/mean", "time/step")
+SUMMARY_KEYS = ("reward/mean", "reward/accuracy", "eval/accuracy", "eval/reward_mean", "actor/ref_kl",
+                "actor/pg_loss", "response_length/mean", "time/step")
 
 
 def summary_line(metrics: dict, short: bool = False) -> str:

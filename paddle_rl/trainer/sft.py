@@ -95,7 +95,7 @@ class SFTTrainer:
         metrics["perf/trained_tokens"] = trained
         metrics["perf/trained_tokens_per_s"] = trained / max(timer.seconds.get("update", 0.0), 1e-9)
         metrics["perf/tokens_per_s"] = (trained + prompt_tokens) / elapsed
-        metrics["epoch"] = float(self.sampler.epoch)
+        metrics["training/epoch"] = float(self.sampler.epoch)
         self.step = step
         return metrics
 

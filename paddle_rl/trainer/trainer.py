@@ -190,7 +190,7 @@ class RLTrainer:
             train = group_view.local_share(train, cfg.mini_batch_prompts)
         metrics = dict(local_rounds[-1].meta["shape_metrics"])
         metrics.update(filter_metrics)
-        metrics["gen_rounds"] = float(gen_round)
+        metrics["batch/gen_rounds"] = float(gen_round)
         return StepBatch.concat(local_rounds), train, metrics
 
     def _update(self, batch: StepBatch, timer: StageTimer) -> dict:
@@ -257,7 +257,7 @@ class RLTrainer:
         metrics["perf/generated_tokens_per_s"] = generated / max(generating, 1e-9)
         metrics["perf/tokens_per_s"] = (generated + prompt_tokens) / elapsed
         metrics["perf/trained_tokens_per_s"] = trained / max(timer.seconds.get("update", 0.0), 1e-9)
-        metrics["epoch"] = float(self.rollout.sampler_point[0])
+        metrics["training/epoch"] = float(self.rollout.sampler_point[0])
         self.step = step
         return metrics
 
