@@ -193,3 +193,30 @@ def test_every_metric_sits_in_a_section(logged_run):
     assert {"reward/accuracy", "eval/accuracy", "training/epoch", "batch/gen_rounds", "batch/kept_share",
             "score/clip_share", "actor/reward_kl_coeff"} <= names
     assert unsectioned(["accuracy", "kl", "actor/pg_loss", "foo/bar"]) == ["accuracy", "foo/bar", "kl"]
+
+
+def test_run_info_names_the_machine_and_the_software(logged_run):
+    """run_info.json: this machine's CPU model and flags (as /proc/cpuinfo says), its cores, the versions, the git
+    commit of this checkout and the effective config's hash (the same for the same config in another folder)."""
+    import datetime
+
+    import paddle
+
+    import paddle_rl.trainer  # noqa: F401 - registers every piece's keys, as in the run (config_to_dict lists them)
+    from paddle_rl.config import load_config
+    from paddle_rl.monitor.run_info import config_hash
+
+    out, _ = logged_run
+    info = json.loads((out / "run_info.json").read_text())
+    cpuinfo = open("/proc/cpuinfo").read()
+    model = next(line.split(":", 1)[1].strip() for line in cpuinfo.splitlines() if line.startswith("model name"))
+    flags = next(line.split(":", 1)[1].split() for line in cpuinfo.splitlines() if line.startswith("flags"))
+    assert info["cpu_model"] == model and info["cpu_flags"] == flags and info["cpu_cores"] == os.cpu_count()
+    assert info["paddle"] == paddle.__version__ and info["paddle_rl"] == "0.1.0"
+    head = subprocess.run(["git", "-C", ROOT, "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    assert info["git_commit"].split("-")[0] == head
+    started = datetime.datetime.fromisoformat(info["start_time"])
+    assert 0 < (datetime.datetime.now(datetime.timezone.utc) - started).total_seconds() < 3600
+    same = ["configs/tiny_arith_grpo.yaml", [*TINY, "report_to=visualdl,tensorboard", "log_completions=true"]]
+    assert info["config_sha256"] == config_hash(load_config(same[0], same[1] + ["output_dir=/elsewhere"]))
+    assert info["config_sha256"] != config_hash(load_config(same[0], same[1] + ["seed=1"]))

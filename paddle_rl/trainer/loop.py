@@ -33,6 +33,7 @@ from ..models.lora import lora_settings
 from ..models.moe import SparseMoE
 from ..monitor import MetricsLog, StageTimer, run_summary
 from ..monitor.completions import one_line
+from ..monitor.run_info import write_run_info
 from ..monitor.progress import progress_bar
 from ..parallel import watchdog
 from ..parallel.device import select_device
@@ -119,6 +120,8 @@ class StepLoop:
         self.nonfinite = NonFiniteGuard(cfg.max_nonfinite_skips)
         self.log = MetricsLog(cfg.output_dir, cfg.logging_dir or os.path.join(cfg.output_dir, "logs"),
                               cfg.report_to, cfg.logging_steps, cfg.run_name, enabled=self.layout.is_logging_rank)
+        if self.log.enabled:  # the machine, the software and the config's hash (monitor/run_info.py)
+            write_run_info(cfg.output_dir, cfg, self.started)
 
     # ---------------------------------------------------------------- the update
     def update(self, batch: StepBatch, timer: StageTimer, keys: list, micro_loss: Callable, temperature: float,
