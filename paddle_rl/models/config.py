@@ -76,8 +76,7 @@ class ModelConfig:
             self.attention_bias = family.attention_bias
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
-        if self.hidden_act != "silu":
-            raise ValueError(f"hidden_act {self.hidden_act!r} is not supported (silu only)")
+        family.check(self)  # the activation and the family's own settings (an unsupported one: error naming it)
         rope_settings(self.rope_scaling, "rope_scaling", self.max_position_embeddings)  # an unsupported one: error
 
     @property
@@ -117,6 +116,15 @@ class ModelConfig:
         # this suite computes in float32 and writes float32, so neither is carried over to a saved config
         kwargs["extra"] = {k: v for k, v in data.items() if k not in known and k not in ("dtype", "torch_dtype")}
         rope = data.get("rope_parameters")
+        if isinstance(rope, dict) and isinstance(rope.get("full_attention"), dict):
+            # per layer type (Gemma 3, transformers 5): the global layers' rope; the sliding layers' base only
+            local = rope.get("sliding_attention") or {}
+            if local.get("rope_type", "default") != "default":
+                raise ValueError(f"rope_parameters.sliding_attention.rope_type {local['rope_type']!r} is not "
+                                 "supported (default only)")
+            if "rope_theta" in local:
+                kwargs["extra"]["rope_local_base_freq"] = float(local["rope_theta"])
+            rope = rope["full_attention"]
         if isinstance(rope, dict):  # transformers 5 writes the rotary settings here, not at the top level
             if "rope_theta" in rope:
                 if "rope_theta" in data and float(data["rope_theta"]) != float(rope["rope_theta"]):

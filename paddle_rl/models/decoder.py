@@ -19,6 +19,7 @@ from typing import List, Optional
 
 import paddle
 import paddle.nn as nn
+import paddle.nn.functional as F
 from paddle.autograd import PyLayer
 
 from .. import ops
@@ -39,11 +40,13 @@ class RotaryEmbedding:
     short ones kept, a smooth blend between); every path (the tables and the fused decode step) reads
     `inv_freq`, so scaling them here scales all."""
 
-    def __init__(self, head_dim: int, theta: float, scaling: Optional[dict] = None):
+    def __init__(self, head_dim: int, theta: float, scaling: Optional[dict] = None, local_theta: Optional[float] = None):
         exponents = paddle.arange(0, head_dim, 2, dtype="int64").astype("float32") / head_dim
         self.inv_freq = 1.0 / (theta ** exponents)
         if scaling is not None:
             self.inv_freq = scaled_inv_freq(self.inv_freq, scaling)
+        # the sliding-window layers' own rotary embedding (Gemma 3: rope_local_base_freq, never scaled)
+        self.local = None if local_theta is None else RotaryEmbedding(head_dim, local_theta)
 
     def __call__(self, position_ids):
         """cos, sin [B, T, 1, head_dim]."""
@@ -205,6 +208,23 @@ class Pass:
         self.router = None if decode_start is not None else router if router is not None else RouterStats()
         self.inv_freq = rotary.inv_freq
         self.cos, self.sin = (None, None) if decode_start is not None else rotary(position_ids)
+        local = rotary.local  # the sliding-window layers' tables (None: every layer reads the ones above)
+        self.local_inv_freq = None if local is None else local.inv_freq
+        self.local_cos, self.local_sin = (None, None) if local is None or decode_start is not None \
+            else local(position_ids)
+        self._window_bias = {}
+
+    def window_bias(self, window: int):
+        """The attention bias of a sliding-window layer: `attention_bias` with the keys `window` or more slots
+        before the query masked too (transformers' kv_idx > q_idx - window). Within a row the real tokens sit in
+        consecutive slots (left padding, then the prompt and response), so slots count positions."""
+        if window not in self._window_bias:
+            bias = self.attention_bias
+            queries, keys = bias.shape[-2], bias.shape[-1]
+            q_slot = paddle.arange(keys - queries, keys, dtype="int64").unsqueeze(1)
+            far = (q_slot - paddle.arange(keys, dtype="int64").unsqueeze(0)) >= window
+            self._window_bias[window] = bias + far.astype(bias.dtype) * NEG_INF
+        return self._window_bias[window]
 
     @property
     def decode(self) -> bool:
@@ -221,7 +241,7 @@ class Pass:
 
 
 class Attention(nn.Layer):
-    def __init__(self, config: ModelConfig, tp_group, prefix: str):
+    def __init__(self, config: ModelConfig, tp_group, prefix: str, index: int = 0):
         super().__init__()
         tp = group_size(tp_group)
         if config.num_attention_heads % tp or config.num_key_value_heads % tp:
@@ -229,7 +249,9 @@ class Attention(nn.Layer):
                              f"({config.num_attention_heads}) and num_key_value_heads ({config.num_key_value_heads})")
         self.num_heads, self.num_kv_heads = config.num_attention_heads // tp, config.num_key_value_heads // tp
         self.head_dim = config.head_dim
-        self.scale = 1.0 / math.sqrt(self.head_dim)
+        self.scale = config.family.query_scale(config)
+        # a sliding-window layer attends to its last `window` positions and turns by the local rotary base
+        self.window = config.family.sliding_windows(config)[index]
         self.split_sizes = [self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim,
                             self.num_kv_heads * self.head_dim]
         q_size = config.num_attention_heads * self.head_dim
@@ -239,8 +261,9 @@ class Attention(nn.Layer):
         self.o_proj = RowLinear(q_size, config.hidden_size, False, tp_group, f"{prefix}.o_proj")
         self.qk_norm = config.uses_qk_norm
         if self.qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, f"{prefix}.q_norm.weight")
-            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, f"{prefix}.k_norm.weight")
+            offset = config.family.norm_offset
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, f"{prefix}.q_norm.weight", offset)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, f"{prefix}.k_norm.weight", offset)
 
     def forward(self, x, p: Pass, cache=None):
         if p.decode:
@@ -252,14 +275,19 @@ class Attention(nn.Layer):
         v = v.reshape([batch, length, self.num_kv_heads, self.head_dim])
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = ops.rotary(q, p.cos, p.sin), ops.rotary(k, p.cos, p.sin)
+        cos, sin = (p.local_cos, p.local_sin) if self.window is not None and p.local_cos is not None else (p.cos, p.sin)
+        q, k = ops.rotary(q, cos, sin), ops.rotary(k, cos, sin)
         if p.packing is not None:  # several sequences in one row: attention on the packing's blocks
+            if self.window is not None:
+                raise ValueError("use_remove_padding: packed micro-batches do not implement sliding-window attention "
+                                 f"(this model's layers have sliding_window {self.window}); set it to false")
             core, args = p.packing.attend, (q, k, v, self.scale)
         else:
             q, k, v = q.transpose([0, 2, 1, 3]), k.transpose([0, 2, 1, 3]), v.transpose([0, 2, 1, 3])
             if cache is not None:
                 k, v = cache.update(k, v)
-            core, args = self._core, (q, k, v, p.attention_bias)
+            bias = p.attention_bias if self.window is None else p.window_bias(self.window)
+            core, args = self._core, (q, k, v, bias)
         # core_attn recomputes the probabilities in the backward; the packed kernel's backward does that itself
         # (it keeps only the output and each row's log-sum-exp), so it is not run twice
         if p.recompute in ("core_attn", "core_attn_mlp") and not (p.packing is not None and p.packing.fused(q, k, v)):
@@ -286,37 +314,55 @@ class Attention(nn.Layer):
         the cache from each row's start slot."""
         slot = cache.length
         cache.reserve([x.shape[0], self.num_kv_heads, 1, self.head_dim], x.dtype, slot + 1)
-        q = ops.rotary_qkv_cache(self.qkv_proj(x), p.position_ids, p.inv_freq, cache.k, cache.v, self.num_heads,
-                                 self.num_kv_heads, slot, self.q_norm.weight if self.qk_norm else None,
-                                 self.k_norm.weight if self.qk_norm else None,
+        local = self.window is not None and p.local_inv_freq is not None
+        q = ops.rotary_qkv_cache(self.qkv_proj(x), p.position_ids, p.local_inv_freq if local else p.inv_freq,
+                                 cache.k, cache.v, self.num_heads, self.num_kv_heads, slot,
+                                 self.q_norm.scale if self.qk_norm else None,
+                                 self.k_norm.scale if self.qk_norm else None,
                                  self.q_norm.eps if self.qk_norm else 1e-6)
         cache.length = slot + 1
-        return ops.decode_attention(q, cache.k, cache.v, p.decode_start, slot + 1, self.scale)
+        start = p.decode_start
+        if self.window is not None:  # the row's tokens fill consecutive slots: its last `window` end at `slot`
+            start = paddle.maximum(start, paddle.full_like(start, slot + 1 - self.window))
+        return ops.decode_attention(q, cache.k, cache.v, start, slot + 1, self.scale)
 
 
 class MLP(nn.Layer):
     def __init__(self, config: ModelConfig, tp_group, prefix: str):
         super().__init__()
         self.intermediate_size = config.intermediate_size
+        self.activation = config.family.activation(config)  # silu (SwiGLU) or gelu_tanh (GeGLU, Gemma)
         self.gate_up_proj = ColumnLinear(config.hidden_size, [config.intermediate_size] * 2, False, tp_group, prefix,
                                          ("gate_proj", "up_proj"))
         self.down_proj = RowLinear(config.intermediate_size, config.hidden_size, False, tp_group,
                                    f"{prefix}.down_proj")
 
     def forward(self, x, p: Optional[Pass] = None):
-        return self.down_proj(ops.swiglu(self.gate_up_proj(x)))
+        if self.activation == "silu":
+            return self.down_proj(ops.swiglu(self.gate_up_proj(x)))
+        gate, up = paddle.split(self.gate_up_proj(x), 2, axis=-1)  # a rank's shard is [gate shard, up shard]
+        return self.down_proj(F.gelu(gate, approximate=True) * up)
 
 
 class DecoderLayer(nn.Layer):
-    """Layer `index`: attention, then the MLP, or the sparse MoE block where `moe` (MoESettings) puts one."""
+    """Layer `index`: attention, then the MLP, or the sparse MoE block where `moe` (MoESettings) puts one. With the
+    family's `sandwich_norms` (Gemma) the attention and MLP outputs are normed too before their residual adds:
+    post_attention_layernorm on the attention output, pre_ / post_feedforward_layernorm around the MLP."""
 
     def __init__(self, config: ModelConfig, tp_group, index: int, moe: Optional[MoESettings] = None):
         super().__init__()
         prefix = f"model.layers.{index}"
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, f"{prefix}.input_layernorm.weight")
-        self.self_attn = Attention(config, tp_group, f"{prefix}.self_attn")
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps,
-                                                f"{prefix}.post_attention_layernorm.weight")
+        offset, eps = config.family.norm_offset, config.rms_norm_eps
+        self.input_layernorm = RMSNorm(config.hidden_size, eps, f"{prefix}.input_layernorm.weight", offset)
+        self.self_attn = Attention(config, tp_group, f"{prefix}.self_attn", index)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, f"{prefix}.post_attention_layernorm.weight",
+                                                offset)
+        self.sandwich = config.family.sandwich_norms
+        if self.sandwich:
+            self.pre_feedforward_layernorm = RMSNorm(config.hidden_size, eps,
+                                                     f"{prefix}.pre_feedforward_layernorm.weight", offset)
+            self.post_feedforward_layernorm = RMSNorm(config.hidden_size, eps,
+                                                      f"{prefix}.post_feedforward_layernorm.weight", offset)
         if moe is not None and moe.sparse(index):
             self.mlp = SparseMoE(config, moe, tp_group, f"{prefix}.mlp")
         else:
@@ -330,17 +376,23 @@ class DecoderLayer(nn.Layer):
             # recomputed from that rounding (which its q/k/v product would keep anyway) instead of keeping q, k, v,
             # the attention output and o_proj's operand
             inner = p.kept()
-            x = ops.residual_add(x, recompute_from_bf16(lambda t: self.self_attn(t, inner, None), h))
+            x = ops.residual_add(x, recompute_from_bf16(lambda t: self._attn_block(t, inner, None), h))
         elif p.recompute == "full_attn" and cache is None:
-            x = ops.residual_add(x, _recompute(self.self_attn, h, p, None))
+            x = ops.residual_add(x, _recompute(self._attn_block, h, p, None))
         else:
-            x = ops.residual_add(x, self.self_attn(h, p, cache))
+            x = ops.residual_add(x, self._attn_block(h, p, cache))
         if p.recompute == "core_attn_mlp" and isinstance(self.mlp, MLP):
             # only the block's input is kept: the norm's output, gate/up and SwiGLU outputs are made again
             return ops.residual_add(x, _recompute(self._mlp_block, x, p))
         return ops.residual_add(x, self._mlp_block(x, p))
 
+    def _attn_block(self, h, p: Pass, cache=None):
+        out = self.self_attn(h, p, cache)
+        return self.post_attention_layernorm(out) if self.sandwich else out
+
     def _mlp_block(self, x, p: Pass):
+        if self.sandwich:
+            return self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x), p))
         return self.mlp(self.post_attention_layernorm(x), p)
 
 
@@ -397,13 +449,17 @@ class CausalLM(nn.Layer):
         self.moe = MoESettings.of(config)
         self.layers = nn.LayerList([DecoderLayer(config, tp_group, i, self.moe) for i in self.layer_ids])
         if self.is_last:
-            self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, "model.norm.weight")
+            self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, "model.norm.weight", config.family.norm_offset)
             if config.sequence_classifier:  # a reward model or a critic: a score head, no LM head
                 self.score = ScoreHead(config.hidden_size, config.num_labels)  # replicated under tensor parallelism
             elif not tied:
                 self.lm_head = ColumnLinear(config.hidden_size, [config.vocab_size], False, tp_group, "",
                                             ("lm_head",), pad=True)
-        self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope)
+        family = config.family
+        self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope,
+                                      float(family.setting(config, "rope_local_base_freq")) if family.sliding else None)
+        self.embed_scale = math.sqrt(config.hidden_size) if family.embed_scale else None
+        self.logit_softcap = family.logit_softcap(config)
         self.recompute = None   # what training passes recompute in the backward: None | full | full_attn | core_attn
         #                         | core_attn_mlp
         self._router = None
@@ -414,8 +470,8 @@ class CausalLM(nn.Layer):
     def init_weights(self, std: Optional[float] = None):
         std = self.config.initializer_range if std is None else std
         for name, param in self.named_parameters():
-            if "norm" in name:
-                param.set_value(paddle.ones_like(param))
+            if "norm" in name:  # 1, or an offset of 0 from it
+                param.set_value(paddle.full_like(param, 0.0 if self.config.family.norm_offset else 1.0))
             elif name.endswith("bias"):
                 param.set_value(paddle.zeros_like(param))
             else:
@@ -469,6 +525,8 @@ class CausalLM(nn.Layer):
         """Token ids (first stage) or the previous stage's hidden states -> this stage's hidden states (after the
         final norm on the last stage)."""
         x = self.embed_tokens(inputs) if self.is_first else inputs
+        if self.is_first and self.embed_scale is not None:  # sqrt(hidden_size) rounded to the embedding dtype
+            x = x * paddle.full([], self.embed_scale, dtype=x.dtype)
         p.recompute = self.recompute if self.training and not p.decode else None
         for i, layer in enumerate(self.layers):
             if p.recompute == "full" and p.caches is None:
@@ -631,7 +689,13 @@ class CausalLM(nn.Layer):
     def logits(self, hidden):
         """Full-vocabulary logits (gathered over the tensor-parallel group, padding cut off)."""
         logits = gather_from_group(self.local_logits(hidden), self.tp_group)
-        return logits if logits.shape[-1] == self.config.vocab_size else logits[..., :self.config.vocab_size]
+        logits = logits if logits.shape[-1] == self.config.vocab_size else logits[..., :self.config.vocab_size]
+        return self.softcap(logits)
+
+    def softcap(self, logits):
+        """cap * tanh(logits / cap) where the family's config sets a final logit soft cap (Gemma), else logits."""
+        cap = self.logit_softcap
+        return logits if cap is None else paddle.tanh(logits / cap) * cap
 
     def head_logprobs(self, hidden, targets, temperature: float, with_entropy: bool = False,
                       with_greedy: bool = False):
@@ -643,12 +707,13 @@ class CausalLM(nn.Layer):
         weight, transposed = self.head_weight
         if hidden.dtype != paddle.float32:  # AMP's bfloat16 (trainer/precision.py): log-probs from float32 copies
             hidden, weight = hidden.astype("float32"), weight.astype("float32")
-        if self.tp_group is None:
+        if self.tp_group is None and self.logit_softcap is None:
             out = ops.lm_head_logprobs(hidden.reshape([batch * length, hidden.shape[-1]]), weight,
                                        targets.reshape([-1]), temperature, with_entropy, transpose_weight=transposed,
                                        bf16=self.head_bf16, with_greedy=with_greedy)
             return tuple(None if x is None else x.reshape([batch, length]) for x in out)
-        logits = self.local_logits(hidden)[..., :self.vocab_width]
+        # tensor parallel, or soft-capped logits: from this rank's logits (all of them in one process)
+        logits = self.softcap(self.local_logits(hidden)[..., :self.vocab_width])
         if temperature > 0:
             logits = logits / temperature
         out = vocab_parallel_logprobs(logits, targets, self.tp_group, self.vocab_start, with_entropy)

@@ -112,13 +112,22 @@ def _param(layer: nn.Layer, shape, spec: ParamSpec, group, is_bias: bool = False
 
 
 class RMSNorm(nn.Layer):
-    def __init__(self, dim: int, eps: float, hf_name: str):
+    """x / rms(x) * weight; `offset` (Gemma): the weight is stored as an offset from 1, x / rms(x) * (1 + weight)."""
+
+    def __init__(self, dim: int, eps: float, hf_name: str, offset: bool = False):
         super().__init__()
         self.eps = eps
-        self.weight = _param(self, [dim], ParamSpec((hf_name,)), None, init=nn.initializer.Constant(1.0))
+        self.offset = offset
+        self.weight = _param(self, [dim], ParamSpec((hf_name,)), None,
+                             init=nn.initializer.Constant(0.0 if offset else 1.0))
+
+    @property
+    def scale(self):
+        """What the normalized x is multiplied by."""
+        return 1.0 + self.weight if self.offset else self.weight
 
     def forward(self, x):
-        return ops.rms_norm(x, self.weight, self.eps)
+        return ops.rms_norm(x, self.scale, self.eps)
 
 
 class Bf16Products(nn.Layer):
