@@ -1,4 +1,4 @@
-"""`paddle-rl train | sft | eval | score | data | convert | fetch | reward-server | rollout-server | bench`."""
+"""`paddle-rl train | sft | eval | score | data | convert | fetch | reward-server | rollout-server | bench | plot`."""
 import argparse
 import importlib
 import os
@@ -24,9 +24,12 @@ SCORE = ("score", "paddle_rl.score", "add_score_subparser",
          "score records that carry a response with the configured rewards")
 CONVERT = ("convert", "paddle_rl.model_files.gguf_import", "add_convert_subparser",
            "convert a model file (GGUF) to a Hugging Face folder")
+PLOT = ("plot", "paddle_rl.plot", "add_plot_subparser", "plot metrics of one or more runs side by side")
 FETCH = ("fetch", "paddle_rl.model_files.hub", "add_fetch_subparser", "download and convert a known model once")
 DATA_KK = ("kk", "paddle_rl.data.kk_cli", "add_kk_subparser", "generate Knights-and-Knaves puzzles")
 DATA_ARITH = ("arith", "paddle_rl.data.arith", "add_arith_subparser", "addition problems in a model's chat template")
+DATA_SHOW = ("show", "paddle_rl.data.show", "add_show_subparser",
+             "print the first records of a config's datasets as the model sees them")
 DATA_CONVERT = ("convert", "paddle_rl.data.convert", "add_convert_subparser",
                 "convert GSM8K / MATH / NuminaMath files to the trainer's layouts")
 
@@ -129,6 +132,7 @@ def _add_data(sub):
     _add_module_subcommand(data_sub, DATA_KK)
     _add_module_subcommand(data_sub, DATA_CONVERT)
     _add_module_subcommand(data_sub, DATA_ARITH)
+    _add_module_subcommand(data_sub, DATA_SHOW)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -143,6 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_module_subcommand(sub, ROLLOUT_SERVER)
     _add_module_subcommand(sub, BENCH)
     _add_module_subcommand(sub, SCORE)
+    _add_module_subcommand(sub, PLOT)
     return parser
 
 

@@ -12,7 +12,6 @@ configure_threads()
 # after the thread settings of the launcher's process (paddle_rl/env.py), before Paddle loads
 from paddle_rl.config import load_config  # noqa: E402
 from paddle_rl.errors import setup_error_types  # noqa: E402
-from paddle_rl.monitor import resolve_dashboards  # noqa: E402
 from paddle_rl.trainer import RLTrainer, SFTTrainer  # noqa: E402
 
 
@@ -22,8 +21,7 @@ def build_trainer(config_path, overrides, sft: bool = False):
     # the trainer is imported above: the algorithm's pieces (paddle_rl/algorithms) declare keys of the config as
     # they register
     config = load_config(config_path, overrides)
-    resolve_dashboards(config.report_to)  # on every rank, before any model loads
-    return (SFTTrainer if sft else RLTrainer)(config)
+    return (SFTTrainer if sft else RLTrainer)(config)  # each starts with preflight: every missing prerequisite
 
 
 def main(argv=None) -> int:

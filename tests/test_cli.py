@@ -11,9 +11,9 @@ from paddle_rl import cli
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def run_python(code: str, *args, timeout=300):
+def run_python(code: str, *args, timeout=300, cwd=ROOT):
     env = dict(os.environ, PYTHONPATH=ROOT)
-    return subprocess.run([sys.executable, "-c", code, *args], cwd=ROOT, env=env, capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-c", code, *args], cwd=cwd, env=env, capture_output=True, text=True,
                           timeout=timeout)
 
 
@@ -167,5 +167,32 @@ def test_train_with_an_unreachable_reward_server_stops_before_the_first_step(tmp
     result = run_cli("train", "configs/tiny_arith_grpo.yaml", "use_rm_server=true", f"reward_server={url}",
                      "reward_server_retries=0", f"output_dir={tmp_path}")
     assert result.returncode == 2, result.stderr
-    assert f"error: reward_server: no server answers at {url}" in result.stderr
+    assert f"\n  reward_server: no server answers at {url}" in result.stderr
     assert "Traceback" not in result.stderr and not os.path.exists(tmp_path / "metrics.jsonl")
+
+
+def test_paddlenlp_argument_file_names_every_missing_prerequisite_at_once(tmp_path):
+    """PaddleNLP's own grpo_argument.yaml on a fresh machine: the reward server, the model folder and both data
+    files in one error, each with what to do (not the first of them, then the next after it is fixed)."""
+    import socket
+    import shutil
+    with socket.socket() as s:  # a port nothing listens on, for the file's reward_server
+        s.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{s.getsockname()[1]}"
+    fixture = os.path.join(ROOT, "tests", "fixtures", "paddlenlp_grpo_argument.yaml")
+    shutil.copy(fixture, tmp_path / "grpo_argument.yaml")
+    result = run_python("import sys; from paddle_rl.cli import main; sys.exit(main(sys.argv[1:]))", "train",
+                        "grpo_argument.yaml", f"reward_server={url}", "reward_server_retries=0", cwd=str(tmp_path))
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.splitlines()
+    lines = lines[next(i for i, line in enumerate(lines) if line.startswith("error: ")):]
+    assert lines[0] == "error: invalid configuration (6 problems to fix before the run can start):", lines
+    assert lines[1:4] == ["  actor_model_name_or_path: folder not found: Qwen/Qwen2.5-7B-Instruct-1M",
+                          "  train_datasets: file not found: ppo-kk/34567ppl/train.jsonl",
+                          "  eval_datasets: file not found: ppo-kk/5ppl/test.jsonl"], lines
+    assert lines[4].startswith(f"  reward_server: no server answers at {url} (") and lines[4].endswith(
+        "; start it (paddle-rl reward-server --port PORT --reward NAMES) or set use_rm_server: false to score in "
+        "process"), lines[4]
+    assert lines[5].startswith("  tensor_parallel_degree (2) x pipeline_parallel_degree (1) x "
+                               "sharding_parallel_degree (1) = 2 does not divide the world size 1"), lines[5]
+    assert lines[6].startswith("  report_to: wandb needs the Python package(s) wandb"), lines[6]

@@ -13,6 +13,7 @@ import yaml
 
 from .fields import ACTED, ALIASES, chosen
 from .options import PIECE_OPTIONS, PLUGIN_KEYS
+from .paddlenlp import paddlenlp_differences
 from .rl_config import RLConfig
 
 logger = logging.getLogger("paddle_rl")
@@ -195,10 +196,14 @@ def load_config(path: Optional[str] = None, overrides: Optional[Iterable[str] | 
         check(config, problems)
     if problems:
         raise ConfigError("invalid configuration" + (f" in {path}" if path else "") + ":\n  " + "\n  ".join(problems))
+    config.paddlenlp_differences = paddlenlp_differences(config, values)
     if warn_unused:
         ignored = sorted(k for k in values if not keys[k][1].get(ACTED, True))
         if ignored:
             logger.warning("accepted but not acted on in this build: %s", ", ".join(ignored))
+        if config.paddlenlp_differences:
+            logger.warning("left out of the config, so this suite's default applies where PaddleNLP's differs: %s",
+                           "; ".join(config.paddlenlp_differences))
     config.unacted_keys = sorted(k for k in values if not keys[k][1].get(ACTED, True))
     return config
 

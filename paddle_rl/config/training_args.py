@@ -71,7 +71,9 @@ class TrainingArgs:
     do_train: bool = arg(True, "false: no update; the run evaluates the starting model once (step 0, as with "
                                      "do_eval) and ends, as PaddleNLP's run without do_train.")
     do_eval: bool = arg(False, "Evaluate on eval_datasets at step 0 and every eval_steps.")
-    evaluation_strategy: str = arg("steps", "steps | no.")
+    evaluation_strategy: str = arg("steps", "steps (at step 0, every eval_steps and at the end) | epoch (at step 0, "
+                                            "at the end of every pass over train_datasets, and at the end) | no.",
+                                   choices=("steps", "epoch", "no"))
     eval_steps: int = arg(20, "Evaluate every this many steps.")
     per_device_eval_batch_size: int = arg(32, "Prompts decoded at once in evaluation.")
     balance_batch: bool = arg(False, "Under data / sharding parallelism, assign each mini-batch's prompt groups to "

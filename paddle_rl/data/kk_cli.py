@@ -3,6 +3,7 @@
 Examples:
   paddle-rl data kk --people 2,3,4 --num 500 --seed 1 --out data/kk
   paddle-rl data kk --preset logic-rl --out data/kk_logic_rl
+  paddle-rl data kk --preset logic-rl --format paddlenlp --out data/ppo-kk
   paddle-rl data kk --people 2,3 --num 200 --template tiny --compact --test-fraction 0.1 --out data/kk_tiny
 """
 
@@ -24,6 +25,7 @@ from paddle_rl.data.kk.render import TEMPLATES
 DEFAULT_NUM = 100
 DEFAULT_SEED = 42
 DEFAULT_OUT = "data/kk"
+FORMATS = ("ours", "paddlenlp")
 
 
 def people_list(text: str) -> tuple[int, ...]:
@@ -52,8 +54,12 @@ def configure_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     parser.add_argument("--out", default=DEFAULT_OUT, help="output folder")
     parser.add_argument("--preset", choices=sorted(PRESETS), default=None,
                         help="published split layout (logic-rl: train 3..7 people, test 5 people)")
-    parser.add_argument("--template", choices=TEMPLATES, default="qwen2.5",
-                        help="prompt template for the src field")
+    parser.add_argument("--template", choices=TEMPLATES, default=None,
+                        help="prompt template for the src field (default qwen2.5)")
+    parser.add_argument("--format", choices=FORMATS, default="ours",
+                        help="record layout: ours (src / tgt strings, --template's prompt) or paddlenlp (the "
+                             "records of PaddleNLP's GRPO guide byte for byte: one-item src / tgt lists, the guide's "
+                             "system prompt in the Qwen2.5 chat layout, the <think> opening)")
     parser.add_argument("--compact", action="store_true",
                         help="short puzzle wording (suits tiny models)")
     parser.add_argument("--split", default="train", help="split name: writes SPLIT.jsonl")
@@ -85,7 +91,13 @@ def run_kk(args: argparse.Namespace) -> list[str]:
     """Write the files the arguments ask for and return their paths."""
     out = _opt(args, "out", DEFAULT_OUT)
     seed = _opt(args, "seed", DEFAULT_SEED)
-    template = _opt(args, "template", "qwen2.5")
+    template = _opt(args, "template", None)
+    if _opt(args, "format", "ours") == "paddlenlp":
+        if template not in (None, "paddlenlp"):
+            raise ValueError(f"--format paddlenlp writes the guide's own template; --template {template} "
+                             f"contradicts it")
+        template = "paddlenlp"
+    template = template or "qwen2.5"
     compact = bool(_opt(args, "compact", False))
     max_depth = _opt(args, "max_depth", 2)
     split = _opt(args, "split", "train")

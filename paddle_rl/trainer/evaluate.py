@@ -1,6 +1,5 @@
 """Greedy evaluation on held-out prompts: accuracy and mean reward."""
 
-import os
 from typing import Optional
 
 import numpy as np
@@ -8,12 +7,12 @@ import numpy as np
 from ..batch import StepBatch, object_column
 from ..data.loader import load_prompt_dataset
 from ..models import Tokenizer, load_model
-from ..model_files.hub import resolve_model
 from ..monitor.completions import write_records
-from ..rewards import build_reward, check_reward_config
+from ..rewards import build_reward
 from ..rollout import EngineSettings, RolloutEngine, SamplingParams
 from ..rollout.episodes import episode_maker as environment_episodes
 from .completions import completion_records
+from .preflight import preflight
 from .scoring import reward_record, reward_result, score
 
 
@@ -72,12 +71,8 @@ def run_eval(config, write_responses: Optional[str] = None) -> dict:
     """Greedy evaluation of config.actor_model_name_or_path on config.eval_datasets (no training data needed);
     `write_responses`: a JSONL file that receives every response's record, as a training run's
     eval_completions/step-N.jsonl."""
-    model_dir = config.actor_model_name_or_path = resolve_model(config.actor_model_name_or_path)
-    if not os.path.isdir(model_dir):
-        raise FileNotFoundError(f"actor_model_name_or_path: folder not found: {model_dir}")
-    if not config.eval_datasets:
-        raise ValueError("eval_datasets: required for evaluation")
-    check_reward_config(config)  # reward names before the model loads
+    preflight(config, train=False)  # every missing prerequisite (model, data, reward) at once, before it loads
+    model_dir = config.actor_model_name_or_path  # a fetchable model's name resolved to its folder by preflight
     tokenizer = Tokenizer.from_pretrained(config.tokenizer_name_or_path or model_dir)
     model = load_model(model_dir, adapter=config.lora_path or None)
     dataset = load_prompt_dataset(config.eval_datasets, tokenizer, config.prompt_key, config.response_key,

@@ -300,7 +300,7 @@ class StepLoop:
             while cfg.do_train and self.step < self.total_steps:
                 metrics = job.train_step()
                 job.stepped()
-                if evaluates and (self.step % cfg.eval_steps == 0 or self.step == self.total_steps):
+                if evaluates and self._at_interval(job, cfg.evaluation_strategy, cfg.eval_steps):
                     metrics.update(job.evaluate())
                 self.log.log(self.step, metrics)
                 last = metrics
@@ -317,10 +317,14 @@ class StepLoop:
         return last
 
     def _should_save(self, job) -> bool:
-        cfg = self.config
-        if cfg.save_strategy == "steps":
-            return self.step % cfg.save_steps == 0 or self.step == self.total_steps
-        if cfg.save_strategy == "epoch":
+        return self._at_interval(job, self.config.save_strategy, self.config.save_steps)
+
+    def _at_interval(self, job, strategy: str, steps: int) -> bool:
+        """Whether a save / evaluation strategy acts after this step: steps (every `steps` and at the end), epoch
+        (when the step's batch ended a pass over the training data, and at the end), no."""
+        if strategy == "steps":
+            return self.step % steps == 0 or self.step == self.total_steps
+        if strategy == "epoch":
             return job.epoch_done() or self.step == self.total_steps
         return False
 

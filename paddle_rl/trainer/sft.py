@@ -21,9 +21,9 @@ from ..config import ConfigError
 from ..data.loader import load_sft_dataset
 from ..monitor import StageTimer
 from ..parallel import watchdog
-from ..rewards import check_reward_config
 from .checkpoint import resolve_resume
 from .loop import StepLoop
+from .preflight import preflight
 
 
 class SFTTrainer:
@@ -40,8 +40,8 @@ class SFTTrainer:
                               "cross-entropy of the responses only, no rollout); remove them or set them to their "
                               "defaults")
         evaluates = bool(config.do_eval and config.eval_datasets)
-        if evaluates:
-            check_reward_config(config)  # the held-out accuracy's rule, before any model loads
+        # every missing prerequisite at once, before any model loads (the reward: the held-out accuracy's rule)
+        preflight(config, rewards=evaluates, sft=True)
         self.loop = loop = StepLoop(config, topology)
         self.config, self.layout, self.tokenizer = config, loop.layout, loop.tokenizer
         loop.load_data(load_sft_dataset(config.train_datasets, self.tokenizer, config.prompt_key,

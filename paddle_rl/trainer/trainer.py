@@ -21,7 +21,6 @@ from ..data.loader import load_prompt_dataset
 from ..models import adapters_off
 from ..monitor import StageTimer
 from ..parallel import watchdog
-from ..rewards import check_reward_config
 from ..rollout import SamplingParams, sample_key
 from . import faults
 from .checkpoint import resolve_resume
@@ -29,6 +28,7 @@ from .completions import completion_records, record_columns, sample_rows
 from .critic import build_critic, check_critic_config
 from .logprobs import old_logprobs_from_update, reuses_rollout_logprobs
 from .loop import StepLoop
+from .preflight import preflight
 from .rollouts import RolloutParts, build_rollout
 from .scoring import metric_columns, per_function_scores, reward_result, score
 
@@ -42,7 +42,7 @@ class RLTrainer:
     def __init__(self, config, topology=None):
         """`topology`: the process grid (parallel/topology.py); default: from the config's degrees when launched on
         several processes, else a single process."""
-        check_reward_config(config)  # reward names against the registry, before any model loads
+        preflight(config)  # every missing prerequisite (paths, data, reward, plugins) at once, before models load
         self.loop = loop = StepLoop(config, topology)
         self.config, self.layout, self.tokenizer, self.tokenizer_dir = config, loop.layout, loop.tokenizer, \
             loop.tokenizer_dir

@@ -1,7 +1,8 @@
 """Writing KK puzzles to jsonl, deterministically.
 
 Each split NAME produces two files in the output folder:
-  NAME.jsonl       PaddleNLP layout, {"src": templated prompt, "tgt": ground truth}
+  NAME.jsonl       PaddleNLP layout, {"src": templated prompt, "tgt": ground truth} (one-item lists of them
+                   with the paddlenlp template: the layout of PaddleNLP's guide)
   NAME.chat.jsonl  chat layout, {"messages": [...], "solution": ..., "data_source": "kk"}
 Keys keep a fixed order, text is written as UTF-8 with ensure_ascii=False and "\\n"
 line ends, so the same arguments always give the same bytes.
@@ -83,7 +84,7 @@ def write_puzzles(out_dir: str, split_name: str, puzzles: Sequence[Puzzle],
     paddle_path = os.path.join(out_dir, f"{split_name}.jsonl")
     chat_path = os.path.join(out_dir, f"{split_name}.chat.jsonl")
     write_jsonl(paddle_path, (render_paddlenlp(p, template, compact) for p in puzzles))
-    write_jsonl(chat_path, (render_chat(p, compact) for p in puzzles))
+    write_jsonl(chat_path, (render_chat(p, compact, template) for p in puzzles))
     return [paddle_path, chat_path]
 
 

@@ -1,9 +1,12 @@
 """Prompt templates and record layouts for KK puzzles.
 
 Templates:
-  qwen2.5  Qwen2.5 chat layout with a system prompt; ends in "<|im_start|>assistant\\n<think>".
-  tiny     the same chat layout without a system turn, for small models.
-  plain    the puzzle text alone.
+  qwen2.5    Qwen2.5 chat layout with a system prompt; ends in "<|im_start|>assistant\\n<think>".
+  tiny       the same chat layout without a system turn, for small models.
+  plain      the puzzle text alone.
+  paddlenlp  the record of PaddleNLP's GRPO guide (its ppo-kk data), byte for byte: src and tgt as one-item lists,
+             the Qwen2.5 chat layout with the guide's system prompt, each turn's text ending in a newline before
+             <|im_end|>, the assistant turn opened with "<think>".
 """
 
 from __future__ import annotations
@@ -20,6 +23,17 @@ SYSTEM_PROMPT = (
     "(2) Name is a knave </answer>."
 )
 
+# The system prompt of PaddleNLP's GRPO guide (llm/alignment/rl/README.md, its ppo-kk records), verbatim (its
+# "and<answer>" and double space included).
+GUIDE_SYSTEM_PROMPT = (
+    "You are a helpful assistant. The assistant first thinks about the reasoning process in the mind and then "
+    "provides the user with the answer. The reasoning process and answer are enclosed within <think> </think> "
+    "and<answer> </answer> tags, respectively, i.e., <think> reasoning process here </think><answer> answer here "
+    "</answer>.  Now the user asks you to solve a logical reasoning problem. After thinking, when you finally reach "
+    "a conclusion, clearly state the identity of each character within <answer> </answer> tags. i.e., <answer> (1) "
+    "Zoey is a knight\n(2) ... </answer>.\n"
+)
+
 DATA_SOURCE = "kk"
 
 _QWEN = (
@@ -28,8 +42,13 @@ _QWEN = (
     "<|im_start|>assistant\n<think>"
 )
 _TINY = "<|im_start|>user\n{puzzle}<|im_end|>\n<|im_start|>assistant\n<think>"
+_GUIDE = (
+    "<|im_start|>system\n{system}<|im_end|>\n"
+    "<|im_start|>user\n{puzzle}\n<|im_end|>\n"
+    "<|im_start|>assistant\n<think>"
+)
 
-TEMPLATES: tuple[str, ...] = ("qwen2.5", "tiny", "plain")
+TEMPLATES: tuple[str, ...] = ("qwen2.5", "tiny", "plain", "paddlenlp")
 
 
 def render_prompt(puzzle_text: str, template: str = "qwen2.5") -> str:
@@ -40,22 +59,26 @@ def render_prompt(puzzle_text: str, template: str = "qwen2.5") -> str:
         return _TINY.format(puzzle=puzzle_text)
     if template == "plain":
         return puzzle_text
+    if template == "paddlenlp":
+        return _GUIDE.format(system=GUIDE_SYSTEM_PROMPT, puzzle=puzzle_text)
     raise ValueError(f"unknown template {template!r}; choose one of {', '.join(TEMPLATES)}")
 
 
 def render_paddlenlp(puzzle: Puzzle, template: str = "qwen2.5", compact: bool = False) -> dict:
-    """PaddleNLP record: {"src": templated prompt, "tgt": ground truth}."""
-    return {
-        "src": render_prompt(puzzle.text(compact=compact), template),
-        "tgt": puzzle.ground_truth(),
-    }
+    """PaddleNLP record: {"src": templated prompt, "tgt": ground truth}; with the paddlenlp template, the guide's
+    layout: {"src": [templated prompt], "tgt": [ground truth]}."""
+    src, tgt = render_prompt(puzzle.text(compact=compact), template), puzzle.ground_truth()
+    if template == "paddlenlp":
+        return {"src": [src], "tgt": [tgt]}
+    return {"src": src, "tgt": tgt}
 
 
-def render_chat(puzzle: Puzzle, compact: bool = False) -> dict:
-    """Chat record (ms-swift style): system and user turns, solution, data source."""
+def render_chat(puzzle: Puzzle, compact: bool = False, template: str = "qwen2.5") -> dict:
+    """Chat record (ms-swift style): system and user turns, solution, data source (the guide's system prompt with
+    the paddlenlp template)."""
     return {
         "messages": [
-            {"role": "system", "content": SYSTEM_PROMPT},
+            {"role": "system", "content": GUIDE_SYSTEM_PROMPT if template == "paddlenlp" else SYSTEM_PROMPT},
             {"role": "user", "content": puzzle.text(compact=compact)},
         ],
         "solution": puzzle.ground_truth(),
