@@ -53,8 +53,12 @@ setup(
         # pulls a multi-GB CUDA build
         # (accelerate: transformers needs it to read a GGUF file, the independent side of the GGUF parity tests;
         # peft: the independent side of the LoRA adapter tests; tensorboard: reads back the event files written
-        # for report_to tensorboard; openai: the client the rollout server's OpenAI endpoints are checked with)
-        "test": ["pytest", "torch==2.13.0", "transformers", "accelerate", "peft", "tensorboard", "openai"],
+        # for report_to tensorboard; openai: the client the rollout server's OpenAI endpoints are checked with;
+        # matplotlib: paddle-rl plot's figures)
+        "test": ["pytest", "torch==2.13.0", "transformers", "accelerate", "peft", "tensorboard", "openai",
+                 "matplotlib"],
+        # paddle-rl plot
+        "plot": ["matplotlib"],
     },
     entry_points={"console_scripts": ["paddle-rl=paddle_rl.cli:main"]},
 )

@@ -220,3 +220,43 @@ def test_run_info_names_the_machine_and_the_software(logged_run):
     same = ["configs/tiny_arith_grpo.yaml", [*TINY, "report_to=visualdl,tensorboard", "log_completions=true"]]
     assert info["config_sha256"] == config_hash(load_config(same[0], same[1] + ["output_dir=/elsewhere"]))
     assert info["config_sha256"] != config_hash(load_config(same[0], same[1] + ["seed=1"]))
+
+
+def test_smoothing_is_tensorboards_debiased_ema():
+    from paddle_rl.plot import PlotError, smooth
+    # w 0.6: ema 0.4, 1.04, 1.824 over debias 0.4, 0.64, 0.784
+    assert smooth([1.0, 2.0, 3.0], 0.6) == pytest.approx([1.0, 1.625, 1.824 / 0.784])
+    got = smooth([1.0, float("nan"), 3.0], 0.6)  # a NaN stays and does not count
+    assert got[0] == 1.0 and np.isnan(got[1]) and got[2] == pytest.approx(1.44 / 0.64)
+    assert smooth([5.0, 5.0, 5.0], 0.9) == [5.0, 5.0, 5.0] and smooth([1.0, 3.0], 0.0) == [1.0, 3.0]
+    with pytest.raises(PlotError, match=r"--smoothing: must be in \[0, 1\), got 1.0"):
+        smooth([1.0], 1.0)
+
+
+def test_plot_draws_runs_side_by_side(logged_run, tmp_path, monkeypatch):
+    """The command the run summary names writes a PNG of the run; two runs in an SVG, each named with its machine;
+    bad input names the option or file; without matplotlib one line says what to install."""
+    import shlex
+
+    from paddle_rl.plot import PlotError, plot
+    extra("matplotlib")
+    out, stderr = logged_run
+    line = next(line.split(" - ", 1)[1] for line in stderr.splitlines() if " - plot: paddle-rl plot " in line)
+    words = shlex.split(line[len("plot: paddle-rl "):])
+    assert words[:2] == ["plot", str(out)] and words[-1] == str(out / "plot.png")
+    assert run_cli(words).returncode == 0
+    png = (out / "plot.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10000
+    machine = json.loads((out / "run_info.json").read_text())["cpu_model"]
+    svg = plot([str(out), str(out)], ["eval/accuracy", "reward/accuracy"], str(tmp_path / "two.svg"), 0.5)
+    text = open(svg).read()
+    assert text.count(f"run ({machine})") == 4 and "eval/accuracy" in text and "reward/accuracy" in text
+    with pytest.raises(PlotError, match="--metrics: nope in none of the runs' metrics.jsonl"):
+        plot([str(out)], ["nope"], str(tmp_path / "x.png"))
+    with pytest.raises(PlotError, match="--out: .* must end in .png or .svg"):
+        plot([str(out)], ["reward/mean"], str(tmp_path / "x.jpg"))
+    with pytest.raises(PlotError, match="metrics.jsonl: not found"):
+        plot([str(tmp_path)], ["reward/mean"], str(tmp_path / "x.png"))
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import fails as if not installed
+    with pytest.raises(PlotError, match=r"needs matplotlib: pip install 'paddle-rl\[plot\]'"):
+        plot([str(out)], ["reward/mean"], str(tmp_path / "y.png"))

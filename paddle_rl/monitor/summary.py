@@ -1,5 +1,5 @@
 """The lines a run ends with, finished or failed: what it learned (first and last evaluation, their change), how
-long it ran, what it saved last, and the commands that open its dashboards.
+long it ran, what it saved last, the commands that open its dashboards and the one that plots it.
 
 Built from the files the run wrote (metrics.jsonl, the checkpoints, the dashboards' log folder), so a failed run
 reports what is on disk, not what it meant to write.
@@ -15,6 +15,7 @@ from .metrics_log import read_metrics
 DASHBOARD_COMMANDS = {"visualdl": "visualdl --logdir {}", "tensorboard": "tensorboard --logdir {}"}
 DASHBOARD_TITLES = {"visualdl": "VisualDL", "tensorboard": "TensorBoard"}
 EVAL_KEYS = (("accuracy", "eval/accuracy"), ("reward", "eval/reward_mean"))
+PLOT_METRICS = ("eval/accuracy", "reward/mean")  # what `paddle-rl plot` draws unless told
 
 
 def _duration(seconds: float) -> str:
@@ -57,4 +58,7 @@ def run_summary(metrics_path: str, logging_dir: str, dashboards: List[str], step
             lines.append(f"{DASHBOARD_TITLES[name]}: {command.format(folder)}")
         else:
             lines.append(f"{DASHBOARD_TITLES[name]}: not written (add {name} to report_to)")
+    output_dir = os.path.dirname(os.path.abspath(metrics_path))
+    lines.append(f"plot: paddle-rl plot {shlex.quote(output_dir)} --metrics {' '.join(PLOT_METRICS)} --out "
+                 f"{shlex.quote(os.path.join(output_dir, 'plot.png'))}")
     return lines
