@@ -138,7 +138,7 @@ class ChatForm:
         """(prompt, form) of PaddleNLP turns (user, assistant, ..., user): templated as messages when plain and
         templating; else joined as PaddleNLP joins them (each assistant turn followed by the eos token)."""
         if len(turns) == 1:
-            return self.text_prompt(turns[0], where)
+            return self.text_prompt(turns[0], f"{where}[0]")
         owns = [(i, m) for i, m in ((i, self.own_marker(t)) for i, t in enumerate(turns)) if m]
         if owns and self.mode == "true":
             raise self._twice(f"{where}[{owns[0][0]}]", owns[0][1])
