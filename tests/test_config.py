@@ -133,6 +133,9 @@ def test_sharding_degree_minus_one_without_a_stage_means_no_sharding():
     assert load_config(DERIVED, ["sharding="]).sharding_parallel_degree == 1  # PaddleNLP: -1 needs a stage
     with pytest.raises(ConfigError, match="stage3 .* is not implemented"):
         load_config(DERIVED, ["sharding=stage3"])
+    # refused at degree 1 too, where it would do nothing (PaddleNLP drops it there without a word)
+    with pytest.raises(ConfigError, match="stage3 .* is not implemented"):
+        load_config(None, [MODEL, "sharding=stage3", "sharding_parallel_degree=1"])
     with pytest.raises(ConfigError, match="sharding_parallel_degree: must be >= 1 or -1, got -2"):
         load_config(None, [MODEL, "sharding_parallel_degree=-2"])
 

@@ -539,3 +539,20 @@ def test_a_killed_server_is_resent_rejoins_after_its_weights_and_losing_all_stop
     finally:
         a.stop()
         b.stop()
+
+
+def test_server_refuses_the_tensor_parallel_keys_it_cannot_honour(micro, tmp_path):
+    """One process holds the whole model: a config asking to split it (a trainer's file with TP 2, or a rollout
+    TP) is refused by name, never served unsplit without a word; set to 1, the same config serves."""
+    from paddle_rl.rollout_server.cli import build_service
+    overrides = micro_overrides(micro, str(tmp_path))
+    for extra_keys in (["tensor_parallel_degree=2"], ["rollout_tensor_parallel_degree=2"],
+                       ["tensor_parallel_degree=2", "pipeline_parallel_degree=2"]):
+        with pytest.raises(ConfigError) as err:
+            build_service(None, overrides + extra_keys)
+        message = str(err.value)
+        assert "a rollout server holds the whole model in one process and cannot split it" in message
+        for key in extra_keys:
+            assert key.replace("=", " ") in message and key.split("=")[0] + "=1" in message
+    service, _ = build_service(None, overrides + ["tensor_parallel_degree=1"])
+    assert service.identity["vocab_size"] > 0

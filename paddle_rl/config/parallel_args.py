@@ -45,5 +45,6 @@ class ParallelArgs:
             errors.append(f"collective_timeout: must be > 0 seconds, got {self.collective_timeout}")
         if self.sharding not in ("", "stage1", "stage2", "stage3"):
             errors.append(f"sharding: must be stage1 or stage2, got {self.sharding!r}")
-        if self.sharding == "stage3" and self.sharding_parallel_degree != 1:
-            errors.append("sharding: stage3 (parameter partitioning) is not implemented; use stage1 or stage2")
+        if self.sharding == "stage3":  # at every degree: PaddleNLP drops it at degree 1, silently (one GPU)
+            errors.append("sharding: stage3 (parameter partitioning) is not implemented; use stage1 or stage2, or "
+                          "leave sharding empty at sharding_parallel_degree 1")

@@ -7,7 +7,7 @@ import logging
 import os
 import sys
 
-from ..config import load_config
+from ..config import ConfigError, load_config
 from ..errors import setup_error_types
 from ..http_auth import bind_problem, is_loopback
 
@@ -57,6 +57,12 @@ def build_service(config_path: str, overrides):
     from .app import RolloutService
 
     config = load_config(config_path, overrides)
+    split = [f"{key} {getattr(config, key)}" for key in ("tensor_parallel_degree", "pipeline_parallel_degree",
+                                                         "rollout_tensor_parallel_degree") if getattr(config, key) > 1]
+    if split:  # not honoured here: refused, never served unsplit without a word
+        raise ConfigError(f"{', '.join(split)}: a rollout server holds the whole model in one process and cannot "
+                          f"split it; start it with {' '.join(k.split()[0] + '=1' for k in split)} (a trainer on "
+                          "any layout sends it whole weights)")
     check_paths(config, data=False)
     device = select_device()   # the first visible GPU (CUDA_VISIBLE_DEVICES picks the server's), else the CPU
     configure(config.use_custom_ops)
