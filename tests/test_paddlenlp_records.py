@@ -299,3 +299,49 @@ def test_evaluation_strategy_epoch_evaluates_at_each_pass_over_the_data(micro, t
         return [r["step"] for r in read_metrics(str(out / "metrics.jsonl")) if "eval/accuracy" in r]
     assert eval_steps_of("epoch", tmp_path / "epoch") == [0, 2, 3]
     assert eval_steps_of("steps", tmp_path / "steps") == [0, 1, 2, 3]
+
+
+def test_paddlenlp_grpo_argument_file_runs_as_written(tmp_path):
+    """PaddleNLP's grpo_argument.yaml, as written, on the bundled KK model: its data paths hold records in the guide's
+    layout (`paddle-rl data kk --format paddlenlp`), its reward server is a real one, its tensor_parallel_degree 2
+    runs on two processes, bf16 included. Overridden: the model (a 7B one is not here), the lengths and step count a
+    CPU test affords, the reward server's port (a free one), report_to (wandb is not installed here)."""
+    import shutil
+    import socket
+    import time
+    import httpx
+    shutil.copy(os.path.join(FIXTURES, "paddlenlp_grpo_argument.yaml"), tmp_path / "grpo_argument.yaml")
+    assert kk_main(["--people", "3,4", "--num", "2", "--format", "paddlenlp",
+                    "--out", str(tmp_path / "ppo-kk" / "34567ppl")]) == 0
+    assert kk_main(["--people", "5", "--num", "2", "--split", "test", "--format", "paddlenlp",
+                    "--out", str(tmp_path / "ppo-kk" / "5ppl")]) == 0
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    server = subprocess.Popen([sys.executable, "-m", "reward_server", "--port", str(port), "--reward", "kk"],
+                              cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1.0).status_code == 200:
+                    break
+            except httpx.TransportError:
+                assert time.monotonic() < deadline and server.poll() is None, "the reward server did not come up"
+                time.sleep(0.2)
+        result = subprocess.run(
+            [sys.executable, "-m", "paddle_rl", "train", "grpo_argument.yaml", "--nproc_per_node", "2",
+             f"actor_model_name_or_path={KK_MODEL}", f"reward_server=http://127.0.0.1:{port}", "max_dec_len=40",
+             "max_steps=1", "report_to=visualdl"],
+            cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=600)
+    finally:
+        server.terminate()
+        server.wait(30)
+    logs = (tmp_path / "log" / "workerlog.0").read_text() if (tmp_path / "log" / "workerlog.0").exists() else ""
+    assert result.returncode == 0, result.stderr[-2000:] + logs[-3000:]
+    out = tmp_path / "qwen2.5-7b-kk-dataset-grpo" / "checkpoints"   # the file's output_dir
+    rows = read_metrics(str(out / "metrics.jsonl"))
+    assert [r["step"] for r in rows] == [0, 1] and "eval/accuracy" in rows[0] and "reward/mean" in rows[1]
+    assert (out / "checkpoint-1").is_dir() and (tmp_path / "grpo-logs").is_dir()   # the file's logging_dir
+    assert "tensor 2" in logs and "compute precision: bfloat16" in logs
