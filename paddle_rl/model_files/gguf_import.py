@@ -6,7 +6,12 @@ changed on the way in and undoes it:
 - tensor names (`blk.N.attn_q.weight` -> `model.layers.N.self_attn.q_proj.weight`), shapes in reverse order;
 - the llama architecture's q / k rows, permuted from Hugging Face's rotate-half layout to interleaved pairs;
 - the tokenizer: vocabulary and merges as a `tokenizers` byte-level BPE with the pre-tokenizer llama.cpp
-  names (`tokenizer.ggml.pre`), control tokens as special added tokens, the chat template and EOS ids.
+  names (`tokenizer.ggml.pre`), control tokens as special added tokens, the chat template and EOS ids; a
+  SentencePiece vocabulary (`tokenizer.ggml.model` llama, as Gemma's) as a BPE with byte fallback whose merges are
+  recovered from the vocabulary;
+- Gemma 3: every RMSNorm weight stored as 1 + w (llama.cpp's converter adds the 1 that Gemma's norm applies),
+  the pre-MLP norm under ffn_norm, and the settings llama.cpp fixes in code rather than in the file (every 6th
+  layer global, the sliding layers' rotary base 10000, the query scale).
 
 Anything it does not know (an architecture, a tensor type, a pre-tokenizer, a rope scaling) is an error
 naming the file and the key, never a silent substitute.
@@ -27,7 +32,18 @@ ARCHITECTURES = {
     "llama": ("llama", "LlamaForCausalLM", True),
     "qwen2": ("qwen2", "Qwen2ForCausalLM", False),
     "qwen3": ("qwen3", "Qwen3ForCausalLM", False),
+    "gemma3": ("gemma3_text", "Gemma3ForCausalLM", False),
 }
+# tensor names one architecture maps differently (after `blk.N.`), and architectures whose norms are stored as 1 + w
+ARCH_LAYER_TENSORS = {
+    "gemma3": {"ffn_norm.weight": "pre_feedforward_layernorm.weight",
+               "post_attention_norm.weight": "post_attention_layernorm.weight",
+               "post_ffw_norm.weight": "post_feedforward_layernorm.weight"},
+}
+NORMS_PLUS_ONE = ("gemma3",)
+# Gemma 3 settings llama.cpp (llama-model.cpp) fixes in code, not in the file
+GEMMA3_SLIDING_PATTERN = 6       # every 6th layer global
+GEMMA3_LOCAL_ROPE_BASE = 10000.0  # the sliding layers' rotary base
 
 # tensor types read (the gguf package dequantizes each)
 TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K",
@@ -147,6 +163,19 @@ def hf_config(meta: dict, tensor_names, path: str) -> dict:
         "hidden_act": "silu",
         "torch_dtype": "float32",
     }
+    if arch == "gemma3":
+        del config["hidden_act"]
+        layers = config["num_hidden_layers"]
+        config.update(
+            hidden_activation="gelu_pytorch_tanh", sliding_window=int(_require(meta, f"{arch}.attention.sliding_window",
+                                                                                path)),
+            layer_types=["sliding_attention" if (i + 1) % GEMMA3_SLIDING_PATTERN else "full_attention"
+                         for i in range(layers)],
+            rope_local_base_freq=GEMMA3_LOCAL_ROPE_BASE,
+            # llama.cpp scales the scores by 1/sqrt(head_dim), by 1/sqrt(hidden / heads) for the 27B (62 layers)
+            query_pre_attn_scalar=hidden // heads if layers == 62 else head_dim,
+            final_logit_softcapping=meta.get(f"{arch}.final_logit_softcapping"),
+            attn_logit_softcapping=meta.get(f"{arch}.attn_logit_softcapping"))
     if model_type == "qwen2":
         config["attention_bias"] = "blk.0.attn_q.bias" in tensor_names
     else:
@@ -158,12 +187,13 @@ def hf_config(meta: dict, tensor_names, path: str) -> dict:
     return config
 
 
-def hf_tensor_name(name: str, path: str) -> str:
+def hf_tensor_name(name: str, path: str, arch: str = "") -> str:
     if name in GLOBAL_TENSORS:
         return GLOBAL_TENSORS[name]
     parts = name.split(".", 2)
-    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in LAYER_TENSORS:
-        return f"model.layers.{parts[1]}.{LAYER_TENSORS[parts[2]]}"
+    layer = {**LAYER_TENSORS, **ARCH_LAYER_TENSORS.get(arch, {})}
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in layer:
+        return f"model.layers.{parts[1]}.{layer[parts[2]]}"
     raise GGUFError(f"{path}: tensor {name!r} has no Hugging Face counterpart this converter knows")
 
 
@@ -193,7 +223,7 @@ def read_tensors(reader, config: dict, arch: str, path: str) -> Dict[str, np.nda
         if kind not in TENSOR_TYPES:
             raise GGUFError(f"{path}: tensor {tensor.name} has type {kind}, which is not supported "
                             f"(supported: {', '.join(TENSOR_TYPES)})")
-        name = hf_tensor_name(tensor.name, path)
+        name = hf_tensor_name(tensor.name, path, arch)
         shape = tuple(int(n) for n in reversed(tensor.shape))
         try:
             values = np.asarray(dequantize(np.asarray(tensor.data), tensor.tensor_type), dtype=np.float32)
@@ -203,16 +233,67 @@ def read_tensors(reader, config: dict, arch: str, path: str) -> Dict[str, np.nda
         if permuted and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = config["num_attention_heads" if "q_proj" in name else "num_key_value_heads"]
             values = unpermute_rows(values, heads)
+        if arch in NORMS_PLUS_ONE and tensor.name.endswith("norm.weight"):
+            values = values - np.float32(1.0)  # stored as 1 + w: Hugging Face keeps the offset w
         out[name] = np.ascontiguousarray(values)
     return out
 
 
+def sentencepiece_merges(tokens: List[str]) -> List[Tuple[str, str]]:
+    """The BPE merges a SentencePiece vocabulary implies (the file lists none): every split of a token into two
+    tokens, ordered by the token's place in the vocabulary (Gemma's scores do not follow its merge order; the
+    order of the list does), and within a token the longer left piece first."""
+    vocab = {token: i for i, token in enumerate(tokens)}
+    merges = []
+    for rank, token in enumerate(tokens):
+        for cut in range(len(token) - 1, 0, -1):
+            left, right = token[:cut], token[cut:]
+            if left in vocab and right in vocab:
+                merges.append((rank, left, right))
+    return [(left, right) for _, left, right in merges]
+
+
+def build_sentencepiece_tokenizer(meta: dict, path: str):
+    """A SentencePiece vocabulary (`tokenizer.ggml.model` llama: Gemma's) as a `tokenizers` BPE: spaces written
+    as U+2581, no prefix space, byte fallback for what the vocabulary lacks, control tokens special, user-defined
+    ones added whole, and the BOS token prepended where the file says so."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
+    if meta.get("tokenizer.ggml.add_space_prefix", False):
+        raise GGUFError(f"{path}: tokenizer.ggml.add_space_prefix true is not supported (Gemma's SentencePiece "
+                        "vocabulary only)")
+    # a token of spaces only is stored with real spaces; the normalized text spells them U+2581
+    tokens = ["\u2581" * len(t) if " " in t and not t.strip() else t
+              for t in _require(meta, "tokenizer.ggml.tokens", path)]
+    types = list(meta.get("tokenizer.ggml.token_type", [1] * len(tokens)))
+    unk = tokens[int(meta.get("tokenizer.ggml.unknown_token_id", 0))]
+    bpe = models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=sentencepiece_merges(tokens), fuse_unk=True,
+                     unk_token=unk, byte_fallback=True)
+    tok = Tokenizer(bpe)
+    tok.normalizer = normalizers.Replace(" ", "\u2581")
+    tok.pre_tokenizer = pre_tokenizers.Split(" ", behavior="merged_with_previous")
+    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t, k in zip(tokens, types)
+                            if k == TOKEN_CONTROL])
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t, k in zip(tokens, types)
+                    if k == TOKEN_USER_DEFINED])
+    bos = meta.get("tokenizer.ggml.bos_token_id")
+    if meta.get("tokenizer.ggml.add_bos_token", False) and bos is not None:
+        name = tokens[int(bos)]
+        tok.post_processor = processors.TemplateProcessing(single=f"{name} $A", pair=f"{name} $A {name} $B",
+                                                           special_tokens=[(name, int(bos))])
+    return tok, tokens
+
+
 def build_tokenizer(meta: dict, path: str):
-    """A `tokenizers.Tokenizer` (byte-level BPE) from the file's vocabulary, merges and pre-tokenizer name."""
+    """A `tokenizers.Tokenizer` (byte-level BPE) from the file's vocabulary, merges and pre-tokenizer name; a
+    SentencePiece vocabulary by `build_sentencepiece_tokenizer`."""
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
     kind = _require(meta, "tokenizer.ggml.model", path)
+    if kind == "llama" and meta.get("general.architecture") == "gemma3":
+        return build_sentencepiece_tokenizer(meta, path)
     if kind != "gpt2":
-        raise GGUFError(f"{path}: tokenizer.ggml.model {kind!r} is not supported (byte-level BPE 'gpt2' only)")
+        raise GGUFError(f"{path}: tokenizer.ggml.model {kind!r} is not supported (byte-level BPE 'gpt2', and "
+                        "SentencePiece 'llama' for gemma3)")
     pre = meta.get("tokenizer.ggml.pre", "default")
     if pre not in PRE_TOKENIZERS:
         raise GGUFError(f"{path}: tokenizer.ggml.pre {pre!r} is not supported "
@@ -319,7 +400,7 @@ def add_convert_subparser(subparsers) -> None:
     sub = p.add_subparsers(dest="convert_command", required=True)
     g = sub.add_parser("gguf", help="a GGUF file (llama.cpp) -> config.json, model.safetensors, tokenizer files",
                        description="Dequantizes every tensor (F32/F16/BF16, Q4_0/Q4_1/Q5_0/Q5_1/Q8_0, K-quants) to "
-                                   "float32; architectures llama, qwen2, qwen3.")
+                                   "float32; architectures llama, qwen2, qwen3, gemma3.")
     g.add_argument("file", help="the .gguf file")
     g.add_argument("--out", required=True, help="output folder (replaced if it exists)")
     g.add_argument("--dtype", default="float32", choices=["float32", "float16"],

