@@ -221,6 +221,14 @@ def test_logic_rl_verl_row_one_templated_message_and_a_mapping_label(tok):
     result = build_local_reward(config)([RewardSample(item["prompt"], r, item["record"], 12, False)
                                          for r in (right, wrong)])
     assert [float(s) for s in result.scores] == [3.0, -0.5]
+    # through a reward server's PaddleNLP protocol (text tgt): the mapping travels as JSON, which the kk rule reads
+    from paddle_rl.rewards.client import _label_text
+    from paddle_rl.rewards.rules import kk_label
+    sent = _label_text(row["reward_model"]["ground_truth"])
+    assert json.loads(sent) == row["reward_model"]["ground_truth"] and kk_label(sent) == truth
+    assert _label_text(["(1) Ann is a knight"]) == "(1) Ann is a knight"
+    with pytest.raises(ValueError, match="the kk rule reads its label as text"):
+        kk_label(["(1) Ann is a knight", "(2) Bob is a knave"])
 
 
 # ---- one training step on the guide's record; its prompt is what the model reads

@@ -167,7 +167,7 @@ class RewardServerClient:
 
     def _paddlenlp(self, samples: List[RewardSample]) -> Tuple[RewardResult, List[int]]:
         payload = {"src": [s.prompt for s in samples],
-                   "tgt": [None if s.ground_truth is None else str(s.ground_truth) for s in samples],
+                   "tgt": [_label_text(s.ground_truth) for s in samples],
                    "response": [s.response for s in samples]}
         body = self._checked(self._post(self.url, payload), len(samples))
         return RewardResult(np.array(body["score"], dtype=np.float32)), body["timed_out"]
@@ -332,3 +332,15 @@ def broadcast_result(result: Optional[RewardResult], failure: Optional[str], gro
     with watched(f"broadcast of rewards from rank {src}", group):
         dist.broadcast_object_list(payload, src=src, group=group)
     return unpack_result(payload[0])
+
+
+def _label_text(truth) -> Optional[str]:
+    """A ground truth as the PaddleNLP protocol's text `tgt`: a string as it is, a one-item list its item, any other
+    list or mapping as JSON (never Python's printed form, which no rule parses)."""
+    if truth is None or isinstance(truth, str):
+        return truth
+    if isinstance(truth, list) and len(truth) == 1 and isinstance(truth[0], str):
+        return truth[0]
+    if isinstance(truth, (list, dict)):
+        return json.dumps(truth, ensure_ascii=False)
+    return str(truth)

@@ -14,6 +14,7 @@ declare no keys.
 A rule reports a problem with one sample by raising `SampleError(index, message)`; the caller turns it into
 an error naming the reward function and the sample's index in the batch.
 """
+import json
 import math
 import re
 import threading
@@ -144,6 +145,11 @@ def kk_label(truth) -> str:
     """The KK label as text ("(1) Name is a knight\\n..."): a string; a one-item list of one (PaddleNLP's tgt); the
     `solution_text_format` of a mapping (Logic-RL's verl files). Any other list or mapping is refused: its printed
     form would score every answer wrong."""
+    if isinstance(truth, str) and truth.lstrip().startswith("{"):  # a mapping sent as JSON text (reward server)
+        try:
+            truth = json.loads(truth)
+        except ValueError:
+            pass
     if isinstance(truth, dict) and isinstance(truth.get("solution_text_format"), str):
         return truth["solution_text_format"]
     if isinstance(truth, list) and len(truth) == 1 and isinstance(truth[0], str):
