@@ -148,7 +148,8 @@ def test_cosine_accuracy_is_any_rule_with_the_correctness_trait():
     """The rules that judge right or wrong say so where they are registered (`correctness=`); cosine_accuracy's
     choices are those rules, a rule added in its own file included, and anything else is refused by name."""
     from paddle_rl.rewards.rules import RULE_REWARDS, correctness_rules, register_rule
-    assert set(correctness_rules()) == {"math", "accuracy", "gsm8k", "gsm8k_flexible", "kk"}
+    assert set(correctness_rules()) == {"math", "accuracy", "gsm8k", "gsm8k_flexible", "kk", "qa", "trivia",
+                                        "classification"}
     with pytest.raises(ConfigError, match="cosine_accuracy: 'format' is not one of kk, gsm8k, gsm8k_flexible, math, accuracy"):
         check_reward_config(RLConfig(reward_funcs=["cosine"], cosine_accuracy="format"))
 
@@ -383,7 +384,7 @@ def test_reward_names_are_checked_by_the_rewards_package(plugin_file):
     assert "reward_funcs: unknown reward function 'acuracy' (did you mean 'accuracy'?)" in message
     assert "reward_routes['openai/gsm8k']: unknown reward function 'gsm8kk' (did you mean 'gsm8k'?)" in message
     assert "reward_routes['x']: unknown reward function 'zzzz'\n" in message      # nothing close: no suggestion
-    assert "available: accuracy, code, cosine," in message
+    assert "available: accuracy, classification, code, cosine," in message
     with pytest.raises(ConfigError, match="did you mean 'accuracy'"):
         build_reward(config)
     # plugin functions count as known, and a near miss of one is suggested

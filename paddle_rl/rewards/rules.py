@@ -17,6 +17,7 @@ an error naming the reward function and the sample's index in the batch.
 import json
 import math
 import re
+import string
 import threading
 from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
@@ -350,6 +351,158 @@ def math_rule(samples: List[RewardSample]):
     """1 if the <answer> (else last \\boxed{}) is equivalent to the solution under math-verify, else 0."""
     scores = _each(samples, lambda i, s: math_score(s.response, _ground_truth(s, i)))
     return scores, scores >= 1.0
+
+
+# ------------------------------------------------------------------------------------------- qa, trivia, classification
+# Short-answer rules. Each reads the prediction from the last <answer>...</answer> when there is one, and reads its
+# ground truth as records carry it: a string, a list of strings (any one may match), for qa and trivia also a
+# mapping (below); a list or mapping sent as JSON text (the reward server's PaddleNLP protocol) is read back. Any
+# other ground truth is refused for that sample, naming the rule: its printed form would score every answer wrong.
+
+QA_PUNCTUATION = frozenset(string.punctuation)                                   # SQuAD / verl qa_em: removed
+TRIVIA_PUNCTUATION = frozenset(string.punctuation + "\u2018\u2019\u00b4`")      # TriviaQA: each becomes a space
+ARTICLES = re.compile(r"\b(a|an|the)\b")
+QA_KEYS = ("target",)                                                            # verl's Search-R1 records
+TRIVIA_KEYS = ("normalized_aliases", "aliases", "normalized_value", "value",     # HF trivia_qa's `answer`
+               "NormalizedAliases", "Aliases", "NormalizedValue", "Value", "HumanAnswers", "target")
+
+
+def qa_normalize(text: str) -> str:
+    """verl's qa_em / SQuAD normalize_answer: lower case, ASCII punctuation removed, the words a / an / the
+    removed, whitespace collapsed to single spaces."""
+    text = "".join(ch for ch in text.lower() if ch not in QA_PUNCTUATION)
+    return " ".join(ARTICLES.sub(" ", text).split())
+
+
+def trivia_normalize(text: str) -> str:
+    """TriviaQA's official normalize_answer: `_` to a space, lower case, ASCII punctuation and ‘ ’ ´ ` each to a
+    space (not removed: "Jay-Z" is "jay z"), the words a / an / the removed, whitespace collapsed."""
+    text = "".join(" " if ch in TRIVIA_PUNCTUATION else ch for ch in text.replace("_", " ").lower())
+    return " ".join(ARTICLES.sub(" ", text).split())
+
+
+def short_answer(response: str) -> str:
+    """The prediction of qa, trivia: the text inside the last <answer>...</answer>, else the whole response
+    (trailing special tokens removed), stripped."""
+    text = strip_special_tail(response)
+    answers = ANSWER.findall(text)
+    return (answers[-1] if answers else text).strip()
+
+
+def _json_text(truth, mapping: bool):
+    """A list (or, with `mapping`, a mapping) that arrived as JSON text; anything else as it is."""
+    if isinstance(truth, str) and truth.lstrip()[:1] in (("[", "{") if mapping else ("[",)):
+        try:
+            decoded = json.loads(truth)
+        except ValueError:
+            return truth
+        if isinstance(decoded, list) or (mapping and isinstance(decoded, dict)):
+            return decoded
+    return truth
+
+
+def _answer_texts(truth, rule: str, keys: Tuple[str, ...]) -> List[str]:
+    """The acceptable answers of a ground truth: a string, a list of strings, or (when `keys`) a mapping whose
+    `keys` hold a string or a list of strings each."""
+    truth = _json_text(truth, bool(keys))
+    what = "a string or a list of strings" + (f", or a mapping with {' / '.join(keys)}" if keys else "")
+    if isinstance(truth, str):
+        return [truth]
+    if isinstance(truth, (list, tuple)):
+        bad = [t for t in truth if not isinstance(t, str)]
+        if bad or not truth:
+            raise ValueError(f"the {rule} rule reads its ground truth as {what}, got a list "
+                             + (f"holding a {type(bad[0]).__name__}: {bad[0]!r:.80}" if bad else "with nothing in it"))
+        return list(truth)
+    if isinstance(truth, dict) and keys:
+        found = []
+        for key in keys:
+            value = truth.get(key)
+            if value is None:
+                continue
+            if isinstance(value, str):
+                value = [value]
+            if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+                raise ValueError(f"the {rule} rule reads the ground truth's {key!r} as a string or a list of strings, "
+                                 f"got {value!r:.120}")
+            found += list(value)
+        if not found:
+            raise ValueError(f"the {rule} rule found none of {', '.join(keys)} in the ground truth mapping "
+                             f"(keys: {', '.join(map(str, truth)) or 'none'})")
+        return found
+    raise ValueError(f"the {rule} rule reads its ground truth as {what}, got a {type(truth).__name__}: {truth!r:.120}")
+
+
+def _normalized_answers(truth, rule: str, keys: Tuple[str, ...], normalize: Callable) -> set:
+    answers = {normalize(t) for t in _answer_texts(truth, rule, keys)} - {""}
+    if not answers:
+        raise ValueError(f"the {rule} rule's ground truth has no answer left after normalization: {truth!r:.120}")
+    return answers
+
+
+def qa_score(response: str, ground_truth) -> float:
+    """1.0 if the normalized prediction equals a normalized golden answer (verl's qa_em exact match), else 0.0."""
+    answers = _normalized_answers(ground_truth, "qa", QA_KEYS, qa_normalize)
+    return 1.0 if qa_normalize(short_answer(response)) in answers else 0.0
+
+
+def trivia_score(response: str, ground_truth) -> float:
+    """1.0 if the TriviaQA-normalized prediction equals one of the normalized aliases (TriviaQA's exact match, the
+    best over all its ground truths), else 0.0."""
+    answers = _normalized_answers(ground_truth, "trivia", TRIVIA_KEYS, trivia_normalize)
+    return 1.0 if trivia_normalize(short_answer(response)) in answers else 0.0
+
+
+def predicted_label(response: str) -> str:
+    """The classification rule's prediction: the last <answer>...</answer>, else the last non-empty line."""
+    text = strip_special_tail(response)
+    answers = ANSWER.findall(text)
+    if answers:
+        return answers[-1].strip()
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return lines[-1] if lines else ""
+
+
+def label_normalize(text: str) -> str:
+    """A label as the classification rule compares it: stripped and case-folded."""
+    return text.strip().casefold()
+
+
+def classification_score(response: str, ground_truth) -> float:
+    """1.0 if the predicted label equals an acceptable label, both stripped and case-folded, else 0.0."""
+    labels = {label_normalize(t) for t in _answer_texts(ground_truth, "classification", ())} - {""}
+    if not labels:
+        raise ValueError(f"the classification rule's ground truth has no label: {ground_truth!r:.120}")
+    return 1.0 if label_normalize(predicted_label(response)) in labels else 0.0
+
+
+def _text_rule(samples: List[RewardSample], score: Callable):
+    def one(i, s):
+        _ground_truth(s, i)  # none at all: named as for every rule
+        try:
+            return score(s.response, s.ground_truth)
+        except ValueError as e:
+            raise SampleError(i, str(e)) from None
+    scores = _each(samples, one)
+    return scores, scores >= 1.0
+
+
+@register_rule("qa", correctness=qa_score)
+def qa_rule(samples: List[RewardSample]):
+    """1 if the <answer> (else the whole response), normalized as verl's qa_em, equals a golden answer, else 0."""
+    return _text_rule(samples, qa_score)
+
+
+@register_rule("trivia", correctness=trivia_score)
+def trivia_rule(samples: List[RewardSample]):
+    """1 if the <answer> (else the whole response), normalized as TriviaQA's evaluation, equals an alias, else 0."""
+    return _text_rule(samples, trivia_score)
+
+
+@register_rule("classification", correctness=classification_score)
+def classification_rule(samples: List[RewardSample]):
+    """1 if the <answer> (else the last non-empty line), stripped and case-folded, equals a label, else 0."""
+    return _text_rule(samples, classification_score)
 
 
 # ----------------------------------------------------------------------------------------------- cosine
