@@ -1,10 +1,13 @@
 """`paddle-rl train | sft | eval | score | data | convert | fetch | reward-server | rollout-server | bench | plot`."""
 import argparse
 import importlib
+import json
 import os
 import re
 import subprocess
 import sys
+
+import yaml
 
 from .config import ConfigError, load_config
 from .env import configure_threads
@@ -55,23 +58,70 @@ def _add_module_subcommand(subparsers, spec) -> None:
 
 
 def _config_and_overrides(parser, args) -> None:
-    """CONFIG is the one positional word that is not key=value; overrides keep their command-line order."""
-    words = [args.config, *args.overrides]
+    """CONFIG is the one positional word that is not key=value (none: the run is given by overrides and flags
+    alone); overrides keep their command-line order."""
+    words = [w for w in (args.config, *args.overrides) if w is not None]
     configs = [w for w in words if not OVERRIDE.match(w)]
-    if len(configs) != 1:
-        parser.error(f"{args.command}: expected one CONFIG file and key=value overrides, got {' '.join(words)}")
-    args.config, args.overrides = configs[0], [w for w in words if OVERRIDE.match(w)]
+    if len(configs) > 1 or not words:
+        parser.error(f"{args.command}: expected a CONFIG file and / or key=value overrides and --key value flags, "
+                     f"got {' '.join(words) or 'nothing'}")
+    args.config, args.overrides = (configs or [None])[0], [w for w in words if OVERRIDE.match(w)]
+
+
+def _flag_value(values: list) -> str:
+    """A flag's words as the text of a key=value override: none is true, one is itself (read as YAML), several a
+    list (each read as YAML)."""
+    if not values:
+        return "true"
+    if len(values) == 1:
+        return values[0]
+    return json.dumps([yaml.safe_load(v) if v.strip() else v for v in values])
+
+
+def flags_as_overrides(argv: list, known: set) -> list:
+    """`argv` with the `--key value [value ...]` flags no option of the command declares (other frameworks'
+    spellings: ms-swift's `--num_generations 8`, `--reward_funcs accuracy format`, train.sh's `--model M`) written
+    as key=value overrides, in their place. A flag takes the words after it up to the next `--option` or key=value
+    (its first word always, `--system "a = b"`); `--key=value` is one word. CONFIG comes before the flags."""
+    out, i = [], 0
+    while i < len(argv):
+        word = argv[i]
+        name, eq, first = word[2:].partition("=")
+        if not word.startswith("--") or len(word) == 2 or word.split("=", 1)[0] in known:
+            out.append(word)
+            i += 1
+            continue
+        values, i = ([first] if eq else []), i + 1
+        while not eq and i < len(argv) and not argv[i].startswith("--") and not (values and OVERRIDE.match(argv[i])):
+            values.append(argv[i])
+            i += 1
+        out.append(f"{name}={_flag_value(values)}")
+    return out
+
+
+def _command_parser(parser, argv):
+    """The sub-parser `argv` names (`data show` included), or None."""
+    for word in argv[:2]:
+        action = next((a for a in parser._actions if isinstance(a, argparse._SubParsersAction)), None)
+        if action is None or word not in action.choices:
+            return None
+        parser = action.choices[word]
+        if parser.get_default("takes_overrides"):
+            return parser
+    return None
 
 
 def _add_config_arguments(p, example: str) -> None:
-    p.add_argument("config", help="YAML argument file (PaddleNLP key names)")
+    p.add_argument("config", nargs="?", default=None,
+                   help="YAML argument file (PaddleNLP key names; ms-swift's and verl's are read too); optional "
+                        "when the run is given by overrides and --key value flags")
     p.add_argument("overrides", nargs="*", metavar="key=value",
                    help=f"overrides of the file's keys, anywhere on the command line, e.g. {example}")
     p.set_defaults(takes_overrides=True)
 
 
 def _train(args) -> int:
-    words = [args.config, *args.overrides] + (["--sft"] if args.command == "sft" else [])
+    words = [w for w in (args.config, *args.overrides) if w is not None] + (["--sft"] if args.command == "sft" else [])
     if args.nproc_per_node > 1:
         script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "run_rl.py")
         cmd = [sys.executable, "-m", "paddle.distributed.launch", "--nproc_per_node", str(args.nproc_per_node),
@@ -154,6 +204,10 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_args(argv=None) -> argparse.Namespace:
     """Like parse_args, except that train / eval take key=value overrides before and after options."""
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command = _command_parser(parser, argv)
+    if command is not None:  # other frameworks' --key value flags become overrides (config/spellings.py reads them)
+        argv = flags_as_overrides(argv, {o for a in command._actions for o in a.option_strings})
     args, extras = parser.parse_known_args(argv)
     if getattr(args, "unavailable", None):
         return args  # its options are unknown: the command only reports what is missing

@@ -28,7 +28,7 @@ from .rewards import RewardError, RewardSample, RewardServerError, build_reward
 
 def load_scoring_records(path: str, config, tokenizer):
     """(location, RewardSample) per line of `path`: the prompt as the trainer renders it, the record's response."""
-    chat = ChatForm(tokenizer, config.apply_chat_template)
+    chat = ChatForm(tokenizer, config.apply_chat_template, config.system_prompt)
     out = []
     for location, _, raw in iter_records(path):
         try:

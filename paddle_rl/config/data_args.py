@@ -18,6 +18,9 @@ class DataArgs:
                                            "refuses messages. docs/formats.md.",
                                    choices=("auto", "true", "false"),
                                    spellings={"yes": "true", "no": "false", "on": "true", "off": "false"})
+    system_prompt: str = arg("", "A system turn put first in every prompt the chat template renders (plain questions, "
+                                 "messages without a system turn of their own; ms-swift's --system). A prompt used as "
+                                 "written (already in chat form, or apply_chat_template: false) is refused with it.")
     max_prompt_len: int = arg(512, "Prompts longer than this (in tokens) are truncated or dropped.")
     prompt_overflow: str = arg("truncate", "What to do with prompts over max_prompt_len: truncate (keep the end) | drop.")
     dataloader_drop_last: bool = arg(False, "Drop the last incomplete batch of an epoch.")

@@ -14,6 +14,7 @@ import yaml
 from .fields import ACTED, ALIASES, chosen
 from .options import PIECE_OPTIONS, PLUGIN_KEYS
 from .paddlenlp import paddlenlp_differences
+from .spellings import Translation, translate
 from .rl_config import RLConfig
 
 logger = logging.getLogger("paddle_rl")
@@ -163,12 +164,30 @@ def _load_plugin_files(values: dict, where: str, errors: list) -> bool:
 def read_values(path: Optional[str] = None, overrides: Optional[Iterable[str] | dict] = None):
     """(values by field name, errors): a YAML file's keys plus overrides, aliases resolved, each value coerced to
     its field's type; unknown keys and bad values become error lines (with the closest name). Keys nobody has
-    declared send the loader to the plugin files the config names (options.PLUGIN_KEYS), then are read again."""
-    raw = _read_yaml(path) if path else {}
+    declared send the loader to the plugin files the config names (options.PLUGIN_KEYS), then are read again.
+    Keys in ms-swift's, verl's or train.sh's spelling are read as this suite's (spellings.py)."""
+    values, errors, _ = read_translated(path, overrides)
+    return values, errors
+
+
+def read_translated(path: Optional[str] = None, overrides: Optional[Iterable[str] | dict] = None):
+    """read_values, and the spellings.Translation of the keys given in another framework's spelling."""
+    keys = _keys()
+    names = set(keys) | set(_aliases(keys))
+    # each source in its own spelling, read in order (the file, then the command line): a later source wins
+    translation = translate(_read_yaml(path) if path else {}, names)
     if overrides:
-        raw.update(overrides if isinstance(overrides, dict) else parse_overrides(overrides))
+        given = overrides if isinstance(overrides, dict) else parse_overrides(overrides)
+        later = translate(given, names, base=translation.values)
+        translation = Translation({**translation.values, **later.values}, translation.lines + later.lines,
+                                  translation.ignored + later.ignored,
+                                  [f"{path}: {e}" for e in translation.errors] + later.errors if path else
+                                  translation.errors + later.errors)
+    elif path:
+        translation.errors = [f"{path}: {e}" for e in translation.errors]
+    raw = translation.values
     where = f"{path}: " if path else ""
-    errors, values = [], {}
+    errors, values = list(translation.errors), {}
     unknown = _read(raw, _keys(), where, values, errors)
     if unknown and _load_plugin_files(values, where, errors):
         unknown = _read({key: raw[key] for key in unknown}, _keys(), where, values, errors)
@@ -178,13 +197,13 @@ def read_values(path: Optional[str] = None, overrides: Optional[Iterable[str] | 
                                          "options yet: import paddle_rl.algorithms, paddle_rl.rewards and "
                                          "paddle_rl.rollout before reading a config)")
     errors += [f"{where}unknown key {key!r}{_suggest(key, names)}{hint}" for key in unknown]
-    return values, errors
+    return values, errors, translation
 
 
 def load_config(path: Optional[str] = None, overrides: Optional[Iterable[str] | dict] = None, warn_unused: bool = True):
     """Read `path` (YAML) and apply overrides; raise ConfigError listing every bad key or value."""
     cls = _config_class()
-    values, errors = read_values(path, overrides)
+    values, errors, translation = read_translated(path, overrides)
     keys = _keys()   # after reading: the plugin files a config names may have declared keys
     if errors:
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(errors))
@@ -196,7 +215,13 @@ def load_config(path: Optional[str] = None, overrides: Optional[Iterable[str] | 
         check(config, problems)
     if problems:
         raise ConfigError("invalid configuration" + (f" in {path}" if path else "") + ":\n  " + "\n  ".join(problems))
-    config.paddlenlp_differences = paddlenlp_differences(config, values)
+    # a config in another framework's spelling gets that framework's differences named instead of PaddleNLP's
+    config.paddlenlp_differences = [] if translation.lines else paddlenlp_differences(config, values)
+    config.translations, config.untranslated = translation.lines, translation.ignored
+    if translation.lines:
+        logger.info("read in this suite's keys: %s", "; ".join(translation.lines))
+    if translation.ignored:
+        logger.warning("no equivalent here: %s", "; ".join(translation.ignored))
     if warn_unused:
         ignored = sorted(k for k in values if not keys[k][1].get(ACTED, True))
         if ignored:

@@ -108,9 +108,10 @@ def _uid_names(paths: List[str]) -> dict:
 def load_prompt_dataset(paths: Union[str, Sequence[str]], tokenizer, prompt_key: str = "src",
                         response_key: str = "tgt", max_prompt_len: int = 512, overflow: str = "truncate",
                         limit: int = -1, require_ground_truth: bool = True,
-                        apply_chat_template: str = "auto") -> PromptDataset:
+                        apply_chat_template: str = "auto", system_prompt: str = "") -> PromptDataset:
     """Prompts of every file in `paths` (comma separated), as the model sees them (records.ChatForm's rule, with
-    `apply_chat_template` auto | true | false), tokenized.
+    `apply_chat_template` auto | true | false, and `system_prompt` put first where the template renders),
+    tokenized.
 
     A prompt over `max_prompt_len` tokens is truncated (the end is kept: the generation prompt lives there)
     or dropped, per `overflow`; the counts land in `stats` and in a log line. `limit` > 0 keeps at most that
@@ -123,7 +124,7 @@ def load_prompt_dataset(paths: Union[str, Sequence[str]], tokenizer, prompt_key:
     if not files:
         raise DatasetError("no dataset files given")
     try:
-        chat = ChatForm(tokenizer, apply_chat_template)
+        chat = ChatForm(tokenizer, apply_chat_template, system_prompt)
     except ValueError as e:
         raise DatasetError(str(e)) from None
     uid_name = _uid_names(files)
@@ -193,13 +194,15 @@ def load_prompt_dataset(paths: Union[str, Sequence[str]], tokenizer, prompt_key:
 
 def load_sft_dataset(paths, tokenizer, prompt_key: str = "src", response_key: str = "tgt",
                      max_prompt_len: int = 512, overflow: str = "truncate", max_response_len: int = 512,
-                     stop_ids: Sequence[int] = (), apply_chat_template: str = "auto") -> PromptDataset:
+                     stop_ids: Sequence[int] = (), apply_chat_template: str = "auto",
+                     system_prompt: str = "") -> PromptDataset:
     """Prompt / response pairs for supervised fine-tuning: the prompts as `load_prompt_dataset` reads them (no
     ground truth needed), each item's `response_ids` its target (`records.sft_response`) tokenized, ending in a
     stop token (the first of `stop_ids` appended unless the text already ends in one), cut at `max_response_len`
     tokens (counted in `stats["responses_truncated"]`, with a warning)."""
     data = load_prompt_dataset(paths, tokenizer, prompt_key, response_key, max_prompt_len, overflow,
-                               require_ground_truth=False, apply_chat_template=apply_chat_template)
+                               require_ground_truth=False, apply_chat_template=apply_chat_template,
+                               system_prompt=system_prompt)
     texts = []
     for item in data.items:
         try:

@@ -76,16 +76,20 @@ class ChatForm:
     """How a record's prompt becomes the text the model sees: the tokenizer's chat template and turn markers, the
     `apply_chat_template` mode, and the eos token PaddleNLP puts after an assistant turn it joins."""
 
-    def __init__(self, tokenizer=None, mode: str = "auto"):
+    def __init__(self, tokenizer=None, mode: str = "auto", system: str = ""):
         mode = str(mode).lower()
         if mode not in APPLY_CHAT_TEMPLATE:
             raise ValueError(f"apply_chat_template: must be auto, true or false, got {mode!r}")
-        self.mode, self.tokenizer = mode, tokenizer
+        self.mode, self.tokenizer, self.system = mode, tokenizer, system or ""
         self.has_template = bool(getattr(tokenizer, "chat_template", None))
         self.markers = turn_markers(tokenizer) if self.has_template else ()
         self.eos = getattr(tokenizer, "eos_token", None) or ""
 
     def render(self, messages: list, tools: Optional[list] = None) -> str:
+        """The template's rendering with the generation prompt; `system_prompt` as the first turn where the messages
+        have no system turn of their own."""
+        if self.system and messages[0]["role"] != "system":
+            messages = [{"role": "system", "content": self.system}] + list(messages)
         if tools:  # a record's tool schemas, rendered by the template (Qwen2.5: a system block of them)
             return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=tools)
         return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
@@ -122,16 +126,24 @@ class ChatForm:
             return False
         return True
 
+    def _untemplated(self, where: str, prompt: str, form: str):
+        """A prompt used or joined as written: a system_prompt cannot go into it."""
+        if self.system:
+            raise RecordError(f"{where} is used as written (already in chat form, or apply_chat_template: false), "
+                              "so system_prompt cannot be added to it; template the data without a system turn, "
+                              "or leave system_prompt out")
+        return prompt, form
+
     def text_prompt(self, text: str, where: str):
         """(prompt, form) of a prompt string."""
         own = self.own_marker(text)
         if own:
             if self.mode == "true":
                 raise self._twice(where, own)
-            return text, AS_IS
+            return self._untemplated(where, text, AS_IS)
         self._check_foreign(where, text)
         if not self._templating(where):
-            return text, AS_IS
+            return self._untemplated(where, text, AS_IS)
         return self.render([{"role": "user", "content": text}]), TEMPLATED
 
     def turns_prompt(self, turns: Sequence[str], where: str):
@@ -146,7 +158,8 @@ class ChatForm:
             for i, t in enumerate(turns):
                 self._check_foreign(f"{where}[{i}]", t)
         if owns or not self._templating(where):
-            return "".join(t if i % 2 == 0 else t + self.eos for i, t in enumerate(turns)), JOINED
+            return self._untemplated(where, "".join(t if i % 2 == 0 else t + self.eos for i, t in enumerate(turns)),
+                                     JOINED)
         roles = ("user", "assistant")
         return self.render([{"role": roles[i % 2], "content": t} for i, t in enumerate(turns)]), TEMPLATED
 
@@ -157,7 +170,7 @@ class ChatForm:
         if owns:
             i, marker = owns[0]
             if len(messages) == 1 and self.mode != "true" and not tools:
-                return messages[0]["content"], AS_IS
+                return self._untemplated(f"{where}[0].content", messages[0]["content"], AS_IS)
             raise RecordError(f"{where}[{i}].content is already in the tokenizer's chat form (it holds {marker!r}): "
                               f"templating the messages would template it twice; give the templated text as a "
                               f"string prompt, or each turn's own text as messages")

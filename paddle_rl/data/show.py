@@ -34,7 +34,7 @@ def show_records(config, n: int, out=sys.stdout) -> int:
     from ..models.tokenizer import Tokenizer
     folder = resolve_model(config.tokenizer_name_or_path or config.actor_model_name_or_path)
     tokenizer = Tokenizer.from_pretrained(folder)
-    chat = ChatForm(tokenizer, config.apply_chat_template)
+    chat = ChatForm(tokenizer, config.apply_chat_template, config.system_prompt)
     refused = 0
     markers = ", ".join(chat.markers) if chat.markers else "none"
     print(f"tokenizer: {folder} (chat template: {'yes' if chat.has_template else 'no'}; turn markers: {markers}; "
@@ -83,7 +83,7 @@ def run_show(args) -> int:
 def add_show_subparser(subparsers) -> None:
     p = subparsers.add_parser("show", help="print the first records of a config's datasets as the model sees them",
                               description=__doc__.split("\n\n")[1])
-    p.add_argument("config", help="YAML argument file (PaddleNLP key names)")
+    p.add_argument("config", nargs="?", default=None, help="YAML argument file (optional with overrides / flags)")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="overrides of the file's keys")
     p.add_argument("-n", type=int, default=3, help="records shown from each file (default 3)")
     p.set_defaults(func=run_show, takes_overrides=True)

@@ -21,7 +21,9 @@ def add_rollout_server_subparser(subparsers):
                                           "/v1/generate (batched, keyed per sample), POST /v1/weights (versioned "
                                           "pushes), OpenAI-compatible /v1/completions and /v1/chat/completions, "
                                           "GET /health (docs/rollout_server.md).")
-    p.add_argument("config", help="YAML argument file naming the actor (actor_model_name_or_path)")
+    p.add_argument("config", nargs="?", default=None,
+                   help="YAML argument file naming the actor (actor_model_name_or_path); optional with overrides "
+                        "or flags (`swift rollout`'s --model M)")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="overrides of the file's keys")
     p.add_argument("--host", default="127.0.0.1",
                    help="Address to bind (default 127.0.0.1: this machine only). Any other address needs an API key, "

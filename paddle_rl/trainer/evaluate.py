@@ -77,7 +77,8 @@ def run_eval(config, write_responses: Optional[str] = None) -> dict:
     model = load_model(model_dir, adapter=config.lora_path or None)
     dataset = load_prompt_dataset(config.eval_datasets, tokenizer, config.prompt_key, config.response_key,
                                   config.max_prompt_len, config.prompt_overflow, limit=config.max_eval_samples,
-                                  apply_chat_template=config.apply_chat_template)
+                                  apply_chat_template=config.apply_chat_template,
+                                  system_prompt=config.system_prompt)
     stop_ids = sorted(set(tokenizer.eos_token_ids) | set(model.config.eos_token_ids))
     engine = RolloutEngine(model, settings=EngineSettings.from_config(config, tokenizer.pad_token_id, stop_ids))
     records = None if write_responses is None else []

@@ -83,7 +83,8 @@ class StepLoop:
         if cfg.do_eval and cfg.eval_datasets:
             self.eval_data = load_prompt_dataset(cfg.eval_datasets, self.tokenizer, cfg.prompt_key, cfg.response_key,
                                                  cfg.max_prompt_len, cfg.prompt_overflow, limit=cfg.max_eval_samples,
-                                                 apply_chat_template=cfg.apply_chat_template)
+                                                 apply_chat_template=cfg.apply_chat_template,
+                                                 system_prompt=cfg.system_prompt)
         self.sampler = PromptSampler(len(train_data), cfg.global_batch_size, cfg.seed, cfg.dataloader_shuffle,
                                      cfg.dataloader_drop_last)
         self.total_steps = cfg.max_steps if cfg.max_steps > 0 else max(

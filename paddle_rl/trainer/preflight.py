@@ -113,7 +113,7 @@ def record_problems(config, train: bool = True, sft: bool = False) -> list:
     if tokenizer is None:
         return problems
     try:
-        chat = ChatForm(tokenizer, config.apply_chat_template)
+        chat = ChatForm(tokenizer, config.apply_chat_template, config.system_prompt)
     except ValueError as e:
         return problems + [str(e)]
     for key in ("train_datasets", "eval_datasets") if train else ("eval_datasets",):

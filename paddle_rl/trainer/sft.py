@@ -46,7 +46,8 @@ class SFTTrainer:
         self.config, self.layout, self.tokenizer = config, loop.layout, loop.tokenizer
         loop.load_data(load_sft_dataset(config.train_datasets, self.tokenizer, config.prompt_key,
                                         config.response_key, config.max_prompt_len, config.prompt_overflow,
-                                        config.max_dec_len, self._stop_ids(), config.apply_chat_template))
+                                        config.max_dec_len, self._stop_ids(), config.apply_chat_template,
+                                        config.system_prompt))
         loop.load_actor()
         self.train_data, self.eval_data, self.sampler = loop.train_data, loop.eval_data, loop.sampler
         self.total_steps, self.pad_id = loop.total_steps, loop.pad_id

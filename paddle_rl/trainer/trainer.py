@@ -53,7 +53,8 @@ class RLTrainer:
         check_critic_config(config, self.objective.uses_critic)  # the layouts a critic runs on, before models load
         loop.load_data(load_prompt_dataset(config.train_datasets, self.tokenizer, config.prompt_key,
                                            config.response_key, config.max_prompt_len, config.prompt_overflow,
-                                           apply_chat_template=config.apply_chat_template))
+                                           apply_chat_template=config.apply_chat_template,
+                                           system_prompt=config.system_prompt))
         loop.load_actor()
         self.train_data, self.eval_data, self.sampler = loop.train_data, loop.eval_data, loop.sampler
         self.total_steps, self.mini_batches_per_step = loop.total_steps, loop.mini_batches_per_step
