@@ -179,3 +179,16 @@ def test_one_rl_step(gemma_micro, tmp_path, lora):
         assert moved and all("lora" in n for n in moved)
     else:  # every norm (offsets included) and the tied embedding take gradients
         assert any("pre_feedforward_layernorm" in n for n in moved) and any("embed_tokens" in n for n in moved)
+
+
+def test_packing_with_sliding_windows_is_named_before_the_model_loads(gemma_micro, tmp_path):
+    """use_remove_padding cannot pack sliding-window layers: the run names it with its other prerequisites, before
+    any model loads (not at the first packed pass)."""
+    from paddle_rl.config import ConfigError
+    from paddle_rl.trainer.preflight import preflight
+    config = load_config(None, micro_overrides(gemma_micro, str(tmp_path / "run"), use_remove_padding=True))
+    with pytest.raises(ConfigError, match=r"use_remove_padding: packed micro-batches do not implement sliding-window "
+                                          r"attention \(this model has layers with sliding_window \d+\)"):
+        preflight(config)
+    config.use_remove_padding = False
+    preflight(config)

@@ -353,3 +353,21 @@ def test_paddlenlp_grpo_argument_file_runs_as_written(tmp_path):
     assert [r["step"] for r in rows] == [0, 1] and "eval/accuracy" in rows[0] and "reward/mean" in rows[1]
     assert (out / "checkpoint-1").is_dir() and (tmp_path / "grpo-logs").is_dir()   # the file's logging_dir
     assert "tensor 2" in logs and "compute precision: bfloat16" in logs
+
+
+def test_preflight_names_a_missing_sandbox_for_each_runner_of_programs(tmp_path):
+    """Without bubblewrap on the PATH, the code rule and the tool environment's python tool are both named in the
+    one error (each runs untrusted programs), with what to do."""
+    code = ("from paddle_rl.trainer import RLTrainer\n"
+            "from paddle_rl.config import load_config, ConfigError\n"
+            "from paddle_rl.trainer.preflight import preflight\n"
+            f"config = load_config(None, {{'actor_model_name_or_path': {KK_MODEL!r}, 'train_datasets': {GUIDE!r},\n"
+            "    'reward_funcs': ['code'], 'env_plugin': 'tools', 'max_prompt_len': 2048}, warn_unused=False)\n"
+            "try:\n    preflight(config)\nexcept ConfigError as e:\n    print(e)\n")
+    bindir = os.path.dirname(sys.executable)   # python, without /usr/bin (where bwrap lives)
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                            env=dict(os.environ, PYTHONPATH=ROOT, PATH=bindir))
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "reward_funcs: the code rule runs untrusted programs in a sandbox, and here bubblewrap (bwrap) is not " \
+           "installed: install bubblewrap" in result.stdout
+    assert "env_tools: the python tool runs untrusted programs in a sandbox" in result.stdout

@@ -61,9 +61,14 @@ def path_problems(config, data: bool = True) -> list:
         problems.append(f"actor_model_name_or_path: {os.path.join(model, 'config.json')} not found")
     else:
         try:  # an unsupported family, rope type or setting: before any model loads
-            ModelConfig.from_pretrained(model)
+            model_config = ModelConfig.from_pretrained(model)
+            windows = [w for w in model_config.family.sliding_windows(model_config) if w is not None]
         except ValueError as e:
             problems.append(f"actor_model_name_or_path: {e}")
+        else:
+            if windows and config.use_remove_padding:
+                problems.append(f"use_remove_padding: packed micro-batches do not implement sliding-window attention "
+                                f"(this model has layers with sliding_window {windows[0]}); set it to false")
     tokenizer = config.tokenizer_name_or_path or model
     if os.path.isdir(tokenizer) and not os.path.isfile(os.path.join(tokenizer, "tokenizer.json")):
         key = "tokenizer_name_or_path" if config.tokenizer_name_or_path else "actor_model_name_or_path"
@@ -149,20 +154,30 @@ def reward_problems(config) -> list:
         problems.append(f"reward_model_name_or_path: folder not found: {path} (a *ForSequenceClassification "
                         "checkpoint folder)")
     named = [n for _, n in reward_check.named_functions(config.reward_funcs, config.reward_routes)]
-    if "code" in named and not getattr(config, "sandbox_allow_unisolated", False):
-        problem = isolation_problem()
-        if problem:
-            problems.append(f"reward_funcs: the code rule runs untrusted programs in a sandbox, and here {problem}: "
-                            "install bubblewrap (apt-get install bubblewrap), or set sandbox_allow_unisolated: true "
-                            "for programs you trust")
+    if "code" in named:
+        problems += _sandbox_problems(config, "reward_funcs: the code rule")
     return problems
 
 
+def _sandbox_problems(config, who: str) -> list:
+    """Where untrusted programs must run isolated and this machine cannot isolate them."""
+    if getattr(config, "sandbox_allow_unisolated", False):
+        return []
+    problem = isolation_problem()
+    if not problem:
+        return []
+    return [f"{who} runs untrusted programs in a sandbox, and here {problem}: install bubblewrap (apt-get install "
+            "bubblewrap), or set sandbox_allow_unisolated: true for programs you trust"]
+
+
 def plugin_problems(config) -> list:
-    """A file named by env_plugin (file.py:ClassName) that does not exist."""
+    """A file named by env_plugin (file.py:ClassName) that does not exist; the tool environment's python tool where
+    programs cannot be isolated."""
     spec = getattr(config, "env_plugin", "") or ""
     if ":" in spec and not os.path.isfile(spec.rsplit(":", 1)[0]):
         return [f"env_plugin: file not found: {spec.rsplit(':', 1)[0]} (written file.py:ClassName)"]
+    if spec == "tools" and "python" in (getattr(config, "env_tools", None) or ()):
+        return _sandbox_problems(config, "env_tools: the python tool")
     return []
 
 
