@@ -54,9 +54,10 @@ setup(
         # (accelerate: transformers needs it to read a GGUF file, the independent side of the GGUF parity tests;
         # peft: the independent side of the LoRA adapter tests; tensorboard: reads back the event files written
         # for report_to tensorboard; openai: the client the rollout server's OpenAI endpoints are checked with;
-        # matplotlib: paddle-rl plot's figures)
+        # matplotlib: paddle-rl plot's figures; playwright: drives the system's Chromium through VisualDL's pages,
+        # tests/test_dashboard_browser.py, without Playwright's own browser downloads)
         "test": ["pytest", "torch==2.13.0", "transformers", "accelerate", "peft", "tensorboard", "openai",
-                 "matplotlib"],
+                 "matplotlib", "playwright"],
         # paddle-rl plot
         "plot": ["matplotlib"],
     },
