@@ -62,11 +62,12 @@ def test_staleness_0_equals_the_synchronous_run(micro, plugin, tmp_path, lora):
     record = {}
     _train(_overrides(micro, plugin, tmp_path / "async", async_rollout=True, max_staleness=0, **extra), record)
     # the worker's LoRA-merged weights give rollout log-probs that differ from the in-process rollout's at
-    # rounding (5e-9 in rollout_corr/kl; the samples, and so everything else, are equal)
+    # rounding (5e-9 in rollout_corr/kl; a few float32 ulps of 1.0 in rollout_corr/ratio/max: 4.8e-7 on an AMD EPYC
+    # with AVX2 and no AVX-512; the samples, and so everything else, are equal)
     gap = ("async/", "rollout_corr/") if lora else ("async/",)
     assert _rows(tmp_path / "async", drop=gap) == _rows(tmp_path / "sync", drop=gap)
     for a, s in zip(_rows(tmp_path / "async"), _rows(tmp_path / "sync")):
-        assert all(abs(a[k] - s[k]) < 1e-7 for k in s if k.startswith("rollout_corr/"))
+        assert all(abs(a[k] - s[k]) < 2e-6 for k in s if k.startswith("rollout_corr/"))
     assert all((record[s]["policy_version"] == s - 1).all() for s in record) and len(record) == 4
 
 
