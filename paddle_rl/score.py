@@ -20,7 +20,7 @@ import sys
 
 from .config import load_config
 from .data.loader import DatasetError, iter_records
-from .data.records import ChatForm, RecordError, to_prompt_record
+from .data.records import ChatForm, RecordError, reward_record, to_prompt_record
 from .env import configure_threads
 from .errors import setup_error_types
 from .rewards import RewardError, RewardSample, RewardServerError, build_reward
@@ -40,7 +40,8 @@ def load_scoring_records(path: str, config, tokenizer):
             raise DatasetError(f"{location}: no `response` string to score (record keys: "
                                f"{', '.join(sorted(map(str, raw)))})")
         length = len(tokenizer.encode(response)) if tokenizer is not None else len(response.split())
-        out.append((location, RewardSample(item["prompt"], response, raw, length, bool(raw.get("truncated", False)))))
+        out.append((location, RewardSample(item["prompt"], response, reward_record(item), length,
+                                           bool(raw.get("truncated", False)))))
     if not out:
         raise DatasetError(f"{path}: no records")
     return out

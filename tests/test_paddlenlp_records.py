@@ -74,7 +74,11 @@ def test_paddle_rl_score_gives_the_guides_right_answer_the_top_kk_score(tmp_path
     """`paddle-rl score` (the trainer's record reader and reward) on the guide's record with a right and a wrong
     response: 3 and -0.5 (format +1, answer +2 / -1.5)."""
     record = guide_record()
-    responses = write_jsonl(tmp_path / "r.jsonl", [dict(record, response=RIGHT), dict(record, response=WRONG)])
+    with open(MULTI, encoding="utf-8") as f:
+        rounds = json.loads(f.readline())   # src[i] / tgt[i] rounds: the label is the last tgt
+    right = " x </think> <answer> (1) Isabella is a knight\n(2) Isaiah is a knave </answer>"
+    responses = write_jsonl(tmp_path / "r.jsonl", [dict(record, response=RIGHT), dict(record, response=WRONG),
+                                                   dict(rounds, response=right)])
     config = tmp_path / "c.yaml"
     config.write_text(f"actor_model_name_or_path: {KK_MODEL}\nreward_funcs: kk\n")
     result = subprocess.run([sys.executable, "-m", "paddle_rl", "score", str(config), "--responses", responses],
@@ -82,8 +86,8 @@ def test_paddle_rl_score_gives_the_guides_right_answer_the_top_kk_score(tmp_path
                             timeout=300)
     assert result.returncode == 0, result.stderr
     lines = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
-    assert [line["score"] for line in lines] == [3.0, -0.5]
-    assert [line["correct"] for line in lines] == [True, False]
+    assert [line["score"] for line in lines] == [3.0, -0.5, 3.0]
+    assert [line["correct"] for line in lines] == [True, False, True]
 
 
 def test_generator_writes_the_guides_layout_byte_for_byte(tmp_path, tok):

@@ -201,3 +201,20 @@ def test_rollout_server_takes_swift_rollout_flags(micro):
                               "vllm_gpu_memory_utilization=0.9"]
     service, folder = build_service(args.config, args.overrides)
     assert folder == micro["model"] and service.identity["vocab_size"] > 0
+
+
+def test_train_sh_data_sources_pick_their_rules():
+    """configs/verl_train_sh.yaml's data_source table: qa, trivia, classification, gsm8k and math records each scored
+    by their rule, right and wrong (the recipe's own reward table, without --reward_func)."""
+    from paddle_rl.rewards import RewardSample, build_local_reward
+    config = cli_config([os.path.join(ROOT, "configs", "verl_train_sh.yaml"), "--model", ARITH_MODEL,
+                         f"data.train_files={ARITH_TEST}"])
+    cases = [("qa", "Paris", "<answer> the Paris </answer>", "<answer> Lyon </answer>"),
+             ("trivia", ["Jay-Z", "Shawn Carter"], "<answer>jay z</answer>", "<answer>Kanye</answer>"),
+             ("classification", "positive", "<answer> Positive </answer>", "<answer> negative </answer>"),
+             ("gsm8k", "72", "so #### 72", "so #### 71"),
+             ("math_reasoning", "\\frac{1}{2}", "<answer> 0.5 </answer>", "<answer> 0.25 </answer>")]
+    samples = [RewardSample("p", response, {"data_source": source, "ground_truth": truth}, 8)
+               for source, truth, right, wrong in cases for response in (right, wrong)]
+    result = build_local_reward(config)(samples)
+    assert [float(s) for s in result.scores] == [1.0, 0.0] * len(cases)

@@ -316,6 +316,17 @@ def to_prompt_record(raw: dict, prompt_key: str, response_key: str, chat: ChatFo
             "data_source": "" if source is None else str(source), "record": raw}
 
 
+def reward_record(item: dict) -> dict:
+    """The record the rewards read for a dataset item: its raw record, with the label as the rules read it
+    (`ground_truth`: a PaddleNLP tgt list's item, the last of src / tgt rounds) and its data_source."""
+    record = dict(item["record"]) if isinstance(item["record"], dict) else {}
+    if item.get("ground_truth") is not None:
+        record.setdefault("ground_truth", item["ground_truth"])
+    if item.get("data_source"):
+        record.setdefault("data_source", item["data_source"])
+    return record
+
+
 def record_tools(raw: dict) -> Optional[list]:
     """The tool schemas a record offers the model (rendered by the chat template's `tools`): ms-swift's `tools`
     (a list of function schemas, or that list as a JSON string), or verl's `extra_info.tools`."""

@@ -3,16 +3,8 @@
 import numpy as np
 
 from ..batch import StepBatch
+from ..data.records import reward_record
 from ..rewards import RewardResult, RewardSample
-
-
-def reward_record(item) -> dict:
-    record = dict(item["record"]) if isinstance(item["record"], dict) else {}
-    if item.get("ground_truth") is not None:
-        record.setdefault("ground_truth", item["ground_truth"])
-    if item.get("data_source"):
-        record.setdefault("data_source", item["data_source"])
-    return record
 
 
 def score(batch: StepBatch, tokenizer, reward_fn) -> None:
