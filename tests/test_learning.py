@@ -17,7 +17,7 @@ import yaml
 from paddle_rl.monitor import read_metrics
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-GAIN_POINTS = 3  # the KK configs with the reasoning warm start (README.md, "The tiny defaults")
+GAIN_POINTS = 3  # the KK configs with the reasoning warm start (docs/learning.md)
 
 
 def held_out_curve(config, tmp_path, *overrides, key="eval/accuracy"):
@@ -84,7 +84,7 @@ def test_tiny_tool_agent_learns_through_the_recording_proxy(tmp_path):
 def test_tiny_kk_reasoning_model_gains(config, tmp_path):
     """The bundled KK model (2-3 people, warm-started by paddle-rl sft on worked case splits, held-out 0.375) with
     256 samples a step (16 prompts x 16, dynamic sampling, 300 steps, both configs): held-out accuracy on 2-3 people
-    (test.jsonl) gains at least GAIN_POINTS points (measured: README.md, "The tiny defaults": GRPO +16.5, +15.5, +16.5
+    (test.jsonl) gains at least GAIN_POINTS points (measured: docs/learning.md: GRPO +16.5, +15.5, +16.5
     at seeds 42, 1, 2; REINFORCE++ +12.5, +9, +12.5 at seeds 42, 1, 2, short of +15); the 4-people file
     (test_4p.jsonl, a count never trained on) is reported beside it."""
     curve = held_out_curve(config, tmp_path, key="eval/test/accuracy")
@@ -111,7 +111,7 @@ def test_tiny_arith_ppo_learns_in_50_steps(tmp_path):
 def test_int8_rollout_with_token_is_learns(tmp_path):
     """configs/tiny_arith_grpo.yaml with the rollout decoding through weight-only int8 weights (training stays
     float32) and token-level truncated IS (threshold 2.0) learns as the float32 run does: measured 0.315 -> 0.630
-    (+31.5 points; float32 +32.3, int8 without IS +31.0; docs/performance.md). The margin to float32 (gain >= 25
+    (+31.5 points; float32 +32.3, int8 without IS +31.0; docs/learning.md). The margin to float32 (gain >= 25
     points) leaves room for a float-rounding change, which alone moves this config's end point by a few points.
     The gap metrics show that the rollout really was quantized (the old log-probs are recomputed and differ from the
     rollout's at every step; a float32 rollout reuses them and logs none) and that the IS weights were computed."""

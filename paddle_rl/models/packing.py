@@ -25,7 +25,7 @@ from .. import ops
 
 NEG_INF = -1e9
 # the cost of one more attention block, in query-key pairs (its ~25 framework ops forward and backward per layer
-# against the pairs a wider block pads); 0 to 131072 measured alike on W2's lengths (docs/performance.md)
+# against the pairs a wider block pads); 0 to 131072 measured alike on W2's lengths (docs/performance_history.md)
 BLOCK_PAIRS = 32768
 
 
