@@ -116,7 +116,7 @@ def browser(dashboard):
 def test_scalar_page_draws_the_runs_reward_and_accuracy(dashboard, browser):
     out, url, _ = dashboard
     rows = {r["step"]: r for r in read_metrics(str(out / "metrics.jsonl"))}
-    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    page = browser.new_page(viewport={"width": 1400, "height": 1000}, locale="en-US")  # VisualDL follows the locale
     requested = []  # the data the page fetched to draw its charts
     page.on("response", lambda r: requested.append(r) if "/api/scalar/list" in r.url else None)
     page.goto(f"{url}/app/scalar", wait_until="load", timeout=60000)
@@ -156,7 +156,7 @@ def test_scalar_page_draws_the_runs_reward_and_accuracy(dashboard, browser):
 def test_text_page_shows_the_completions(dashboard, browser):
     out, url, _ = dashboard
     records = read_records(str(out / "completions.jsonl"))
-    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    page = browser.new_page(viewport={"width": 1400, "height": 1000}, locale="en-US")  # VisualDL follows the locale
     page.goto(f"{url}/app/text", wait_until="load", timeout=60000)
     page.get_by_text("prompt:").first.wait_for(timeout=60000)
     shot = out / "visualdl_text.png"
