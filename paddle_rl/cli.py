@@ -150,6 +150,7 @@ def _eval(args) -> int:
     import json
 
     # deferred: the trainer loads Paddle, only when evaluation runs (after configure_threads)
+    from .trainer.benchmark import run_benchmark
     from .trainer.evaluate import run_eval
     if args.write_responses is not None and os.path.isdir(args.write_responses):
         print(f"error: --write-responses: {args.write_responses} is a folder; name the JSONL file to write",
@@ -157,9 +158,15 @@ def _eval(args) -> int:
         return 2
     try:
         config = load_config(args.config, args.overrides)
-        if not config.eval_datasets:
+        if args.benchmark is not None:
+            metrics = run_benchmark(config, args.benchmark, limit=args.limit, samples=args.samples,
+                                    write_responses=args.write_responses)
+        elif args.limit != -1 or args.samples != 1:
+            raise ConfigError("--limit / --samples: only with --benchmark (eval_datasets: max_eval_samples)")
+        elif not config.eval_datasets:
             raise ConfigError("eval_datasets: required for evaluation")
-        metrics = run_eval(config, write_responses=args.write_responses)
+        else:
+            metrics = run_eval(config, write_responses=args.write_responses)
     except setup_error_types() as e:  # the message names the key / file: one line; anything else: traceback
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -172,7 +179,16 @@ def _add_eval(sub):
     _add_config_arguments(p, "actor_model_name_or_path=output/checkpoint-60")
     p.add_argument("--write-responses", metavar="FILE", default=None,
                    help="write every response with its scores to FILE, one JSON object a line (the records of a "
-                        "training run's eval_completions/step-N.jsonl)")
+                        "training run's eval_completions/step-N.jsonl); with --benchmark one record a sample: "
+                        "task_id, prompt as the model saw it, completion, passed, failure kind")
+    p.add_argument("--benchmark", choices=("humaneval", "gsm8k"), default=None,
+                   help="a public benchmark instead of eval_datasets: its records (paddle-rl fetch humaneval | "
+                        "gsm8k-test, cached), EvalPlus's instruct prompt (HumanEval) or verl's (GSM8K), scored by "
+                        "the code rule in the sandbox or the gsm8k rule; prints pass@k and time per problem")
+    p.add_argument("--limit", type=int, default=-1, metavar="N", help="--benchmark: the first N problems (-1: all)")
+    p.add_argument("--samples", type=int, default=1, metavar="K",
+                   help="--benchmark: samples per problem (1: greedy pass@1; K > 1: sampled with the config's "
+                        "temperature / top_p, pass@1 and pass@K by the unbiased estimator)")
     p.set_defaults(func=_eval)
 
 
