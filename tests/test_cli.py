@@ -43,15 +43,25 @@ def test_launch_command_carries_every_override(monkeypatch):
 
 
 @pytest.mark.parametrize("argv,message", [
-    (["train", "c.yaml", "--nproc_per_node", "2", "--rollout_n=4"], "unrecognized arguments: --rollout_n=4"),
-    (["train", "c.yaml", "d.yaml"], "expected one CONFIG file and key=value overrides"),
-    (["train", "--nproc_per_node", "2", "a=1"], "expected one CONFIG file"),
+    (["train", "c.yaml", "d.yaml"], "expected a CONFIG file and / or key=value overrides and --key value flags, got "
+                                    "c.yaml d.yaml"),
+    (["train", "--nproc_per_node", "2"], "got nothing"),
     (["data", "kk", "x=1"], "unrecognized arguments: x=1"),
+    (["data", "kk", "--people", "2", "--rollout_n=4"], "unrecognized arguments: --rollout_n=4"),
 ])
 def test_bad_words_are_still_rejected(capsys, argv, message):
     with pytest.raises(SystemExit) as exit_:
         cli.parse_args(argv)
     assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_flags_a_command_does_not_declare_are_overrides():
+    """train's own options stay options; other --key value flags (other frameworks' spellings) become overrides,
+    and a run given by overrides alone needs no CONFIG."""
+    args = cli.parse_args(["train", "c.yaml", "--nproc_per_node", "2", "--rollout_n=4", "--num_generations", "8"])
+    assert (args.config, args.nproc_per_node, args.overrides) == ("c.yaml", 2, ["rollout_n=4", "num_generations=8"])
+    args = cli.parse_args(["train", "--nproc_per_node", "2", "a=1"])
+    assert (args.config, args.overrides) == (None, ["a=1"])
 
 
 # ---- j: a subcommand whose module cannot be imported still exists and names what is missing

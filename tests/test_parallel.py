@@ -423,7 +423,8 @@ def test_data_parallel_grpo_reward_kl_with_equal_score_groups(tmp_path):
     launch([os.path.join(ROOT, "paddle_rl", "run_rl.py"), config, *keys, f"output_dir={dp}",
             "data_parallel_degree=2"], str(tmp_path / "log"))
     ref, par = read_rows(single), read_rows(dp)
-    assert 0 < ref[0]["actor/reward_kl"] < 1e-6  # step 1: the policy is the reference, the KL is rounding
+    # step 1: the policy is the reference, the KL is rounding, of either sign (-1.8e-9 on an AVX2-only AMD EPYC)
+    assert 0 < abs(ref[0]["actor/reward_kl"]) < 1e-6
     for key in ("reward/mean", "reward/accuracy", "response_length/mean"):  # the same samples, step after step
         assert [r[key] for r in par] == [r[key] for r in ref], key
     assert_parity(single, dp)
