@@ -27,8 +27,10 @@ def _label(truth) -> str:
     return truth if isinstance(truth, str) else json.dumps(truth, ensure_ascii=False)
 
 
-def show_records(config, n: int, out=sys.stdout) -> int:
-    """Print the first `n` records of each data file; the number of records that could not be read."""
+def show_records(config, n: int, out=None) -> int:
+    """Print the first `n` records of each data file (to `out`, default the current sys.stdout); the number of
+    records that could not be read."""
+    out = out or sys.stdout
     # deferred: importing paddle_rl.models loads Paddle, which `paddle-rl --help` (this module registers a
     # subcommand) must not
     from ..models.tokenizer import Tokenizer
