@@ -159,6 +159,10 @@ def test_translations_refusals_and_precedence(tmp_path):
     ):
         with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
             cli_config(["--model", ARITH_MODEL, "--dataset", ARITH_TEST, *argv])
+    # dr_grpo divides by the length bound, whichever spelling gave it
+    for length in (["--max_completion_length", "96"], ["max_dec_len=96"]):
+        config = cli_config(["--model", ARITH_MODEL, "--dataset", ARITH_TEST, "--loss_type", "dr_grpo", *length])
+        assert (config.loss_agg_mode, config.loss_scale_factor) == ("seq-mean-token-sum-norm", 96.0)
     # a later source wins: the file's max_dec_len, then the command line's max_completion_length
     file = tmp_path / "c.yaml"
     file.write_text(f"actor_model_name_or_path: {ARITH_MODEL}\ntrain_datasets: {ARITH_TEST}\nmax_dec_len: 128\n"

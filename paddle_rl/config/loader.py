@@ -176,15 +176,12 @@ def read_translated(path: Optional[str] = None, overrides: Optional[Iterable[str
     names = set(keys) | set(_aliases(keys))
     # each source in its own spelling, read in order (the file, then the command line): a later source wins
     translation = translate(_read_yaml(path) if path else {}, names)
+    translation.errors = [f"{path}: {e}" for e in translation.errors]   # (none without a file)
     if overrides:
         given = overrides if isinstance(overrides, dict) else parse_overrides(overrides)
         later = translate(given, names, base=translation.values)
         translation = Translation({**translation.values, **later.values}, translation.lines + later.lines,
-                                  translation.ignored + later.ignored,
-                                  [f"{path}: {e}" for e in translation.errors] + later.errors if path else
-                                  translation.errors + later.errors)
-    elif path:
-        translation.errors = [f"{path}: {e}" for e in translation.errors]
+                                  translation.ignored + later.ignored, translation.errors + later.errors)
     raw = translation.values
     where = f"{path}: " if path else ""
     errors, values = list(translation.errors), {}

@@ -58,8 +58,9 @@ class Translation:
 class _Work:
     """The foreign keys of one config being translated: rules pop what they read and set what they make."""
 
-    def __init__(self, foreign: Dict[str, Tuple[str, Any]]):
+    def __init__(self, foreign: Dict[str, Tuple[str, Any]], given: Dict[str, Any]):
         self.foreign = foreign           # key -> (framework, value)
+        self.given = given               # everything the config gave, in either spelling (earlier sources too)
         self.out: Dict[str, Any] = {}
         self.sources: Dict[str, str] = {}
         self.result = Translation({})
@@ -269,7 +270,7 @@ def _swift_loss_type(work: _Work) -> None:
     if kind in ("cispo", "sapo"):
         work.set("policy_loss", kind, source)
     if kind == "dr_grpo":   # TRL divides by max_completion_length (here loss_scale_factor; unset: the padded length)
-        length = work.out.get("max_dec_len", work.peek("max_completion_length", _default("max_dec_len")))
+        length = work.given.get("max_completion_length", work.given.get("max_dec_len", _default("max_dec_len")))
         work.set("loss_scale_factor", float(length), source)
 
 
@@ -449,6 +450,7 @@ SWIFT_DEFAULTS = (   # ms-swift's GRPO arguments (docs/source_en/Instruction/Com
     ("num_train_epochs", 3.0, ("num_train_epochs",)),
     ("loss_agg_mode", "seq-mean-token-mean", ("loss_type", "loss_agg_mode")),   # loss_type grpo
     ("algorithm_preset", "trl", ("algorithm_preset",)),                          # std + 1e-4
+    ("learning_rate", None, ("learning_rate",)),                                  # 1e-5; 1e-4 with LoRA
 )
 VERL_DEFAULTS = (    # verl's ppo_trainer.yaml
     ("temperature", 1.0, ("actor_rollout_ref.rollout.temperature", "temperature")),
@@ -472,12 +474,12 @@ def _swift_max_length(work: _Work, kept: Dict[str, Any]) -> None:
         work.set("max_prompt_len", value, f"max_length {value} (ms-swift: the prompt's bound)")
 
 
-def _framework_defaults(work: _Work, given: Dict[str, Any], framework: str, table) -> None:
+def _framework_defaults(work: _Work, framework: str, table) -> None:
     """The framework's defaults for the keys a config in its spelling leaves out."""
     for key, value, keys in table:
-        if not any(k in given for k in keys):
+        if not any(k in work.given for k in keys):
             if key == "learning_rate" and framework == SWIFT:
-                value = 1e-4 if work.out.get("lora", given.get("lora")) else 1e-5   # ms-swift: 1e-4 with LoRA
+                value = 1e-4 if work.out.get("lora", work.given.get("lora")) else 1e-5   # ms-swift: 1e-4 with LoRA
             work.set(key, value, f"{framework} default")
 
 
@@ -737,8 +739,7 @@ def translate(raw: dict, ours, base: Optional[dict] = None) -> Translation:
         return Translation(kept)
     swift = str(foreign.get(SWIFT_MARKER, (None, ""))[1]).lower() in ("grpo", "ppo")
     verl = any(framework == VERL for framework, _ in foreign.values())
-    work = _Work(dict(foreign))
-    given = {**(base or {}), **kept, **{k: v for k, (_, v) in foreign.items()}}
+    work = _Work(dict(foreign), {**(base or {}), **kept, **{k: v for k, (_, v) in foreign.items()}})
     if swift:
         _swift_max_length(work, kept)
     for rule in SWIFT_RULES + VERL_RULES:
@@ -762,9 +763,9 @@ def translate(raw: dict, ours, base: Optional[dict] = None) -> Translation:
         elif key in REFUSED:
             work.refuse(key, REFUSED[key])
     if swift:
-        _framework_defaults(work, given, SWIFT, SWIFT_DEFAULTS + (("learning_rate", None, ("learning_rate",)),))
+        _framework_defaults(work, SWIFT, SWIFT_DEFAULTS)
     elif verl:
-        _framework_defaults(work, given, VERL, VERL_DEFAULTS)
+        _framework_defaults(work, VERL, VERL_DEFAULTS)
     _swift_batches(work, {**(base or {}), **kept, **work.out}, swift)
     for key, (framework, _) in work.foreign.items():   # what no rule took: a dotted key verl may know, named
         work.result.errors.append(f"{key}: a {framework} key with no translation here (docs/formats.md lists "
