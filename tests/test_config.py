@@ -22,8 +22,9 @@ def test_paddlenlp_grpo_argument_file_loads_with_one_warning(caplog):
     warnings = [r for r in caplog.records if "not acted on" in r.getMessage()]
     assert len(warnings) == 1
     message = warnings[0].getMessage()
-    for key in ("use_flash_attention", "fp16_opt_level", "offload_level", "wandb_http_proxy"):
+    for key in ("fp16_opt_level", "offload_level", "wandb_http_proxy"):
         assert key in message
+    assert "use_flash_attention" not in message and "use_fused_linear" not in message  # they act
     listed = message.split(": ", 1)[1].split(", ")
     assert "rollout_n" not in listed and "bf16" not in listed and "use_fp32_compute" not in listed
 
@@ -131,11 +132,15 @@ def test_sharding_degree_minus_one_takes_the_ranks_tensor_and_pipeline_leave():
 
 def test_sharding_degree_minus_one_without_a_stage_means_no_sharding():
     assert load_config(DERIVED, ["sharding="]).sharding_parallel_degree == 1  # PaddleNLP: -1 needs a stage
-    with pytest.raises(ConfigError, match="stage3 .* is not implemented"):
-        load_config(DERIVED, ["sharding=stage3"])
-    # refused at degree 1 too, where it would do nothing (PaddleNLP drops it there without a word)
-    with pytest.raises(ConfigError, match="stage3 .* is not implemented"):
+    assert load_config(DERIVED, ["sharding=stage3"]).sharding == "stage3"  # -1: the ranks left (topology)
+    # refused at degree 1, where it would do nothing (PaddleNLP drops it there without a word)
+    with pytest.raises(ConfigError, match="stage3 partitions .* at degree 1 there is nothing to partition"):
         load_config(None, [MODEL, "sharding=stage3", "sharding_parallel_degree=1"])
+    with pytest.raises(ConfigError, match="stage3 with pipeline_parallel_degree > 1 is not implemented"):
+        load_config(None, [MODEL, "sharding=stage3", "sharding_parallel_degree=2", "pipeline_parallel_degree=2"])
+    from paddle_rl.parallel.topology import TopologyError, build_topology
+    with pytest.raises(TopologyError, match="stage3 partitions .* at degree 1"):  # -1 resolved to 1 on one process
+        build_topology(sharding=-1, sharding_stage="stage3")
     with pytest.raises(ConfigError, match="sharding_parallel_degree: must be >= 1 or -1, got -2"):
         load_config(None, [MODEL, "sharding_parallel_degree=-2"])
 

@@ -3,6 +3,11 @@ from dataclasses import dataclass
 from .fields import arg
 
 
+STAGE3_AT_DEGREE_1 = ("sharding: stage3 partitions the parameters over sharding_parallel_degree ranks, and at "
+                      "degree 1 there is nothing to partition (PaddleNLP drops it there without a word); set "
+                      "sharding_parallel_degree > 1 (or -1) or leave sharding empty")
+
+
 @dataclass
 class ParallelArgs:
     tensor_parallel_degree: int = arg(1, "Tensor-parallel group size (attention heads, MLP and vocabulary split).")
@@ -13,7 +18,9 @@ class ParallelArgs:
                                            "data_parallel_degree, when given) leave; without one, 1.")
     data_parallel_degree: int = arg(-1, "Data-parallel replicas (-1: world size / (tensor x pipeline x sharding); "
                                         "1 when sharding_parallel_degree is -1, which takes those ranks).")
-    sharding: str = arg("", "stage1 (optimizer states) | stage2 (+ gradients); empty means stage1 when "
+    sharding: str = arg("", "stage1 (optimizer states) | stage2 (+ gradients) | stage3 (+ parameters: each rank "
+                            "keeps 1/sharding_parallel_degree of every tensor, each decoder layer gathered for its "
+                            "forward and backward; pipeline_parallel_degree 1); empty means stage1 when "
                             "sharding_parallel_degree > 1.")
     rollout_tensor_parallel_degree: int = arg(-1, "Tensor-parallel size of the rollout (-1: tensor_parallel_degree); "
                                                   "weights are resharded in memory before and after each rollout.")
@@ -44,7 +51,9 @@ class ParallelArgs:
         if not self.collective_timeout > 0:
             errors.append(f"collective_timeout: must be > 0 seconds, got {self.collective_timeout}")
         if self.sharding not in ("", "stage1", "stage2", "stage3"):
-            errors.append(f"sharding: must be stage1 or stage2, got {self.sharding!r}")
-        if self.sharding == "stage3":  # at every degree: PaddleNLP drops it at degree 1, silently (one GPU)
-            errors.append("sharding: stage3 (parameter partitioning) is not implemented; use stage1 or stage2, or "
-                          "leave sharding empty at sharding_parallel_degree 1")
+            errors.append(f"sharding: must be stage1, stage2 or stage3, got {self.sharding!r}")
+        if self.sharding == "stage3" and self.sharding_parallel_degree == 1:  # PaddleNLP drops it there, silently
+            errors.append(STAGE3_AT_DEGREE_1)
+        if self.sharding == "stage3" and self.pipeline_parallel_degree > 1:
+            errors.append("sharding: stage3 with pipeline_parallel_degree > 1 is not implemented (each stage already "
+                          "holds only its layers); use stage2 with a pipeline")

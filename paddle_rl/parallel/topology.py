@@ -22,6 +22,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
+from ..config.parallel_args import STAGE3_AT_DEGREE_1
 from . import watchdog
 from .watchdog import watched
 
@@ -217,9 +218,14 @@ def build_topology(tensor: int = 1, pipe: int = 1, sharding: int = 1, data: int 
     """
     global _INITIALIZED
     degrees = resolve_degrees(tensor, pipe, sharding, data)
-    stage = {"": 1, "stage1": 1, "stage2": 2}.get(sharding_stage)
+    stage = {"": 1, "stage1": 1, "stage2": 2, "stage3": 3}.get(sharding_stage)
     if stage is None:
-        raise TopologyError(f"sharding: {sharding_stage!r} is not supported (stage1 | stage2)")
+        raise TopologyError(f"sharding: {sharding_stage!r} is not supported (stage1 | stage2 | stage3)")
+    if stage == 3 and degrees["sharding"] == 1:
+        raise TopologyError(STAGE3_AT_DEGREE_1)
+    if stage == 3 and pipe > 1:
+        raise TopologyError("sharding: stage3 with pipeline_parallel_degree > 1 is not implemented (each stage "
+                            "already holds only its layers); use stage2 with a pipeline")
     rollout_tp = tensor if rollout_tensor == -1 else rollout_tensor
     world = degrees["data"] * degrees["sharding"] * degrees["pipe"] * degrees["tensor"]
     if world % rollout_tp:

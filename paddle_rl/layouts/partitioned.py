@@ -1,0 +1,135 @@
+"""Sharding stage 3 (`sharding: stage3`, sharding_parallel_degree > 1): the replicated layout with every parameter
+partitioned over the sharding group (parallel/partitioned.py). Each rank keeps 1/d of every tensor between passes;
+a micro-batch pass gathers each decoder layer for its forward and again for its backward, the embedding, final norm
+and head for the whole pass; gradients land on the shards, and the optimizer updates the shards only.
+
+Every rank of the sharding group runs the same number of passes (a gather is a collective): a rank with fewer
+micro-batches than its peers runs idle one-token passes (their loss multiplied by 0). The rollout, a checkpoint and a
+resume gather the whole model once and free it after; the reference model (a second partitioned model) and the
+old log-probs gather per layer like the update's forward.
+"""
+import contextlib
+
+import paddle
+
+from ..models import attention_bias_from_mask, load_weights, position_ids_from_mask
+from ..optim import build_optimizer
+from ..parallel import collectives as C
+from ..parallel.partitioned import PartitionedOptimizer, PartitionedParams, PartitionedSync
+from ..parallel.topology import TopologyError
+from .replicated import Replicated
+
+
+def idle_pass(model, backward: bool) -> None:
+    """One token through every layer of `model` (and back with a zero loss): the gathers and reduce-scatters a
+    real micro-batch makes, for a rank with fewer micro-batches than its sharding peers."""
+    ids = paddle.zeros([1, 1], dtype="int64")
+    mask = paddle.ones([1, 1], dtype="int64")
+    hidden = model.hidden_states(ids, position_ids_from_mask(mask), attention_bias_from_mask(mask, 1, causal=True))
+    if backward and not hidden.stop_gradient:
+        (hidden.sum() * 0.0).backward()
+
+
+class Partitioned(Replicated):
+    def __init__(self, topo, share_prompts: bool = True, max_tokens: int = 0, remove_padding: bool = False):
+        super().__init__(topo, share_prompts, max_tokens, remove_padding)
+        self.params = PartitionedParams(topo)
+
+    def check_config(self, config) -> None:
+        super().check_config(config)
+        refused = []
+        if config.share_prompt_prefix and not config.use_remove_padding:
+            refused.append("share_prompt_prefix: true runs the layers a second time for the responses of a padded "
+                           "micro-batch, but not when its responses are one token wide, so the ranks would gather "
+                           "different layers; set share_prompt_prefix: false, or use_remove_padding: true (packing "
+                           "shares each prompt in one pass)")
+        if config.bf16:
+            refused.append("bf16: true keeps bfloat16 copies of the weights beside the parameters (the reference's "
+                           "stored weights, AMP's master weights), which stage 3 does not partition; use float32")
+        if config.recompute and config.recompute_granularity in ("full", "full_attn"):
+            refused.append(f"recompute_granularity: {config.recompute_granularity} reruns a layer inside its own "
+                           "backward, which stage 3's per-layer gather does not follow; use core_attn or "
+                           "core_attn_mlp")
+        if refused:
+            raise TopologyError("sharding: stage3: " + "; ".join(refused))
+
+    # ---------------------------------------------------------------- models
+    def load_model(self, folder: str, lora=None, adapter=None):
+        model = super().load_model(folder, lora=lora, adapter=adapter)
+        self.params.partition(model)
+        return model
+
+    def load_critic(self, folder: str, lora=None):
+        raise TopologyError("sharding: stage3 does not partition a critic (rl_algorithm ppo); use sharding: stage2")
+
+    def load_weights(self, model, folder: str) -> None:
+        with self.params.gathered(model):
+            load_weights(model, folder)
+            self.params.repartition(model)
+
+    def full_state(self, model, frozen: bool = True) -> dict:
+        with self.params.gathered(model):
+            return super().full_state(model, frozen)
+
+    def held_bytes(self, model) -> dict:
+        """Bytes of `model`'s parameters this rank holds now (its shards, and whatever is gathered)."""
+        return self.params.held_bytes(model)
+
+    # ---------------------------------------------------------------- passes
+    def _passes(self, plan) -> int:
+        """Idle passes this rank adds so that every rank of the sharding group runs as many as the busiest."""
+        most = int(C.max_numpy([len(plan)], self._topo.group("sharding"))[0])
+        return most - len(plan)
+
+    def _logprob_chunks(self, model, batch, plan, temperature: float, with_entropy: bool,
+                        with_greedy: bool = False) -> list:
+        chunks = []
+        for rows in plan:
+            with self.params.running(model):
+                out = self.micro.logprobs(model, batch.micro(rows), temperature, with_entropy, with_greedy)
+            chunks.append((rows, *(None if x is None else x.numpy() for x in out)))
+        for _ in range(self._passes(plan)):
+            with self.params.running(model):
+                idle_pass(model, backward=False)
+        return chunks
+
+    def forward_backward(self, model, mini, keys, micro: int, temperature: float, loss_fn,
+                         with_greedy: bool = False) -> list:
+        outs = []
+        plan = self.micro.plan(mini, micro)
+        for rows in plan:
+            part = mini.micro(rows)
+            with self.params.running(model):
+                logp, entropy, *greedy = self.micro.logprobs(model, part, temperature, True, with_greedy)
+                tensors = part.tensors(keys=keys)
+                if with_greedy:
+                    tensors["greedy"] = greedy[0]
+                out = loss_fn(tensors, logp, entropy)
+                out.loss.backward()
+            outs.append(out)
+        for _ in range(self._passes(plan)):
+            with self.params.running(model):
+                idle_pass(model, backward=True)
+        return outs
+
+    # ---------------------------------------------------------------- optimizer
+    def build_optimizer(self, model, config, total_steps: int):
+        """AdamW over this rank's shards of the trained parameters."""
+        self.grad_sync = PartitionedSync(self._topo, self.params, model)
+        inner, scheduler = build_optimizer(model, config, total_steps, parameters=self.grad_sync.params)
+        return PartitionedOptimizer(inner, self.grad_sync), scheduler
+
+    def clip_grad_norm_(self, model, max_norm: float) -> float:
+        return self.grad_sync.clip_(max_norm)
+
+    # ---------------------------------------------------------------- rollout
+    def generate(self, engine, prompts, n: int, params, keys, episodes=None):
+        with self.params.gathered(engine.model):
+            return super().generate(engine, prompts, n, params, keys, episodes)
+
+    @contextlib.contextmanager
+    def rollout_engine(self, engine):
+        """The whole actor gathered while the rollout (or an evaluation) decodes with it, freed after."""
+        with self.params.gathered(engine.model), super().rollout_engine(engine) as bound:
+            yield bound
+

@@ -1,0 +1,138 @@
+"""Sharding stage 3 (`sharding: stage3`, parameters partitioned) on 2 real processes (gloo) equals one process.
+
+The micro model trains 3 RL steps as in tests/test_parallel.py (its helpers and tolerances); each rank keeps half of
+every parameter between passes. The runs use `share_prompt_prefix: false` (stage 3 refuses the padded prompt-sharing
+pass: see layouts/partitioned.py), the single-process run too. This file is also the worker the runs launch.
+"""
+import json
+import os
+import resource
+import sys
+
+import numpy as np
+import pytest
+
+from test_parallel import check_parity, compare_runs, launch, read_rows, rel_err, run_overrides, train_and_probe, \
+    weights
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+KEYS = dict(share_prompt_prefix=False)
+
+
+@pytest.fixture(scope="module")
+def stage3_setup(micro, tmp_path_factory):
+    from test_parallel import PLUGIN, greedy_prompts
+    root = tmp_path_factory.mktemp("stage3")
+    plugin = root / "parity_reward.py"
+    plugin.write_text(PLUGIN)
+    return {"micro": micro, "root": root, "plugin": str(plugin), "prompts": greedy_prompts(micro)}
+
+
+@pytest.fixture(scope="module")
+def single(stage3_setup):
+    """The single-process run with the same keys."""
+    out_dir = str(stage3_setup["root"] / "single")
+    os.makedirs(out_dir, exist_ok=True)
+    train_and_probe(run_overrides(stage3_setup["micro"], out_dir, stage3_setup["plugin"], rl_algorithm="grpo",
+                                  **KEYS), out_dir, stage3_setup["prompts"])
+    return {"grpo": out_dir}
+
+
+def run_stage3(setup, name, perturb="", **extra):
+    out_dir = str(setup["root"] / name)
+    os.makedirs(out_dir, exist_ok=True)
+    keys = dict(KEYS, rl_algorithm="grpo", sharding_parallel_degree=2, sharding="stage3")
+    keys.update(extra)
+    spec = {"overrides": run_overrides(setup["micro"], out_dir, setup["plugin"], **keys), "out_dir": out_dir,
+            "prompts": setup["prompts"], "perturb": perturb}
+    spec_path = os.path.join(out_dir, "spec.json")
+    with open(spec_path, "w") as f:
+        json.dump(spec, f)
+    launch([os.path.abspath(__file__), "--worker", spec_path], os.path.join(out_dir, "log"))
+    return out_dir
+
+
+def held(out_dir):
+    return [json.load(open(os.path.join(out_dir, name))) for name in sorted(os.listdir(out_dir))
+            if name.startswith("params-rank")]
+
+
+def test_stage3_equals_one_process(stage3_setup, single):
+    """Losses, statistics, the gathered checkpoint's weights and greedy tokens equal one process; each rank holds
+    half of the parameters (and half of the Adam moments) between passes."""
+    out_dir = run_stage3(stage3_setup, "stage3")
+    memory = check_parity(stage3_setup, single, out_dir)
+    alone = json.load(open(os.path.join(single["grpo"], "memory-rank0.json")))
+    assert sum(m["moments"] for m in memory) >= alone["moments"]          # padding to an even size per tensor
+    assert max(m["moments"] for m in memory) <= 0.52 * alone["moments"]
+    parts = held(out_dir)
+    total = parts[0]["model_bytes"]
+    print(f"stage3 x2: parameter bytes held between passes per rank {[p['shards'] for p in parts]} of {total}")
+    assert all(p["whole"] == 0 for p in parts)                           # nothing left gathered
+    assert all(p["shards"] <= 0.52 * total for p in parts) and sum(p["shards"] for p in parts) >= total
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("perturb", ["gather", "reduce"])
+def test_stage3_parity_fails_when_a_collective_is_perturbed(stage3_setup, single, perturb):
+    """The parity check sees the collectives: each rank using its own slice in place of its peer's (gather), or
+    keeping its own gradient slice unsummed (reduce), moves the weights far beyond the tolerance."""
+    out_dir = run_stage3(stage3_setup, f"stage3-perturbed-{perturb}", perturb=perturb)
+    wa, wb = weights(single["grpo"]), weights(out_dir)
+    worst = max(rel_err(wa[k], wb[k]) for k in wa)
+    print(f"perturbed {perturb}: max weight rel err {worst:.2e}")
+    assert worst > 1e-3
+
+
+@pytest.mark.slow
+def test_stage3_resume_equals_uninterrupted(stage3_setup, single):
+    """Step 3 resumed from checkpoint-2 (the gathered Hugging Face weights taken back into shards, each rank's
+    optimizer shard) ends on the weights of the uninterrupted run, bit for bit; packed micro-batches under a token
+    budget (ranks with different numbers of micro-batches run idle passes) equal one process too."""
+    out_dir = run_stage3(stage3_setup, "stage3-full")
+    resumed = run_stage3(stage3_setup, "stage3-resumed", resume_from_checkpoint=os.path.join(out_dir, "checkpoint-2"))
+    assert [r["step"] for r in read_rows(resumed)] == [3]
+    wa, wb = weights(out_dir), weights(resumed)
+    assert max(rel_err(wa[k], wb[k]) for k in wa) == 0.0
+
+
+# --------------------------------------------------------------------------------------------- worker
+
+def _perturb(kind):
+    """Break one collective of stage 3 on purpose (the tests above check that parity then fails)."""
+    import paddle
+    from paddle_rl.parallel import partitioned as P
+    if kind == "gather":
+        def own_only(self, unit):
+            with paddle.no_grad():
+                for part in unit.parts:
+                    whole = paddle.concat([part.shard.detach()] * self.degree)[:part.numel].reshape(part.param.shape)
+                    part.param.get_tensor()._share_data_with(whole.get_tensor())
+        P.PartitionedParams._all_gather = own_only
+    elif kind == "reduce":
+        P.dist.reduce = lambda tensor, dst, group=None: None
+
+
+def _worker(spec_path):
+    from paddle_rl.env import configure_threads
+    configure_threads()
+    with open(spec_path) as f:
+        spec = json.load(f)
+    _perturb(spec.get("perturb", ""))
+    trainer = train_and_probe(spec["overrides"], spec["out_dir"], spec["prompts"])
+    layout = trainer.layout
+    out = dict(layout.held_bytes(trainer.actor)) if hasattr(layout, "held_bytes") else {}
+    out["model_bytes"] = sum(int(np.prod(p.shape)) * 4 for p in trainer.actor.parameters())
+    out["peak_rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    with open(os.path.join(spec["out_dir"], f"params-rank{layout.rank}.json"), "w") as f:
+        json.dump(out, f)
+    layout.barrier()
+
+
+if __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1] == "--worker":
+    sys.path.insert(0, ROOT)
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    _worker(sys.argv[2])
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
