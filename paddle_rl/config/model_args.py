@@ -33,12 +33,33 @@ class ModelArgs:
     amp_master_grad: bool = arg(False, acted=False)
     amp_custom_black_list: str = arg("", acted=False)
     amp_custom_white_list: str = arg("", acted=False)
-    use_flash_attention: bool = arg(False, acted=False)
-    use_fused_rms_norm: bool = arg(False, acted=False)
-    use_fused_rope: bool = arg(False, acted=False)
-    use_fused_head_and_loss_fn: bool = arg(False, acted=False)
-    use_fused_linear: bool = arg(False, acted=False)
-    fused_linear: bool = arg(False, acted=False)
+    # the fused-kernel switches of the model's passes (ops/switches.py): true the fused path (an error naming the key
+    # where it cannot run), false the composed Paddle ops, null (unset) what the build picks (docs/kernels.md)
+    use_flash_attention: Optional[bool] = arg(
+        None, "Attention of the training, log-prob and prefill passes: true the blocked attention (query rows in "
+              "blocks, softmax(QK^T) never stored, the backward recomputing each block's probabilities from the saved "
+              "row maxima and sums; packed rows: the CPU kernel, which keeps none either), false the probabilities "
+              "materialized, unset: the kernel for packed rows (use_remove_padding) and materialized for padded ones. "
+              "With it, recompute_granularity core_attn does not run the core twice. PaddleNLP's default: false.")
+    use_fused_rms_norm: Optional[bool] = arg(
+        None, "RMSNorm: true the csrc kernel with its own backward (needs use_custom_ops), false the composed Paddle "
+              "ops, unset: the kernel where it runs. PaddleNLP's default: false.")
+    use_fused_rope: Optional[bool] = arg(
+        None, "Rotary embedding of q and k: true the csrc kernel with its own backward (needs use_custom_ops), false "
+              "the composed Paddle ops, unset: the kernel where it runs. The rollout's decode step always fuses it "
+              "with the KV-cache write. PaddleNLP's default: false.")
+    use_fused_head_and_loss_fn: Optional[bool] = arg(
+        None, "LM head and log-probs: true or unset, in chunks of rows (never the whole [tokens, vocab] logits; the "
+              "backward recomputes a chunk's logits beyond 256 MB), false from the whole logits. Tensor parallelism "
+              "and soft-capped logits use the whole (vocabulary-slice) logits: true is refused there. PaddleNLP's "
+              "default: false.")
+    use_fused_linear: Optional[bool] = arg(
+        None, "The linear layers' x W + b in one process: true or unset, Paddle's linear op, which takes the bias "
+              "inside the one op (its GEMM epilogue on a GPU, added into the product's output on a CPU), false the "
+              "product and a separate bias add over the output. Only layers with a bias differ (Qwen2's q/k/v). "
+              "PaddleNLP's default: false.")
+    fused_linear: Optional[bool] = arg(None, "PaddleNLP's other spelling of use_fused_linear (both set: they must "
+                                             "agree).")
     recompute: bool = arg(False, "Recompute in the backward pass to save memory (what: recompute_granularity).")
     use_custom_ops: str = arg("auto", "Fused C++/CUDA kernels of csrc/ (built on first use): auto (use them if they "
                                       "build, else the pure-Paddle fallbacks with one log line) | on (fail if they "
@@ -100,11 +121,26 @@ class ModelArgs:
                           "nothing is recomputed")
         if self.merge_lora and not self.uses_lora:
             errors.append("merge_lora: needs LoRA (lora: true, lora_rank > 0 or lora_path)")
+        for key in ("use_fused_rms_norm", "use_fused_rope"):
+            if getattr(self, key) and self.use_custom_ops == "off":
+                errors.append(f"{key}: true runs the fused kernel of csrc/, and use_custom_ops is off; set one of them "
+                              "differently")
+        if self.use_fused_linear is not None and self.fused_linear is not None \
+                and self.use_fused_linear != self.fused_linear:
+            errors.append(f"fused_linear: {self.fused_linear} contradicts use_fused_linear: {self.use_fused_linear} "
+                          "(the same switch); set one")
 
     @property
     def recompute_what(self):
         """What the update pass recomputes: None, or a recompute_granularity."""
         return self.recompute_granularity if self.recompute else None
+
+    @property
+    def kernel_switches(self) -> dict:
+        """The fused-kernel switches by their ops/switches.py names (None: unset)."""
+        return {"attention": self.use_flash_attention, "rms_norm": self.use_fused_rms_norm,
+                "rope": self.use_fused_rope, "head": self.use_fused_head_and_loss_fn,
+                "linear": self.use_fused_linear if self.use_fused_linear is not None else self.fused_linear}
 
     @property
     def uses_lora(self) -> bool:

@@ -288,20 +288,28 @@ class Attention(nn.Layer):
                 k, v = cache.update(k, v)
             bias = p.attention_bias if self.window is None else p.window_bias(self.window)
             core, args = self._core, (q, k, v, bias)
-        # core_attn recomputes the probabilities in the backward; the packed kernel's backward does that itself
-        # (it keeps only the output and each row's log-sum-exp), so it is not run twice
-        if p.recompute in ("core_attn", "core_attn_mlp") and not (p.packing is not None and p.packing.fused(q, k, v)):
+        # core_attn recomputes the probabilities in the backward; the packed kernel's and the blocked attention's
+        # backward do that themselves (they keep only the output and each row's softmax statistics), so the core is
+        # not run twice
+        stores = p.packing.stores_probabilities(q, k, v) if p.packing is not None \
+            else not ops.kernel_switch("attention")
+        if p.recompute in ("core_attn", "core_attn_mlp") and stores:
             return self.o_proj(_recompute(core, *args))
         return self.o_proj(core(*args))
 
     def _core(self, q, k, v, bias):
-        """softmax(q k^T * scale + bias) v: q [B, H, L, D], k, v [B, KV, K, D] -> [B, L, H * D]."""
+        """softmax(q k^T * scale + bias) v: q [B, H, L, D], k, v [B, KV, K, D] -> [B, L, H * D]. With
+        use_flash_attention the blocked attention (ops.blocked_attention: no probabilities stored), else the
+        probabilities materialized (ops.masked_softmax)."""
         batch, length = q.shape[0], q.shape[2]
         groups = self.num_heads // self.num_kv_heads
         # heads h = kv * groups + j share kv head `kv`: fold the group into the query axis
         q = q.reshape([batch, self.num_kv_heads, groups * length, self.head_dim])
-        probs = ops.masked_softmax(paddle.matmul(q, k, transpose_y=True), bias, self.scale)
-        out = paddle.matmul(probs, v).reshape([batch, self.num_heads, length, self.head_dim])
+        if ops.kernel_switch("attention"):
+            out = ops.blocked_attention(q, k, v, bias, self.scale)
+        else:
+            out = paddle.matmul(ops.masked_softmax(paddle.matmul(q, k, transpose_y=True), bias, self.scale), v)
+        out = out.reshape([batch, self.num_heads, length, self.head_dim])
         return out.transpose([0, 2, 1, 3]).reshape([batch, length, self.num_heads * self.head_dim])
 
     @property
@@ -700,24 +708,40 @@ class CausalLM(nn.Layer):
     def head_logprobs(self, hidden, targets, temperature: float, with_entropy: bool = False,
                       with_greedy: bool = False):
         """log softmax(logits / T) at `targets` (and the entropy) from hidden states [b, L, hidden]: [b, L].
-        One process: chunked through `ops.lm_head_logprobs` (never a [tokens, vocab] log-softmax); tensor
+        One process: chunked through `ops.lm_head_logprobs` (never a [tokens, vocab] log-softmax), or with
+        use_fused_head_and_loss_fn: false from the whole logits (ops.lm_head_logprobs_reference); tensor
         parallel: from vocabulary-sharded logits. `with_greedy` (no-grad passes): a third output, the argmax of
         the logits at each position [b, L] int64."""
         batch, length = targets.shape[0], targets.shape[1]
         weight, transposed = self.head_weight
         if hidden.dtype != paddle.float32:  # AMP's bfloat16 (trainer/precision.py): log-probs from float32 copies
             hidden, weight = hidden.astype("float32"), weight.astype("float32")
+        chunked = ops.kernel_switch("head")
         if self.tp_group is None and self.logit_softcap is None:
-            out = ops.lm_head_logprobs(hidden.reshape([batch * length, hidden.shape[-1]]), weight,
-                                       targets.reshape([-1]), temperature, with_entropy, transpose_weight=transposed,
-                                       bf16=self.head_bf16, with_greedy=with_greedy)
+            head = ops.lm_head_logprobs if chunked is not False else ops.lm_head_logprobs_reference
+            out = head(hidden.reshape([batch * length, hidden.shape[-1]]), weight, targets.reshape([-1]), temperature,
+                       with_entropy, transpose_weight=transposed, bf16=self.head_bf16, with_greedy=with_greedy)
             return tuple(None if x is None else x.reshape([batch, length]) for x in out)
+        if chunked:
+            raise ops.SwitchError(self.unchunked_head)
         # tensor parallel, or soft-capped logits: from this rank's logits (all of them in one process)
         logits = self.softcap(self.local_logits(hidden)[..., :self.vocab_width])
         if temperature > 0:
             logits = logits / temperature
         out = vocab_parallel_logprobs(logits, targets, self.tp_group, self.vocab_start, with_entropy)
         return (*out, vocab_parallel_argmax(logits, self.tp_group, self.vocab_start)) if with_greedy else out
+
+    @property
+    def unchunked_head(self) -> Optional[str]:
+        """Why use_fused_head_and_loss_fn: true cannot act on this model (None where it can)."""
+        if self.tp_group is not None:
+            return ("use_fused_head_and_loss_fn: true, but under tensor parallelism the log-probs come from each "
+                    "rank's vocabulary slice of the logits whole (vocab_parallel_logprobs); set it false or leave it "
+                    "unset")
+        if self.logit_softcap is not None:
+            return ("use_fused_head_and_loss_fn: true, but this model's logits are soft-capped "
+                    "(final_logit_softcapping), which the chunked head does not apply; set it false or leave it unset")
+        return None
 
     def forward(self, input_ids, attention_mask=None):
         """Full-sequence logits (no cache): [B, T, vocab]."""

@@ -213,7 +213,7 @@ class ColumnLinear(_Linear):
     def forward(self, x):
         weight = self.effective_weight
         if self.group is None and self.packed is None and not self.bf16:
-            y = F.linear(x, weight, self.bias)
+            y = ops.affine(x, weight, self.bias)  # Paddle's linear op (use_fused_linear: false: two)
         else:
             y = self.project(copy_to_group(x, self.group), weight)
             y = y + self.bias if self.bias is not None else y
@@ -234,7 +234,7 @@ class RowLinear(_Linear):
     def forward(self, x):
         weight = self.effective_weight
         if self.group is None and self.packed is None and not self.bf16:
-            y = F.linear(x, weight, self.bias)
+            y = ops.affine(x, weight, self.bias)  # Paddle's linear op (use_fused_linear: false: two)
         else:
             y = reduce_from_group(self.project(x, weight), self.group)
             y = y + self.bias if self.bias is not None else y

@@ -7,10 +7,12 @@ count from each prompt's start, so a response's tokens sit where they would in i
 set of segments: a prompt attends causally to itself; a response attends to its prompt and causally to itself.
 On the CPU with the fused kernels, one op (ops.packed_attention_fused) reads each token's keys from its spans
 (prefix range, own segment up to itself) and keeps no probabilities: its backward recomputes them from each row's
-log-sum-exp. Elsewhere, segments of similar sizes are gathered into padded blocks (queries [rows, Lq], keys
+log-sum-exp. Elsewhere (and with use_flash_attention: false), segments of similar sizes are gathered into
+padded blocks (queries [rows, Lq], keys
 [rows, Lk]); a dynamic program over the segments sorted by size chooses the blocks, trading padded query-key
-pairs against a fixed cost per block (`BLOCK_PAIRS`). Each block runs the masked softmax of the padded path,
-and every token's output is gathered back to its packed position. Gathers carry gradients (a scatter-add
+pairs against a fixed cost per block (`BLOCK_PAIRS`). Each block runs the attention of the padded path (the
+materialized masked softmax, or with use_flash_attention: true ops.blocked_attention), and every token's
+output is gathered back to its packed position. Gathers carry gradients (a scatter-add
 backward). Both give the padded layout's log-probs and gradients up to float rounding.
 
 As in the padded pass, a response's last column of the micro-batch is not run (it predicts nothing): each row
@@ -152,8 +154,14 @@ class Packing:
 
     @staticmethod
     def fused(q, k, v) -> bool:
-        """Whether attend runs the packed kernel for these q, k, v [1, N, heads, d]."""
-        return ops.packed_attention_usable(q, k, v)
+        """Whether attend runs the packed kernel for these q, k, v [1, N, heads, d] (where it runs, unless
+        use_flash_attention is false)."""
+        return ops.kernel_switch("attention") is not False and ops.packed_attention_usable(q, k, v)
+
+    @classmethod
+    def stores_probabilities(cls, q, k, v) -> bool:
+        """Whether attend keeps its probabilities for the backward (neither the kernel nor the blocked path)."""
+        return not cls.fused(q, k, v) and not ops.kernel_switch("attention")
 
     def attend(self, q, k, v, scale: float):
         """Attention of the packed row: q [1, N, heads, d], k, v [1, N, kv_heads, d] (rotary applied) ->
@@ -169,8 +177,11 @@ class Packing:
             qb = qb.reshape([rows, kv_heads, heads // kv_heads * length, d])  # a kv head's query heads folded in
             kb = paddle.gather(k, block.k_index).reshape([rows, keys, kv_heads, d]).transpose([0, 2, 1, 3])
             vb = paddle.gather(v, block.k_index).reshape([rows, keys, kv_heads, d]).transpose([0, 2, 1, 3])
-            probs = ops.masked_softmax(paddle.matmul(qb, kb, transpose_y=True), block.bias, scale)
-            out = paddle.matmul(probs, vb).reshape([rows, heads, length, d]).transpose([0, 2, 1, 3])
+            if ops.kernel_switch("attention"):  # use_flash_attention without the kernel: no probabilities kept
+                out = ops.blocked_attention(qb, kb, vb, block.bias, scale)
+            else:
+                out = paddle.matmul(ops.masked_softmax(paddle.matmul(qb, kb, transpose_y=True), block.bias, scale), vb)
+            out = out.reshape([rows, heads, length, d]).transpose([0, 2, 1, 3])
             outs.append(out.reshape([rows * length, heads * d]))
         out = outs[0] if len(outs) == 1 else paddle.concat(outs)
         return paddle.gather(out, self.out_index).unsqueeze(0)

@@ -19,13 +19,21 @@ when it is in use, else the reference). `configure("auto" | "on" | "off")` selec
 - masked_softmax: the training / prefill attention's softmax(scale * scores + bias), with its backward
 - packed_attention_fused / _reference: attention of a packed row (several sequences, each token's keys as two
   ranges), with its backward; the fused kernel stores no probabilities
+- blocked_attention / _reference: the padded layout's attention with its backward, query rows in blocks, the
+  probabilities never stored (use_flash_attention)
 - sample: penalty, stop-token ban, temperature, top-k, top-p and the inverse-CDF draw; log-prob of the draw
 - lm_head_logprobs: per-token log-prob and entropy from hidden states and the LM-head weight, chunked
 - row_argmax: each row's first largest index (Paddle's argmax over the last axis of [N, V]), the greedy choice
 - step_update: the rollout's per-step stop flags, lengths, seen tokens and min-length ban
+
+switches.py holds the fused-kernel switches of the model's passes (use_flash_attention, use_fused_rms_norm,
+use_fused_rope, use_fused_head_and_loss_fn, use_fused_linear): `select_kernels(attention=, rms_norm=, rope=, head=,
+linear=)`; linear_bias.py the linear layers' x W + b (Paddle's linear op, or the product and a separate bias add).
 """
+from .linear_bias import affine, affine_fused, affine_reference
 from .activation import swiglu, swiglu_fused, swiglu_reference
-from .attention import (decode_attention, decode_attention_fused, decode_attention_reference, masked_softmax,
+from .attention import (blocked_attention, blocked_attention_reference, decode_attention, decode_attention_fused,
+                        decode_attention_reference, masked_softmax,
                         masked_softmax_fused, masked_softmax_reference, packed_attention_fused,
                         packed_attention_reference, packed_attention_usable, packed_key_mask)
 from .build import CustomOpsError, available, configure, mode, status
@@ -46,6 +54,8 @@ from .rollout_state import StepState, step_update, step_update_fused, step_updat
 from .rope import (rotary, rotary_fused, rotary_qkv_cache, rotary_qkv_cache_fused, rotary_qkv_cache_reference,
                      rotary_reference, rotary_tables)
 from .sampling import sample, sample_fused, sample_reference
+from .switches import SwitchError, current as kernel_switches, select as select_kernels, selected as kernels_selected, \
+    switch as kernel_switch
 
 __all__ = ["configure", "available", "mode", "status", "CustomOpsError",
            "rms_norm", "rms_norm_fused", "rms_norm_reference", "residual_add", "residual_add_reference",
@@ -65,7 +75,9 @@ __all__ = ["configure", "available", "mode", "status", "CustomOpsError",
            "decode_attention", "decode_attention_fused", "decode_attention_reference",
            "masked_softmax", "masked_softmax_fused", "masked_softmax_reference",
            "packed_attention_fused", "packed_attention_reference", "packed_attention_usable",
-           "packed_key_mask",
+           "packed_key_mask", "blocked_attention", "blocked_attention_reference",
+           "affine", "affine_fused", "affine_reference",
+           "SwitchError", "kernel_switches", "select_kernels", "kernels_selected", "kernel_switch",
            "sample", "sample_fused", "sample_reference",
            "lm_head_logprobs", "lm_head_logprobs_reference", "logprobs_from_logits", "row_argmax",
            "StepState", "step_update", "step_update_fused", "step_update_reference"]

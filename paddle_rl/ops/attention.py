@@ -2,6 +2,7 @@
 training / prefill path, and the attention of a packed row (several sequences in one row, with its backward)."""
 import paddle
 import paddle.nn.functional as F
+from paddle.autograd import PyLayer
 
 from . import build
 from ._util import contiguous, fusable
@@ -96,3 +97,100 @@ def packed_attention_fused(q, k, v, spans, scale: float):
 def packed_attention_usable(q, k, v) -> bool:
     """The CPU kernel's case: float32 CPU tensors, head_dim a multiple of 16 (its vectors)."""
     return fusable(q, k, v) and q.place.is_cpu_place() and q.shape[-1] % 16 == 0
+
+
+# ------------------------------------------------------------------------- blocked attention (use_flash_attention)
+# The training / prefill attention of the padded layout without its probabilities: query rows in blocks of at most
+# BLOCK_ELEMENTS scores, each block's softmax(QK^T) made, multiplied by V and dropped; the forward keeps the output
+# and each row's maximum and sum of exponentials, and the backward makes each block's probabilities again from them
+# (FlashAttention's recomputation: dV = P^T dO, dP = dO V^T, dS = P (dP - rowsum(dO O)), dQ = dS K, dK = dS^T Q,
+# with the scale). The maximum is kept beside the sum (not their log-sum-exp) so that a row whose keys are all
+# masked (left padding: every score near NEG_INF, where float32's spacing is 64) makes the forward's probabilities
+# again exactly.
+BLOCK_ELEMENTS = 1 << 22   # scores per block (16 MB of float32)
+
+
+def blocked_attention_reference(q, k, v, bias, scale: float):
+    """softmax(q k^T * scale + bias) v with the probabilities materialized: q [B, KV, G * L, D] (a kv head's G query
+    heads folded into the rows), k, v [B, KV, K, D], bias [B or 1, 1, L, K] -> [B, KV, G * L, D]."""
+    probs = masked_softmax_reference(paddle.matmul(q, k, transpose_y=True), bias, scale)
+    return paddle.matmul(probs, v)
+
+
+def _block_rows(q, keys: int, length: int, rows: int = 0) -> int:
+    if rows:
+        return max(1, min(int(rows), length))
+    batch, kv, folded = q.shape[0], q.shape[1], q.shape[2]
+    groups = folded // length
+    return max(1, min(length, BLOCK_ELEMENTS // max(1, batch * kv * groups * keys)))
+
+
+def _scores(qb, k, bias_b, scale: float):
+    """Scores of a block: qb [B, KV, G, b, D] against k [B, KV, K, D], bias_b [B or 1, 1, b, K]."""
+    return paddle.matmul(qb, k.unsqueeze(2), transpose_y=True) * scale + bias_b.unsqueeze(2)
+
+
+def _blocked_forward(q, k, v, bias, scale: float, rows: int, keep: bool):
+    batch, kv, folded, d = q.shape
+    length = bias.shape[2]
+    q5 = q.reshape([batch, kv, folded // length, length, d])
+    outs, tops, sums = [], [], []
+    for start in range(0, length, rows):
+        stop = min(start + rows, length)
+        s = _scores(q5[:, :, :, start:stop], k, bias[:, :, start:stop], scale)
+        top = s.max(axis=-1, keepdim=True)
+        e = (s - top).exp()
+        total = e.sum(axis=-1, keepdim=True)
+        outs.append(paddle.matmul(e / total, v.unsqueeze(2)))
+        if keep:
+            tops.append(top)
+            sums.append(total)
+    cat = (lambda xs: xs[0] if len(xs) == 1 else paddle.concat(xs, axis=3))
+    out = cat(outs).reshape([batch, kv, folded, d])
+    return (out, cat(tops), cat(sums)) if keep else (out, None, None)
+
+
+class _BlockedAttention(PyLayer):
+    @staticmethod
+    def forward(ctx, q, k, v, bias, scale, rows):
+        ctx.needs = (not q.stop_gradient, not k.stop_gradient, not v.stop_gradient)
+        out, top, total = _blocked_forward(q, k, v, bias, scale, rows, keep=True)
+        ctx.save_for_backward(q, k, v, bias, out, top, total)
+        ctx.config = (scale, rows)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, bias, out, top, total = ctx.saved_tensor()
+        scale, rows = ctx.config
+        batch, kv, folded, d = q.shape
+        length = bias.shape[2]
+        groups = folded // length
+        q5 = q.reshape([batch, kv, groups, length, d])
+        g5 = grad_out.reshape([batch, kv, groups, length, d])
+        delta = (g5 * out.reshape([batch, kv, groups, length, d])).sum(axis=-1, keepdim=True)
+        dq, dk, dv = [], None, None
+        for start in range(0, length, rows):
+            stop = min(start + rows, length)
+            qb, gb = q5[:, :, :, start:stop], g5[:, :, :, start:stop]
+            p = (_scores(qb, k, bias[:, :, start:stop], scale) - top[:, :, :, start:stop]).exp() \
+                / total[:, :, :, start:stop]
+            ds = p * (paddle.matmul(gb, v.unsqueeze(2), transpose_y=True) - delta[:, :, :, start:stop]) * scale
+            dq.append(paddle.matmul(ds, k.unsqueeze(2)))
+            flat = [batch, kv, groups * (stop - start), -1]   # a kv head's query heads summed in one product
+            dv_b = paddle.matmul(p.reshape(flat), gb.reshape(flat), transpose_x=True)
+            dk_b = paddle.matmul(ds.reshape(flat), qb.reshape(flat), transpose_x=True)
+            dv = dv_b if dv is None else dv.add_(dv_b)
+            dk = dk_b if dk is None else dk.add_(dk_b)
+        dq = (dq[0] if len(dq) == 1 else paddle.concat(dq, axis=3)).reshape([batch, kv, folded, d])
+        return (dq if ctx.needs[0] else None, dk if ctx.needs[1] else None, dv if ctx.needs[2] else None, None)
+
+
+def blocked_attention(q, k, v, bias, scale: float, rows: int = 0):
+    """blocked_attention_reference's result without its [B, KV, G * L, K] probabilities: query rows in blocks
+    (`rows` positions per block; 0: as many as BLOCK_ELEMENTS scores allow), the backward making each block's
+    probabilities again from the saved row maxima and sums. Differentiable in q, k and v (not the bias)."""
+    rows = _block_rows(q, k.shape[2], bias.shape[2], rows)
+    if paddle.is_grad_enabled() and not (q.stop_gradient and k.stop_gradient and v.stop_gradient):
+        return _BlockedAttention.apply(q, k, v, bias, float(scale), rows)
+    return _blocked_forward(q, k, v, bias, float(scale), rows, keep=False)[0]

@@ -7,6 +7,7 @@ from . import build
 from ._util import contiguous, fusable
 from .kv_cache import caches_fusable
 from .norm import rms_norm_reference
+from .switches import switch, unusable
 
 
 def rotate_half(x):
@@ -24,9 +25,17 @@ def rotary_fused(x, cos, sin):
 
 
 def rotary(x, cos, sin):
-    if x.ndim == 4 and cos.ndim == 4 and cos.shape[2] == 1 and cos.shape[0] in (1, x.shape[0]) \
-            and cos.shape[1] == x.shape[1] and fusable(x, cos, sin):
+    """The kernel, or the composed ops, as use_fused_rope says (switches.py; unset: the kernel where it runs)."""
+    use = switch("rope")
+    if use is False:
+        return rotary_reference(x, cos, sin)
+    layout = x.ndim == 4 and cos.ndim == 4 and cos.shape[2] == 1 and cos.shape[0] in (1, x.shape[0]) \
+        and cos.shape[1] == x.shape[1]
+    if layout and fusable(x, cos, sin):
         return rotary_fused(x, cos, sin)
+    if use:
+        raise unusable("rope", f"x {x.shape} {x.dtype}, tables {cos.shape}: the kernel takes float32 x [B, L, H, D] "
+                               "and tables [B or 1, L, 1, D]")
     return rotary_reference(x, cos, sin)
 
 

@@ -60,6 +60,7 @@ class StepLoop:
         self.config = config
         self.device = select_device()  # the launcher's GPU for this rank (or the CPU), before any tensor exists
         ops.configure(config.use_custom_ops)
+        ops.select_kernels(**config.kernel_switches)   # use_flash_attention, use_fused_rms_norm, ... (ops/switches.py)
         layout = build_layout(topology if topology is not None else _topology(config),
                               share_prompts=config.share_prompt_prefix, max_tokens=config.max_tokens_per_micro_batch,
                               remove_padding=config.use_remove_padding)
@@ -99,6 +100,8 @@ class StepLoop:
             self.actor = self.layout.load_model(cfg.actor_model_name_or_path, lora=lora_settings(cfg),
                                                 adapter=cfg.lora_path or None)
         self.actor.recompute = cfg.recompute_what
+        if cfg.use_fused_head_and_loss_fn and self.actor.is_last and self.actor.unchunked_head:
+            raise ops.SwitchError(self.actor.unchunked_head)
         if cfg.recompute_what == "core_attn_mlp" and any(isinstance(m, SparseMoE) for m in self.actor.sublayers()):
             logger.warning("recompute_granularity core_attn_mlp: the sparse MoE blocks keep their activations (the "
                            "dense MLP blocks and the attention cores are recomputed)")
