@@ -3,6 +3,16 @@ from dataclasses import dataclass
 from .fields import arg
 
 
+def sequence_parallel_refusal(tensor: int, pipe: int) -> str:
+    """Why `sequence_parallel: true` cannot run on this grid (the config check and the topology)."""
+    if tensor == 1:
+        return ("sequence_parallel: true needs tensor_parallel_degree > 1 (it splits the tensor-parallel group's "
+                "activations along the sequence; PaddleNLP ignores it without tensor parallelism, this suite refuses "
+                "it); set tensor_parallel_degree or sequence_parallel: false")
+    return (f"sequence_parallel: true with pipeline_parallel_degree {pipe} is not implemented (the pipeline's stages "
+            "exchange whole-sequence activations); use pipeline_parallel_degree 1 or sequence_parallel: false")
+
+
 STAGE3_AT_DEGREE_1 = ("sharding: stage3 partitions the parameters over sharding_parallel_degree ranks, and at "
                       "degree 1 there is nothing to partition (PaddleNLP drops it there without a word); set "
                       "sharding_parallel_degree > 1 (or -1) or leave sharding empty")
@@ -32,8 +42,20 @@ class ParallelArgs:
                                             "3.3.1), so only values below 30 shorten the wait there.",
                                     aliases=("ddp_timeout",))
     sharding_parallel_config: str = arg("", acted=False)
-    sequence_parallel: bool = arg(False, acted=False)
-    virtual_pp_degree: int = arg(1, acted=False)
+    sequence_parallel: bool = arg(False, "Megatron-style sequence parallelism on the tensor-parallel group: the "
+                                         "activations outside the tensor-parallel blocks (the residual stream, the "
+                                         "norms, the embedding's output) hold 1/tensor_parallel_degree of the "
+                                         "tokens on each rank; each block all-gathers its input and reduce-scatters "
+                                         "its output instead of the all-reduce. Needs tensor_parallel_degree > 1 "
+                                         "and pipeline_parallel_degree 1 (PaddleNLP ignores it without tensor "
+                                         "parallelism; refused here). The rollout's decoding is unchanged.")
+    virtual_pp_degree: int = arg(1, "Chunks of layers per pipeline stage (interleaved 1F1B, Megatron's virtual "
+                                    "pipeline): the decoder layers split into pipeline_parallel_degree x k chunks, "
+                                    "stage r holding chunks r, r + pipeline_parallel_degree, ...; the schedule's "
+                                    "idle time shrinks by about k for k times the transfers. Needs "
+                                    "pipeline_parallel_degree > 1, num_hidden_layers divisible by "
+                                    "pipeline_parallel_degree x k, and in training a number of micro-batches per "
+                                    "mini-batch that is a multiple of pipeline_parallel_degree.")
 
     def _resolve_sharding_degree(self, given) -> None:
         """PaddleNLP derives sharding_parallel_degree -1 only when a sharding stage is named; otherwise there is
@@ -50,8 +72,13 @@ class ParallelArgs:
                 errors.append(f"{key}: must be >= 1 or -1, got {getattr(self, key)}")
         if not self.collective_timeout > 0:
             errors.append(f"collective_timeout: must be > 0 seconds, got {self.collective_timeout}")
+        if self.virtual_pp_degree > 1 and self.pipeline_parallel_degree == 1:
+            errors.append(f"virtual_pp_degree {self.virtual_pp_degree} needs pipeline_parallel_degree > 1 (it splits "
+                          "each pipeline stage into chunks of layers); set it to 1 or add pipeline stages")
         if self.sharding not in ("", "stage1", "stage2", "stage3"):
             errors.append(f"sharding: must be stage1, stage2 or stage3, got {self.sharding!r}")
+        if self.sequence_parallel and (self.tensor_parallel_degree == 1 or self.pipeline_parallel_degree > 1):
+            errors.append(sequence_parallel_refusal(self.tensor_parallel_degree, self.pipeline_parallel_degree))
         if self.sharding == "stage3" and self.sharding_parallel_degree == 1:  # PaddleNLP drops it there, silently
             errors.append(STAGE3_AT_DEGREE_1)
         if self.sharding == "stage3" and self.pipeline_parallel_degree > 1:

@@ -5,7 +5,11 @@ same stages on the same ranks, its value head on the last stage; its value pass 
 with the head's values (and the value loss) in place of the log-probs (and the policy loss). Micro-batches come
 from the layout's MicroBatching (rows or a token budget, each padded to its own longest; every stage of a pipeline
 holds the same batch, so every stage plans the same micro-batches); packed rows (use_remove_padding) are refused
-at config check."""
+at config check.
+
+With `virtual_pp_degree` k > 1 each stage holds k chunks of layers (stage r: chunks r, r + stages, ...; the
+embedding with chunk 0, the head with the last chunk) and the passes run the interleaved schedules of
+parallel/pipeline.py (train_interleaved, forward_only_interleaved): `forward(chunk, i, x)` runs one chunk."""
 import paddle
 import paddle.distributed as dist
 
@@ -13,7 +17,7 @@ from ..models import hf_state, load_model
 from ..models.critic import head_values, load_critic
 from ..models.decoder import attention_bias_from_mask, position_ids_from_mask
 from ..parallel import collectives as C
-from ..parallel.pipeline import Link, forward_only, train_1f1b
+from ..parallel.pipeline import Link, forward_only, forward_only_interleaved, train_1f1b, train_interleaved
 from ..parallel.watchdog import watched
 from .base import Layout
 
@@ -25,15 +29,22 @@ def _inputs(tensors):
 
 
 class Pipelined(Layout):
-    def load_model(self, folder: str, lora=None, adapter=None):
+    @property
+    def virtual(self) -> int:
+        """Chunks of layers per stage (virtual_pp_degree)."""
+        return getattr(self._topo, "virtual_pp", 1)
+
+    @property
+    def _stage(self) -> tuple:
         topo = self._topo
-        return load_model(folder, tp_group=topo.group("tp"), stage=(topo.pp_rank, topo.pp_degree), lora=lora,
-                          adapter=adapter)
+        return (topo.pp_rank, topo.pp_degree) if self.virtual == 1 else (topo.pp_rank, topo.pp_degree, self.virtual)
+
+    def load_model(self, folder: str, lora=None, adapter=None):
+        return load_model(folder, tp_group=self._topo.group("tp"), stage=self._stage, lora=lora, adapter=adapter)
 
     def load_critic(self, folder: str, lora=None):
         """The critic split into the actor's stages (and tensor-parallel group), its value head on the last stage."""
-        topo = self._topo
-        return load_critic(folder, tp_group=topo.group("tp"), lora=lora, stage=(topo.pp_rank, topo.pp_degree))
+        return load_critic(folder, tp_group=self._topo.group("tp"), lora=lora, stage=self._stage)
 
     def full_state(self, model, frozen: bool = True) -> dict:
         merged = {}
@@ -47,19 +58,40 @@ class Pipelined(Layout):
                 merged.setdefault(k, v)
         return merged
 
-    @staticmethod
-    def _stage_fn(model, parts, head):
+    def _stage_fn(self, model, parts, head):
         """`parts`: (micro-batch, its tensors) pairs; `head(i, hidden)`: the last stage's output of micro-batch i
-        from the final hidden states at its response-predicting positions [b, W, hidden] (the loss in training)."""
-        def forward(i, x):
+        from the final hidden states at its response-predicting positions [b, W, hidden] (the loss in training).
+        Interleaved: forward(chunk, i, x), the last stage's output after its last chunk."""
+        last_chunk = self.virtual - 1
+
+        def forward_chunk(chunk, i, x):
             part, tensors = parts[i]
             ids, pos, bias = _inputs(tensors)
-            y = model.hidden_states(ids if model.is_first else x, pos, bias)
-            if not model.is_last:
+            first = model.is_first and chunk in (None, 0)
+            y = model.hidden_states(ids if first else x, pos, bias, chunk=chunk)
+            if not (model.is_last and chunk in (None, last_chunk)):
                 return y
             width = part.prompt_width
             return head(i, y[:, width - 1:width - 1 + tensors["response_ids"].shape[1]])
-        return forward
+        return forward_chunk if self.virtual > 1 else (lambda i, x: forward_chunk(None, i, x))
+
+    def _forward_only(self, link, parts, forward, act_shape) -> list:
+        """The no-grad schedule over the micro-batches: the last stage's outputs (None elsewhere)."""
+        if self.virtual > 1:
+            return forward_only_interleaved(link, self.virtual, len(parts), forward, act_shape)
+        return forward_only(link, len(parts), forward, act_shape)
+
+    def _train(self, link, parts, forward, act_shape, batch_key: str) -> None:
+        """Forward and backward of every micro-batch (1F1B, or interleaved with virtual stages)."""
+        if self.virtual == 1:
+            train_1f1b(link, len(parts), forward, act_shape)
+            return
+        if len(parts) % link.num_stages:
+            raise ValueError(f"virtual_pp_degree {self.virtual}: a mini-batch of {len(parts)} micro-batches; the "
+                             "interleaved schedule needs a multiple of pipeline_parallel_degree "
+                             f"({link.num_stages}) in training (as Megatron's): set {batch_key} (or "
+                             "max_tokens_per_micro_batch) so that each mini-batch splits into such a number")
+        train_interleaved(link, self.virtual, len(parts), forward, act_shape)
 
     def _act_shape(self, model, parts):
         return lambda i: [*parts[i][1]["input_ids"].shape, model.config.hidden_size]
@@ -85,7 +117,7 @@ class Pipelined(Layout):
         link = Link(self._topo)
         head = lambda i, hidden: model.head_logprobs(hidden, parts[i][1]["response_ids"], temperature, with_entropy,
                                                      with_greedy=with_greedy)
-        outs = forward_only(link, len(parts), self._stage_fn(model, parts, head), self._act_shape(model, parts))
+        outs = self._forward_only(link, parts, self._stage_fn(model, parts, head), self._act_shape(model, parts))
         chunks = []
         for rows, (_, tensors), out in zip(plan, parts, outs):
             shape = list(tensors["response_ids"].shape)
@@ -109,7 +141,8 @@ class Pipelined(Layout):
             logp, entropy = model.head_logprobs(hidden, tensors["response_ids"], temperature, True)
             outputs.append(loss_fn(tensors, logp, entropy))
             return outputs[-1].loss
-        train_1f1b(Link(self._topo), len(parts), self._stage_fn(model, parts, head), self._act_shape(model, parts))
+        self._train(Link(self._topo), parts, self._stage_fn(model, parts, head), self._act_shape(model, parts),
+                    "per_device_train_batch_size")
         return outputs
 
     # ---------------------------------------------------------------- a critic: the value head on the last stage
@@ -117,7 +150,7 @@ class Pipelined(Layout):
         parts = self._parts(batch, plan)
         link = Link(self._topo)
         head = lambda i, hidden: head_values(model, hidden)
-        outs = forward_only(link, len(parts), self._stage_fn(model, parts, head), self._act_shape(model, parts))
+        outs = self._forward_only(link, parts, self._stage_fn(model, parts, head), self._act_shape(model, parts))
         return [(rows, self._from_last(link, out, list(tensors["response_ids"].shape)).numpy())
                 for rows, (_, tensors), out in zip(plan, parts, outs)]
 
@@ -130,7 +163,8 @@ class Pipelined(Layout):
             part, tensors = parts[i]
             outputs.append(loss_fn(plan[i], part, tensors, head_values(model, hidden)))
             return outputs[-1].loss
-        train_1f1b(Link(self._topo), len(parts), self._stage_fn(model, parts, head), self._act_shape(model, parts))
+        self._train(Link(self._topo), parts, self._stage_fn(model, parts, head), self._act_shape(model, parts),
+                    "per_device_train_batch_size")
         return outputs
 
     def from_last_stage(self, array):

@@ -23,7 +23,7 @@ import paddle.nn.functional as F
 from paddle.autograd import PyLayer
 
 from .. import ops
-from ..parallel.collectives import copy_to_group, gather_from_group, group_size
+from ..parallel.collectives import TokenSplit, copy_to_group, gather_from_group, group_size
 from .config import ModelConfig
 from .layers import Bf16Products, ColumnLinear, RMSNorm, RowLinear, ScoreHead, VocabEmbedding, vocab_parallel_argmax, \
     vocab_parallel_logprobs
@@ -192,6 +192,8 @@ class Pass:
     decode_start[b] on. MoE blocks add their router statistics to `router` (none in a decode step), each token
     weighted by `token_weight` [B, T] (0 on padding; None: every token counts once). `packing` (packing.Packing)
     marks a packed row of several sequences: attention runs on its blocks instead of a bias over the row.
+    `tokens` (set by CausalLM.run under sequence parallelism: collectives.TokenSplit): the residual stream and the
+    norms hold this rank's share of the tokens; the tensor-parallel blocks gather them and scatter their output.
     `recompute` (set by CausalLM.run in training): what the backward recomputes, None or "full" (each layer),
     "full_attn" (each self-attention block), "core_attn" (softmax(QK^T)V, whose probabilities grow with the
     sequence) or "core_attn_mlp" (that and each dense MLP block with its norm)."""
@@ -201,6 +203,7 @@ class Pass:
         self.position_ids = position_ids
         self.packing = packing
         self.recompute = None
+        self.tokens = None
         self.attention_bias = attention_bias
         self.caches = caches
         self.decode_start = decode_start
@@ -268,8 +271,9 @@ class Attention(nn.Layer):
     def forward(self, x, p: Pass, cache=None):
         if p.decode:
             return self.o_proj(self._decode(x, p, cache))
-        batch, length = x.shape[0], x.shape[1]
-        q, k, v = paddle.split(self.qkv_proj(x), self.split_sizes, axis=-1)
+        qkv = self.qkv_proj(x, p.tokens)  # under sequence parallelism x holds this rank's tokens, qkv all of them
+        batch, length = qkv.shape[0], qkv.shape[1]
+        q, k, v = paddle.split(qkv, self.split_sizes, axis=-1)
         q = q.reshape([batch, length, self.num_heads, self.head_dim])
         k = k.reshape([batch, length, self.num_kv_heads, self.head_dim])
         v = v.reshape([batch, length, self.num_kv_heads, self.head_dim])
@@ -294,8 +298,8 @@ class Attention(nn.Layer):
         stores = p.packing.stores_probabilities(q, k, v) if p.packing is not None \
             else not ops.kernel_switch("attention")
         if p.recompute in ("core_attn", "core_attn_mlp") and stores:
-            return self.o_proj(_recompute(core, *args))
-        return self.o_proj(core(*args))
+            return self.o_proj(_recompute(core, *args), p.tokens)
+        return self.o_proj(core(*args), p.tokens)
 
     def _core(self, q, k, v, bias):
         """softmax(q k^T * scale + bias) v: q [B, H, L, D], k, v [B, KV, K, D] -> [B, L, H * D]. With
@@ -346,10 +350,11 @@ class MLP(nn.Layer):
                                    f"{prefix}.down_proj")
 
     def forward(self, x, p: Optional[Pass] = None):
+        tokens = None if p is None else p.tokens  # sequence parallelism: x and the output hold this rank's tokens
         if self.activation == "silu":
-            return self.down_proj(ops.swiglu(self.gate_up_proj(x)))
-        gate, up = paddle.split(self.gate_up_proj(x), 2, axis=-1)  # a rank's shard is [gate shard, up shard]
-        return self.down_proj(F.gelu(gate, approximate=True) * up)
+            return self.down_proj(ops.swiglu(self.gate_up_proj(x, tokens)), tokens)
+        gate, up = paddle.split(self.gate_up_proj(x, tokens), 2, axis=-1)  # a rank's shard is [gate shard, up shard]
+        return self.down_proj(F.gelu(gate, approximate=True) * up, tokens)
 
 
 class DecoderLayer(nn.Layer):
@@ -400,8 +405,28 @@ class DecoderLayer(nn.Layer):
 
     def _mlp_block(self, x, p: Pass):
         if self.sandwich:
-            return self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x), p))
-        return self.mlp(self.post_attention_layernorm(x), p)
+            return self.post_feedforward_layernorm(self._mlp(self.pre_feedforward_layernorm(x), p))
+        return self._mlp(self.post_attention_layernorm(x), p)
+
+    def _mlp(self, h, p: Pass):
+        if p.tokens is not None and isinstance(self.mlp, SparseMoE):
+            # sequence parallelism: an MoE block routes every token as under tensor parallelism alone (its router
+            # statistics read the pass's token weights), so its input is gathered whole and its output split
+            return p.tokens.split(self.mlp(p.tokens.whole(h), p))
+        return self.mlp(h, p)
+
+    def sequence_parallel_parameters(self) -> list:
+        """The parameters this layer applies to a rank's own tokens under sequence parallelism: its norms, the row
+        layers' biases, the LoRA adapters' A of its column layers and B of its row layers."""
+        out = [m.weight for m in (self.input_layernorm, self.post_attention_layernorm,
+                                  getattr(self, "pre_feedforward_layernorm", None),
+                                  getattr(self, "post_feedforward_layernorm", None)) if m is not None]
+        for m in self.sublayers():
+            if isinstance(m, RowLinear):
+                out += [t for t in (m.bias, None if m.lora is None else m.lora.lora_B) if t is not None]
+            elif isinstance(m, ColumnLinear) and m.lora is not None:
+                out.append(m.lora.lora_A)
+        return out
 
 
 def attention_bias_from_mask(key_mask, query_len: int, causal: bool):
@@ -424,6 +449,23 @@ def position_ids_from_mask(mask):
     return paddle.clip(paddle.cumsum(mask.astype("int64"), axis=-1) - 1, min=0)
 
 
+def stage_chunks(num_layers: int, num_stages: int, stage: int, virtual: int = 1) -> List[List[int]]:
+    """Layer indices of each chunk a pipeline rank holds, in the order of its virtual stages. `virtual` 1: one
+    chunk (`stage_layers`). `virtual` k > 1 (interleaved pipeline, Megatron's assignment): the layers split into
+    num_stages x k chunks of consecutive layers, chunk c on rank c % num_stages, so rank r holds chunks r,
+    r + num_stages, r + 2 num_stages, ...; the embedding stays with chunk 0 (rank 0), the final norm and head with
+    the last chunk (the last rank)."""
+    if virtual == 1:
+        return [stage_layers(num_layers, num_stages, stage)]
+    chunks = num_stages * virtual
+    if num_layers % chunks:
+        raise ValueError(f"virtual_pp_degree {virtual}: num_hidden_layers ({num_layers}) must be divisible by "
+                         f"pipeline_parallel_degree x virtual_pp_degree ({num_stages} x {virtual} = {chunks}): every "
+                         "virtual stage holds the same number of layers")
+    size = num_layers // chunks
+    return [list(range((j * num_stages + stage) * size, (j * num_stages + stage + 1) * size)) for j in range(virtual)]
+
+
 def stage_layers(num_layers: int, num_stages: int, stage: int) -> List[int]:
     """Layer indices of a pipeline stage: consecutive, sizes differ by at most one (earlier stages take the
     extra)."""
@@ -438,15 +480,17 @@ class CausalLM(nn.Layer):
     """The decoder with its LM head. `tp_group` (a paddle.distributed group) splits the layers over tensor-parallel
     ranks; `stage=(index, count)` keeps one pipeline stage: its layers, the embedding on the first stage, the
     final norm and head on the last (a tied LM head keeps a copy of the table there, `pp_duplicate`; a sequence
-    classifier's score head needs none)."""
+    classifier's score head needs none). `stage=(index, count, virtual)` with virtual k > 1 keeps the rank's k
+    chunks of an interleaved pipeline (`stage_chunks`), each run on its own (`run(..., chunk=j)`)."""
 
     def __init__(self, config: ModelConfig, tp_group=None, stage=(0, 1)):
         super().__init__()
         self.config = config
         self.tp_group = tp_group
-        self.stage, self.num_stages = stage
+        self.stage, self.num_stages, *virtual = stage
         self.is_first, self.is_last = self.stage == 0, self.stage == self.num_stages - 1
-        self.layer_ids = stage_layers(config.num_hidden_layers, self.num_stages, self.stage)
+        self.chunk_ids = stage_chunks(config.num_hidden_layers, self.num_stages, self.stage, *virtual)
+        self.layer_ids = [i for chunk in self.chunk_ids for i in chunk]
         tied = config.tie_word_embeddings
         # a sequence classifier's score head does not read the table: no copy of a tied one on the last stage
         if self.is_first or (self.is_last and tied and not config.sequence_classifier):
@@ -471,6 +515,9 @@ class CausalLM(nn.Layer):
         self.recompute = None   # what training passes recompute in the backward: None | full | full_attn | core_attn
         #                         | core_attn_mlp
         self._router = None
+        # sequence parallelism (set by the layout from `sequence_parallel`; needs tp_group): the training and
+        # log-prob passes split the residual stream, norms and the embedding's output along the tokens
+        self.sequence_parallel = False
         self.lora = None  # LoraSettings once adapters are on the model (models/lora.py)
         self._packed_head = None  # the tied head's packed table while packed_weights is on
         self.head_bf16 = False  # the LM head's products in bfloat16 (trainer/precision.py; the linears: _Linear.bf16)
@@ -529,24 +576,63 @@ class CausalLM(nn.Layer):
         return [LayerCache(capacity, dtype) for _ in self.layers]
 
     # ---------------------------------------------------------------- the one forward
-    def run(self, inputs, p: Pass):
+    def run(self, inputs, p: Pass, chunk: Optional[int] = None):
         """Token ids (first stage) or the previous stage's hidden states -> this stage's hidden states (after the
-        final norm on the last stage)."""
-        x = self.embed_tokens(inputs) if self.is_first else inputs
-        if self.is_first and self.embed_scale is not None:  # sqrt(hidden_size) rounded to the embedding dtype
+        final norm on the last stage). `chunk` j: only the rank's j-th chunk of an interleaved pipeline (the
+        embedding before chunk 0 of the first rank, the final norm after the last chunk of the last rank)."""
+        first, last, own = self._chunk(chunk)
+        p.tokens = self._token_split(inputs, p)
+        if first:
+            x = self.embed_tokens(inputs, p.tokens)
+        else:
+            x = inputs if p.tokens is None else p.tokens.split(inputs)
+        if first and self.embed_scale is not None:  # sqrt(hidden_size) rounded to the embedding dtype
             x = x * paddle.full([], self.embed_scale, dtype=x.dtype)
         p.recompute = self.recompute if self.training and not p.decode else None
-        for i, layer in enumerate(self.layers):
+        for i in own:
+            layer = self.layers[i]
             if p.recompute == "full" and p.caches is None:
                 x = _recompute(layer, x, p, None)
             else:
                 x = layer(x, p, p.cache(i))
         self._router = p.router
-        return self.norm(x) if self.is_last else x
+        x = self.norm(x) if last else x
+        # sequence parallelism: the stage's output whole again (the head and the log-prob chunks, a critic's value
+        # head and the next stage read every token, as under tensor parallelism alone)
+        return x if p.tokens is None else p.tokens.whole(x)
 
-    def hidden_states(self, inputs, position_ids, attention_bias, cache=None, token_weight=None):
-        """`token_weight` [B, T]: how much each token counts in the load-balancing loss (None: all once)."""
-        return self.run(inputs, Pass(self.rotary, position_ids, attention_bias, cache, token_weight=token_weight))
+    def _chunk(self, chunk: Optional[int]):
+        """(runs the embedding, runs the final norm, local indices of the layers) of `chunk` (None: all)."""
+        if chunk is None:
+            if len(self.chunk_ids) > 1:
+                raise ValueError("an interleaved pipeline stage runs one chunk at a time (run(..., chunk=j))")
+            return self.is_first, self.is_last, range(len(self.layers))
+        start = sum(len(c) for c in self.chunk_ids[:chunk])
+        return (self.is_first and chunk == 0, self.is_last and chunk == len(self.chunk_ids) - 1,
+                range(start, start + len(self.chunk_ids[chunk])))
+
+    def _token_split(self, inputs, p: Pass) -> Optional[TokenSplit]:
+        """How a pass's tokens split under sequence parallelism, or None: off, a decode step, or a rollout prefill
+        into its LayerCaches (the rollout's passes run as under tensor parallelism alone)."""
+        if not self.sequence_parallel or self.tp_group is None or p.decode or isinstance(p.cache(0), LayerCache):
+            return None
+        return TokenSplit(self.tp_group, inputs.shape[1])
+
+    def sequence_parallel_parameters(self) -> list:
+        """The parameters every rank holds whole but applies to its own tokens under sequence parallelism (the
+        norms outside the attention heads, the row layers' biases, LoRA's A on column and B on row layers): their
+        gradients are summed over the tensor-parallel group (parallel/sharding.py GradientSync); [] when off."""
+        if not self.sequence_parallel or self.tp_group is None:
+            return []
+        out = [t for layer in self.layers for t in layer.sequence_parallel_parameters()]
+        return out + ([self.norm.weight] if self.is_last else [])
+
+    def hidden_states(self, inputs, position_ids, attention_bias, cache=None, token_weight=None,
+                      chunk: Optional[int] = None):
+        """`token_weight` [B, T]: how much each token counts in the load-balancing loss (None: all once); `chunk`:
+        one chunk of an interleaved pipeline stage (run)."""
+        return self.run(inputs, Pass(self.rotary, position_ids, attention_bias, cache, token_weight=token_weight),
+                        chunk)
 
     def packed_hidden_states(self, packing):
         """hidden_states [1, N, hidden] of a packed row (packing.Packing: real tokens only, attention per

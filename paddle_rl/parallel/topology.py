@@ -13,7 +13,12 @@ Groups (a paddle.distributed group, or None for an axis of size 1, where every c
             and statistics sums run over it
 - model:    same (data, sharding): the ranks that hold one copy of the model and the same data (pipe x tensor)
 - embed:    first and last stage of a pipeline (tied input / output embedding)
+- pp_next / pp_prev: this stage and its next / previous one on the ring of a pipeline's stages (the last
+            stage's next is the first), for their send/recv, with more than 2 stages (with 2, the default group)
 - rollout:  `rollout_tensor_parallel_degree` consecutive ranks that decode together (pipeline degree 1)
+
+`sequence_parallel` rides on the tensor axis (its group splits the tokens of the activations between the
+tensor-parallel blocks: parallel/collectives.py TokenSplit), so it needs a tensor degree above 1.
 
 `paddle.distributed.new_group` is collective: every rank creates every group in the same order.
 """
@@ -22,7 +27,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
-from ..config.parallel_args import STAGE3_AT_DEGREE_1
+from ..config.parallel_args import STAGE3_AT_DEGREE_1, sequence_parallel_refusal
 from . import watchdog
 from .watchdog import watched
 
@@ -80,8 +85,10 @@ class Topology:
     rank: int = 0
     sharding_stage: int = 1
     rollout_tp: int = 1
+    sequence_parallel: bool = False
     groups: Dict[str, object] = field(default_factory=dict)
     ranks_of: Dict[str, List[int]] = field(default_factory=dict)
+    virtual_pp: int = 1      # chunks of layers per pipeline stage (virtual_pp_degree: the interleaved schedule)
 
     # ------------------------------------------------------------------ coordinates
     @property
@@ -165,7 +172,8 @@ class Topology:
     def describe(self) -> str:
         return (f"rank {self.rank}/{self.world_size}: data {self.degrees['data']} x sharding "
                 f"{self.degrees['sharding']} (stage{self.sharding_stage}) x pipeline {self.degrees['pipe']} x tensor "
-                f"{self.degrees['tensor']}; rollout tensor {self.rollout_tp}; coords {self.coords()}")
+                f"{self.degrees['tensor']}{' (sequence parallel)' if self.sequence_parallel else ''}; rollout tensor "
+                f"{self.rollout_tp}; coords {self.coords()}")
 
     # ------------------------------------------------------------------ group membership
     def axis_ranks(self, axes: Tuple[str, ...], rank: Optional[int] = None) -> List[int]:
@@ -209,15 +217,20 @@ def _new_group(ranks: Tuple[int, ...]):
 
 
 def build_topology(tensor: int = 1, pipe: int = 1, sharding: int = 1, data: int = -1, sharding_stage: str = "",
-                   rollout_tensor: int = -1, collective_timeout: float = watchdog.DEFAULT_TIMEOUT) -> Topology:
+                   rollout_tensor: int = -1, collective_timeout: float = watchdog.DEFAULT_TIMEOUT,
+                   sequence_parallel: bool = False, virtual_pp: int = 1) -> Topology:
     """Initialize paddle.distributed (once per process), start this rank's watchdog (parallel/watchdog.py: a
     collective pending for more than `collective_timeout` seconds, or a dead peer, stops the rank with a message)
     and create every group of this grid.
 
     A single process with every degree 1 gets a topology without groups and without initializing anything.
+    `virtual_pp` (virtual_pp_degree) chunks of layers per pipeline stage need a pipeline (pipe > 1).
+    `sequence_parallel` splits the tensor group's activations along the tokens (tensor > 1, pipeline 1).
     """
     global _INITIALIZED
     degrees = resolve_degrees(tensor, pipe, sharding, data)
+    if sequence_parallel and (tensor == 1 or pipe > 1):
+        raise TopologyError(sequence_parallel_refusal(tensor, pipe))
     stage = {"": 1, "stage1": 1, "stage2": 2, "stage3": 3}.get(sharding_stage)
     if stage is None:
         raise TopologyError(f"sharding: {sharding_stage!r} is not supported (stage1 | stage2 | stage3)")
@@ -226,6 +239,9 @@ def build_topology(tensor: int = 1, pipe: int = 1, sharding: int = 1, data: int 
     if stage == 3 and pipe > 1:
         raise TopologyError("sharding: stage3 with pipeline_parallel_degree > 1 is not implemented (each stage "
                             "already holds only its layers); use stage2 with a pipeline")
+    if virtual_pp > 1 and pipe == 1:
+        raise TopologyError(f"virtual_pp_degree {virtual_pp} needs pipeline_parallel_degree > 1 (it splits each "
+                            "pipeline stage into chunks of layers)")
     rollout_tp = tensor if rollout_tensor == -1 else rollout_tensor
     world = degrees["data"] * degrees["sharding"] * degrees["pipe"] * degrees["tensor"]
     if world % rollout_tp:
@@ -240,7 +256,9 @@ def build_topology(tensor: int = 1, pipe: int = 1, sharding: int = 1, data: int 
         raise TopologyError(f"rollout_tensor_parallel_degree ({rollout_tp}) must divide tensor_parallel_degree "
                             f"({tensor})")
     if world == 1:
-        return Topology(degrees, 0, stage, rollout_tp)
+        single = Topology(degrees, 0, stage, rollout_tp, sequence_parallel)
+        single.virtual_pp = virtual_pp
+        return single
     import paddle.distributed as dist
     if not _INITIALIZED:
         if not dist.is_initialized():
@@ -250,7 +268,7 @@ def build_topology(tensor: int = 1, pipe: int = 1, sharding: int = 1, data: int 
     if dist.get_world_size() != world:
         raise TopologyError(f"{_product_text(degrees)} = {world} does not match the world size "
                             f"{dist.get_world_size()}")
-    topo = Topology(degrees, dist.get_rank(), stage, rollout_tp)
+    topo = Topology(degrees, dist.get_rank(), stage, rollout_tp, sequence_parallel)
     names = dict(GROUP_AXES)
     for name, axes in names.items():
         size = 1
@@ -276,6 +294,16 @@ def build_topology(tensor: int = 1, pipe: int = 1, sharding: int = 1, data: int 
             if topo.rank in ranks:
                 topo.groups["embed"] = group
                 topo.ranks_of["embed"] = list(ranks)
+    if degrees["pipe"] > 2:  # each pair of neighbours on the ring of stages
+        for r in range(world):
+            c = topo.coords(r)
+            ranks = (r, topo.rank_at(**dict(c, pipe=(c["pipe"] + 1) % degrees["pipe"])))
+            group = _new_group(tuple(sorted(ranks)))
+            if topo.rank == ranks[0]:
+                topo.groups["pp_next"] = group
+            if topo.rank == ranks[1]:
+                topo.groups["pp_prev"] = group
+    topo.virtual_pp = virtual_pp
     if rollout_tp > 1 and rollout_tp != tensor:
         for start in range(0, world, rollout_tp):
             ranks = tuple(range(start, start + rollout_tp))
@@ -302,7 +330,8 @@ def topology_from_config(config) -> Topology:
                           sharding=config.sharding_parallel_degree, data=config.data_parallel_degree,
                           sharding_stage=config.sharding if config.sharding_parallel_degree != 1 else "",
                           rollout_tensor=config.rollout_tensor_parallel_degree,
-                          collective_timeout=config.collective_timeout)
+                          collective_timeout=config.collective_timeout,
+                          virtual_pp=config.virtual_pp_degree, sequence_parallel=config.sequence_parallel)
 
 
 def single_process() -> Topology:
