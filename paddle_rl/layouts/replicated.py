@@ -1,6 +1,8 @@
 """One process, data parallelism, sharding and tensor parallelism: each rank runs whole micro-batches through
 its model (tensor-parallel layers split inside it; padded or packed, by rows or a token budget: micro.py);
-gradients are summed over the batch group."""
+gradients are summed over the batch group. With sequence parallelism (the topology's `sequence_parallel`) the
+models split their activations outside the tensor-parallel blocks along the tokens (models/decoder.py), and
+the norms' gradients are summed over the tensor-parallel group too (GradientSync's token_partial)."""
 from ..models import hf_state, load_model
 from ..models.critic import load_critic
 from ..optim import clip_grad_norm_
@@ -10,11 +12,15 @@ from .base import Layout
 
 class Replicated(Layout):
     def load_model(self, folder: str, lora=None, adapter=None):
-        return load_model(folder, tp_group=self._topo.group("tp"), lora=lora, adapter=adapter)
+        model = load_model(folder, tp_group=self._topo.group("tp"), lora=lora, adapter=adapter)
+        model.sequence_parallel = self._topo.sequence_parallel
+        return model
 
     def load_critic(self, folder: str, lora=None):
         """The critic split over the tensor-parallel group like the actor, its value head replicated."""
-        return load_critic(folder, tp_group=self._topo.group("tp"), lora=lora)
+        critic = load_critic(folder, tp_group=self._topo.group("tp"), lora=lora)
+        critic.sequence_parallel = self._topo.sequence_parallel
+        return critic
 
     def full_state(self, model, frozen: bool = True) -> dict:
         if self._topo.group("tp") is None:

@@ -14,6 +14,11 @@ Tensor parallelism (Megatron-style) on the differentiable collectives of paralle
 - VocabEmbedding: rows [r*Vp/tp, (r+1)*Vp/tp) of the table, the vocabulary padded up to Vp, a multiple of
   the degree (Megatron's padding): padded rows are zero, never looked up, and their logits are cut off
   before sampling and log-probs. Tokens outside a rank's rows give zeros; the group sums the lookups.
+- Sequence parallelism (`tokens`, a collectives.TokenSplit, passed by the decoder): the layers' inputs and
+  outputs outside the blocks hold this rank's tokens only. ColumnLinear all-gathers the tokens instead of the
+  copy (backward: reduce-scatter; a float32 product keeps only its own tokens and gathers them again for the
+  weight's gradient, as Megatron does), RowLinear and VocabEmbedding reduce-scatter instead of the all-reduce
+  (backward: all-gather).
 Without a group (one process) every layer is the plain single-device layer.
 """
 from dataclasses import dataclass
@@ -210,14 +215,21 @@ class ColumnLinear(_Linear):
             spec = ParamSpec(tuple(f"{n}.bias" for n in names), False, 0, tuple(parts), pad)
             self.bias = _param(self, [spec.local_size(tp)], spec, group, is_bias=True)
 
-    def forward(self, x):
+    def forward(self, x, tokens=None):
+        """`tokens` (sequence parallelism): x holds this rank's tokens; y all of them."""
         weight = self.effective_weight
-        if self.group is None and self.packed is None and not self.bf16:
+        if tokens is not None:
+            if self.packed is None and not self.bf16 and weight.dtype == paddle.float32:
+                y = tokens.gather_matmul(x, weight)  # keeps this rank's tokens, not the gathered ones
+            else:
+                y = self.project(tokens.gather(x), weight)
+            y = y + self.bias if self.bias is not None else y
+        elif self.group is None and self.packed is None and not self.bf16:
             y = ops.affine(x, weight, self.bias)  # Paddle's linear op (use_fused_linear: false: two)
         else:
             y = self.project(copy_to_group(x, self.group), weight)
             y = y + self.bias if self.bias is not None else y
-        return y if self.lora is None else self.lora.add(x, y)
+        return y if self.lora is None else self.lora.add(x, y, tokens)
 
 
 class RowLinear(_Linear):
@@ -231,14 +243,20 @@ class RowLinear(_Linear):
         self.weight = _param(self, [spec.local_size(group_size(group)), out_features], spec, group)
         self.bias = _param(self, [out_features], ParamSpec((f"{hf_name}.bias",)), None, True) if bias else None
 
-    def forward(self, x):
+    def forward(self, x, tokens=None):
+        """`tokens` (sequence parallelism): x holds every token, y this rank's (summed by a reduce-scatter; the bias
+        is then added to this rank's tokens, so its gradient is summed over the group: decoder.py
+        sequence_parallel_parameters)."""
         weight = self.effective_weight
-        if self.group is None and self.packed is None and not self.bf16:
+        if tokens is not None:
+            y = tokens.reduce_scatter(self.project(x, weight))
+            y = y + self.bias if self.bias is not None else y
+        elif self.group is None and self.packed is None and not self.bf16:
             y = ops.affine(x, weight, self.bias)  # Paddle's linear op (use_fused_linear: false: two)
         else:
             y = reduce_from_group(self.project(x, weight), self.group)
             y = y + self.bias if self.bias is not None else y
-        return y if self.lora is None else self.lora.add(x, y)
+        return y if self.lora is None else self.lora.add(x, y, tokens)
 
 
 class ScoreHead(Bf16Products):
@@ -263,14 +281,15 @@ class VocabEmbedding(nn.Layer):
         self.weight = _param(self, [self.per_rank, hidden_size], spec, group,
                              init=nn.initializer.XavierNormal())
 
-    def forward(self, ids):
+    def forward(self, ids, tokens=None):
+        """`tokens` (sequence parallelism): ids [B, T] of every token, the embeddings of this rank's tokens."""
         if self.group is None:
             return F.embedding(ids, self.weight)
         local = ids - self.vocab_start
         inside = paddle.logical_and(local >= 0, local < self.per_rank)
         emb = F.embedding(paddle.where(inside, local, paddle.zeros_like(local)), self.weight)
         emb = emb * inside.astype(emb.dtype).unsqueeze(-1)
-        return reduce_from_group(emb, self.group)
+        return reduce_from_group(emb, self.group) if tokens is None else tokens.reduce_scatter(emb)
 
 
 def vocab_parallel_logprobs(local_logits, targets, group, vocab_start: int, with_entropy: bool = False):

@@ -157,13 +157,15 @@ class Adapter(Bf16Products):
         """The weight the base layer multiplies by: its own, or the merged one."""
         return base if self.merged is None else self.merged
 
-    def add(self, x, y):
-        """y plus the low-rank path of x (nothing while merged or off)."""
+    def add(self, x, y, tokens=None):
+        """y plus the low-rank path of x (nothing while merged or off); `tokens` (sequence parallelism) as the base
+        layer's: x A runs on the tokens x holds and its r columns cross the group (decoder.py
+        sequence_parallel_parameters names the adapter tensor then applied to this rank's tokens only)."""
         if self.merged is not None or not self.enabled:
             return y
         if self.p > 0 and self.training:
             x = F.dropout(x, self.p, training=True)
-        return y + self.delta(self.product(x, self.lora_A) * self.scaling)  # scaled while [tokens, r]: small
+        return y + self.delta(self.product(x, self.lora_A) * self.scaling, tokens)  # scaled while [tokens, r]
 
     def merge(self, base) -> None:
         with paddle.no_grad():
@@ -187,9 +189,12 @@ class ColumnAdapter(Adapter):
         self.adapted = adapted
         self.part_sizes = [spec.local_part(p, tp) for p in spec.parts]  # this rank's output columns of each part
 
-    def delta(self, h):
-        """h = x A [.., k r] -> [.., out_local]."""
-        if self.group is not None:
+    def delta(self, h, tokens=None):
+        """h = x A [.., k r] -> [.., out_local]; `tokens`: h of this rank's tokens, all-gathered (backward:
+        reduce-scatter), so A's gradient covers this rank's tokens."""
+        if tokens is not None:
+            h = tokens.gather(h)
+        elif self.group is not None:
             h = copy_to_group(h, self.group)  # its backward sums the gradient of x A over the ranks
         return self._through_b(h, self.product)
 
@@ -222,8 +227,11 @@ class RowAdapter(Adapter):
         b_spec = ParamSpec((f"{name}.lora_B.weight",), True)
         super().__init__(settings, a_spec, [a_spec.local_size(tp), r], b_spec, [r, base.weight.shape[1]], group)
 
-    def delta(self, h):
-        if self.group is not None:
+    def delta(self, h, tokens=None):
+        """`tokens`: x A of every token reduce-scattered to this rank's tokens, so B's gradient covers those."""
+        if tokens is not None:
+            h = tokens.reduce_scatter(h)
+        elif self.group is not None:
             h = reduce_from_group(h, self.group)
         return self.product(h, self.lora_B)
 

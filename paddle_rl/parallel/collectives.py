@@ -7,6 +7,17 @@ Tensor parallelism needs four conjugate pairs (forward / backward):
 - scatter_to_group:  take own slice / all-gather
 Every function is the identity when `group` is None (an axis of size 1). Every blocking call runs inside
 `watchdog.watched`, so a rank waiting for a dead or stuck peer stops with a message (parallel/watchdog.py).
+
+Sequence parallelism (Megatron's, `sequence_parallel: true`) splits the activations between the tensor-parallel
+blocks along the token axis (axis 1 of [batch, tokens, hidden]): `TokenSplit` holds the group and the whole
+token count, pads it to a multiple of the degree (the pad rows are zeros, cut off whenever the tokens are
+whole again) and gives four more pairs:
+- gather:         all-gather      / reduce-scatter  (input of a column-parallel layer: its gradient is partial)
+- reduce_scatter: reduce-scatter  / all-gather      (output of a row-parallel layer, of the vocabulary embedding)
+- whole:          all-gather      / take own tokens (into a replicated computation: the head, an MoE block)
+- split:          take own tokens / all-gather      (out of a replicated computation)
+gloo (the CPU backend) has no reduce-scatter: there it is an all-reduce and each rank keeps its own tokens (the
+same values, twice the bytes on the wire); NCCL runs `dist.reduce_scatter`.
 """
 from typing import List
 
@@ -161,3 +172,161 @@ def barrier(group=None) -> None:
 def is_distributed(param) -> bool:
     """True for a parameter split across the tensor-parallel group (each rank holds a different shard)."""
     return bool(getattr(param, "is_distributed", False))
+
+
+# ---------------------------------------------------------------------- sequence parallelism (token axis)
+
+def _pad_tokens(x, padded: int):
+    """x [B, T, ...] with zero rows appended along axis 1 up to `padded` tokens."""
+    missing = padded - x.shape[1]
+    if not missing:
+        return x
+    return paddle.concat([x, paddle.zeros([x.shape[0], missing] + list(x.shape[2:]), x.dtype)], axis=1)
+
+
+def _gather_tokens(x, split: "TokenSplit"):
+    parts: List[paddle.Tensor] = []
+    with watched("all_gather (sequence parallel)", split.group):
+        dist.all_gather(parts, x.contiguous() if hasattr(x, "contiguous") else x, group=split.group)
+    whole = paddle.concat(parts, axis=1)
+    return whole if whole.shape[1] == split.total else whole[:, :split.total]
+
+
+def _own_tokens(x, split: "TokenSplit"):
+    x = _pad_tokens(x, split.padded)
+    start = split.rank * split.local
+    return x[:, start:start + split.local].clone()
+
+
+def _reduce_scatter_tokens(x, split: "TokenSplit"):
+    x = _pad_tokens(x, split.padded)
+    if x.place.is_gpu_place():
+        out = paddle.empty([x.shape[0], split.local] + list(x.shape[2:]), x.dtype)
+        chunks = [c.contiguous() for c in paddle.split(x, split.size, axis=1)]
+        with watched("reduce_scatter (sequence parallel)", split.group):
+            dist.reduce_scatter(out, chunks, group=split.group)
+        return out
+    summed = x.clone()
+    with watched("all_reduce (sequence parallel reduce-scatter)", split.group):  # gloo: no reduce-scatter
+        dist.all_reduce(summed, group=split.group)
+    start = split.rank * split.local
+    return summed[:, start:start + split.local].clone()
+
+
+class _GatherTokens(PyLayer):
+    @staticmethod
+    def forward(ctx, x, split):
+        ctx.split = split
+        return _gather_tokens(x, split)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _reduce_scatter_tokens(grad, ctx.split)
+
+
+class _ReduceScatterTokens(PyLayer):
+    @staticmethod
+    def forward(ctx, x, split):
+        ctx.split = split
+        return _reduce_scatter_tokens(x, split)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather_tokens(grad, ctx.split)
+
+
+class _WholeTokens(PyLayer):
+    @staticmethod
+    def forward(ctx, x, split):
+        ctx.split = split
+        return _gather_tokens(x, split)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _own_tokens(grad, ctx.split)
+
+
+class _SplitTokens(PyLayer):
+    @staticmethod
+    def forward(ctx, x, split):
+        ctx.split = split
+        return _own_tokens(x, split)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather_tokens(grad, ctx.split)
+
+
+class _GatherMatmul(PyLayer):
+    # Megatron's column-parallel product under sequence parallelism: only this rank's tokens are kept for the
+    # backward, which all-gathers them again for the weight's gradient instead of keeping the gathered input
+    @staticmethod
+    def forward(ctx, x, weight, split):
+        ctx.split = split
+        ctx.save_for_backward(x, weight)
+        return paddle.matmul(_gather_tokens(x, split), weight)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensor()
+        grad_x = _reduce_scatter_tokens(paddle.matmul(grad, weight, transpose_y=True), ctx.split)
+        if weight.stop_gradient:
+            return grad_x, None
+        whole = _gather_tokens(x, ctx.split)
+        rows = whole.reshape([-1, whole.shape[-1]])
+        return grad_x, paddle.matmul(rows, grad.reshape([-1, grad.shape[-1]]), transpose_x=True)
+
+
+class TokenSplit:
+    """The tokens of one pass split over a tensor-parallel group (sequence parallelism): `total` tokens along axis
+    1, padded to `padded` (a multiple of the group's size), rank r holding tokens [r * local, (r + 1) * local).
+    Pad rows enter as zeros and leave when the tokens are gathered (cut off), so they reach no attention, no head
+    and no parameter's gradient."""
+
+    def __init__(self, group, total: int):
+        self.group = group
+        self.size, self.rank = group_size(group), group_rank(group)
+        self.total = total
+        self.local = -(-total // self.size)
+        self.padded = self.local * self.size
+
+    def gather(self, x):
+        """Own tokens -> all of them, for a column-parallel layer (backward: reduce-scatter of its partial
+        gradients)."""
+        return _GatherTokens.apply(x, self)
+
+    def gather_matmul(self, x, weight):
+        """gather(x) @ weight [K, N] keeping only x (this rank's tokens) for the backward, which gathers them again
+        for the weight's gradient (float32 products)."""
+        return _GatherMatmul.apply(x, weight, self)
+
+    def reduce_scatter(self, x):
+        """Partial sums over all tokens -> the summed own tokens (a row-parallel layer's output; backward:
+        all-gather)."""
+        return _ReduceScatterTokens.apply(x, self)
+
+    def whole(self, x):
+        """Own tokens -> all of them, into a computation every rank repeats (backward: own tokens of its whole
+        gradient)."""
+        return _WholeTokens.apply(x, self)
+
+    def split(self, x):
+        """All tokens (the same on every rank) -> own tokens (backward: all-gather)."""
+        return _SplitTokens.apply(x, self)
+
+
+@paddle.no_grad()
+def sum_gradients(params, group) -> None:
+    """Sum the gradients of `params` over `group` in place (one all-reduce of them all): parameters every rank
+    holds whole but applies to its own tokens only (sequence parallelism's norms)."""
+    params = [p for p in params if p.grad is not None]
+    if group is None or not params:
+        return
+    flat = paddle.concat([p.grad.reshape([-1]).astype("float32") for p in params])
+    with watched("all_reduce of sequence-parallel gradients", group):
+        dist.all_reduce(flat, group=group)
+    offset = 0
+    for p in params:
+        n = int(np.prod(p.grad.shape))
+        paddle.assign(flat[offset:offset + n].reshape(p.grad.shape).astype(p.grad.dtype), output=p.grad)
+        offset += n

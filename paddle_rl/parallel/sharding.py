@@ -18,7 +18,7 @@ import paddle
 import paddle.distributed as dist
 
 from .. import optim
-from .collectives import is_distributed, sum_numpy
+from .collectives import is_distributed, sum_gradients, sum_numpy
 from .watchdog import watched
 
 BUCKET_BYTES = 32 * 1024**2
@@ -76,11 +76,14 @@ def partition_params(params: List, n: int) -> List[int]:
 
 
 class GradientSync:
-    """Sums gradients over the batch group (reduced to owners under stage2) and measures the global norm."""
+    """Sums gradients over the batch group (reduced to owners under stage2) and measures the global norm.
+    `token_partial`: parameters whose gradients each tensor-parallel rank holds for its own tokens only (sequence
+    parallelism's norms: CausalLM.sequence_parallel_parameters), summed over the tensor-parallel group first."""
 
-    def __init__(self, topo, params: List):
+    def __init__(self, topo, params: List, token_partial: List = ()):
         self.topo = topo
         self.params = [p for p in params if not p.stop_gradient]
+        self.token_partial = [p for p in token_partial if not p.stop_gradient]
         self.stage = topo.sharding_stage if topo.sharding_degree > 1 else 0
         self.owner = partition_params(self.params, topo.sharding_degree)
         ranks = topo.ranks_of.get("sharding", [topo.rank])
@@ -95,6 +98,7 @@ class GradientSync:
 
     def sync(self) -> None:
         topo = self.topo
+        sum_gradients(self.token_partial, topo.group("tp"))
         # every rank of the batch group holds the same parameter list and each took part in the loss
         params = [p for p in self.params if p.grad is not None]
         if topo.batch_degree == 1 or not params:
