@@ -15,7 +15,11 @@ Workloads (docs/performance.md):
   by their sampling keys), so every run generates exactly the same lengths.
 - W3: a real model (`--model-path`), 8 chat prompts x 8 samples, exactly 128 response tokens, kl_loss_coeff 0.04.
 - W4: the same model and prompts sampled naturally: temperature 1.0, max_dec_len 512, no minimum length.
-W2-W4 train packed (use_remove_padding: true) in micro-batches of at most 8192 tokens (max_tokens_per_micro_batch),
+- W5: code RL at a size users train: Qwen2.5-Coder-0.5B-Instruct (`paddle-rl fetch qwen2.5-coder-0.5b-instruct`;
+  `--model-path` for another), the first 4 HumanEval tasks (`paddle-rl fetch humaneval`, the records `paddle-rl
+  eval --benchmark humaneval` scores) x 4 samples sampled naturally (temperature 1.0, max_dec_len 256), scored by
+  the `code` rule in its sandbox; full training by default, `--set lora=true` for LoRA, `--set bf16=true`.
+W2-W5 train packed (use_remove_padding: true) in micro-batches of at most 8192 tokens (max_tokens_per_micro_batch),
 with the attention core and the MLP blocks recomputed in the backward (recompute: true, recompute_granularity:
 core_attn_mlp; the gradients are core_attn's bit for bit, W3's peak RSS 11.4 -> 6.7 GB).
 
@@ -52,8 +56,9 @@ from typing import Optional
 
 from .config import load_config
 from .env import configure_threads, malloc_mode
-from .model_files.hub import resolve_model
+from .model_files.hub import fetch_benchmark, resolve_model
 from .monitor import memory
+from .monitor.run_info import cpu_info
 
 MODELS = {
     "w1": dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=4,
@@ -79,7 +84,12 @@ WORKLOADS = {
     "w2": dict(model="w1", response_len=1024, exact=False, lengths="long_tail", settings=REAL_LENGTHS),
     "w3": dict(model="path", response_len=128, exact=True, settings=REAL_LENGTHS),
     "w4": dict(model="path", response_len=512, exact=False, settings=REAL_LENGTHS),
+    "w5": dict(model="path", model_path="qwen2.5-coder-0.5b-instruct", data="humaneval", prompts=4, rollout_n=4,
+               response_len=256, exact=False,
+               settings={**REAL_LENGTHS, "reward_funcs": ["code"], "max_prompt_len": 1024}),
 }
+# the prompts and samples of a workload that does not set them (--prompts / --rollout-n override)
+DEFAULT_PROMPTS, DEFAULT_ROLLOUT_N = 8, 8
 CHAT_PROMPTS = [
     "Explain how a rainbow forms.",
     "Write a short story about a lighthouse keeper.",
@@ -385,6 +395,18 @@ def chat_workload(folder: str, model_dir: str, prompts: int) -> dict:
     return {"model_dir": resolve_model(model_dir), "data": data}
 
 
+def code_workload(folder: str, model_dir: str, prompts: int) -> dict:
+    """W5: the first `prompts` HumanEval records of `paddle-rl fetch humaneval` (fetched once), the instruction
+    the benchmark's records carry, templated as a user turn by the data loader; their tests are the `code` rule's
+    ground truth."""
+    source = fetch_benchmark("humaneval")
+    data = os.path.join(folder, "humaneval_prompts.jsonl")
+    with open(source, encoding="utf-8") as f, open(data, "w", encoding="utf-8") as out:
+        lines = [line for line in f if line.strip()][:max(prompts, 1)]
+        out.writelines(lines)
+    return {"model_dir": resolve_model(model_dir), "data": data}
+
+
 def model_shape(model_dir: str) -> dict:
     # deferred: models/ loads Paddle, only when a workload runs
     from .models import ModelConfig
@@ -399,6 +421,12 @@ def resolve_args(args) -> dict:
     spec = dict(WORKLOADS[args.workload])
     if args.model is not None:
         spec["model"] = args.model
+    if args.model_path is None and spec.get("model_path"):
+        args.model_path = spec["model_path"]
+    if args.prompts is None:
+        args.prompts = spec.get("prompts", DEFAULT_PROMPTS)
+    if args.rollout_n is None:
+        args.rollout_n = spec.get("rollout_n", DEFAULT_ROLLOUT_N)
     if spec["model"] == "path" and not args.model_path:
         raise SystemExit(f"paddle-rl bench: workload {args.workload} needs --model-path (a converted model folder, "
                          "e.g. `paddle-rl fetch smollm2-135m-instruct`)")
@@ -427,7 +455,8 @@ def run(args) -> dict:
     with tempfile.TemporaryDirectory(prefix="paddle_rl_bench_") as tmp:
         start = time.perf_counter()
         if spec["model"] == "path":
-            work = chat_workload(tmp, args.model_path, args.prompts)
+            make = code_workload if spec.get("data") == "humaneval" else chat_workload
+            work = make(tmp, args.model_path, args.prompts)
             shape = model_shape(work["model_dir"])
         else:
             work = build_workload(tmp, spec["model"], args.prompts, args.prompt_len, args.seed)
@@ -524,7 +553,8 @@ def run(args) -> dict:
         "stride_kernel": os.environ.get("FLAGS_use_stride_kernel"), "malloc": malloc_mode(),
         "custom_ops": _custom_ops_status(), "overrides": args.set or [],
         "rollout_dtype": config.rollout_dtype, "rollout_quant_type": config.rollout_quant_type,
-        "cpu_flags": cpu_flags(), "bf16": bool(config.bf16),
+        **machine(), "bf16": bool(config.bf16), "lora": bool(config.lora),
+        "reward_mean": mean("reward/mean"), "accuracy": mean("reward/accuracy"),
     }
     if config.bf16:  # the bf16 products against float32's at this model's linear shapes, after the timed steps
         micro = int(config.max_tokens_per_micro_batch or 0) if config.use_remove_padding else 0
@@ -662,12 +692,13 @@ def side_by_side(args, tmp: str, overrides: dict, urls: list, inline) -> tuple:
 def cpu_flags() -> list:
     """The CPU's vector-extension flags that decide the kernels' paths."""
     wanted = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8")
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
-    except OSError:
-        flags = []
+    flags = cpu_info()["flags"]
     return [w for w in wanted if w in flags]
+
+
+def machine() -> dict:
+    """The CPU model, its kernel-deciding flags and the cores this process may run on: beside every figure."""
+    return {"cpu_model": cpu_info()["model"], "cpu_flags": cpu_flags(), "cores": len(os.sched_getaffinity(0))}
 
 
 def _precision(name: str):
@@ -738,7 +769,7 @@ def rollout_precisions(args, spec, precisions) -> dict:
     return {"workload": args.workload, "model": spec["model"] if spec["model"] != "path" else args.model_path,
             "prompts": args.prompts, "rollout_n": args.rollout_n, "prompt_len": args.prompt_len,
             "response_len": spec["response_len"], "mean_length": float(np.mean(lengths)), "runs": runs,
-            "cpu_flags": cpu_flags(), "threads": os.environ.get("OMP_NUM_THREADS"),
+            **machine(), "threads": os.environ.get("OMP_NUM_THREADS"),
             "load_avg": os.getloadavg()[0], "custom_ops": _custom_ops_status(),
             "bf16_portable": bool(os.environ.get("PADDLE_RL_BF16_EMULATE")) or "avx512f" not in cpu_flags()}
 
@@ -757,7 +788,8 @@ def report(result: dict) -> str:
     exact = "exactly" if result["exact_length"] else "at most"
     lines = [f"workload {result['workload']} ({result['model']}): {result['prompts']} prompts x rollout_n "
              f"{result['rollout_n']}, prompt ~{result['prompt_len']:.0f}, response {exact} {result['response_len']} "
-             f"tokens (mean {result['response_length_mean']:.1f}); "
+             f"tokens (mean {result['response_length_mean']:.1f})",
+             f"machine {result['cpu_model']}, {result['cores']} cores, flags {' '.join(result['cpu_flags']) or '-'}; "
              f"{result['steps_timed']} timed step(s), OMP_NUM_THREADS={result['threads']}, custom ops "
              f"{result['custom_ops']}, malloc {result['malloc']}, load average {result['load_avg'][0]:.1f} -> "
              f"{result['load_avg'][1]:.1f}, rollout {result['rollout_dtype']}{' ' + result['rollout_quant_type'] if result['rollout_quant_type'] else ''}",
@@ -784,7 +816,9 @@ def report(result: dict) -> str:
               f"  peak RSS      {result['peak_rss_mb']:8.0f} MB{worker} (optimizer state "
               f"{result['optimizer_state_mb']:.1f} MB, {result['trainable_params']:,} trained parameters)",
               f"  peak by stage {stage_peaks(result)} (RSS, Paddle's tensors)",
-              f"  process CPU   {result['cpu_s_per_step']:8.3f} s per step (all threads)"]
+              f"  process CPU   {result['cpu_s_per_step']:8.3f} s per step (all threads)",
+              f"  reward        {result['reward_mean']:8.3f} mean, accuracy {result['accuracy']:.3f} "
+              f"({'LoRA' if result['lora'] else 'full'} training, {'bf16' if result['bf16'] else 'float32'})"]
     if "linear" in result:
         lin = result["linear"]
         lines.append(f"  bf16 linear   {lin['bf16_gflops']:8.1f} GFLOP/s ({lin['bf16_kernel']}) against float32's "
@@ -862,12 +896,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workload", choices=sorted(WORKLOADS), default="w1", help="see docs/performance.md")
     p.add_argument("--model", choices=sorted(MODELS), default=None, help="a random-init model shape instead of the "
                    "workload's")
-    p.add_argument("--model-path", default=None, help="W3 / W4: a model folder (or a name `paddle-rl fetch` knows)")
+    p.add_argument("--model-path", default=None, help="W3 - W5: a model folder (or a name `paddle-rl fetch` knows; "
+                   "W5's default: qwen2.5-coder-0.5b-instruct)")
     p.add_argument("--steps", type=int, default=3, help="timed steps")
     p.add_argument("--warmup", type=int, default=1, help="untimed first steps")
-    p.add_argument("--prompts", type=int, default=8, help="prompts per step")
+    p.add_argument("--prompts", type=int, default=None, help="prompts per step (default 8; W5: 4)")
     p.add_argument("--prompt-len", type=int, default=32, help="prompt length (+-4 tokens)")
-    p.add_argument("--rollout-n", type=int, default=8)
+    p.add_argument("--rollout-n", type=int, default=None, help="samples per prompt (default 8; W5: 4)")
     p.add_argument("--response-len", type=int, default=None, help="the workload's response length (exact for W1 "
                    "and W3, the maximum for W2 and W4)")
     p.add_argument("--kl-loss-coeff", type=float, default=0.04, help="> 0 loads the reference model")

@@ -117,3 +117,34 @@ def test_a_local_rollout_server_is_timed_against_the_inline_rollout(bench_rule):
     assert served["inline_steps_s"] == [result["step_s"]] and served["steps_s"] == [served["step_s"]]
     assert result["generated_tokens"] == 2 * 2 * 4   # the inline trainer's steps (not the server run's too)
     assert "x inline" in bench.report(result) and "MiB per server" in bench.report(result)
+
+
+def test_w5_trains_on_humaneval_records_scored_by_the_code_rule(bench_rule, tmp_path, monkeypatch):
+    """W5: HumanEval's records (`paddle-rl fetch humaneval`; here four tasks in its layout, cached where fetch
+    writes), 4 prompts x 4 samples by default, the `code` rule in its sandbox as the reward; on the bundled tiny
+    model (`--model-path`), so the run is short. Its prompts are the records' own instruction around each task."""
+    import gzip
+    import json
+
+    from paddle_rl.model_files.benchmarks import humaneval_records
+    from paddle_rl.rewards.sandbox import isolation
+    if isolation() is None:
+        pytest.skip("bubblewrap (bwrap) cannot isolate programs here")
+    tasks = [{"task_id": f"Tiny/{i}", "prompt": f"def f{i}(x):\n    \"\"\"Return x.\"\"\"\n", "entry_point": f"f{i}",
+              "canonical_solution": "    return x\n", "test": f"def check(candidate):\n    assert candidate({i}) == {i}\n"}
+             for i in range(4)]
+    data = gzip.compress("".join(json.dumps(t) + "\n" for t in tasks).encode())
+    monkeypatch.setenv("PADDLE_RL_DATA", str(tmp_path))
+    with open(tmp_path / "humaneval.jsonl", "w", encoding="utf-8") as f:
+        f.writelines(json.dumps(r) + "\n" for r in humaneval_records(data, "tasks"))
+    args = args_for("--workload", "w5", "--model-path", bench.os.path.join(bench.os.path.dirname(
+        bench.os.path.dirname(bench.__file__)), "data", "tiny_arith", "model"), "--response-len", "4",
+                    "--steps", "1", "--warmup", "0", "--kl-loss-coeff", "0")
+    spec = bench.resolve_args(args)
+    assert (args.prompts, args.rollout_n) == (4, 4) and spec["settings"]["reward_funcs"] == ["code"]
+    result = bench.run(args)
+    assert result["workload"] == "w5" and result["prompts"] == 4 and result["rollout_n"] == 4
+    # every response scored by the code rule (the tiny model's text is no program that passes: accuracy 0)
+    assert result["accuracy"] == 0.0 and result["reward_s"] > 0
+    assert result["cores"] >= 1 and result["cpu_model"] and "reward" in bench.report(result)
+    assert "machine " in bench.report(result)
