@@ -38,7 +38,7 @@ def single(stage3_setup):
     return {"grpo": out_dir}
 
 
-def run_stage3(setup, name, perturb="", **extra):
+def run_stage3(setup, name, perturb="", nproc=2, **extra):
     out_dir = str(setup["root"] / name)
     os.makedirs(out_dir, exist_ok=True)
     keys = dict(KEYS, rl_algorithm="grpo", sharding_parallel_degree=2, sharding="stage3")
@@ -48,7 +48,7 @@ def run_stage3(setup, name, perturb="", **extra):
     spec_path = os.path.join(out_dir, "spec.json")
     with open(spec_path, "w") as f:
         json.dump(spec, f)
-    launch([os.path.abspath(__file__), "--worker", spec_path], os.path.join(out_dir, "log"))
+    launch([os.path.abspath(__file__), "--worker", spec_path], os.path.join(out_dir, "log"), nproc=nproc)
     return out_dir
 
 
@@ -87,13 +87,83 @@ def test_stage3_parity_fails_when_a_collective_is_perturbed(stage3_setup, single
 @pytest.mark.slow
 def test_stage3_resume_equals_uninterrupted(stage3_setup, single):
     """Step 3 resumed from checkpoint-2 (the gathered Hugging Face weights taken back into shards, each rank's
-    optimizer shard) ends on the weights of the uninterrupted run, bit for bit; packed micro-batches under a token
-    budget (ranks with different numbers of micro-batches run idle passes) equal one process too."""
+    optimizer shard) ends on the weights of the uninterrupted run, bit for bit."""
     out_dir = run_stage3(stage3_setup, "stage3-full")
     resumed = run_stage3(stage3_setup, "stage3-resumed", resume_from_checkpoint=os.path.join(out_dir, "checkpoint-2"))
     assert [r["step"] for r in read_rows(resumed)] == [3]
     wa, wb = weights(out_dir), weights(resumed)
     assert max(rel_err(wa[k], wb[k]) for k in wa) == 0.0
+
+
+def single_run(setup, name, **keys):
+    out_dir = str(setup["root"] / name)
+    os.makedirs(out_dir, exist_ok=True)
+    train_and_probe(run_overrides(setup["micro"], out_dir, setup["plugin"], rl_algorithm="grpo", **keys), out_dir,
+                    setup["prompts"])
+    return out_dir
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+def test_stage3_token_budget(stage3_setup, packed):
+    """Micro-batches by a token budget, padded (the ranks' prompts differ in length, so they form different numbers
+    of micro-batches: the ranks with fewer run idle passes) or packed (each prompt shared in its row's one pass):
+    the run equals one process."""
+    keys = dict(use_remove_padding=True, share_prompt_prefix=True, max_tokens_per_micro_batch=48) if packed else \
+        dict(KEYS, max_tokens_per_micro_batch=190)
+    name = "packed" if packed else "budget"
+    alone = single_run(stage3_setup, f"single-{name}", **keys)
+    out_dir = run_stage3(stage3_setup, f"stage3-{name}", **keys)
+    check_parity(stage3_setup, {"grpo": alone}, out_dir)
+    idle = [p["idle_passes"] for p in held(out_dir)]
+    print(f"stage3 {name}: idle passes per rank {idle}")
+    assert packed or sum(idle) > 0
+
+
+@pytest.mark.slow
+def test_stage3_lora(stage3_setup):
+    """LoRA (the adapters trained, the frozen base partitioned too; the reference is the base with the adapters
+    off): the losses, the merged weights and the adapters equal one process."""
+    from paddle_rl.models.lora import read_adapter
+    keys = dict(KEYS, lora_rank=4, lora_alpha=8, merge_lora="true")
+    alone = single_run(stage3_setup, "single-lora", **keys)
+    out_dir = run_stage3(stage3_setup, "stage3-lora", **keys)
+    check_parity(stage3_setup, {"grpo": alone}, out_dir)
+    ref, got = (read_adapter(os.path.join(d, "checkpoint-3")) for d in (alone, out_dir))
+    assert set(ref) == set(got) and any("lora_B" in k for k in ref)
+    assert max(rel_err(ref[k], got[k]) for k in ref) <= 1e-5
+
+
+@pytest.mark.slow
+def test_stage3_with_tensor_parallel_on_four_processes(stage3_setup, single):
+    """sharding 2 (stage3) x tensor 2: each rank keeps half of its tensor-parallel shard of every parameter."""
+    out_dir = run_stage3(stage3_setup, "stage3-tp2", nproc=4, tensor_parallel_degree=2)
+    check_parity(stage3_setup, single, out_dir)
+
+
+@pytest.mark.slow
+def test_stage3_parameter_memory_against_stage2(tmp_path_factory):
+    """A 19M-parameter variant of the micro model (hidden 512, 8 layers), one step at sharding 2 under stage 2 and
+    stage 3: each rank's parameter bytes between passes (stage 3: half), the most gathered at once inside a pass
+    (the embedding, norm and head, and at most two layers) and each rank's peak RSS (printed for docs/parallelism.md)."""
+    from micro_model import build_micro
+    from test_parallel import PLUGIN, greedy_prompts
+    root = tmp_path_factory.mktemp("stage3-memory")
+    micro = build_micro(str(root / "model"), hidden=512, layers=8)
+    (root / "reward.py").write_text(PLUGIN)
+    setup = {"micro": micro, "root": root, "plugin": str(root / "reward.py"), "prompts": greedy_prompts(micro, 2)}
+    rows = {}
+    for stage in ("stage2", "stage3"):
+        out_dir = run_stage3(setup, stage, sharding=stage, max_steps=1, save_steps=100)
+        rows[stage] = held(out_dir)
+    total = rows["stage2"][0]["model_bytes"]
+    for stage, parts in rows.items():
+        print(f"{stage}: parameters {total} bytes; per rank held between passes "
+              f"{[p.get('shards', total) for p in parts]}, most whole inside a pass "
+              f"{[p.get('pass_peak_whole', total) for p in parts]}, peak RSS {[p['peak_rss'] for p in parts]}")
+    assert all(p["shards"] <= 0.501 * total and p["whole"] == 0 for p in rows["stage3"])
+    layer = max(p["pass_peak_whole"] for p in rows["stage3"])
+    assert layer < 0.5 * total   # never the whole model inside a pass
 
 
 # --------------------------------------------------------------------------------------------- worker
@@ -121,7 +191,8 @@ def _worker(spec_path):
     _perturb(spec.get("perturb", ""))
     trainer = train_and_probe(spec["overrides"], spec["out_dir"], spec["prompts"])
     layout = trainer.layout
-    out = dict(layout.held_bytes(trainer.actor)) if hasattr(layout, "held_bytes") else {}
+    out = dict(layout.held_bytes(trainer.actor), idle_passes=layout.idle_passes) \
+        if hasattr(layout, "held_bytes") else {}
     out["model_bytes"] = sum(int(np.prod(p.shape)) * 4 for p in trainer.actor.parameters())
     out["peak_rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     with open(os.path.join(spec["out_dir"], f"params-rank{layout.rank}.json"), "w") as f:

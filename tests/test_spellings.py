@@ -142,12 +142,14 @@ def test_translations_refusals_and_precedence(tmp_path):
                          "--per_device_train_batch_size", "8", "--num_generations", "8"])
     assert config.rollout_server_urls == ["http://10.0.0.2:8000", "http://10.0.0.3:8000"]
     assert (config.sharding, config.sharding_parallel_degree) == ("stage2", -1)   # every rank, as ZeRO shards
+    zero3 = cli_config(["--model", ARITH_MODEL, "--dataset", ARITH_TEST, "--deepspeed", "zero3"])
+    assert (zero3.sharding, zero3.sharding_parallel_degree) == ("stage3", -1)   # parameters partitioned too
     assert (config.policy_loss, config.scale_rewards, config.system_prompt) == ("gspo", "batch", "Be brief.")
     assert config.prompt_overflow == "drop"
     assert any(line.startswith("vllm_gpu_memory_utilization 0.5: vLLM's share") for line in config.untranslated)
     for argv, message in (
             (["--rlhf_type", "dpo"], "rlhf_type dpo: this suite trains from rewards"),
-            (["--deepspeed", "zero3"], "deepspeed zero3: stage 3 (parameter partitioning) is not implemented"),
+            (["--deepspeed", "zero3_offload"], "deepspeed zero3_offload: zero0, zero1, zero2 or zero3"),
             (["--torch_dtype", "float16"], "torch_dtype float16: float16 training is not implemented"),
             (["--chord_sft_dataset", "x.jsonl"], "chord_sft_dataset x.jsonl: CHORD"),
             (["--top_entropy_quantile", "0.2"], "top_entropy_quantile 0.2: a loss on the highest-entropy tokens"),

@@ -360,14 +360,12 @@ def _swift_deepspeed(work: _Work) -> None:
     stage = str(work.peek("deepspeed")).lower()
     if stage == "zero0":
         work.ignore("deepspeed", "no sharding, as without the key")
-    elif stage in ("zero1", "zero2"):
+    elif stage in ("zero1", "zero2", "zero3"):
         work.pop("deepspeed")
         work.set("sharding", f"stage{stage[-1]}", source)
         work.set("sharding_parallel_degree", -1, source)
-    elif stage == "zero3":
-        work.refuse("deepspeed", "stage 3 (parameter partitioning) is not implemented; zero1 or zero2")
     else:
-        work.refuse("deepspeed", "zero0, zero1 or zero2 (offload variants and DeepSpeed JSON files are not "
+        work.refuse("deepspeed", "zero0, zero1, zero2 or zero3 (offload variants and DeepSpeed JSON files are not "
                                  "read here)")
 
 

@@ -34,6 +34,7 @@ class Partitioned(Replicated):
     def __init__(self, topo, share_prompts: bool = True, max_tokens: int = 0, remove_padding: bool = False):
         super().__init__(topo, share_prompts, max_tokens, remove_padding)
         self.params = PartitionedParams(topo)
+        self.idle_passes = 0   # passes run only to keep this rank's collectives in step with its peers
 
     def check_config(self, config) -> None:
         super().check_config(config)
@@ -72,23 +73,25 @@ class Partitioned(Replicated):
             return super().full_state(model, frozen)
 
     def held_bytes(self, model) -> dict:
-        """Bytes of `model`'s parameters this rank holds now (its shards, and whatever is gathered)."""
+        """Bytes of `model`'s parameters this rank holds (PartitionedParams.held_bytes)."""
         return self.params.held_bytes(model)
 
     # ---------------------------------------------------------------- passes
     def _passes(self, plan) -> int:
-        """Idle passes this rank adds so that every rank of the sharding group runs as many as the busiest."""
+        """Idle passes this rank adds so that every rank of the sharding group runs as many as the busiest (a
+        collective: called before any of the passes)."""
         most = int(C.max_numpy([len(plan)], self._topo.group("sharding"))[0])
+        self.idle_passes += most - len(plan)
         return most - len(plan)
 
     def _logprob_chunks(self, model, batch, plan, temperature: float, with_entropy: bool,
                         with_greedy: bool = False) -> list:
-        chunks = []
+        chunks, idle = [], self._passes(plan)
         for rows in plan:
             with self.params.running(model):
                 out = self.micro.logprobs(model, batch.micro(rows), temperature, with_entropy, with_greedy)
             chunks.append((rows, *(None if x is None else x.numpy() for x in out)))
-        for _ in range(self._passes(plan)):
+        for _ in range(idle):
             with self.params.running(model):
                 idle_pass(model, backward=False)
         return chunks
@@ -97,6 +100,7 @@ class Partitioned(Replicated):
                          with_greedy: bool = False) -> list:
         outs = []
         plan = self.micro.plan(mini, micro)
+        idle = self._passes(plan)
         for rows in plan:
             part = mini.micro(rows)
             with self.params.running(model):
@@ -107,7 +111,7 @@ class Partitioned(Replicated):
                 out = loss_fn(tensors, logp, entropy)
                 out.loss.backward()
             outs.append(out)
-        for _ in range(self._passes(plan)):
+        for _ in range(idle):
             with self.params.running(model):
                 idle_pass(model, backward=True)
         return outs

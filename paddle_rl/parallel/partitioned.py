@@ -96,6 +96,9 @@ class PartitionedParams:
         self.rank = topo.sharding_rank
         self.ranks = topo.ranks_of.get("sharding", [topo.rank])
         self._models: Dict[int, _Partitioned] = {}
+        self.whole_bytes = 0        # bytes of parameters gathered whole right now (every partitioned model)
+        self.peak_whole_bytes = 0   # the most at once, ever
+        self.pass_peak_bytes = 0    # the most at once inside micro-batch passes (`running`)
 
     # ---------------------------------------------------------------- partitioning
     def partition(self, model) -> None:
@@ -112,7 +115,8 @@ class PartitionedParams:
             layer.register_forward_post_hook(self._post_hook(model, unit))
         self._models[id(model)] = _Partitioned(model, units)
         for unit in units:
-            self._free(unit)
+            for part in unit.parts:
+                part.param._clear_data()
 
     def _state(self, model) -> _Partitioned:
         return self._models[id(model)]
@@ -160,9 +164,14 @@ class PartitionedParams:
             whole = whole.reshape(part.param.shape)
             part.param.get_tensor()._share_data_with(whole.get_tensor())
             offset += part.size
+        self._count(unit, +1)
 
-    @staticmethod
-    def _free(unit: _Unit) -> None:
+    def _count(self, unit: _Unit, sign: int) -> None:
+        self.whole_bytes += sign * sum(part.numel * part.shard.element_size() for part in unit.parts)
+        self.peak_whole_bytes = max(self.peak_whole_bytes, self.whole_bytes)
+
+    def _free(self, unit: _Unit) -> None:
+        self._count(unit, -1)
         for part in unit.parts:
             part.param._clear_data()
 
@@ -229,6 +238,7 @@ class PartitionedParams:
         reduce-scattered and every unit is free again."""
         state = self._state(model)
         outer = state.units[0]
+        before, self.peak_whole_bytes = self.peak_whole_bytes, self.whole_bytes
         self._acquire(outer)
         try:
             yield
@@ -237,6 +247,8 @@ class PartitionedParams:
                 self._reduce_scatter(outer)
         finally:
             self._release(outer)
+            self.pass_peak_bytes = max(self.pass_peak_bytes, self.peak_whole_bytes)
+            self.peak_whole_bytes = max(before, self.peak_whole_bytes)
 
     @contextlib.contextmanager
     def gathered(self, model):
@@ -255,13 +267,16 @@ class PartitionedParams:
                 self._release(unit)
 
     def held_bytes(self, model) -> Dict[str, int]:
-        """Bytes of the model's parameters this rank holds now: {'shards': its slices, 'whole': parameters
-        gathered at this moment (0 between passes)}."""
+        """Bytes of the model's parameters this rank holds: {'shards': its slices, 'whole': parameters gathered at
+        this moment (0 between passes), 'pass_peak_whole': the most gathered at once inside a micro-batch pass (of
+        any partitioned model: the actor's, the reference's), 'peak_whole': the most ever (the rollout's whole
+        model)}."""
         units = self._state(model).units
         shards = sum(part.size * part.shard.element_size() for unit in units for part in unit.parts)
         whole = sum(part.numel * part.param.element_size() for unit in units for part in unit.parts
                     if part.param._is_initialized())
-        return {"shards": shards, "whole": whole}
+        return {"shards": shards, "whole": whole, "pass_peak_whole": self.pass_peak_bytes,
+                "peak_whole": self.peak_whole_bytes}
 
     # ---------------------------------------------------------------- gradients
     def grads(self, model) -> List:
