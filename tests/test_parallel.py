@@ -435,6 +435,19 @@ def test_tensor_parallel(setup, reference):
     check_parity(setup, reference, out_dir)
 
 
+@pytest.mark.parametrize("packed", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_tensor_parallel_sequence_parallel(setup, reference, packed):
+    """tensor 2 with `sequence_parallel` through the trainer (3 RL steps: the shared-prompt or packed passes, the
+    norms' gradients summed over the tensor group, AdamW, clipping, the rollout on the same model) equals one
+    process; tests/test_sequence_parallel.py checks the gradients themselves and breaks the collectives."""
+    extra = dict(use_remove_padding=True) if packed else {}
+    out_dir, _ = run_layout(setup, "tp-sp-packed" if packed else "tp-sp", tensor_parallel_degree=2,
+                            sequence_parallel=True, **extra)
+    check_parity(setup, reference, out_dir)
+    with open(os.path.join(out_dir, "log", "workerlog.0"), errors="replace") as f:
+        assert "tensor 2 (sequence parallel)" in f.read()
+
+
 def test_tensor_parallel_bf16_with_recomputed_attention(setup):
     """bf16 under core_attn_mlp recomputes each attention block from its input's bfloat16 rounding, a second
     forward and a nested backward through the column and row layers' collectives: under tensor parallelism the run
