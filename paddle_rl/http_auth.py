@@ -1,12 +1,15 @@
-"""The API-key rule and the bounded body read shared by the HTTP servers (the reward server, the rollout server).
+"""The API-key rule and the bounded, timed body read shared by the HTTP servers (the reward server, the rollout
+server); the connection rules below them are http_guard.py's.
 
 A request carries the key as `Authorization: Bearer KEY` or `X-API-Key: KEY`; servers compare it in constant time
 from the headers alone, before reading the body. A server bound to an address other machines can reach needs a
 key unless its operator says otherwise (`--allow-no-key`).
 """
+import asyncio
 import hmac
 import ipaddress
-from typing import Dict
+import time
+from typing import Dict, Optional
 
 LOOPBACK_NAMES = ("localhost",)
 
@@ -40,15 +43,33 @@ def bind_problem(host: str, api_key: str, allow_no_key: bool, what: str, key_env
             f"{host} without a key")
 
 
-async def read_body(receive, headers: Dict[bytes, bytes], limit: int):
+class BodyTimeout(Exception):
+    """A request's body did not arrive in time (its message says how much came and the rule)."""
+
+
+async def read_body(receive, headers: Dict[bytes, bytes], limit: int, timeout: Optional[float] = None,
+                    min_rate: float = 1.0):
     """(body, None) when the request's body fits in `limit` bytes; (None, size) as soon as it does not (its declared
-    Content-Length, or the bytes read so far); (None, None) when the client disconnected first."""
+    Content-Length, or the bytes read so far); (None, None) when the client disconnected first. With `timeout`, the
+    body must be complete within `timeout` seconds of the first read plus one second per `min_rate` MiB received
+    (a large body arriving at `min_rate` MiB/s or faster never runs out of time; one trickled byte by byte does):
+    BodyTimeout otherwise."""
     declared = headers.get(b"content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         return None, int(declared)
     chunks, size = [], 0
+    start = time.monotonic()
     while True:
-        message = await receive()
+        if timeout is None:
+            message = await receive()
+        else:
+            left = start + timeout + size / (min_rate * 2 ** 20) - time.monotonic()
+            try:
+                message = await asyncio.wait_for(receive(), max(left, 0.0))
+            except asyncio.TimeoutError:
+                raise BodyTimeout(f"request body not complete after {time.monotonic() - start:.1f} s ({size} bytes "
+                                  f"received; a body has {timeout:g} s plus 1 s per {min_rate:g} MiB received: "
+                                  "body_timeout, min_body_rate)") from None
         if message["type"] == "http.disconnect":
             return None, None
         chunk = message.get("body", b"")

@@ -12,6 +12,7 @@ Error codes (the HTTP status says whether a retry can help):
   1001 invalid request (malformed JSON, wrong types, unequal list lengths)   400
   1002 request too large (bytes or samples)                                  413
   1003 missing or wrong API key                                              401
+  1004 the body did not arrive in time (slow client)                         408
   2001 a reward function raised on a sample (the message names it)          422
   2002 a sample exceeded the per-sample time limit                           422
   2003 the scoring process died on a sample                                  500
@@ -20,24 +21,26 @@ Error codes (the HTTP status says whether a retry can help):
 import asyncio
 import logging
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException
 from fastapi.responses import JSONResponse
 from fastapi_offline import FastAPIOffline
 from pydantic import BaseModel, ConfigDict, Field
 
 from paddle_rl.config import config_from_values
-from paddle_rl.http_auth import key_matches, read_body, replaying
+from paddle_rl.http_auth import BodyTimeout, key_matches, read_body, replaying
+from paddle_rl.http_guard import DEFAULT_BODY_TIMEOUT, DEFAULT_MIN_BODY_RATE, ConnectionLimits
 from paddle_rl.rewards import build_local_reward
 
 from .pool import ScoringFailure, ScoringPool
 
 logger = logging.getLogger("reward_server")
 
-INVALID, TOO_LARGE, UNAUTHORIZED = 1001, 1002, 1003
+INVALID, TOO_LARGE, UNAUTHORIZED, SLOW_BODY = 1001, 1002, 1003, 1004
 SCORING_ERROR, TIMEOUT, CRASH, BUSY = 2001, 2002, 2003, 2004
 FAILURE_CODES = {"error": (SCORING_ERROR, 422), "timeout": (TIMEOUT, 422), "crash": (CRASH, 500)}
 SAMPLE_FIELDS = ("response", "prompt", "response_length", "truncated", "record")
@@ -54,6 +57,9 @@ class ServerSettings:
     max_samples: int = 16384               # per request
     max_pending: int = 65536               # samples queued across requests
     api_key: str = ""
+    body_timeout: float = DEFAULT_BODY_TIMEOUT     # seconds for a body, plus 1 s per min_body_rate MiB received
+    min_body_rate: float = DEFAULT_MIN_BODY_RATE   # MiB/s
+    connections: ConnectionLimits = field(default_factory=ConnectionLimits)
 
 
 # ------------------------------------------------------------------------------------------------ schemas
@@ -106,11 +112,13 @@ def error(code: int, message: str, status: int, headers: Optional[dict] = None, 
 class RequestGate:
     """Stands before the application for every request with a body (every method but GET / HEAD / OPTIONS): the
     API key is checked from the headers alone (401 without reading a byte of the body), then the body is read up
-    to `limit` bytes (413 beyond; a declared Content-Length over the limit is refused before reading) and handed
-    on as JSON."""
+    to `limit` bytes (413 beyond; a declared Content-Length over the limit is refused before reading) within its
+    deadline (408 past it: `read_body`) and handed on as JSON."""
 
-    def __init__(self, app, limit: int, api_key: str = ""):
+    def __init__(self, app, limit: int, api_key: str = "", body_timeout: Optional[float] = None,
+                 min_body_rate: float = DEFAULT_MIN_BODY_RATE):
         self.app, self.limit, self.api_key = app, limit, api_key
+        self.body_timeout, self.min_body_rate = body_timeout, min_body_rate
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS"):
@@ -120,7 +128,11 @@ class RequestGate:
             response = error(UNAUTHORIZED, "missing or wrong API key (send Authorization: Bearer KEY or "
                                            "X-API-Key: KEY)", 401, headers={"Connection": "close"})
             return await response(scope, receive, send)
-        body, oversize = await read_body(receive, headers, self.limit)
+        try:
+            body, oversize = await read_body(receive, headers, self.limit, self.body_timeout, self.min_body_rate)
+        except BodyTimeout as e:
+            response = error(SLOW_BODY, str(e), 408, headers={"Connection": "close"})
+            return await response(scope, receive, send)
         if oversize is not None:
             return await self._too_large(scope, receive, send, oversize)
         if body is None:
@@ -130,7 +142,8 @@ class RequestGate:
         return await self.app(scope, replaying(body, receive), send)
 
     async def _too_large(self, scope, receive, send, size):
-        response = error(TOO_LARGE, f"request body of {size}+ bytes exceeds the limit of {self.limit} bytes", 413)
+        response = error(TOO_LARGE, f"request body of {size}+ bytes exceeds the limit of {self.limit} bytes", 413,
+                         headers={"Connection": "close"})   # the rest of the body is not read
         await response(scope, receive, send)
 
 
@@ -163,7 +176,8 @@ def create_app(settings: ServerSettings, pool: Optional[ScoringPool] = None) -> 
     app = FastAPIOffline(title="paddle-rl reward server", version="1.0", lifespan=lifespan,
                          description="Rule and plugin rewards over HTTP, PaddleNLP-compatible at POST /.",
                          static_url=DOCS_ASSETS, swagger_ui_parameters={"validatorUrl": None})
-    app.add_middleware(RequestGate, limit=settings.max_request_bytes, api_key=settings.api_key)
+    app.add_middleware(RequestGate, limit=settings.max_request_bytes, api_key=settings.api_key,
+                       body_timeout=settings.body_timeout, min_body_rate=settings.min_body_rate)
 
     @app.exception_handler(RequestValidationError)
     async def invalid_request(request: Request, exc: RequestValidationError):
@@ -176,6 +190,13 @@ def create_app(settings: ServerSettings, pool: Optional[ScoringPool] = None) -> 
             where = ".".join(str(p) for p in e.get("loc", ()) if p != "body")
             problems.append(f"{where or 'body'}: {e.get('msg')}")
         return error(INVALID, "invalid request: " + "; ".join(problems), 400)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException):
+        if exc.status_code == 400:   # FastAPI's answer to a body json.loads raised on other than a syntax error
+            return error(INVALID, f"invalid request: {exc.detail} (not JSON this server reads: nested deeper than "
+                                  "the parser's recursion limit, or not UTF-8)", 400)
+        return JSONResponse({"detail": exc.detail}, status_code=exc.status_code, headers=exc.headers)
 
     async def score(request: Request, samples: List[dict]):
         if len(samples) > settings.max_samples:
@@ -232,7 +253,8 @@ def create_app(settings: ServerSettings, pool: Optional[ScoringPool] = None) -> 
         pool = request.app.state.pool
         return {"status": "ok", **description, "workers": len(pool.workers), "workers_alive": pool.alive,
                 "sample_timeout": pool.sample_timeout, "timeout_score": pool.timeout_score,
-                "pending": pool.pending, "stats": dict(pool.stats), "api_key_required": bool(settings.api_key)}
+                "pending": pool.pending, "stats": dict(pool.stats), "api_key_required": bool(settings.api_key),
+                "connections": dict(settings.connections.stats)}
 
     return app
 

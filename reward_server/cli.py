@@ -10,11 +10,10 @@ import os
 from paddle_rl.config import ConfigError, config_from_values, parse_overrides
 from paddle_rl.config.loader import read_values
 from paddle_rl.http_auth import bind_problem, is_loopback
+from paddle_rl.http_guard import add_limit_arguments, limits_from_args
 from paddle_rl.rewards.check import reward_config_errors
 from paddle_rl.rewards.rules import rule_option_errors
 from paddle_rl.rewards.client import API_KEY_ENV
-
-DEFAULT_MAX_CONNECTIONS = 128
 
 
 def add_reward_server_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -50,9 +49,7 @@ def add_reward_server_arguments(parser: argparse.ArgumentParser) -> argparse.Arg
     parser.add_argument("--allow-no-key", action="store_true",
                         help="Serve a non-loopback --host without an API key (anyone who can reach the port can use "
                              "the server and make it run its reward functions).")
-    parser.add_argument("--max-connections", type=int, default=DEFAULT_MAX_CONNECTIONS, metavar="N",
-                        help=f"Open connections served at once (default {DEFAULT_MAX_CONNECTIONS}); while more are "
-                             "open, requests get HTTP 503 at once (clients retry after a backoff).")
+    add_limit_arguments(parser)
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     parser.add_argument("--access-log", action="store_true", help="Log every request.")
     return parser
@@ -133,11 +130,11 @@ def settings_from_args(args):
         raise SystemExit("--workers: must be >= 1")
     if args.sample_timeout <= 0:
         raise SystemExit("--sample-timeout: must be > 0")
-    if args.max_connections < 1:
-        raise SystemExit("--max-connections: must be >= 1")
+    connections, body_timeout, min_body_rate = limits_from_args(args)
     return ServerSettings(config_values=values, workers=args.workers, sample_timeout=args.sample_timeout,
                           timeout_score=args.timeout_score, max_request_bytes=int(args.max_request_mb * 1024 * 1024),
-                          max_samples=args.max_samples, api_key=api_key)
+                          max_samples=args.max_samples, api_key=api_key, body_timeout=body_timeout,
+                          min_body_rate=min_body_rate, connections=connections)
 
 
 def check_bind(host: str, api_key: str, allow_no_key: bool) -> None:
@@ -164,7 +161,6 @@ def run_reward_server(args) -> int:
     if not is_loopback(args.host) and not settings.api_key:
         log.warning("serving %s without an API key (--allow-no-key): anyone who can reach this port can use the "
                     "server", args.host)
-    # uvicorn answers 503 to a request while `limit_concurrency` or more connections are open, this one included
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=args.access_log,
-                limit_concurrency=args.max_connections + 1)
+                **settings.connections.uvicorn_options())
     return 0

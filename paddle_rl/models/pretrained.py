@@ -66,6 +66,27 @@ def load_weights(model: CausalLM, source) -> None:
         param.set_value(paddle.to_tensor(np.ascontiguousarray(value), dtype=param.dtype))
 
 
+def state_problem(model: CausalLM, tensors, exact: bool = True) -> Optional[str]:
+    """What keeps a {HF name: array} state from replacing every weight of a one-process `model` (None: nothing):
+    a tensor it lacks, one that gives a parameter another shape, and with `exact` one the model does not have.
+    load_weights checks as it writes, so a state refused half-way leaves the first parameters replaced; this reads
+    everything first and writes nothing (a server fed states by its clients asks it first)."""
+    wanted = set()
+    for name, param in specs_of(model):
+        wanted.update(param.spec.hf_names)
+        try:
+            value = param.spec.from_hf(tensors)
+        except KeyError as e:
+            return f"the state lacks tensor {e.args[0]} (parameter {name})"
+        except ValueError as e:   # tensors of one fused parameter that do not concatenate
+            return f"{', '.join(param.spec.hf_names)} do not make parameter {name}: {e}"
+        if tuple(value.shape) != tuple(param.shape):
+            return (f"{', '.join(param.spec.hf_names)} gives shape {list(value.shape)} for {name}, the model expects "
+                    f"{list(param.shape)}")
+    unknown = sorted(set(tensors) - wanted) if exact else []
+    return f"{unknown[0]} is not a tensor of this model" if unknown else None
+
+
 def hf_state(model: CausalLM, frozen: bool = True) -> dict:
     """This model's full tensors under their Hugging Face names (a LoRA model's adapters under PEFT's module
     names; `frozen=False`: the adapters only); a tensor-parallel model gathers its shards (a collective over its

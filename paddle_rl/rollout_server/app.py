@@ -5,7 +5,9 @@ POST /v1/generate           the suite's batched endpoint (rollout/wire.py): prom
                             decode steps and the policy version that generated it
 POST /v1/weights            a versioned weight push: the body is a safetensors file of the whole model under
                             Hugging Face names (a LoRA trainer sends its merged weights), the version in the header
-                            X-Policy-Version; applied after the requests already queued, before the ones after it
+                            X-Policy-Version; applied after the requests already queued, before the ones after it,
+                            and only whole: a push refused for any tensor changes no weight
+GET  /v1/weights            the weights the server generates with, as such a file (the version in its metadata)
 GET  /health                the loaded policy version, the model's identity (architecture, vocabulary size and
                             hash, ...) and the engine's precision settings
 POST /v1/completions        OpenAI-compatible (prompt text or token ids; n, temperature, top_p, max_tokens, stop,
@@ -18,7 +20,8 @@ The request parsing and the answers of the OpenAI endpoints are rollout/openai_a
 One thread runs the engine, so requests (and weight pushes) are served one at a time, in arrival order. Errors are
 OpenAI's shape: {"error": {"message", "type", "code"}} with an HTTP status; the message names the field.
 Every request but GET /health and the docs pages passes `RequestGate` first: the API key from the headers alone
-(401 before a byte of a body is read), then the body up to the endpoint's limit (413).
+(401 before a byte of a body is read), then the body up to the endpoint's limit (413) within its deadline (408).
+Below it, http_guard.py's connection rules (request-head deadline and size, the connection cap).
 """
 import asyncio
 import json
@@ -27,7 +30,7 @@ import resource
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import numpy as np
@@ -36,9 +39,12 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from fastapi_offline import FastAPIOffline
 from safetensors.numpy import load as load_safetensors
+from safetensors.numpy import save as save_safetensors
 
-from ..http_auth import key_matches, read_body, replaying
+from ..http_auth import BodyTimeout, key_matches, read_body, replaying
+from ..http_guard import DEFAULT_BODY_TIMEOUT, DEFAULT_MIN_BODY_RATE, ConnectionLimits
 from ..models import load_weights
+from ..models.pretrained import hf_state, state_problem
 from ..models.lora import adapted_modules, base_digest, fold_adapters, is_adapter_name
 from ..model_files.safetensors_io import load_state
 from ..rollout.openai_api import (CHAT_FIELDS, COMPLETION_FIELDS, RequestError, chat_logprobs, chat_messages,
@@ -64,6 +70,10 @@ class ServerSettings:
     max_weights_bytes: int = 64 * 1024 ** 3        # a weight push
     api_key: str = ""
     served_model_name: str = "model"
+    body_timeout: float = DEFAULT_BODY_TIMEOUT     # seconds for a body, plus 1 s per min_body_rate MiB received
+    min_body_rate: float = DEFAULT_MIN_BODY_RATE   # MiB/s
+    max_queued: int = 256                          # requests waiting for or on the engine thread; 503 beyond
+    connections: ConnectionLimits = field(default_factory=ConnectionLimits)
 
 
 def error_response(message: str, status: int, kind: str = "invalid_request_error", code=None,
@@ -75,10 +85,13 @@ def error_response(message: str, status: int, kind: str = "invalid_request_error
 class RequestGate:
     """For every request but GET /health and the docs pages: the API key from the headers (401 without reading the
     body); then, for a request with a body, the body read up to its endpoint's limit (413 beyond; a declared
-    Content-Length over it is refused before reading) and handed on."""
+    Content-Length over it is refused before reading) within its deadline (408 past it: `read_body`) and handed
+    on."""
 
-    def __init__(self, app, limit: int, weights_limit: int, api_key: str = ""):
+    def __init__(self, app, limit: int, weights_limit: int, api_key: str = "", body_timeout: Optional[float] = None,
+                 min_body_rate: float = DEFAULT_MIN_BODY_RATE):
         self.app, self.limit, self.weights_limit, self.api_key = app, limit, weights_limit, api_key
+        self.body_timeout, self.min_body_rate = body_timeout, min_body_rate
 
     async def __call__(self, scope, receive, send):
         path = scope.get("path", "")
@@ -92,7 +105,11 @@ class RequestGate:
         if scope["method"] in ("GET", "HEAD", "OPTIONS"):
             return await self.app(scope, receive, send)
         limit = self.weights_limit if path == WEIGHTS_PATH else self.limit
-        body, oversize = await read_body(receive, headers, limit)
+        try:
+            body, oversize = await read_body(receive, headers, limit, self.body_timeout, self.min_body_rate)
+        except BodyTimeout as e:
+            response = error_response(str(e), 408, code="body_timeout", headers={"Connection": "close"})
+            return await response(scope, receive, send)
         if oversize is not None:
             return await self._too_large(scope, receive, send, oversize, limit)
         if body is None:
@@ -158,17 +175,22 @@ class RolloutService:
         return batch, version, stats
 
     def load(self, body: bytes, version: int, kind: str = "full") -> float:
+        """Every tensor checked (names, float32, shapes) before any weight is written: a refused push changes
+        nothing."""
         start = time.perf_counter()
         try:
             state = load_safetensors(body)
         except Exception as e:  # noqa: BLE001 - the body is the client's: a 400 naming why
             raise RequestError(f"weights: the body is not a safetensors file ({e})") from None
+        wrong = sorted(k for k, v in state.items() if v.dtype != np.float32)
+        if wrong:   # never cast: the trainer sends float32 (a float64 / float16 / integer push is another client's)
+            raise RequestError(f"weights: {wrong[0]} is {state[wrong[0]].dtype}; a push holds float32 tensors")
         if kind == "lora":
             state = self._fold(state, safetensors_metadata(body))
-        try:
-            load_weights(self.engine.model, state)
-        except (KeyError, ValueError) as e:
-            raise RequestError(f"weights: {e.args[0] if e.args else e}") from None
+        problem = state_problem(self.engine.model, state, exact=kind == "full")
+        if problem:
+            raise RequestError(f"weights: {problem}")
+        load_weights(self.engine.model, state)
         self.version = version
         self.served["weight_pushes"] += 1
         return time.perf_counter() - start
@@ -206,6 +228,13 @@ class RolloutService:
             raise RequestError(f"weights: {e}") from None
 
 
+    def weights(self) -> bytes:
+        """The weights the engine generates with, a safetensors file under Hugging Face names (float32), the version
+        in its metadata."""
+        version = "" if self.version is None else str(self.version)
+        return save_safetensors(hf_state(self.engine.model), metadata={"version": version})
+
+
 def safetensors_metadata(body: bytes) -> dict:
     """The `__metadata__` of a safetensors file's header (8 bytes of length, then JSON)."""
     size = int.from_bytes(body[:8], "little")
@@ -219,7 +248,8 @@ def create_app(service: RolloutService, settings: ServerSettings) -> FastAPI:
                                      "OpenAI-compatible completions.", static_url=DOCS_ASSETS,
                          swagger_ui_parameters={"validatorUrl": None})
     app.add_middleware(RequestGate, limit=settings.max_request_bytes, weights_limit=settings.max_weights_bytes,
-                       api_key=settings.api_key)
+                       api_key=settings.api_key, body_timeout=settings.body_timeout,
+                       min_body_rate=settings.min_body_rate)
     vocab = service.identity["vocab_size"]
 
     @app.exception_handler(RequestError)
@@ -232,6 +262,8 @@ def create_app(service: RolloutService, settings: ServerSettings) -> FastAPI:
             body = json.loads(raw)
         except ValueError as e:
             raise RequestError(f"malformed JSON: {e}") from None
+        except RecursionError:
+            raise RequestError("malformed JSON: nested deeper than the parser's recursion limit") from None
         if not isinstance(body, dict):
             raise RequestError(f"expected a JSON object, got {type(body).__name__}")
         return body
@@ -247,7 +279,14 @@ def create_app(service: RolloutService, settings: ServerSettings) -> FastAPI:
         return {"status": "ok", "version": service.version, "model": service.identity,
                 "engine": service.engine_settings, "served_model_name": settings.served_model_name,
                 "queued": service.queued, "served": dict(service.served),
-                "api_key_required": bool(settings.api_key)}
+                "api_key_required": bool(settings.api_key), "connections": dict(settings.connections.stats)}
+
+    async def run(fn, *args):
+        """`fn` on the engine thread, or 503 while `max_queued` requests wait for it."""
+        if service.queued >= settings.max_queued:
+            raise RequestError(f"server busy: {service.queued} requests queued for the engine (max_queued "
+                               f"{settings.max_queued}); retry later", 503, "server_error", code="busy")
+        return await service.run(fn, *args)
 
     @app.get("/v1/models")
     async def models():
@@ -283,7 +322,7 @@ def create_app(service: RolloutService, settings: ServerSettings) -> FastAPI:
         fmt = body.get("format") or "json"
         if fmt not in FORMATS:
             raise RequestError(f"format: expected one of {', '.join(FORMATS)}, got {fmt!r}")
-        batch, version, stats = await service.run(service.generate, prompts, n, params, keys, groups)
+        batch, version, stats = await run(service.generate, prompts, n, params, keys, groups)
         if fmt == "safetensors":
             return Response(batch_to_safetensors(batch, version, stats), media_type="application/octet-stream")
         return {"version": version, "rows": batch_to_rows(batch), "stats": stats}
@@ -299,16 +338,20 @@ def create_app(service: RolloutService, settings: ServerSettings) -> FastAPI:
         if kind not in WEIGHT_KINDS:
             raise RequestError(f"{KIND_HEADER}: expected one of {', '.join(WEIGHT_KINDS)}, got {kind!r}")
         body = request.scope["gate_body"]   # RequestGate's copy (Starlette's request.body() would make another)
-        load_s = await service.run(service.load, body, version, kind)
+        load_s = await run(service.load, body, version, kind)
         logger.info("weights version %d loaded (%s, %.1f MB, %.2f s)", version, kind, len(body) / 2 ** 20, load_s)
         return {"version": version, "load_s": load_s}
+
+    @app.get(WEIGHTS_PATH)
+    async def current_weights():
+        return Response(await run(service.weights), media_type="application/octet-stream")
 
     async def complete(body: dict, prompts, chat: bool, logprobs: bool):
         check_tokens(prompts, vocab)
         default = service.default_max_tokens if chat else 16
         params, n, stops, seed = sampling_from_openai(body, service.tokenizer, service.stop_ids, default, chat)
         keys = openai_keys(seed, len(prompts), n, params.greedy)
-        batch, version, _ = await service.run(service.generate, prompts, n, params, keys, None)
+        batch, version, _ = await run(service.generate, prompts, n, params, keys, None)
         return choices_of(service.tokenizer, batch, stops, logprobs, chat, prompts) + (version,)
 
     @app.post("/v1/completions")

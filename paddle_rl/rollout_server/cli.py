@@ -10,6 +10,7 @@ import sys
 from ..config import ConfigError, load_config
 from ..errors import setup_error_types
 from ..http_auth import bind_problem, is_loopback
+from ..http_guard import add_limit_arguments, limits_from_args
 
 DEFAULT_PORT = 8732
 API_KEY_ENV = "PADDLE_RL_ROLLOUT_API_KEY"
@@ -39,6 +40,9 @@ def add_rollout_server_subparser(subparsers):
     p.add_argument("--max-request-mb", type=float, default=64.0, help="Largest JSON request body (default 64 MiB).")
     p.add_argument("--max-weights-mb", type=float, default=65536.0,
                    help="Largest weight push (default 64 GiB).")
+    p.add_argument("--max-queued", type=int, default=256, metavar="N",
+                   help="Requests that may wait for the engine at once (default 256); beyond, HTTP 503.")
+    add_limit_arguments(p)
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--access-log", action="store_true", help="Log every request.")
     p.set_defaults(func=run_rollout_server, takes_overrides=True)
@@ -95,6 +99,13 @@ def run_rollout_server(args) -> int:
         print(f"error: {problem}", file=sys.stderr)
         return 2
     try:
+        if args.max_queued < 1:
+            raise ValueError(f"--max-queued: must be >= 1, got {args.max_queued}")
+        connections, body_timeout, min_body_rate = limits_from_args(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    try:
         service, folder = build_service(args.config, args.overrides)
     except setup_error_types() as e:
         print(f"error: {e}", file=sys.stderr)
@@ -104,7 +115,9 @@ def run_rollout_server(args) -> int:
     from .app import ServerSettings, create_app
     settings = ServerSettings(max_request_bytes=int(args.max_request_mb * 2 ** 20),
                               max_weights_bytes=int(args.max_weights_mb * 2 ** 20), api_key=api_key,
-                              served_model_name=args.served_model_name or os.path.basename(os.path.normpath(folder)))
+                              served_model_name=args.served_model_name or os.path.basename(os.path.normpath(folder)),
+                              body_timeout=body_timeout, min_body_rate=min_body_rate, max_queued=args.max_queued,
+                              connections=connections)
     if not is_loopback(args.host) and not api_key:
         log.warning("serving %s without an API key (--allow-no-key): anyone who can reach this port can use the "
                     "server", args.host)
@@ -112,6 +125,6 @@ def run_rollout_server(args) -> int:
     log.info("rollout server: %s (%s, vocab %d) from %s, engine %s, on %s:%d", settings.served_model_name,
              identity["architecture"], identity["vocab_size"], folder, service.engine_settings, args.host, args.port)
     uvicorn.run(create_app(service, settings), host=args.host, port=args.port, log_level=args.log_level,
-                access_log=args.access_log)
+                access_log=args.access_log, **connections.uvicorn_options())
     return 0
 
