@@ -73,11 +73,14 @@ def test_stage3_equals_one_process(stage3_setup, single):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("perturb", ["gather", "reduce"])
+@pytest.mark.parametrize("perturb", ["gather", "reduce", "sequence"])
 def test_stage3_parity_fails_when_a_collective_is_perturbed(stage3_setup, single, perturb):
-    """The parity check sees the collectives: each rank using its own slice in place of its peer's (gather), or
-    keeping its own gradient slice unsummed (reduce), moves the weights far beyond the tolerance."""
-    out_dir = run_stage3(stage3_setup, f"stage3-perturbed-{perturb}", perturb=perturb)
+    """The parity check sees the collectives: each rank using its own slice in place of its peer's (gather),
+    keeping its own gradient slice unsummed (reduce), or, under tensor 2 with sequence parallelism on 4 processes,
+    leaving the norms' gradient shards unsummed over the tensor group (sequence), moves the weights far beyond the
+    tolerance."""
+    extra = dict(nproc=4, tensor_parallel_degree=2, sequence_parallel=True) if perturb == "sequence" else {}
+    out_dir = run_stage3(stage3_setup, f"stage3-perturbed-{perturb}", perturb=perturb, **extra)
     wa, wb = weights(single["grpo"]), weights(out_dir)
     worst = max(rel_err(wa[k], wb[k]) for k in wa)
     print(f"perturbed {perturb}: max weight rel err {worst:.2e}")
@@ -135,9 +138,12 @@ def test_stage3_lora(stage3_setup):
 
 
 @pytest.mark.slow
-def test_stage3_with_tensor_parallel_on_four_processes(stage3_setup, single):
-    """sharding 2 (stage3) x tensor 2: each rank keeps half of its tensor-parallel shard of every parameter."""
-    out_dir = run_stage3(stage3_setup, "stage3-tp2", nproc=4, tensor_parallel_degree=2)
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp2", "tp2-sp"])
+def test_stage3_with_tensor_parallel_on_four_processes(stage3_setup, single, sequence_parallel):
+    """sharding 2 (stage3) x tensor 2, with and without sequence parallelism (the norms' gradient shards summed over
+    the tensor group): each rank keeps half of its tensor-parallel shard of every parameter."""
+    out_dir = run_stage3(stage3_setup, "stage3-tp2" + ("-sp" if sequence_parallel else ""), nproc=4,
+                         tensor_parallel_degree=2, sequence_parallel=sequence_parallel)
     check_parity(stage3_setup, single, out_dir)
 
 
@@ -181,6 +187,13 @@ def _perturb(kind):
         P.PartitionedParams._all_gather = own_only
     elif kind == "reduce":
         P.dist.reduce = lambda tensor, dst, group=None: None
+    elif kind == "sequence":
+        init = P.PartitionedSync.__init__
+
+        def unsummed(self, *args, **kwargs):
+            init(self, *args, **kwargs)
+            self.token_partial = set()
+        P.PartitionedSync.__init__ = unsummed
 
 
 def _worker(spec_path):

@@ -284,6 +284,9 @@ class PartitionedParams:
         return [(part.shard, part.grad) for unit in self._state(model).units for part in unit.parts
                 if not part.shard.stop_gradient]
 
+    def parts(self, model) -> List[_Part]:
+        return [part for unit in self._state(model).units for part in unit.parts]
+
     def clear_grads(self, model) -> None:
         for unit in self._state(model).units:
             for part in unit.parts:
@@ -292,14 +295,17 @@ class PartitionedParams:
 
 class PartitionedSync:
     """GradientSync's interface under stage 3: the shards' gradients (already reduce-scattered by the passes)
-    all-reduced over the data axis, the global norm over the shards (each element once), clipping."""
+    all-reduced over the data axis, the global norm over the shards (each element once), clipping. `token_partial`:
+    parameters whose gradients each tensor-parallel rank holds for its own tokens only (sequence parallelism's
+    norms), their shards' gradients summed over the tensor-parallel group first (the same slice on every rank)."""
 
     stage = 3
 
-    def __init__(self, topo, params: PartitionedParams, model):
+    def __init__(self, topo, params: PartitionedParams, model, token_partial=()):
         self.topo = topo
         self.partitioned = params
         self.model = model
+        self.token_partial = {id(p) for p in token_partial}
 
     @property
     def params(self) -> List:
@@ -310,6 +316,17 @@ class PartitionedSync:
         return self.params
 
     def sync(self) -> None:
+        tp = self.topo.group("tp")
+        partial = [part.grad for part in self.partitioned.parts(self.model)
+                   if id(part.param) in self.token_partial and part.grad is not None]
+        if tp is not None and partial:
+            flat = paddle.concat([g.reshape([-1]) for g in partial])
+            with watched("all_reduce of sequence-parallel gradient shards", tp):
+                dist.all_reduce(flat, group=tp)
+            offset = 0
+            for g in partial:
+                paddle.assign(flat[offset:offset + g.shape[0]], output=g)
+                offset += g.shape[0]
         group = self.topo.group("dp")
         grads = [g for _, g in self.partitioned.grads(self.model) if g is not None]
         if group is None or not grads:
