@@ -138,6 +138,14 @@ def test_stage3_lora(stage3_setup):
 
 
 @pytest.mark.slow
+def test_stage3_with_recompute(stage3_setup, single):
+    """recompute_granularity core_attn_mlp (the attention core and each MLP block rerun inside the layer's own
+    backward, while the layer is gathered) equals the single-process run that keeps everything."""
+    out_dir = run_stage3(stage3_setup, "stage3-recompute", recompute=True, recompute_granularity="core_attn_mlp")
+    check_parity(stage3_setup, single, out_dir)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp2", "tp2-sp"])
 def test_stage3_with_tensor_parallel_on_four_processes(stage3_setup, single, sequence_parallel):
     """sharding 2 (stage3) x tensor 2, with and without sequence parallelism (the norms' gradient shards summed over
