@@ -57,6 +57,29 @@ def held(out_dir):
             if name.startswith("params-rank")]
 
 
+def test_stage3_refuses_what_it_cannot_run_by_name(micro, tmp_path):
+    """The keys stage 3 cannot follow stop the run before any model loads, each named with its reason."""
+    from paddle_rl.config import load_config
+    from paddle_rl.layouts import Partitioned, build_layout
+    from paddle_rl.parallel.topology import Topology, TopologyError
+    topo = Topology({"data": 1, "sharding": 2, "pipe": 1, "tensor": 1}, rank=0, sharding_stage=3)
+    layout = build_layout(topo)
+    assert isinstance(layout, Partitioned)
+
+    def config(**keys):
+        return load_config(None, run_overrides(micro, str(tmp_path), "", rl_algorithm="grpo",
+                                               sharding_parallel_degree=2, sharding="stage3", **keys))
+    layout.check_config(config(**KEYS))  # accepted
+    layout.check_config(config(use_remove_padding=True))  # packed: prompts shared in one pass
+    for keys, message in ((dict(), "share_prompt_prefix: true runs the layers a second time"),
+                          (dict(KEYS, bf16=True), "bf16: true keeps bfloat16 copies"),
+                          (dict(KEYS, recompute=True), "recompute_granularity: full reruns a layer")):
+        with pytest.raises(TopologyError, match="sharding: stage3: " + message):
+            layout.check_config(config(**keys))
+    with pytest.raises(TopologyError, match="sharding: stage3 does not partition a critic"):
+        layout.load_critic(micro["model"])
+
+
 def test_stage3_equals_one_process(stage3_setup, single):
     """Losses, statistics, the gathered checkpoint's weights and greedy tokens equal one process; each rank holds
     half of the parameters (and half of the Adam moments) between passes."""
