@@ -5,7 +5,8 @@ on the rank itself), tensor parallel, tensor parallel + sequence parallel. Both 
 micro-batches as the whole one, padded (the shared-prompt passes) and packed, with token counts the degree does not
 divide (the split pads them), through a loss of log-probs and entropy and its backward; GradientSync sums the
 norms' gradients over the tensor group as training does. Compared: log-probs, entropy, loss, every gradient
-(gathered), and one SGD update of the weights. The same run with the collectives perturbed must lose parity:
+(gathered), and one SGD update of the weights; also with LoRA adapters, with whole layers recomputed, and with
+bf16 products recomputing each attention block (against tensor parallelism alone there). The same run with the collectives perturbed must lose parity:
   - the reduce-scatter replaced by the tensor-parallel all-reduce and a slice of this rank's tokens (the
     all-reduce's identity backward then hands each rank's partial products the gradient of its own tokens only);
   - the reduce-scatter without its sum (each rank keeps its own tokens of its partial products);
@@ -36,8 +37,8 @@ def test_sequence_parallel_equals_one_process(micro, tmp_path):
     launch([os.path.abspath(__file__), "--worker", micro["model"], str(out)], str(tmp_path / "log"), timeout=300)
     result = json.load(open(out / "rank0.json"))
     rank1 = json.load(open(out / "rank1.json"))
-    for case in ("padded", "packed", "lora"):
-        for layout in ("tp", "sp"):
+    for case in ("padded", "packed", "lora", "recompute full", "bf16 core_attn_mlp"):
+        for layout in result[case]:
             errors = result[case][layout]
             worst = max(errors, key=errors.get)
             print(f"{case} {layout}: max rel err {errors[worst]:.2e} ({worst}) over {len(errors)} values")
@@ -190,6 +191,16 @@ def _worker(folder, out_dir):
                         "sp": _errors(ref, _run(sp, data, forward, topo))}
         if case == "padded":
             reference = ref
+    # recompute: whole layers (float32, against one process), and bf16 products with core_attn_mlp (each attention
+    # block recomputed from its input's bfloat16 rounding, collectives inside; against tensor parallelism alone,
+    # as bf16 against one process differs at bf16's rounding)
+    for case, bf16, recompute in (("recompute full", False, "full"), ("bf16 core_attn_mlp", True, "core_attn_mlp")):
+        models = _models(folder, group)
+        for model in models:
+            model.recompute = recompute
+            model.set_bf16(bf16, bf16)
+        outs = [_run(model, data, _padded, topo) for model in models]
+        result[case] = {"sp": _errors(outs[1] if bf16 else outs[0], outs[2])}
     # perturbations of the padded case: each must break parity
     perturbed = {}
     split = collectives.TokenSplit

@@ -616,7 +616,10 @@ class CausalLM(nn.Layer):
         into its LayerCaches (the rollout's passes run as under tensor parallelism alone)."""
         if not self.sequence_parallel or self.tp_group is None or p.decode or isinstance(p.cache(0), LayerCache):
             return None
-        return TokenSplit(self.tp_group, inputs.shape[1])
+        # the column layers' products keep their own tokens only (gathering them again in the backward) unless a
+        # recompute reruns them (Paddle's recompute drops the gradient such a product hands its weight)
+        recompute = self.recompute if self.training else None
+        return TokenSplit(self.tp_group, inputs.shape[1], keep_own=recompute in (None, "core_attn"))
 
     def sequence_parallel_parameters(self) -> list:
         """The parameters every rank holds whole but applies to its own tokens under sequence parallelism (the

@@ -219,7 +219,7 @@ class ColumnLinear(_Linear):
         """`tokens` (sequence parallelism): x holds this rank's tokens; y all of them."""
         weight = self.effective_weight
         if tokens is not None:
-            if self.packed is None and not self.bf16 and weight.dtype == paddle.float32:
+            if tokens.keep_own and self.packed is None and not self.bf16 and weight.dtype == paddle.float32:
                 y = tokens.gather_matmul(x, weight)  # keeps this rank's tokens, not the gathered ones
             else:
                 y = self.project(tokens.gather(x), weight)

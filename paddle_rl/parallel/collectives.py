@@ -283,8 +283,9 @@ class TokenSplit:
     Pad rows enter as zeros and leave when the tokens are gathered (cut off), so they reach no attention, no head
     and no parameter's gradient."""
 
-    def __init__(self, group, total: int):
+    def __init__(self, group, total: int, keep_own: bool = True):
         self.group = group
+        self.keep_own = keep_own  # gather_matmul may keep only this rank's tokens for the backward
         self.size, self.rank = group_size(group), group_rank(group)
         self.total = total
         self.local = -(-total // self.size)
