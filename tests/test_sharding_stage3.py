@@ -160,6 +160,52 @@ def test_stage3_lora(stage3_setup):
     assert max(rel_err(ref[k], got[k]) for k in ref) <= 1e-5
 
 
+def variant_model(setup, name):
+    """The micro model with tied embeddings (one table in the outer unit, read by the embedding and the head), or
+    with Qwen2-MoE blocks (4 experts, top-2, a shared expert; the load-balancing loss in the training loss: its
+    gradient reaches each layer's router outside the layer's output), saved beside the micro tokenizer."""
+    import paddle
+    from paddle_rl.models import CausalLM, ModelConfig, load_model
+    from paddle_rl.models.pretrained import copy_tokenizer_files, save_model, write_generation_config
+    base = load_model(setup["micro"]["model"])
+    state = {n: p.numpy() for n, p in base.named_parameters()}
+    if name == "tied":
+        config = ModelConfig.from_pretrained(setup["micro"]["model"])
+        config.tie_word_embeddings = True
+    else:
+        config = ModelConfig.from_dict(dict(base.config.to_hf_dict(), model_type="qwen2_moe", num_experts=4,
+                                            num_experts_per_tok=2, moe_intermediate_size=16,
+                                            shared_expert_intermediate_size=24, norm_topk_prob=True,
+                                            output_router_logits=True, router_aux_loss_coef=0.05))
+    model = CausalLM(config)
+    paddle.seed(4)
+    model.init_weights(0.1)
+    for name_, param in model.named_parameters():
+        if name_ in state:
+            param.set_value(state[name_])
+        elif name_.endswith("mlp.gate"):  # routers far from uniform: no near-ties between the top-k
+            param.set_value(paddle.normal(0.0, 1.0, param.shape))
+    folder = str(setup["root"] / f"{name}-model")
+    save_model(model, folder)
+    copy_tokenizer_files(setup["micro"]["model"], folder)
+    tokenizer = setup["micro"]["tokenizer"]
+    write_generation_config(folder, tokenizer.eos_token_ids, tokenizer.pad_token_id)
+    return dict(setup, micro=dict(setup["micro"], model=folder))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["tied", "moe"])
+def test_stage3_model_variants(stage3_setup, name):
+    """Tied embeddings and a Mixture-of-Experts model (experts a rank's tokens never reach still gathered with their
+    layer, their gradient slices zero) equal one process."""
+    setup = variant_model(stage3_setup, name)
+    alone = single_run(setup, f"single-{name}", **KEYS)
+    out_dir = run_stage3(setup, f"stage3-{name}")
+    check_parity(setup, {"grpo": alone}, out_dir)
+    if name == "moe":
+        assert all(r["actor/router_aux_loss"] > 0 for r in read_rows(out_dir))
+
+
 @pytest.mark.slow
 def test_stage3_with_recompute(stage3_setup, single):
     """recompute_granularity core_attn_mlp (the attention core and each MLP block rerun inside the layer's own
