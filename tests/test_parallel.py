@@ -289,11 +289,15 @@ def test_data_parallel_ppo_with_a_critic(setup, ppo_single):
 
 @pytest.mark.parametrize("degrees", [dict(sharding_parallel_degree=2, sharding="stage1"),
                                      dict(sharding_parallel_degree=2, sharding="stage2"),
-                                     dict(tensor_parallel_degree=2)], ids=["sharding1", "sharding2", "tp2"])
+                                     dict(tensor_parallel_degree=2),
+                                     pytest.param(dict(tensor_parallel_degree=2, sequence_parallel=True),
+                                                  marks=pytest.mark.slow)],
+                         ids=["sharding1", "sharding2", "tp2", "tp2-sp"])
 def test_ppo_critic_sharded_and_tensor_parallel(setup, ppo_single, degrees):
     """The critic on the actor's grid equals one process: sharding stage 1 / 2 (its own GradientSync and sharded
     optimizer: the Adam moments split between the ranks, parameters broadcast from their owners) and tensor
-    parallelism (its decoder split with the actor's group, the value head replicated; the checkpoint gathered)."""
+    parallelism (its decoder split with the actor's group, the value head replicated; the checkpoint gathered), also
+    with sequence parallelism (the critic's norms' gradients summed over the tensor group by its own GradientSync)."""
     name = "ppo-" + "-".join(f"{k.split('_')[0]}{v}" for k, v in degrees.items())
     out_dir, _ = run_layout(setup, name, algo="ppo", **PPO_CRITIC, **degrees)
     check_parity(setup, {"ppo": ppo_single}, out_dir, algo="ppo")
