@@ -25,10 +25,11 @@ class _Part:
         self.param = param
         self.numel = int(np.prod(param.shape))
         self.size = -(-self.numel // degree)
-        flat = np.zeros(self.size * degree, dtype=param.numpy().dtype)
-        flat[:self.numel] = param.numpy().reshape(-1)
+        whole = param.numpy().reshape(-1)
+        flat = np.zeros(self.size * degree, dtype=whole.dtype)
+        flat[:self.numel] = whole
         self.shard = EagerParamBase(shape=[self.size], dtype=param.dtype, name=param.name,
-                                                          trainable=not param.stop_gradient)
+                                    trainable=not param.stop_gradient)
         self.shard.set_value(flat[rank * self.size:(rank + 1) * self.size])
         self.shard.stop_gradient = param.stop_gradient
         for attr in ("is_distributed", "pp_duplicate"):
@@ -78,8 +79,8 @@ class PartitionedParams:
     elements [r * n/d, (r + 1) * n/d) (`_Part.shard`). Each decoder layer is a unit: a forward pre-hook all-gathers
     its parameters (over the sharding group) into the layer's own parameters just before its forward, a post-hook
     frees them after it; when gradients are on, the layer's output passes through `_Gathered`, whose backward
-    gathers the layer again just before its backward, and the next unit's backward (or the end of the backward)
-    reduce-scatters its gradients to their shards and frees it again, so at most two layers are whole at a time.
+    gathers the layer again just before its backward; when the next unit's backward starts (or the backward ends)
+    its gradients are reduce-scattered to their shards and it is freed first, so one layer is whole at a time.
     The outer parameters (embedding, final norm, LM head or value head: the head reads them outside a layer call)
     are gathered for a whole micro-batch pass, forward through backward. A rollout, a checkpoint or a resume
     gathers the whole model once (`gathered`) and frees it after.
@@ -123,10 +124,6 @@ class PartitionedParams:
 
     def is_partitioned(self, model) -> bool:
         return id(model) in self._models
-
-    def shards(self, model) -> List:
-        """The shard parameters of `model` (trained and frozen), in the model's parameter order per unit."""
-        return [part.shard for unit in self._state(model).units for part in unit.parts]
 
     @paddle.no_grad()
     def repartition(self, model) -> None:
