@@ -33,8 +33,12 @@ class LoggingArgs:
                                                         "first (default: every completion the step trained on).",
                                                   check=at_least(1))
     disable_tqdm: bool = arg(False, "No progress bar.")
-    skip_profile_timer: bool = arg(True, acted=False)
-    wandb_http_proxy: str = arg("", acted=False)
+    skip_profile_timer: bool = arg(True, "false: every logged step also prints its seconds per stage (the time/* "
+                                         "metrics: rollout, reward, log-probs, update, ...) on a line of its own; "
+                                         "true: they are recorded in metrics.jsonl and the dashboards only.")
+    wandb_http_proxy: str = arg("", "Proxy URL through which the wandb dashboard reaches its server (its http and "
+                                    "https requests; wandb.Settings http_proxy / https_proxy); with no wandb "
+                                    "dashboard in report_to a warning says it is not used.")
 
     def _validate_logging(self, errors):
         if self.logging_steps < 1:
@@ -45,6 +49,8 @@ class LoggingArgs:
             errors.append(f"report_to: {', '.join(map(repr, unknown))} not one of {', '.join(REPORT_TO_WORDS)}")
         elif len(words) > 1 and ("none" in words or "all" in words):
             errors.append(f"report_to: none and all stand alone, got {self.report_to!r}")
+        if self.wandb_http_proxy and not str(self.wandb_http_proxy).startswith(("http://", "https://", "socks")):
+            errors.append(f"wandb_http_proxy: expected a proxy URL (http://host:port), got {self.wandb_http_proxy!r}")
 
     @property
     def report_targets(self) -> tuple:

@@ -29,10 +29,7 @@ class ModelArgs:
                             "kernel where the CPU has one, else they are emulated (the numbers of bf16 training, "
                             "not its speed; one warning); on a GPU, Paddle's AMP O2 with master weights. The rollout follows "
                             "(rollout_dtype auto), checkpoints are written in save_dtype (docs/performance.md, bf16).")
-    fp16_opt_level: str = arg("O1", acted=False)
-    amp_master_grad: bool = arg(False, acted=False)
-    amp_custom_black_list: str = arg("", acted=False)
-    amp_custom_white_list: str = arg("", acted=False)
+    # fp16, fp16_opt_level, amp_master_grad, amp_custom_*_list and the loss scaling: precision_args.py
     # the fused-kernel switches of the model's passes (ops/switches.py): true the fused path (an error naming the key
     # where it cannot run), false the composed Paddle ops, null (unset) what the build picks (docs/kernels.md)
     use_flash_attention: Optional[bool] = arg(
@@ -81,7 +78,10 @@ class ModelArgs:
                              "training: its rank, alpha and modules are used.", aliases=("lora_adapter_path",))
     merge_lora: bool = arg(False, "LoRA checkpoints also hold the merged weights as an ordinary Hugging Face model "
                                   "(config.json, model.safetensors) beside the adapter.")
-    recompute_use_reentrant: bool = arg(True, acted=False)
+    recompute_use_reentrant: bool = arg(False, "With recompute: Paddle's reentrant recompute (true: a PyLayer that "
+                                               "runs each recomputed block without autograd in the forward and again "
+                                               "with it in the backward) or its non-reentrant one (false: saved-tensor "
+                                               "hooks); the same gradients. PaddleNLP's default: true.")
     recompute_granularity: str = arg("full", "With recompute: full (each decoder layer: only the layer inputs are "
                                              "kept) | full_attn (each self-attention block) | core_attn (the "
                                              "attention core softmax(QK^T)V: its probabilities, which grow with the "
@@ -91,10 +91,17 @@ class ModelArgs:
                                              "blocks are kept). With bf16 on a CPU, full_attn and core_attn_mlp "
                                              "recompute each attention block from its input's bfloat16 rounding "
                                              "(what its q/k/v product reads), the one tensor it keeps.")
-    offload_level: str = arg("", acted=False)
-    release_grads: bool = arg(False, acted=False)
-    offload_optim: bool = arg(False, acted=False)
-    quant_type: str = arg("", acted=False)
+    offload_level: str = arg("", "PaddleNLP's offload of named states to host memory: refused when set (a CPU build "
+                                  "holds everything in host memory already; GPU offload is not implemented).")
+    release_grads: bool = arg(True, "After each optimizer step free the gradients (true; their memory returns until "
+                                    "the next backward) or keep them allocated and zeroed (false). PaddleNLP's "
+                                    "default: false.")
+    offload_optim: bool = arg(False, "PaddleNLP's offload of the optimizer states to host memory after each step: "
+                                     "refused when true (a CPU build holds them in host memory already; GPU "
+                                     "offload is not implemented).")
+    quant_type: str = arg("", "PaddleNLP's quantized training weights (weight_only_int8, a8w8, ...): refused when "
+                              "set; the trained weights are float32 here (master weights under bf16 / fp16), and "
+                              "the rollout's weights are quantized by rollout_quant_type.")
     rollout_quant_type: str = arg("", "Quantize the rollout's packed weights: '' (off) | weight_only_int8 (per "
                                       "output channel) | weight_only_int4 (groups of 128 along the input, per "
                                       "output channel); dequantized in registers by the packed kernel, with "
@@ -121,6 +128,10 @@ class ModelArgs:
                           "nothing is recomputed")
         if self.merge_lora and not self.uses_lora:
             errors.append("merge_lora: needs LoRA (lora: true, lora_rank > 0 or lora_path)")
+        if self.quant_type:
+            errors.append(f"quant_type: {self.quant_type!r}: quantized training weights are not implemented (the "
+                          "trained weights are float32, master weights under bf16 / fp16); the rollout's weights are "
+                          "quantized by rollout_quant_type (weight_only_int8 | weight_only_int4)")
         for key in ("use_fused_rms_norm", "use_fused_rope"):
             if getattr(self, key) and self.use_custom_ops == "off":
                 errors.append(f"{key}: true runs the fused kernel of csrc/, and use_custom_ops is off; set one of them "

@@ -24,6 +24,8 @@ PADDLENLP_DEFAULTS = {
     "logging_steps": 500,
     "eval_steps": "logging_steps",                      # PaddleNLP: eval_steps unset takes logging_steps' value
     "logging_dir": "<output_dir>/runs/<date>_<host>",   # the folder of every dashboard in both
+    "release_grads": False,
+    "recompute_use_reentrant": True,
 }
 
 

@@ -41,7 +41,12 @@ class ParallelArgs:
                                             "gives up on any single wait after 30 s by itself (fixed in Paddle "
                                             "3.3.1), so only values below 30 shorten the wait there.",
                                     aliases=("ddp_timeout",))
-    sharding_parallel_config: str = arg("", acted=False)
+    sharding_parallel_config: str = arg("", "PaddleNLP's sharding options, space or comma separated: "
+                                            "enable_release_grads (the gradients freed after each optimizer step, "
+                                            "what release_grads: true does). Its other options tune Paddle fleet's "
+                                            "own sharding communication (tensor fusion, overlap, reduce_avg) and are "
+                                            "refused by name: the sharding here issues its own collectives "
+                                            "(parallel/sharding.py).")
     sequence_parallel: bool = arg(False, "Megatron-style sequence parallelism on the tensor-parallel group: the "
                                          "activations outside the tensor-parallel blocks (the residual stream, the "
                                          "norms, the embedding's output) hold 1/tensor_parallel_degree of the "
@@ -63,7 +68,17 @@ class ParallelArgs:
         if self.sharding_parallel_degree == -1 and not self.sharding:
             self.sharding_parallel_degree = 1
 
+    @property
+    def sharding_options(self) -> tuple:
+        return tuple(w for w in str(self.sharding_parallel_config or "").replace(",", " ").split())
+
     def _validate_parallel(self, errors):
+        other = [o for o in self.sharding_options if o != "enable_release_grads"]
+        if other:
+            errors.append(f"sharding_parallel_config: {', '.join(other)}: options of Paddle fleet's sharding "
+                          "communication (tensor fusion, overlap, reduce_avg); the sharding here issues its own "
+                          "collectives (parallel/sharding.py) and has no such switch; only enable_release_grads is "
+                          "taken")
         for key in ("tensor_parallel_degree", "pipeline_parallel_degree", "virtual_pp_degree"):
             if getattr(self, key) < 1:
                 errors.append(f"{key}: must be >= 1, got {getattr(self, key)}")

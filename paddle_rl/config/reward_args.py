@@ -25,8 +25,10 @@ class RewardArgs:
                                   "with that data_source; others use reward_funcs.")
     cosine_accuracy: str = arg("math", "Correctness behind the cosine reward: a rule with the correctness trait (math | gsm8k | gsm8k_flexible | kk).")
     use_rm_server: bool = arg(False, "Score through the HTTP reward server at reward_server.")
-    use_rule_reward: bool = arg(False, "PaddleNLP's switch to its built-in gsm8k rule; here reward_funcs names the rules.",
-                                acted=False)
+    use_rule_reward: bool = arg(False, "PaddleNLP's switch to rule-based rewards: true scores with the rules of "
+                                       "reward_funcs / reward_routes only: reward_model_name_or_path is not "
+                                       "added as a reward function, and the reward server (use_rm_server) or "
+                                       "the function reward_model named with it is an error.")
     reward_server: str = arg("http://127.0.0.1:8731", "URL of the reward server.")
     reward_server_protocol: str = arg("auto", "v1 (POST /v1/score, per-function scores) | paddlenlp (POST src/tgt/"
                                               "response to the URL) | auto (v1, else paddlenlp).")
@@ -42,6 +44,10 @@ class RewardArgs:
         Unless reward_funcs / reward_routes name `reward_model`, it joins reward_funcs: alone when the file and
         overrides do not give reward_funcs (its default is a rule), else as one more function, weight 1."""
         if not self.reward_model_name_or_path:
+            return
+        if self.use_rule_reward:
+            logger.info("use_rule_reward: the rules of reward_funcs score; reward_model_name_or_path %s is not "
+                        "loaded", self.reward_model_name_or_path)
             return
         if self.use_rm_server:
             logger.warning("reward_model_name_or_path is not used with use_rm_server: true (the reward server at "
@@ -63,6 +69,15 @@ class RewardArgs:
                     ", ".join(self.reward_funcs))
 
     def _validate_reward(self, errors):
+        if self.use_rule_reward:
+            named = [str(n) for n in self.reward_funcs] + [str(n) for spec in self.reward_routes.values()
+                                                           for n in ([spec] if isinstance(spec, str) else spec)]
+            if self.use_rm_server:
+                errors.append("use_rule_reward: true scores with the rules, and use_rm_server: true with the reward "
+                              "server; set one of them false")
+            elif MODEL_REWARD in named:
+                errors.append(f"use_rule_reward: true scores with the rules only, and reward_funcs / reward_routes "
+                              f"name {MODEL_REWARD}; drop one of them")
         if self.reward_weights and len(self.reward_weights) != len(self.reward_funcs):
             errors.append(f"reward_weights: {len(self.reward_weights)} weights for {len(self.reward_funcs)} reward_funcs")
         for w in self.reward_weights:

@@ -25,6 +25,7 @@ from .fields import ALIASES, declared_errors
 from .model_args import ModelArgs
 from .options import PIECE_OPTIONS
 from .parallel_args import ParallelArgs
+from .precision_args import PrecisionArgs
 from .reward_args import RewardArgs
 from .rollout_args import RolloutArgs
 from .training_args import TrainingArgs
@@ -33,8 +34,8 @@ logger = logging.getLogger("paddle_rl")
 
 
 @dataclass
-class RLConfig(ModelArgs, DataArgs, RolloutArgs, AlgorithmArgs, CriticArgs, RewardArgs, TrainingArgs, ParallelArgs,
-               LoggingArgs):
+class RLConfig(ModelArgs, PrecisionArgs, DataArgs, RolloutArgs, AlgorithmArgs, CriticArgs, RewardArgs, TrainingArgs,
+               ParallelArgs, LoggingArgs):
     """Every key of a run: the groups' fields, and the options of registered pieces (options.py), which a config
     holds as attributes once a file sets them and answers with their declared default before."""
 
@@ -73,6 +74,17 @@ class RLConfig(ModelArgs, DataArgs, RolloutArgs, AlgorithmArgs, CriticArgs, Rewa
         if self.max_length > 0 and total > self.max_length:
             errors.append(f"max_length: {self.max_length} is shorter than max_prompt_len ({self.max_prompt_len}) + "
                           f"max_dec_len ({self.max_dec_len}) = {total}; raise max_length or set it to -1")
+        # precision x model / rollout
+        if self.fp16 and self.bf16:
+            errors.append("fp16: true with bf16: true; choose one half precision (bf16 keeps float32's range and "
+                          "needs no loss scaling, fp16 has 3 more bits of mantissa)")
+        if self.fp16 and self.rollout_dtype == "bfloat16":
+            errors.append("rollout_dtype: bfloat16 with fp16: true; the fp16 run's rollout decodes in float32 "
+                          "(rollout_dtype auto or float32)")
+        # model x parallel
+        if "enable_release_grads" in self.sharding_options and not self.release_grads:
+            errors.append("sharding_parallel_config: enable_release_grads frees the gradients after each step, and "
+                          "release_grads: false keeps them; set one of them differently")
         # training x parallel
         if self.use_remove_padding and self.pipeline_parallel_degree > 1:
             errors.append("use_remove_padding: packed micro-batches are not supported with pipeline_parallel_degree "
@@ -90,7 +102,7 @@ class RLConfig(ModelArgs, DataArgs, RolloutArgs, AlgorithmArgs, CriticArgs, Rewa
 # run by the loader in this order (explicit: nothing is found by its name)
 RLConfig.RESOLVERS = (CriticArgs._resolve_critic, RewardArgs._resolve_reward_model,
                       ParallelArgs._resolve_sharding_degree, RLConfig._resolve_precision_dtypes)
-RLConfig.CHECKS = (ModelArgs._validate_model, DataArgs._validate_data, RolloutArgs._validate_rollout,
+RLConfig.CHECKS = (ModelArgs._validate_model, PrecisionArgs._validate_precision, DataArgs._validate_data, RolloutArgs._validate_rollout,
                    AlgorithmArgs._validate_algorithm, RLConfig._check_declared,
                    AlgorithmArgs._validate_rollout_correction, CriticArgs._validate_critic, RewardArgs._validate_reward,
                    TrainingArgs._validate_training, ParallelArgs._validate_parallel, LoggingArgs._validate_logging,

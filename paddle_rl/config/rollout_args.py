@@ -46,7 +46,10 @@ class RolloutArgs:
                                       "log-probs drift from the trainer's (reuse_rollout_logprobs: auto then "
                                       "recomputes the old log-probs).",
                               choices=("auto", "float32", "bfloat16", "float16"), spellings=KV_CACHE_DTYPES)
-    per_device_rollout_batch_size: int = arg(-1, acted=False)
+    per_device_rollout_batch_size: int = arg(-1, "Prompts decoded together per process (PaddleNLP's): the running "
+                                                 "decode batch holds at most this many prompts' rollout_n samples "
+                                                 "(rows = it x rollout_n; with rollout_max_num_seqs the smaller "
+                                                 "bound). -1: no bound of its own.")
     eval_max_dec_len: Optional[int] = arg(None, "Response length for evaluation; defaults to max_dec_len.")
     reuse_rollout_logprobs: str = arg("auto", "Use the log-probs recorded while sampling as the old-policy log-probs "
                                               "instead of a second forward pass: auto (when the update is on-policy: "
@@ -90,7 +93,18 @@ class RolloutArgs:
             return "bfloat16" if self.rollout_dtype == "bfloat16" else None
         return self.kv_cache_dtype
 
+    @property
+    def decode_rows(self) -> int:
+        """The most rows of the running decode batch: rollout_max_num_seqs and per_device_rollout_batch_size x
+        rollout_n, the smaller of those set (-1: unbounded)."""
+        bounds = [b for b in (self.rollout_max_num_seqs, self.per_device_rollout_batch_size * self.rollout_n
+                              if self.per_device_rollout_batch_size > 0 else -1) if b > 0]
+        return min(bounds) if bounds else -1
+
     def _validate_rollout(self, errors):
+        if self.per_device_rollout_batch_size == 0 or self.per_device_rollout_batch_size < -1:
+            errors.append("per_device_rollout_batch_size: must be -1 (no bound) or >= 1, got "
+                          f"{self.per_device_rollout_batch_size}")
         if self.rollout_max_num_seqs == 0 or self.rollout_max_num_seqs < -1:
             errors.append(f"rollout_max_num_seqs: must be -1 (unlimited) or >= 1, got {self.rollout_max_num_seqs}")
         elif self.rollout_max_num_seqs > 0 and self.rollout_max_num_seqs < self.rollout_n:

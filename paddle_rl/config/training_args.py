@@ -11,8 +11,9 @@ class TrainingArgs:
     output_dir: str = arg("output", "Checkpoints and metrics.jsonl go here.")
     seed: int = arg(42, "Seeds sampling, shuffling and initialization.")
     global_batch_size: int = arg(8, "Prompts per RL step.")
-    global_gen_batch_size: int = arg(-1, "PaddleNLP's generation batch of dynamic sampling; each round here "
-                                         "generates global_batch_size prompts.", acted=False)
+    global_gen_batch_size: int = arg(-1, "PaddleNLP's prompts per generation round of dynamic sampling: -1 or "
+                                         "global_batch_size (each round here generates global_batch_size "
+                                         "prompts, up to max_gen_batches rounds); another value is refused.")
     global_mini_batch_size: int = arg(-1, "Prompts per optimizer step (-1: global_batch_size).", aliases=("mini_batch_size",))
     update_iters: int = arg(1, "Passes over each rollout batch.")
     per_device_train_batch_size: int = arg(8, "Sequences per micro-batch in the update (gradient accumulation fills the mini-batch).")
@@ -89,6 +90,10 @@ class TrainingArgs:
                                           "pipeline_parallel_degree > 1.")
 
     def _validate_training(self, errors):
+        if self.global_gen_batch_size not in (-1, self.global_batch_size):
+            errors.append(f"global_gen_batch_size: {self.global_gen_batch_size}: each generation round here "
+                          f"generates global_batch_size ({self.global_batch_size}) prompts (dynamic_sampling adds "
+                          "rounds up to max_gen_batches); a round of another size is not implemented; set it to -1")
         positive = ("global_batch_size", "update_iters", "per_device_train_batch_size",
                     "per_device_logprob_batch_size", "per_device_reward_batch_size", "per_device_eval_batch_size")
         for key in positive:

@@ -74,11 +74,12 @@ def _hold(layer, name: str, copy) -> None:
     layer.__dict__[name] = copy
 
 
-def _recompute(fn, *args):
-    """fn(*args) whose activations are recomputed in the backward instead of kept (Paddle's non-reentrant
-    recompute, which runs on CPU)."""
+def _recompute(fn, *args, reentrant: bool = False):
+    """fn(*args) whose activations are recomputed in the backward instead of kept: Paddle's non-reentrant recompute
+    (saved-tensor hooks), or with `reentrant` (recompute_use_reentrant, Pass.reentrant) its reentrant one (a PyLayer
+    that runs fn without autograd and again with it in the backward); the same gradients."""
     from paddle.distributed.fleet.utils import recompute
-    return recompute(fn, *args, use_reentrant=False)
+    return recompute(fn, *args, use_reentrant=reentrant)
 
 
 class _RecomputeFromBf16(PyLayer):
@@ -203,6 +204,7 @@ class Pass:
         self.position_ids = position_ids
         self.packing = packing
         self.recompute = None
+        self.reentrant = False   # recompute_use_reentrant (set by CausalLM.run with `recompute`)
         self.tokens = None
         self.attention_bias = attention_bias
         self.caches = caches
@@ -298,7 +300,7 @@ class Attention(nn.Layer):
         stores = p.packing.stores_probabilities(q, k, v) if p.packing is not None \
             else not ops.kernel_switch("attention")
         if p.recompute in ("core_attn", "core_attn_mlp") and stores:
-            return self.o_proj(_recompute(core, *args), p.tokens)
+            return self.o_proj(_recompute(core, *args, reentrant=p.reentrant), p.tokens)
         return self.o_proj(core(*args), p.tokens)
 
     def _core(self, q, k, v, bias):
@@ -391,12 +393,12 @@ class DecoderLayer(nn.Layer):
             inner = p.kept()
             x = ops.residual_add(x, recompute_from_bf16(lambda t: self._attn_block(t, inner, None), h))
         elif p.recompute == "full_attn" and cache is None:
-            x = ops.residual_add(x, _recompute(self._attn_block, h, p, None))
+            x = ops.residual_add(x, _recompute(self._attn_block, h, p, None, reentrant=p.reentrant))
         else:
             x = ops.residual_add(x, self._attn_block(h, p, cache))
         if p.recompute == "core_attn_mlp" and isinstance(self.mlp, MLP):
             # only the block's input is kept: the norm's output, gate/up and SwiGLU outputs are made again
-            return ops.residual_add(x, _recompute(self._mlp_block, x, p))
+            return ops.residual_add(x, _recompute(self._mlp_block, x, p, reentrant=p.reentrant))
         return ops.residual_add(x, self._mlp_block(x, p))
 
     def _attn_block(self, h, p: Pass, cache=None):
@@ -514,6 +516,7 @@ class CausalLM(nn.Layer):
         self.logit_softcap = family.logit_softcap(config)
         self.recompute = None   # what training passes recompute in the backward: None | full | full_attn | core_attn
         #                         | core_attn_mlp
+        self.recompute_reentrant = False  # Paddle's reentrant recompute instead (recompute_use_reentrant)
         self._router = None
         # sequence parallelism (set by the layout from `sequence_parallel`; needs tp_group): the training and
         # log-prob passes split the residual stream, norms and the embedding's output along the tokens
@@ -589,10 +592,11 @@ class CausalLM(nn.Layer):
         if first and self.embed_scale is not None:  # sqrt(hidden_size) rounded to the embedding dtype
             x = x * paddle.full([], self.embed_scale, dtype=x.dtype)
         p.recompute = self.recompute if self.training and not p.decode else None
+        p.reentrant = self.recompute_reentrant
         for i in own:
             layer = self.layers[i]
             if p.recompute == "full" and p.caches is None:
-                x = _recompute(layer, x, p, None)
+                x = _recompute(layer, x, p, None, reentrant=p.reentrant)
             else:
                 x = layer(x, p, p.cache(i))
         self._router = p.router

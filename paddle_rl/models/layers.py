@@ -144,10 +144,15 @@ class Bf16Products(nn.Layer):
     def __init__(self):
         super().__init__()
         self.bf16 = False
+        # with bf16 on: the half precision the products take instead of bf16's own (an ops.HalfProducts: fp16, or
+        # the rounded outputs of AMP O2; trainer/precision.py), else None
+        self.half = None
 
     def product(self, x, weight):
         """x [..., K] @ weight [K, N] in this layer's precision."""
-        return ops.bf16_linear(x, weight) if self.bf16 else paddle.matmul(x, weight)
+        if self.bf16:
+            return ops.bf16_linear(x, weight) if self.half is None else self.half(x, weight)
+        return paddle.matmul(x, weight)
 
 
 class _Linear(Bf16Products):
@@ -165,7 +170,7 @@ class _Linear(Bf16Products):
         """Whether the forward reads x only through its bfloat16 rounding: bf16 products, no packed copy, and no
         LoRA dropout in training (it scales x before the adapter's product rounds it). A block whose input only
         such layers read can be recomputed from that rounding (models/decoder.py, recompute_from_bf16)."""
-        if not self.bf16 or self.packed is not None:
+        if not self.bf16 or self.half is not None or self.packed is not None:
             return False
         lora = self.lora
         return (lora is None or lora.merged is not None or not lora.enabled

@@ -118,14 +118,16 @@ class TensorBoardDashboard:
 
 
 class WandbDashboard:
-    """A wandb run in offline mode (sync later with `wandb sync`); $WANDB_MODE and $WANDB_PROJECT override."""
+    """A wandb run in offline mode (sync later with `wandb sync`); $WANDB_MODE and $WANDB_PROJECT override. `proxy`
+    (wandb_http_proxy): the proxy of its http and https requests to the wandb server."""
 
-    def __init__(self, logdir: str, run_name: Optional[str]):
+    def __init__(self, logdir: str, run_name: Optional[str], proxy: str = ""):
         import wandb
         os.makedirs(logdir, exist_ok=True)
         self._wandb = wandb
+        extra = {"settings": wandb.Settings(http_proxy=proxy, https_proxy=proxy)} if proxy else {}
         self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", "paddle_rl"), name=run_name, dir=logdir,
-                              mode=os.environ.get("WANDB_MODE", "offline"))
+                              mode=os.environ.get("WANDB_MODE", "offline"), **extra)
 
     def add_scalars(self, step: int, scalars: Dict[str, float]) -> None:
         self.run.log(dict(scalars), step=step)
@@ -143,8 +145,12 @@ class WandbDashboard:
 OPENERS = {"visualdl": VisualDLDashboard, "tensorboard": TensorBoardDashboard, "wandb": WandbDashboard}
 
 
-def open_dashboards(report_to, logdir: str, run_name: Optional[str]) -> list:
+def open_dashboards(report_to, logdir: str, run_name: Optional[str], wandb_proxy: str = "") -> list:
     names = resolve_dashboards(report_to)
     if names:
         os.makedirs(logdir, exist_ok=True)
-    return [OPENERS[name](logdir, run_name) for name in names]
+    if wandb_proxy and "wandb" not in names:
+        logger.warning("wandb_http_proxy %s is not used: no wandb dashboard is written (report_to: %s)", wandb_proxy,
+                       report_to)
+    return [OPENERS[name](logdir, run_name, **({"proxy": wandb_proxy} if name == "wandb" and wandb_proxy else {}))
+            for name in names]

@@ -32,9 +32,10 @@ def _clean(value):
 
 class MetricsLog:
     def __init__(self, output_dir: str, logging_dir: Optional[str], report_to: str = "visualdl",
-                 logging_steps: int = 1, run_name: Optional[str] = None, enabled: bool = True):
+                 logging_steps: int = 1, run_name: Optional[str] = None, enabled: bool = True, wandb_proxy: str = ""):
         """`logging_dir` (default <output_dir>/logs) holds the dashboards' files; `enabled` is false on every
-        rank but the logging one. A dashboard named in report_to that cannot be opened raises ConfigError."""
+        rank but the logging one; `wandb_proxy` the wandb dashboard's proxy (wandb_http_proxy). A dashboard named in
+        report_to that cannot be opened raises ConfigError."""
         self.enabled = enabled
         self.output_dir = output_dir
         self.path = os.path.join(output_dir, METRICS_FILE)
@@ -46,7 +47,7 @@ class MetricsLog:
         if not enabled:
             return
         os.makedirs(output_dir, exist_ok=True)
-        self.dashboards = open_dashboards(report_to, self.logging_dir, run_name)
+        self.dashboards = open_dashboards(report_to, self.logging_dir, run_name, wandb_proxy)
         # the report_to names of the dashboards written (visualdl, tensorboard, wandb), kept after close
         self.dashboard_names = [name for name, cls in OPENERS.items() if any(isinstance(d, cls) for d in self.dashboards)]
 

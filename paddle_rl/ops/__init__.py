@@ -14,6 +14,8 @@ when it is in use, else the reference). `configure("auto" | "on" | "off")` selec
 - bf16_linear: x W with bfloat16-rounded operands and float32 sums in the forward and both gradients (`bf16: true`
   training on a CPU), its products by bf16_matmul: AMX-BF16 or AVX512-BF16 kernels where the CPU has them, else
   emulated (rounded copies, float32 matmul)
+- half_linear: x W as a float16 (IEEE half) or bfloat16 matmul with float32 sums, forward and both gradients, the
+  outputs rounded too under AMP O2 (`fp16: true`, `fp16_opt_level`; half.py); float16 always emulated
 - kv_place: the rollout's KV-cache relayout (rows' windows copied into another buffer, in place)
 - decode_attention: one decode step of grouped-query attention over the cache
 - masked_softmax: the training / prefill attention's softmax(scale * scores + bias), with its backward
@@ -37,6 +39,7 @@ from .attention import (blocked_attention, blocked_attention_reference, decode_a
                         masked_softmax_fused, masked_softmax_reference, packed_attention_fused,
                         packed_attention_reference, packed_attention_usable, packed_key_mask)
 from .build import CustomOpsError, available, configure, mode, status
+from .half import HALF_DTYPES, HalfProducts, half_linear, half_linear_reference, round_grad, round_half, round_value
 from .kv_cache import kv_place, kv_place_fused, kv_place_reference
 from .linear import (ROLLOUT_DTYPES, BF16_KERNELS, bf16_kernel, bf16_kernels, bf16_linear, bf16_linear_reference,
                      bf16_matmul, bf16_matmul_accumulate, bf16_matmul_fused, bf16_matmul_packed, bf16_matmul_reference,
@@ -58,6 +61,8 @@ from .switches import SwitchError, current as kernel_switches, select as select_
     switch as kernel_switch
 
 __all__ = ["configure", "available", "mode", "status", "CustomOpsError",
+           "HALF_DTYPES", "HalfProducts", "half_linear", "half_linear_reference", "round_grad", "round_half",
+           "round_value",
            "rms_norm", "rms_norm_fused", "rms_norm_reference", "residual_add", "residual_add_reference",
            "swiglu", "swiglu_fused", "swiglu_reference",
            "rotary", "rotary_fused", "rotary_reference", "rotary_tables",

@@ -10,7 +10,7 @@ class EngineSettings:
     worker (sent as a dict) and `bind` share."""
     pad_id: int
     eos_ids: Tuple[int, ...]
-    max_num_seqs: int = -1          # rollout_max_num_seqs
+    max_num_seqs: int = -1          # rollout_max_num_seqs, per_device_rollout_batch_size (RolloutArgs.decode_rows)
     max_cache_tokens: int = -1      # rollout_kv_cache_tokens
     kv_cache_dtype: Optional[str] = None
     rollout_dtype: str = "float32"
@@ -21,5 +21,5 @@ class EngineSettings:
 
     @classmethod
     def from_config(cls, config, pad_id: int, eos_ids) -> "EngineSettings":
-        return cls(pad_id, tuple(eos_ids), config.rollout_max_num_seqs, config.rollout_kv_cache_tokens,
+        return cls(pad_id, tuple(eos_ids), config.decode_rows, config.rollout_kv_cache_tokens,
                    config.kv_cache_paddle_dtype, config.rollout_dtype, config.rollout_quant_type)

@@ -43,6 +43,9 @@ def check_critic_config(config, uses_critic: bool) -> None:
             logger.warning("%s: not applied: advantage estimator %r has no critic (rl_algorithm: ppo has one)",
                            ", ".join(given), config.resolved_estimator)
         return
+    if getattr(config, "fp16", False):
+        raise ConfigError(f"fp16: not with a critic (advantage estimator {config.resolved_estimator!r}): the critic's "
+                          "update has no loss scaling, so its float16 gradients would underflow; use bf16 or float32")
     folder = config.critic_model_name_or_path
     if folder and not os.path.isfile(os.path.join(folder, "config.json")):
         if has_adapter(folder):
@@ -63,6 +66,7 @@ class Critic:
                 key = "critic_model_name_or_path" if config.critic_model_name_or_path else "actor_model_name_or_path"
                 raise ConfigError(f"{key}: {e.args[0]}") from None
         self.model.recompute = config.recompute_what
+        self.model.recompute_reentrant = config.recompute_use_reentrant
         settings = config.critic_optimizer_settings()
         self.max_grad_norm = settings.pop("max_grad_norm")
         optimizer_config = copy.copy(config)

@@ -100,6 +100,7 @@ class StepLoop:
             self.actor = self.layout.load_model(cfg.actor_model_name_or_path, lora=lora_settings(cfg),
                                                 adapter=cfg.lora_path or None)
         self.actor.recompute = cfg.recompute_what
+        self.actor.recompute_reentrant = cfg.recompute_use_reentrant
         if cfg.use_fused_head_and_loss_fn and self.actor.is_last and self.actor.unchunked_head:
             raise ops.SwitchError(self.actor.unchunked_head)
         if cfg.recompute_what == "core_attn_mlp" and any(isinstance(m, SparseMoE) for m in self.actor.sublayers()):
@@ -123,7 +124,8 @@ class StepLoop:
         self.actor, self.optimizer = self.precision.prepare_training(self.actor, optimizer)
         self.nonfinite = NonFiniteGuard(cfg.max_nonfinite_skips)
         self.log = MetricsLog(cfg.output_dir, cfg.logging_dir or os.path.join(cfg.output_dir, "logs"),
-                              cfg.report_to, cfg.logging_steps, cfg.run_name, enabled=self.layout.is_logging_rank)
+                              cfg.report_to, cfg.logging_steps, cfg.run_name, enabled=self.layout.is_logging_rank,
+                              wandb_proxy=cfg.wandb_http_proxy)
         if self.log.enabled:  # the machine, the software and the config's hash (monitor/run_info.py)
             write_run_info(cfg.output_dir, cfg, self.started)
 
@@ -140,7 +142,8 @@ class StepLoop:
         minis = [np.flatnonzero(batch["mini_batch"] == m) for m in np.unique(batch["mini_batch"])]
         collected, weights, grad_norms, lrs = {}, [], [], []
         step = self.step + 1
-        updates, skipped = cfg.update_iters * len(minis), 0
+        updates, skipped, overflowed = cfg.update_iters * len(minis), 0, 0
+        scale = self.precision.loss_scale   # fp16's dynamic loss scale (trainer/precision.py), else None
         self.actor.train()
         with timer.stage("update"):
             for _ in range(cfg.update_iters):
@@ -152,7 +155,10 @@ class StepLoop:
 
                     def loss_fn(part, logp, entropy):
                         out = micro_loss(part, logp, entropy, num_tokens, num_seqs)
-                        return self._with_router_aux_loss(out, part, num_seqs)
+                        out = self._with_router_aux_loss(out, part, num_seqs)
+                        if scale is not None:   # fp16: the backward runs on the scaled loss
+                            out.loss = scale.scale(out.loss)
+                        return out
 
                     finite_loss = True
                     with self.precision.autocast(), timer.part("update_forward_backward"):
@@ -163,25 +169,52 @@ class StepLoop:
                             collected.setdefault(k, []).append(v)
                         weights.append(out.num_tokens)
                         finite_loss = finite_loss and math.isfinite(float(out.loss))
+                    self.precision.finish_gradients(self.actor.parameters())   # O2: gradients stored in half
+                    if scale is not None:
+                        scale.unscale_(self.actor.parameters())
                     norm = self.layout.clip_grad_norm_(self.actor, cfg.max_grad_norm)
                     lrs.append(self.optimizer.get_lr())
                     if self.layout.any_rank(not (finite_loss and math.isfinite(norm))):
+                        if scale is not None and scale.cures and not self.layout.any_rank(not finite_loss):
+                            self._overflow(scale, step, len(lrs), updates)   # fp16: skipped, the scale backs off
+                            overflowed += 1
+                            continue
                         self._skip_update(step, len(lrs), updates, finite_loss)
                         skipped += 1
+                        if scale is not None:
+                            scale.update(found_inf=True)
                         continue
                     self.nonfinite.applied()
                     grad_norms.append(norm)
                     with timer.part("update_optimizer_step"):
                         self.optimizer.step()
-                    self.optimizer.clear_grad(set_to_zero=False)
+                    self.optimizer.clear_grad(set_to_zero=not cfg.release_grads)
                     self.scheduler.step()
+                    if scale is not None:
+                        scale.update(found_inf=False)
         metrics = {f"actor/{k}": v for k, v in self.layout.weighted_means(collected, weights).items()}
         # the norms of the applied updates (NaN when every update of the step was skipped)
         metrics["actor/grad_norm"] = float(np.mean(grad_norms)) if grad_norms else float("nan")
         metrics["actor/lr"] = float(lrs[-1])
         metrics["actor/nonfinite_skipped"] = float(skipped)
         metrics["actor/nonfinite_skipped_total"] = float(self.nonfinite.total)
+        if scale is not None:
+            metrics["actor/loss_scale"] = scale.value
+            metrics["actor/overflow_skipped"] = float(overflowed)
+            metrics["actor/overflow_skipped_total"] = float(scale.overflows)
         return metrics
+
+    def _overflow(self, scale, step: int, update: int, updates: int) -> None:
+        """fp16: an update whose gradients overflowed float16 at this loss scale (the loss finite on every rank):
+        not applied (no optimizer or schedule step, gradients dropped), the scale told (it backs off), the skip
+        counted (actor/overflow_skipped) and not held against max_nonfinite_skips while the scale can still back
+        off."""
+        self.optimizer.clear_grad(set_to_zero=False)
+        before = scale.value
+        scale.update(found_inf=True)
+        scale.overflows += 1
+        logger.info("step %d (update %d of %d) skipped: the gradients overflow float16 at loss scale %g; the scale "
+                    "is now %g", step, update, updates, before, scale.value)
 
     def _skip_update(self, step: int, update: int, updates: int, finite_loss: bool) -> None:
         """An update with a non-finite loss or gradient norm on some rank (every rank comes here together): no
@@ -221,6 +254,8 @@ class StepLoop:
         load_optimizer(path, self.optimizer, self.scheduler, state, **self.layout.resume_args())
         self.sampler.set_state_dict(state["sampler"])
         self.nonfinite.set_state_dict(state.get("nonfinite", {}))
+        if self.precision.loss_scale is not None:
+            self.precision.loss_scale.set_state_dict(state.get("loss_scale", {}))
         more(path, state)
         set_rng_state(state["rng"], path, **self.layout.resume_args())
         self.step = int(state["step"])
@@ -234,6 +269,8 @@ class StepLoop:
         watchdog.note(f"step {self.step}, checkpoint save")
         state = {"sampler": self.sampler.state_dict(), "total_steps": self.total_steps,
                  "nonfinite": self.nonfinite.state_dict(), **state}
+        if self.precision.loss_scale is not None:
+            state["loss_scale"] = self.precision.loss_scale.state_dict()
         try:
             return save_checkpoint(cfg.output_dir, self.step, self.actor, self.tokenizer_dir, self.optimizer,
                                    self.scheduler, state, save_optimizer=not cfg.ignore_save_lr_and_optim,
@@ -311,6 +348,8 @@ class StepLoop:
                 progress.update(summary_line(metrics, short=True))
                 if self.step % cfg.logging_steps == 0:
                     logger.info("step %d/%d %s", self.step, self.total_steps, summary_line(metrics))
+                    if not cfg.skip_profile_timer:
+                        logger.info("step %d timers: %s", self.step, timer_line(metrics))
                 if self._should_save(job):
                     job.save()
         self.log.close()
@@ -344,6 +383,13 @@ class StepLoop:
             return
         for line in lines:
             (logger.info if error is None else logger.error)("%s", line)
+
+
+def timer_line(metrics: dict) -> str:
+    """A step's seconds per stage (time/* metrics) on one line, the step first (skip_profile_timer: false)."""
+    seconds = {k[len("time/"):]: v for k, v in metrics.items() if k.startswith("time/")}
+    order = sorted(seconds, key=lambda k: (k != "step", k))
+    return ", ".join(f"{k} {seconds[k]:.3f}s" for k in order) or "none recorded"
 
 
 def _topology(config):

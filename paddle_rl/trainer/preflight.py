@@ -5,6 +5,8 @@ server answering, its function names and plugin files, a reward model's folder, 
 environment plugin's file. `preflight` names every problem at once, each with what to do."""
 import os
 
+import paddle
+
 from ..config import ConfigError
 from ..config.loader import dataset_paths
 from ..data.loader import DatasetError, iter_records
@@ -19,6 +21,7 @@ from ..rewards import check as reward_check
 from ..rewards.client import RewardServerClient
 from ..rewards.plugins import PluginError
 from ..rewards.sandbox import isolation_problem
+from .precision import precision_problems
 
 
 def check_paths(config, data: bool = True) -> None:
@@ -41,6 +44,7 @@ def preflight(config, rewards: bool = True, train: bool = True, sft: bool = Fals
     if rewards:
         problems += reward_problems(config)
     problems += plugin_problems(config) + grid_problems(config) + dashboard_problems(config)
+    problems += precision_problems(config) + memory_problems(config)
     if problems:
         raise ConfigError(f"invalid configuration ({len(problems)} problem{'s' if len(problems) > 1 else ''} to fix "
                           "before the run can start):\n  " + "\n  ".join(problems))
@@ -190,6 +194,18 @@ def grid_problems(config) -> list:
     except TopologyError as e:
         return [f"{e} (`paddle-rl train CONFIG --nproc_per_node N` launches N processes)"]
     return []
+
+
+def memory_problems(config) -> list:
+    """The memory keys a CPU build cannot honour: the optimizer states and gradients have no second memory to move
+    to (offload_optim, offload_level)."""
+    if paddle.is_compiled_with_cuda() and paddle.get_device().startswith("gpu"):
+        return [f"{key}: offloading to host memory is not implemented on GPU builds yet; leave it unset"
+                for key in ("offload_optim", "offload_level") if getattr(config, key)]
+    return [f"{key}: {getattr(config, key)!r} moves {what} to host memory, and on a CPU build they are in host "
+            "memory already (there is no second memory to move them to); leave it unset"
+            for key, what in (("offload_optim", "the optimizer states"), ("offload_level", "the named states"))
+            if getattr(config, key)]
 
 
 def dashboard_problems(config) -> list:
