@@ -18,8 +18,9 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from test_parallel import (PPO_CRITIC, REL_TOL, assert_parity, check_parity, compare_runs, critic_parity,  # noqa: E402
-                           launch, read_rows, rel_err, run_overrides, train_and_probe)
+from test_parallel import (PPO_CRITIC, REL_TOL, assert_parity, check_parity, compare_runs,  # noqa: E402
+                           critic_adapter_parity, critic_parity, launch, read_rows, rel_err, run_overrides,
+                           train_and_probe)
 
 VPP = dict(pipeline_parallel_degree=2, virtual_pp_degree=2)
 
@@ -92,6 +93,21 @@ def test_the_planned_schedule_runs_under_blocking_transfers():
     assert order[:6] == [("F", 0, 0), ("F", 0, 1), ("F", 1, 0), ("F", 1, 1), ("F", 0, 2), ("B", 1, 0)]
     assert [(a.kind, a.chunk, a.micro) for a in compute_order(2, 2, 4, 1)][:4] == [
         ("F", 0, 0), ("F", 0, 1), ("F", 1, 0), ("B", 1, 0)]
+
+
+def test_the_schedule_has_the_bubble_of_the_literature():
+    """The play of the schedule (forward 1, backward 2 per chunk, sends not waiting): each stage idles
+    (p - 1) / (m k + p - 1) of the time, Narayanan et al.'s bubble (p - 1) / (m k) of the ideal time; chunks
+    taken in the wrong order within each group (chunk 1 before chunk 0) cannot finish."""
+    from paddle_rl.parallel.pipeline import Action, compute_order, plan_interleaved
+    for stages, virtual, micro in ((2, 1, 4), (2, 2, 4), (2, 2, 8), (2, 4, 8), (4, 2, 8), (4, 4, 16)):
+        clocks = []
+        plan_interleaved(stages, virtual, micro, clocks=clocks)
+        idle = 1 - 3 * micro * virtual / max(clocks)
+        assert idle == pytest.approx((stages - 1) / (micro * virtual + stages - 1), abs=1e-12), (stages, virtual)
+    swapped = [[Action(a.kind, 1 - a.chunk, a.micro) for a in compute_order(2, 2, 4, r)] for r in range(2)]
+    with pytest.raises(ValueError, match="cannot finish"):
+        plan_interleaved(2, 2, 4, orders=swapped)
 
 
 def test_a_perturbed_schedule_is_refused_before_it_runs():
@@ -215,6 +231,42 @@ def test_virtual_pipeline_ppo_critic_and_resume(setup):
         worst = max(rel_err(wa[k], wb[k]) for k in wa)
         print(f"vpp-ppo resumed at step 3: max {folder or 'actor'} weight rel err {worst:.2e}")
         assert worst == 0.0, (folder, worst)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", ["lora", "tied"])
+def test_virtual_pipeline_lora_and_tied_embeddings(setup, variant):
+    """PPO with LoRA on the actor and the critic (adapters on every chunk, the value head whole after the last;
+    the critic saved as a PEFT adapter gathered from both stages), and GRPO with tied embeddings (the table on stage
+    0 for chunk 0 and a copy on stage 1 for the head after its last chunk, their gradients summed), under PP 2 x
+    VPP 2, equal one process."""
+    if variant == "lora":
+        extra = dict(PPO_CRITIC, rl_algorithm="ppo", lora_rank=4, lora_alpha=8, merge_lora="true")
+        base = setup
+    else:
+        import paddle
+        from paddle_rl.models import CausalLM, ModelConfig, load_model
+        from paddle_rl.models.pretrained import copy_tokenizer_files, save_model, write_generation_config
+        config = ModelConfig.from_pretrained(setup["micro"]["model"])
+        config.tie_word_embeddings = True
+        untied = {n: p.numpy() for n, p in load_model(setup["micro"]["model"]).named_parameters()}
+        model = CausalLM(config)
+        for name, param in model.named_parameters():
+            param.set_value(paddle.to_tensor(untied[name]))
+        folder = str(setup["root"] / "model-4-layers-tied")
+        save_model(model, folder)
+        copy_tokenizer_files(setup["micro"]["model"], folder)
+        write_generation_config(folder, setup["micro"]["tokenizer"].eos_token_ids,
+                                setup["micro"]["tokenizer"].pad_token_id)
+        base, extra = dict(setup, micro=dict(setup["micro"], model=folder)), dict(rl_algorithm="grpo")
+    reference = single(base, variant, **extra)
+    out_dir = run_vpp(base, f"vpp-{variant}", **extra)
+    assert_parity(reference, out_dir)
+    if variant == "lora":
+        critic_adapter_parity(reference, out_dir, "vpp-lora")
+    else:
+        np.testing.assert_array_equal(np.load(os.path.join(out_dir, "greedy.npy")),
+                                      np.load(os.path.join(reference, "greedy.npy")))
 
 
 # --------------------------------------------------------------------------------------------- worker

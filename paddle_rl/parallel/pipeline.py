@@ -20,11 +20,14 @@ transfer without a header.
 
 Transfers are blocking on both sides (a gloo send waits for its receive; gloo's isend does too), and a
 group's transfers match by a per-process counter, so both sides of every pair must run their transfers in one
-order. `plan_interleaved` therefore plays the whole schedule of every rank once (forward 1 unit, backward 2,
-transfers when the receiver waits) and writes each rank's list of actions: its computations with every send
-and receive placed where the play put it. All ranks project one global order, so no transfer can deadlock,
-and a schedule that cannot finish is refused before anything runs.
+order. `plan_interleaved` therefore plays the whole schedule of every rank once (forward 1 unit, backward 2)
+and writes each rank's list of actions: its computations with every send and receive placed in one global
+order of the play's events, so no transfer can deadlock, and a schedule that cannot finish is refused before
+anything runs. A stage runs its computations in its own order and its transfers, in their planned order, on a
+thread of their own (`_run_actions`): a send then never holds up the next computation (NCCL's asynchronous
+sends, which Megatron's schedule assumes, do not either).
 """
+import threading
 import time
 from typing import Callable, Dict, List, NamedTuple, Optional, Tuple
 
@@ -58,19 +61,21 @@ class Link:
     def is_last(self) -> bool:
         return self.next is None
 
-    def _recv(self, shape, src):
+    def _recv(self, shape, src, timed: bool = True):
         buf = paddle.empty(shape, dtype="float32")
         start = time.perf_counter()
         with watched(f"recv from rank {src}", ranks=[src]):
             dist.recv(buf, src=src, group=self._pair.get(src))
-        self.waited += time.perf_counter() - start
+        if timed:
+            self.waited += time.perf_counter() - start
         return buf
 
-    def _send(self, tensor, dst):
+    def _send(self, tensor, dst, timed: bool = True):
         start = time.perf_counter()
         with watched(f"send to rank {dst}", ranks=[dst]):
             dist.send(tensor, dst=dst, group=self._pair.get(dst))
-        self.waited += time.perf_counter() - start
+        if timed:
+            self.waited += time.perf_counter() - start
 
     def recv_forward(self, shape):
         if self.prev is None:
@@ -183,7 +188,8 @@ def compute_order(stages: int, virtual: int, num_micro: int, stage: int, forward
         return forwards
     backwards = [Action("B", virtual - 1 - j, i) for j, i in forward_sequence(stages, virtual, num_micro)]
     total = len(forwards)
-    warmup = min((stages - stage - 1) * 2 + (virtual - 1) * stages, total)
+    # one chunk: plain 1F1B's warm-up (train_1f1b's)
+    warmup = min(stages - stage - 1 if virtual == 1 else (stages - stage - 1) * 2 + (virtual - 1) * stages, total)
     order = forwards[:warmup]
     for s in range(total - warmup):
         order += [forwards[warmup + s], backwards[s]]
@@ -203,103 +209,154 @@ def _messages(stages: int, virtual: int, stage: int, op: Action, forward_only: b
 
 
 def plan_interleaved(stages: int, virtual: int, num_micro: int, forward_only: bool = False,
-                     orders: Optional[List[List[Action]]] = None) -> List[List[Action]]:
+                     orders: Optional[List[List[Action]]] = None,
+                     clocks: Optional[List[int]] = None) -> List[List[Action]]:
     """Every stage's actions (its computations and transfers, in order) for the interleaved schedule, from one
-    play of all stages: each stage runs its `compute_order` (forward 1 time unit, backward 2); a message goes
-    over when its receiver needs it and its sender is between two computations (or itself waiting, or done);
-    the stage with the earliest clock moves first. `orders` replaces the compute orders (tests). Raises
-    ValueError when the orders cannot finish (each stage waiting for another)."""
+    play of all stages: each stage runs its `compute_order` (forward 1 time unit, backward 2), a computation
+    starting once the stage is free and its input has arrived, a message arriving when the computation making it
+    ends (sends do not wait: the transfer thread of `_run_actions`). Every event of the play sorted by its time
+    (a transfer before a computation starting at the same time; then by stage and message) is one global order,
+    and each stage's actions are that order's events it takes part in, so the transfers of every pair run in the
+    same order on both sides and none can deadlock, on a transfer thread or in the computing thread itself.
+    `orders` replaces the compute orders (tests); `clocks`, a list, receives each stage's finishing time (the
+    play's bubble). Raises ValueError when the orders cannot finish (each stage waiting for another)."""
     if orders is None:
         orders = [compute_order(stages, virtual, num_micro, r, forward_only) for r in range(stages)]
-    clock = [0.0] * stages
+    clock = [0] * stages
     pos = [0] * stages
-    state = ["ready"] * stages          # ready | blocked | done
-    waiting: List[Optional[tuple]] = [None] * stages
-    outbox: List[Dict[tuple, int]] = [dict() for _ in range(stages)]
-    have: List[set] = [set() for _ in range(stages)]
-    actions: List[List[Action]] = [[] for _ in range(stages)]
-
-    def transfer(src: int, dst: int, message, t: float) -> None:
-        del outbox[src][message]
-        actions[src].append(Action("send", message=message, peer=dst))
-        actions[dst].append(Action("recv", message=message, peer=src))
-        have[dst].add(message)
-        if state[dst] == "blocked" and waiting[dst] == message:
-            state[dst], waiting[dst] = "ready", None
-            clock[dst] = max(clock[dst], t)
-
-    while True:
-        ready = [r for r in range(stages) if state[r] == "ready"]
-        if not ready:
-            if all(s == "done" for s in state) and not any(outbox):
-                return actions
-            stuck = [f"stage {r} waits for {waiting[r]}" for r in range(stages) if state[r] == "blocked"]
+    arrival: Dict[tuple, int] = {}
+    events = []     # (time, 0 transfer | 1 computation, stage, message or order index, action(s))
+    while any(pos[r] < len(orders[r]) for r in range(stages)):
+        moved = False
+        for r in range(stages):
+            while pos[r] < len(orders[r]):
+                op = orders[r][pos[r]]
+                (need, src), (make, dst) = _messages(stages, virtual, r, op, forward_only)
+                if need is not None and need not in arrival:
+                    break
+                start = max(clock[r], arrival[need] if need is not None else 0)
+                clock[r] = start + (1 if op.kind == "F" else 2)
+                events.append((start, 1, r, pos[r], op))
+                if make is not None:
+                    arrival[make] = clock[r]
+                    events.append((clock[r], 0, r, make, (Action("send", message=make, peer=dst),
+                                                          Action("recv", message=make, peer=r), dst)))
+                pos[r] += 1
+                moved = True
+        if not moved:
+            stuck = [f"stage {r} waits for {_messages(stages, virtual, r, orders[r][pos[r]], forward_only)[0][0]}"
+                     for r in range(stages) if pos[r] < len(orders[r])]
             raise ValueError("pipeline schedule cannot finish: " + "; ".join(stuck))
-        r = min(ready, key=lambda s: (clock[s], s))
-        t = clock[r]
-        for message, dst in list(outbox[r].items()):  # between two computations: hand over what is awaited
-            if state[dst] == "blocked" and waiting[dst] == message:
-                transfer(r, dst, message, t)
-        if pos[r] == len(orders[r]):
-            state[r] = "done"
-            continue
-        op = orders[r][pos[r]]
-        (need, src), (make, dst) = _messages(stages, virtual, r, op, forward_only)
-        if need is not None and need not in have[r]:
-            if need in outbox[src] and state[src] in ("blocked", "done"):
-                transfer(src, r, need, max(t, clock[src]))
+    actions: List[List[Action]] = [[] for _ in range(stages)]
+    for _, kind, r, _, what in sorted(events, key=lambda e: e[:4]):
+        if kind == 1:
+            actions[r].append(what)
+        else:
+            send, recv, dst = what
+            actions[r].append(send)
+            actions[dst].append(recv)
+    if clocks is not None:
+        clocks[:] = clock
+    return actions
+
+
+class _Mailbox:
+    """Tensors handed between the computing thread and the transfer thread, by message."""
+
+    def __init__(self):
+        self._cond = threading.Condition()
+        self._items: Dict[tuple, object] = {}
+        self.error: Optional[BaseException] = None
+
+    def put(self, message, tensor) -> None:
+        with self._cond:
+            self._items[message] = tensor
+            self._cond.notify_all()
+
+    def fail(self, error: BaseException) -> None:
+        with self._cond:
+            self.error = error
+            self._cond.notify_all()
+
+    def take(self, message):
+        with self._cond:
+            while message not in self._items:
+                if self.error is not None:
+                    raise RuntimeError(f"pipeline transfer failed: {self.error}") from self.error
+                self._cond.wait(timeout=1.0)
+            return self._items.pop(message)
+
+
+def _transfers(link: Link, actions: List[Action], act_shape: Callable, outgoing: _Mailbox, incoming: _Mailbox):
+    """The transfer thread: this stage's sends and receives in the planned order (a send as soon as the computing
+    thread has made its tensor, a receive posted as soon as the previous transfer is done)."""
+    try:
+        for a in actions:
+            if a.kind == "send":
+                link._send(outgoing.take(a.message), link.ranks[a.peer], timed=False)
             else:
-                state[r], waiting[r] = "blocked", need
-            continue
-        have[r].discard(need)
-        actions[r].append(op)
-        pos[r] += 1
-        clock[r] = t + (1.0 if op.kind == "F" else 2.0)
-        if make is not None:
-            outbox[r][make] = dst
+                incoming.put(a.message, link._recv(act_shape(a.message[2]), link.ranks[a.peer], timed=False))
+    except BaseException as e:  # noqa: BLE001 - handed to the computing thread, which raises it
+        incoming.fail(e)
+        outgoing.fail(e)
 
 
 def _run_actions(link: Link, actions: List[Action], virtual: int, forward: Callable, act_shape: Callable,
                  training: bool) -> Dict[int, object]:
-    """Run this stage's actions; returns the last virtual stage's outputs by micro-batch (empty elsewhere)."""
+    """Run this stage's actions: the computations here, the transfers on a thread of their own in their planned
+    order (so a send never holds up the next computation, as NCCL's asynchronous sends do not; the planned order
+    is what keeps both sides of every pair in step). `link.waited` gains the time computations waited for a
+    received tensor. Returns the last virtual stage's outputs by micro-batch (empty elsewhere)."""
     stages, stage = link.num_stages, link.stage
     last = stages * virtual - 1
-    inputs: Dict[Tuple[int, int], object] = {}
-    grads: Dict[Tuple[int, int], object] = {}
+    outgoing, incoming = _Mailbox(), _Mailbox()
+    thread = threading.Thread(target=_transfers, name="paddle_rl-pipeline-transfers", daemon=True,
+                              args=(link, [a for a in actions if a.kind in ("send", "recv")], act_shape, outgoing,
+                                    incoming))
+    thread.start()
     saved: Dict[Tuple[int, int], tuple] = {}
-    ready: Dict[tuple, object] = {}
     outputs: Dict[int, object] = {}
-    for a in actions:
-        if a.kind == "F":
+
+    def received(message):
+        start = time.perf_counter()
+        tensor = incoming.take(message)
+        link.waited += time.perf_counter() - start
+        return tensor
+
+    try:
+        for a in actions:
+            if a.kind not in ("F", "B"):
+                continue
             v = a.chunk * stages + stage
-            x = inputs.pop((a.chunk, a.micro), None)
-            y = forward(a.chunk, a.micro, x)
-            if v == last:
-                outputs[a.micro] = y
+            if a.kind == "F":
+                x = None
+                if v > 0:
+                    x = received(("act", v - 1, a.micro))
+                    x.stop_gradient = not training
+                y = forward(a.chunk, a.micro, x)
+                if v == last:
+                    outputs[a.micro] = y
+                else:
+                    outgoing.put(("act", v, a.micro), y.detach())
+                if training:
+                    saved[(a.chunk, a.micro)] = (x, y)
             else:
-                ready[("act", v, a.micro)] = y.detach()
-            if training:
-                saved[(a.chunk, a.micro)] = (x, y)
-        elif a.kind == "B":
-            v = a.chunk * stages + stage
-            x, y = saved.pop((a.chunk, a.micro))
-            if v == last:
-                y.backward()
-            else:
-                paddle.autograd.backward([y], [grads.pop((a.chunk, a.micro))])
-            if v > 0:
-                ready[("grad", v, a.micro)] = x.grad
-        elif a.kind == "send":
-            link._send(ready.pop(a.message), link.ranks[a.peer])
-        else:
-            what, v, micro = a.message
-            buf = link._recv(act_shape(micro), link.ranks[a.peer])
-            if what == "act":
-                buf.stop_gradient = not training
-                inputs[((v + 1) // stages, micro)] = buf
-            else:
-                grads[((v - 1) // stages, micro)] = buf
-    assert not saved and not ready and not inputs and not grads, "interleaved schedule left work behind"
+                x, y = saved.pop((a.chunk, a.micro))
+                if v == last:
+                    y.backward()
+                else:
+                    paddle.autograd.backward([y], [received(("grad", v + 1, a.micro))])
+                if v > 0:
+                    outgoing.put(("grad", v, a.micro), x.grad)
+    except BaseException as e:
+        outgoing.fail(e)
+        raise
+    start = time.perf_counter()
+    thread.join()  # every transfer done before the caller's next collective
+    link.waited += time.perf_counter() - start
+    if incoming.error is not None:
+        raise RuntimeError(f"pipeline transfer failed: {incoming.error}") from incoming.error
+    assert not saved, "interleaved schedule left work behind"
     return outputs
 
 
