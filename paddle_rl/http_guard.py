@@ -15,7 +15,9 @@ A request's body has its own deadline, kept by the servers' request gates (`http
 """
 import argparse
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import Optional
 
 DEFAULT_MAX_CONNECTIONS = 128
 DEFAULT_HEADER_TIMEOUT = 10.0      # seconds for a request head
@@ -111,6 +113,8 @@ def guarded_protocol(limits: ConnectionLimits) -> type:
     # deferred: uvicorn loads with a server, not with the command lines that declare its flags (paddle-rl --help)
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
+    first_heads = OrderedDict()   # the server's connections waiting for their first request head, oldest first
+
     class GuardedH11Protocol(H11Protocol):
         stats = limits.stats
 
@@ -122,26 +126,38 @@ def guarded_protocol(limits: ConnectionLimits) -> type:
             self._refused = False
             self._answered = 0           # requests answered on this connection
             self._wait_for_head()
-            if len(self.connections) > limits.max_connections:
-                # room is made by closing a connection that has sent no whole request head yet: a client's
-                # keep-alive connection between its requests is kept (uvicorn closes it after timeout_keep_alive),
-                # and one that has just opened is about to send its request (a burst of clients then gets 503s,
-                # not closed connections)
-                settled = time.monotonic() - limits.idle_grace
-                idle = [c for c in self.connections
-                        if c is not self and getattr(c, "_waiting_since", None) is not None and not c._refused
-                        and not c._answered and c._waiting_since <= settled and not c.transport.is_closing()]
-                if idle:
-                    min(idle, key=lambda c: c._waiting_since)._evict()
-                else:   # every other connection has a request in progress (or is about to): this one gets 503
-                    self.stats["refused_busy"] += 1
-                    self._refused = True
-                    self.app = _refusing_app(
-                        f"server busy: {len(self.connections) - 1} connections open (the cap, max_connections "
-                        f"{limits.max_connections}), each with a request in progress or just opened; retry later")
+            if len(self.connections) > limits.max_connections and not self._make_room():
+                # every other connection has a request in progress (or is about to): this one gets 503 at its
+                # head, which it has idle_grace seconds to send
+                self.stats["refused_busy"] += 1
+                self._refused = True
+                self.app = _refusing_app(
+                    f"server busy: {len(self.connections) - 1} connections open (the cap, max_connections "
+                    f"{limits.max_connections}), each with a request in progress or just opened; retry later")
+                self._wait_for_head(limits.idle_grace)
+            else:
+                first_heads[self] = None
+
+        def _make_room(self) -> bool:
+            """Close the connection that has waited longest for its first request head, if it has waited over
+            idle_grace: a client's keep-alive connection between its requests is kept (uvicorn closes it after
+            timeout_keep_alive), and one that has just opened is about to send its request (a burst of clients
+            then gets 503s, not closed connections). `first_heads` is in opening order: the first is the oldest."""
+            settled = time.monotonic() - limits.idle_grace
+            while first_heads:
+                oldest = next(iter(first_heads))
+                if oldest.transport.is_closing():
+                    first_heads.pop(oldest)
+                    continue
+                if oldest._waiting_since > settled:
+                    return False
+                oldest._evict()
+                return True
+            return False
 
         def connection_lost(self, exc) -> None:
             self._cancel_head_timer()
+            first_heads.pop(self, None)
             super().connection_lost(exc)
 
         def data_received(self, data: bytes) -> None:
@@ -165,6 +181,7 @@ def guarded_protocol(limits: ConnectionLimits) -> type:
             if self._waiting_since is not None and self.cycle is not None and not self.cycle.response_complete:
                 self._waiting_since = None   # a request head arrived: its body, if any, has the gate's deadline
                 self._cancel_head_timer()
+                first_heads.pop(self, None)
 
         def on_response_complete(self) -> None:
             self._answered += 1
@@ -185,10 +202,10 @@ def guarded_protocol(limits: ConnectionLimits) -> type:
                                     f"request head over {limits.max_header_bytes} bytes (max_header_bytes)"))
             return True
 
-        def _wait_for_head(self) -> None:
+        def _wait_for_head(self, timeout: Optional[float] = None) -> None:
             self._waiting_since, self._head_bytes = time.monotonic(), 0
             self._cancel_head_timer()
-            self._head_timer = self.loop.call_later(limits.header_timeout, self._head_deadline)
+            self._head_timer = self.loop.call_later(timeout or limits.header_timeout, self._head_deadline)
 
         def _cancel_head_timer(self) -> None:
             if self._head_timer is not None:
@@ -199,6 +216,10 @@ def guarded_protocol(limits: ConnectionLimits) -> type:
             self._head_timer = None
             if self._waiting_since is None or self.transport.is_closing():
                 return
+            if self._refused:   # over the cap, and no whole head within idle_grace
+                return self._close_with(_plain(503, "Service Unavailable", f"server busy: over the cap of "
+                                               f"{limits.max_connections} connections (max_connections)")
+                                        if self._head_bytes else b"")
             self.stats["header_timeouts"] += 1
             if self._head_bytes:
                 self._close_with(_plain(408, "Request Timeout", f"request head not complete after "
@@ -218,6 +239,7 @@ def guarded_protocol(limits: ConnectionLimits) -> type:
 
         def _close_with(self, answer: bytes) -> None:
             self._cancel_head_timer()
+            first_heads.pop(self, None)
             self._waiting_since = None
             if answer:
                 self.transport.write(answer)

@@ -11,6 +11,7 @@ what the server answered the attacker (HTTP statuses, or `closed`). The tests (t
 use the same clients with small limits.
 """
 import argparse
+import multiprocessing
 import os
 import select
 import socket
@@ -194,6 +195,11 @@ class ServerProcess:
             time.sleep(0.2)
         raise RuntimeError(f"server did not come up; log: {self.log.name}")
 
+    def peak_rss_mb(self) -> float:
+        """The server process's peak resident memory (VmHWM), in MB."""
+        with open(f"/proc/{self.proc.pid}/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("VmHWM")) / 1024
+
     def stop(self) -> None:
         if self.proc.poll() is None:
             self.proc.terminate()
@@ -248,36 +254,44 @@ class Polite:
         return done / (time.monotonic() - start), failed
 
 
-class Attack(threading.Thread):
-    """`fn(port)` in `threads` threads, over and over until stopped; counts what the server answered."""
+class Attack:
+    """`fn(port, stop)` in `threads` threads of another process (the attacker's own interpreter: threads of the
+    measuring process would take its GIL), over and over until stopped; counts what the server answered."""
 
     def __init__(self, fn, port: int, threads: int = 1):
-        super().__init__(daemon=True)
         self.fn, self.port, self.threads = fn, port, threads
-        self.stop_event = threading.Event()
-        self.answers = Counter()
-        self.lock = threading.Lock()
+        self.context = multiprocessing.get_context("fork")
+        self.stop_event = self.context.Event()
+        self.results = self.context.Queue()
+        self.process = self.context.Process(target=self._run, daemon=True)
 
-    def run(self) -> None:
-        workers = [threading.Thread(target=self._loop, daemon=True) for _ in range(self.threads)]
+    def start(self) -> None:
+        self.process.start()
+
+    def _run(self) -> None:
+        answers, lock = Counter(), threading.Lock()
+
+        def loop():
+            while not self.stop_event.is_set():
+                try:
+                    outcome = self.fn(self.port, self.stop_event)
+                except OSError as e:
+                    outcome = type(e).__name__
+                with lock:
+                    answers[outcome] += 1
+
+        workers = [threading.Thread(target=loop, daemon=True) for _ in range(self.threads)]
         for w in workers:
             w.start()
         for w in workers:
             w.join()
-
-    def _loop(self) -> None:
-        while not self.stop_event.is_set():
-            try:
-                outcome = self.fn(self.port, self.stop_event)
-            except OSError as e:
-                outcome = type(e).__name__
-            with self.lock:
-                self.answers[outcome] += 1
+        self.results.put(answers)
 
     def stop(self) -> Counter:
         self.stop_event.set()
-        self.join(120)
-        return self.answers
+        answers = self.results.get(timeout=180)
+        self.process.join(10)
+        return answers
 
 
 def _status(answer) -> str:
@@ -336,22 +350,25 @@ def attacks(kind: str, url: str) -> dict:
 
 
 def bench(kind: str, server: ServerProcess, seconds: float) -> List[str]:
+    """One row per attack: the polite client's rate just before it (quiet) and while it runs."""
     polite = Polite(kind, server.url)
     polite.rate(1.0)   # warm
-    base, base_failed = polite.rate(seconds)
-    rows = [f"| {kind} | none | {base:.1f} | {base_failed} | |"]
+    rows = []
     for name, (fn, threads) in attacks(kind, server.url).items():
+        quiet, quiet_failed = polite.rate(seconds)
         attack = Attack(fn, server.port, threads)
         attack.start()
         time.sleep(1.0)   # the attack under way
         rate, failed = polite.rate(seconds)
         answers = attack.stop()
         told = ", ".join(f"{k} x{v}" for k, v in answers.most_common(4))
-        rows.append(f"| {kind} | {name} | {rate:.1f} ({rate / base:.0%}) | {failed} | {told} |")
+        rows.append(f"| {kind} | {name} | {quiet:.1f} | {rate:.1f} ({rate / quiet:.0%}) | {quiet_failed} / {failed} "
+                    f"| {told} |")
         print(rows[-1], flush=True)
         time.sleep(1.0)
     health = httpx.get(server.url + "/health").json()
-    rows.append(f"| {kind} | (server's connection counters) | | | {health['connections']} |")
+    rows.append(f"| {kind} | (the server's connection counters after all rows; its peak RSS {server.peak_rss_mb():.0f} "
+                f"MB) | | | | {health['connections']} |")
     return rows
 
 
@@ -361,8 +378,8 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=5.0, help="measurement window per row")
     parser.add_argument("--model", default=os.path.join(ROOT, "data", "tiny_arith", "model"))
     args = parser.parse_args()
-    rows = ["| server | attack | well-behaved client, requests/s (of the quiet rate) | its failures | what the "
-            "attacker got |", "|---|---|---|---|---|"]
+    rows = ["| server | attack | well-behaved client, requests/s, quiet | under the attack (of quiet) | its failures "
+            "(quiet / attack) | what the attacker got |", "|---|---|---|---|---|---|"]
     kinds = ("reward", "rollout") if args.server == "both" else (args.server,)
     for kind in kinds:
         server = reward_server() if kind == "reward" else rollout_server(args.model)
