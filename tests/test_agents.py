@@ -198,7 +198,8 @@ def test_the_proxy_refuses_what_would_break_the_sample(tool_model, program, tmp_
     """An unknown session (401), a conversation that does not continue the last answer, a temperature other than
     the trainer's, n > 1: refused with the reason; the answer's log-probs are the recorded ones."""
     out_file = tmp_path / "probe.json"
-    out, _ = _rollout(tool_model, program, _records(1, mode="probe", out=str(out_file)), 1)
+    # unsandboxed: the program writes its findings into a file of the host (tests/test_agent_sandbox.py: the sandbox)
+    out, _ = _rollout(tool_model, program, _records(1, mode="probe", out=str(out_file)), 1, sandbox=False)
     found = json.loads(out_file.read_text())
     assert found["unknown_session"] == 401 and found["n"] == 400
     status, body = found["not_continued"]
@@ -242,7 +243,9 @@ def test_a_misbehaving_program_gives_a_zero_reward_sample_or_a_named_error(tool_
     records = _records(1, mode=mode, out=str(tmp_path / "pids")) + ([] if mode == "hang" else _records(2)[1:])
     timeout = 5.0 if mode == "hang" else 120.0   # the well-behaved programs finish well within it
     start = time.monotonic()
-    out, _ = _rollout(tool_model, program, records, 2, program_reward=True, timeout=timeout)
+    # the hanging program writes its processes' ids on the host: unsandboxed (test_agent_sandbox.py: in the sandbox)
+    sandbox = mode != "hang"
+    out, _ = _rollout(tool_model, program, records, 2, program_reward=True, timeout=timeout, sandbox=sandbox)
     if mode == "hang":   # agent_timeout is enforced: the rollout does not wait for the programs' own 300 s
         assert time.monotonic() - start < 120, time.monotonic() - start
     assert out["agent_failed"].tolist() == [True, True] + ([] if mode == "hang" else [False, False])
@@ -259,7 +262,8 @@ def test_a_misbehaving_program_gives_a_zero_reward_sample_or_a_named_error(tool_
         assert out["lengths"][:2].tolist() == [1, 1] and out["response_mask"][:2].sum() == 0
     with pytest.raises(AgentError, match=rf"env_plugin agent: .*agent.py {reason} on sample \d of prompt t:0 \(row "
                                          rf"\d\)" + ("; its stderr ends: something broke" if mode == "exit" else "")):
-        _rollout(tool_model, program, records, 2, program_reward=True, timeout=timeout, on_failure="error")
+        _rollout(tool_model, program, records, 2, program_reward=True, timeout=timeout, on_failure="error",
+                 sandbox=sandbox)
 
 
 def test_agent_keys_are_checked(tmp_path):

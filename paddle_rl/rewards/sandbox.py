@@ -184,6 +184,29 @@ def _command(found: Optional[Isolation], limits: SandboxLimits, fds: tuple) -> l
     harness = [python, "-I", "main.py", ",".join(map(str, fds))]
     if found is None:
         return harness
+    return view(found, limits) + ["--ro-bind", HARNESS, "/sandbox/main.py", "--chdir", "/sandbox", "--clearenv",
+                                  "--setenv", "PATH", "/usr/local/bin:/usr/bin:/bin", "--setenv", "LANG", "C.UTF-8",
+                                  "--setenv", "HOME", "/sandbox", "--", *harness]
+
+
+def _parents(path: str) -> list:
+    """bwrap arguments making the folders above `path` (0755, so that nobody can pass through them)."""
+    parents = []
+    parent = os.path.dirname(path)
+    while parent not in ("/", ""):
+        parents.append(parent)
+        parent = os.path.dirname(parent)
+    out = []
+    for parent in reversed(parents):
+        out += ["--perms", "0755", "--dir", parent]
+    return out
+
+
+def view(found: Isolation, limits: SandboxLimits, ro_binds=(), sockets=()) -> list:
+    """bwrap and its arguments up to the sandbox's own (working folder, environment, command): the namespaces, the
+    read-only system and interpreter, /proc, /dev, the private tmpfs folders /tmp, /dev/shm and /sandbox;
+    `ro_binds`: more host paths bound read-only at the same path; `sockets`: (host Unix socket, path inside) pairs,
+    the only way out of a sandbox without network."""
     size = str(limits.output_mb << 20)
     cmd = [found.bwrap, "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
            "--die-with-parent", "--new-session", "--hostname", "sandbox"]
@@ -201,20 +224,14 @@ def _command(found: Optional[Isolation], limits: SandboxLimits, fds: tuple) -> l
         elif os.path.isdir(path):
             cmd += ["--ro-bind", path, path]
     for path in found.binds:
-        parents = []
-        parent = os.path.dirname(path)
-        while parent not in ("/", ""):
-            parents.append(parent)
-            parent = os.path.dirname(parent)
-        for parent in reversed(parents):
-            cmd += ["--perms", "0755", "--dir", parent]
-        cmd += ["--ro-bind", path, path]
+        cmd += _parents(path) + ["--ro-bind", path, path]
     cmd += ["--ro-bind-try", "/etc/ld.so.cache", "/etc/ld.so.cache", "--proc", "/proc", "--dev", "/dev"]
     for path in ("/tmp", "/dev/shm", "/sandbox"):
         cmd += ["--perms", "01777", "--size", size, "--tmpfs", path]
-    cmd += ["--ro-bind", HARNESS, "/sandbox/main.py", "--chdir", "/sandbox", "--clearenv",
-            "--setenv", "PATH", "/usr/local/bin:/usr/bin:/bin", "--setenv", "LANG", "C.UTF-8",
-            "--setenv", "HOME", "/sandbox", "--", *harness]
+    for path in ro_binds:   # after the tmpfs folders: a path under /tmp is bound into the private /tmp
+        cmd += _parents(path) + ["--ro-bind", path, path]
+    for host, inside in sockets:
+        cmd += _parents(inside) + ["--ro-bind", host, inside]
     return cmd
 
 
@@ -280,6 +297,52 @@ def _run(found: Optional[Isolation], code: str, stdin: str, limits: SandboxLimit
             cgroup.remove()
         if work is not None:
             shutil.rmtree(work, ignore_errors=True)
+
+
+class SandboxedProcess:
+    """A program started in the sandbox and left running with pipes to it, for a caller that talks to it while it
+    runs (the agent environment): `command` is bwrap's whole command line (`view(...)` + the sandbox's own
+    arguments). The same bounds as run_program's: the cgroup (or the memory watchdog), rlimits, its own process
+    group. `kill()` ends every process of it; `close()` kills, waits and removes the cgroup, and says whether the
+    memory bound was reached."""
+
+    def __init__(self, found: Isolation, command: list, limits: SandboxLimits, pass_fds=()):
+        self.cgroup = _Cgroup.make(found.cgroup, limits) if found.cgroup else None
+        self.watchdog = None
+        try:
+            self.process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                            stderr=subprocess.PIPE, cwd="/",
+                                            env={"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8"},
+                                            close_fds=True, pass_fds=tuple(pass_fds),
+                                            preexec_fn=_child_setup(limits, self.cgroup))
+        except BaseException:
+            if self.cgroup is not None:
+                self.cgroup.remove()
+            raise
+        # the whole sandbox is killed at the bound: without a cgroup at the sum of its processes' memory; with
+        # one at the kernel's first OOM kill (which ends one process only)
+        self.watchdog = _SHARED_WATCHDOG.watch(self.process.pid, limits.memory_mb, self.cgroup)
+
+    def kill(self) -> None:
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        if self.cgroup is not None:
+            self.cgroup.kill()
+
+    def close(self) -> bool:
+        """Kill what is left, wait, remove the cgroup; whether the run reached its memory bound."""
+        self.kill()
+        self.process.wait()
+        if self.watchdog is not None:
+            _SHARED_WATCHDOG.forget(self.watchdog)
+        over = (self.cgroup is not None and self.cgroup.oom_killed()) or (self.watchdog is not None and
+                                                                          self.watchdog.fired)
+        if self.cgroup is not None:
+            self.cgroup.kill()
+            self.cgroup.remove()
+        return over
 
 
 class _Deadline:
@@ -512,6 +575,15 @@ class _Cgroup:
                     pass
             time.sleep(0.01)
 
+    def oom_kills(self) -> int:
+        """Processes the kernel has killed for reaching the memory bound (0 where it cannot be read)."""
+        try:
+            name = "memory.events" if self.version == "v2" else "memory.oom_control"
+            with open(os.path.join(self.folders["" if self.version == "v2" else "memory"], name)) as f:
+                return int(dict(line.split() for line in f if line.strip()).get("oom_kill", 0))
+        except (OSError, ValueError, KeyError):
+            return 0
+
     def oom_killed(self) -> bool:
         try:
             if self.version == "v2":
@@ -609,3 +681,84 @@ class _MemoryWatchdog(threading.Thread):
     def stop(self):
         self.done.set()
         self.join(timeout=1)
+
+
+class _Watched:
+    def __init__(self, root: int, limit: int):
+        self.root, self.limit, self.fired, self.cgroup = root, limit, False, None
+
+
+class _SharedWatchdog:
+    """The memory watchdog of the SandboxedProcesses of this process (many at once: one agent program per sample):
+    one thread, one reading of /proc every WATCH_SECONDS for all of them, each sandbox's processes' resident memory
+    summed and the sandbox killed past its bound (a thread per sandbox would read /proc once each)."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.watched = []
+        self.thread = None
+        self.page = os.sysconf("SC_PAGE_SIZE")
+
+    def watch(self, root: int, memory_mb: int, cgroup=None) -> _Watched:
+        entry = _Watched(root, memory_mb << 20)
+        entry.cgroup = cgroup
+        with self.lock:
+            self.watched.append(entry)
+            if self.thread is None:
+                self.thread = threading.Thread(target=self._run, name="sandbox-memory", daemon=True)
+                self.thread.start()
+        return entry
+
+    def forget(self, entry: _Watched) -> None:
+        with self.lock:
+            if entry in self.watched:
+                self.watched.remove(entry)
+
+    def _run(self) -> None:
+        while True:
+            time.sleep(WATCH_SECONDS)
+            with self.lock:
+                watched = list(self.watched)
+                if not watched:
+                    self.thread = None
+                    return
+            for w in watched:
+                if w.cgroup is not None and not w.fired and w.cgroup.oom_kills():
+                    w.fired = True
+                    try:
+                        os.killpg(w.root, signal.SIGKILL)
+                    except (ProcessLookupError, PermissionError):
+                        pass
+                    w.cgroup.kill()
+            watched = [w for w in watched if w.cgroup is None]
+            if not watched:
+                continue
+            parents, rss = {}, {}
+            for name in os.listdir("/proc"):
+                if not name.isdigit():
+                    continue
+                try:
+                    with open(f"/proc/{name}/stat") as f:
+                        fields = f.read().rsplit(")", 1)[1].split()
+                except OSError:
+                    continue
+                parents[int(name)] = int(fields[1])
+                rss[int(name)] = int(fields[21]) * self.page
+            roots = {w.root: w for w in watched}
+            totals = dict.fromkeys(roots, 0)
+            for pid, size in rss.items():
+                p, depth = pid, 0
+                while p and p not in roots and depth < 64:
+                    p, depth = parents.get(p, 0), depth + 1
+                if p in roots:
+                    totals[p] += size
+            for root, total in totals.items():
+                if total > roots[root].limit and not roots[root].fired:
+                    roots[root].fired = True
+                    try:
+                        os.killpg(root, signal.SIGKILL)
+                    except (ProcessLookupError, PermissionError):
+                        pass
+
+
+_SHARED_WATCHDOG = _SharedWatchdog()

@@ -42,8 +42,12 @@ import os
 import secrets
 import selectors
 import shlex
+import shutil
 import signal
+import socket
 import subprocess
+import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field, replace
@@ -54,6 +58,7 @@ import numpy as np
 
 from ..config.fields import above, at_least
 from ..config.options import option
+from ..rewards.sandbox import NOBODY, SandboxedProcess, SandboxError, SandboxLimits, isolation, isolation_problem, view
 from .episodes import EpisodeError, continuation_renderer, episode_columns, register_environment
 from .keys import call_key
 from .openai_api import (CHAT_FIELDS, COMPLETION_FIELDS, RequestError, chat_logprobs, chat_messages, check_fields,
@@ -68,6 +73,11 @@ STDOUT_TAIL = 64 * 1024
 STDERR_TAIL = 4 * 1024
 PASSED_ENV = ("PATH", "HOME", "LANG", "LC_ALL", "TZ", "TMPDIR")
 ON_FAILURE = ("zero", "error")
+RELAY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "agent_relay.py")
+RELAY_INSIDE = "/run/paddle_rl/relay.py"
+SOCKET_INSIDE = "/run/paddle_rl/proxy.sock"
+CONNECTIONS = 16                 # the most connections of one episode at once (its relay's, the proxy's)
+AGENT_FILES_MB = 64              # a sandboxed program's /sandbox, /tmp and /dev/shm each, and any file it writes
 
 
 class AgentError(EpisodeError):
@@ -84,6 +94,11 @@ class AgentSettings:
     max_prompt_len: int = 1024
     program_reward: bool = False   # reward_funcs name `env`: the program's last line must carry a reward
     vocab_size: int = 0
+    sandbox: bool = True           # each program in bubblewrap, its one way out the episode's proxy socket
+    allow_network: bool = False    # the sandbox shares the host's network
+    memory_mb: int = 1024          # all processes of one program (and its tmpfs files) together
+    processes: int = 64
+    binds: tuple = ()              # host paths bound read-only into the sandbox, besides those the command names
 
 
 @dataclass
@@ -129,14 +144,26 @@ class _Server(ThreadingHTTPServer):
     daemon_threads = True
 
 
-class AgentProxy:
-    """The recording endpoint on 127.0.0.1 (a thread of this process; one per environment factory): OpenAI's
-    /v1/chat/completions, /v1/completions and /v1/models, each request handed to the rollout whose episode owns
-    its session."""
+class _Origin:
+    """What a proxy connection came through: `episode` is the episode whose sandbox its Unix socket is bound into
+    (None: the TCP listener of unsandboxed programs)."""
 
-    def __init__(self):
+    def __init__(self, episode=None):
+        self.episode = episode
+
+
+class AgentProxy:
+    """The recording endpoint (a thread of this process; one per environment factory): OpenAI's
+    /v1/chat/completions, /v1/completions and /v1/models, each request handed to the rollout whose episode owns
+    its session. Unsandboxed programs reach it on 127.0.0.1 (`url`); a sandboxed program through a Unix socket of
+    its own episode (`open` makes it, in a folder only this user can enter, and `socket_path` names it), bound into
+    its sandbox: a request there must carry that episode's session (403 otherwise), and at most CONNECTIONS of its
+    connections are served at once (more are closed as they come)."""
+
+    def __init__(self, sandboxed: bool = False):
         self.sessions = {}
         self.lock = threading.Lock()
+        self.sandboxed = sandboxed
         proxy = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -161,6 +188,10 @@ class AgentProxy:
                 if found is None:
                     raise RequestError("unknown session: send the episode's OPENAI_API_KEY (Authorization: Bearer "
                                        "session-...)", 401, "authentication_error")
+                origin = getattr(self.server, "episode", None)
+                if origin is not None and found[1] is not origin:
+                    raise RequestError("this session is not the episode of this sandbox (a program reaches its own "
+                                       "episode only)", 403, "permission_error")
                 return found
 
             def do_GET(self):
@@ -196,25 +227,138 @@ class AgentProxy:
                 except RequestError as e:
                     self._answer(e.status, e.body())
 
-        self.server = _Server(("127.0.0.1", 0), Handler)
-        self.thread = threading.Thread(target=self.server.serve_forever, name="agent-proxy", daemon=True)
+        self.handler = Handler
+        self.server = self.thread = None
+        if sandboxed:
+            self.folder = tempfile.mkdtemp(prefix="paddle_rl_agent_proxy_")   # 0700: this user's alone
+            self.listeners = {}        # episode session -> listening socket
+            self.connections = {}      # episode session -> its connections being served
+            self.selector = selectors.DefaultSelector()
+            self.changes = []
+            self.wake_r, self.wake_w = os.pipe()
+            os.set_blocking(self.wake_w, False)
+            self.selector.register(self.wake_r, selectors.EVENT_READ, None)
+            self.stopping = False
+            self.thread = threading.Thread(target=self._accept_loop, name="agent-proxy", daemon=True)
+        else:
+            self.server = _Server(("127.0.0.1", 0), Handler)
+            self.thread = threading.Thread(target=self.server.serve_forever, name="agent-proxy", daemon=True)
         self.thread.start()
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.server.server_address[1]}/v1"
 
+    def socket_path(self, episode: _Episode) -> str:
+        return os.path.join(self.folder, f"{episode.row}-{episode.session[-8:]}.sock")
+
     def open(self, episodes, episode: _Episode) -> None:
         with self.lock:
             self.sessions[episode.session] = (episodes, episode)
+        if self.sandboxed:
+            listener = socket.socket(socket.AF_UNIX)
+            path = self.socket_path(episode)
+            listener.bind(path)
+            os.chmod(path, 0o666)   # the sandbox's user may connect; the folder keeps everyone else out
+            listener.listen(CONNECTIONS)
+            listener.setblocking(False)
+            with self.lock:
+                self.listeners[episode.session] = listener
+                self.connections[episode.session] = set()
+                self.changes.append(("add", listener, episode))
+            self._wake()
 
     def close(self, episode: _Episode) -> None:
         with self.lock:
             self.sessions.pop(episode.session, None)
+            if not self.sandboxed:
+                return
+            listener = self.listeners.pop(episode.session, None)
+            connections = self.connections.pop(episode.session, set())
+            if listener is not None:
+                self.changes.append(("remove", listener, episode))
+        if listener is not None:
+            try:
+                os.unlink(self.socket_path(episode))
+            except FileNotFoundError:
+                pass
+            self._wake()
+        for conn in connections:   # a connection still open (idle, or a flood's) ends with its episode
+            try:
+                conn.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def _wake(self) -> None:
+        try:
+            os.write(self.wake_w, b"x")
+        except BlockingIOError:
+            pass
+
+    def _accept_loop(self) -> None:
+        """The sandboxed programs' listeners: each connection accepted and served in a thread of its own, at most
+        CONNECTIONS per episode."""
+        while True:
+            for key, _ in self.selector.select():
+                if key.data is None:
+                    os.read(self.wake_r, 4096)
+                    with self.lock:
+                        changes, self.changes = self.changes, []
+                        stopping = self.stopping
+                    for what, listener, episode in changes:
+                        if what == "add":
+                            self.selector.register(listener, selectors.EVENT_READ, episode)
+                        else:
+                            if listener in self.selector.get_map():
+                                self.selector.unregister(listener)
+                            listener.close()
+                    if stopping:
+                        return
+                    continue
+                episode = key.data
+                try:
+                    conn, _ = key.fileobj.accept()
+                except OSError:
+                    continue
+                with self.lock:
+                    live = self.connections.get(episode.session)
+                    if live is None or len(live) >= CONNECTIONS:
+                        live = None
+                    else:
+                        live.add(conn)
+                if live is None:
+                    conn.close()
+                    continue
+                threading.Thread(target=self._serve, args=(conn, episode, live), daemon=True,
+                                 name=f"agent-proxy-{episode.row}").start()
+
+    def _serve(self, conn, episode: _Episode, live: set) -> None:
+        try:
+            conn.setblocking(True)
+            self.handler(conn, "", _Origin(episode))
+        except OSError:
+            pass
+        finally:
+            with self.lock:
+                live.discard(conn)
+            conn.close()
 
     def shutdown(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+        if self.server is not None:
+            self.server.shutdown()
+            self.server.server_close()
+            return
+        with self.lock:
+            self.stopping = True
+            for session, listener in self.listeners.items():
+                self.changes.append(("remove", listener, None))
+            self.listeners = {}
+        self._wake()
+        self.thread.join(timeout=10)
+        self.selector.close()
+        os.close(self.wake_r)
+        os.close(self.wake_w)
+        shutil.rmtree(self.folder, ignore_errors=True)
 
 
 class AgentEpisodes:
@@ -225,9 +369,10 @@ class AgentEpisodes:
     drives_generation = True
 
     def __init__(self, proxy: AgentProxy, settings: AgentSettings, records: List[dict], texts: List[str], uids,
-                 n: int, tokenizer, stop_ids, sampling):
+                 n: int, tokenizer, stop_ids, sampling, sandbox: Optional["AgentSandbox"] = None):
         self.proxy, self.settings, self.records, self.texts, self.uids, self.n = proxy, settings, records, texts, \
             uids, n
+        self.sandbox = sandbox
         self.tokenizer, self.stop_ids, self.sampling = tokenizer, sorted(stop_ids), sampling
         self.render = continuation_renderer(tokenizer, self.stop_ids)
         self.cond = threading.Condition()
@@ -399,8 +544,8 @@ class AgentEpisodes:
         finally:
             with self.cond:
                 self.fatal = self.fatal or _Episode(-1, -1, -1, {}, "", "", None)   # no more programs start
-                for process in list(self.processes.values()):
-                    _kill(process)
+                for kill in list(self.processes.values()):
+                    kill()
                 for call in self.queue:
                     call.error = RequestError("the rollout has ended", 410)
                     call.done.set()
@@ -470,30 +615,41 @@ class AgentEpisodes:
     # ---------------------------------------------------------------- one program
     def _program(self, episode: _Episode) -> None:
         s = self.settings
-        env = {k: os.environ[k] for k in PASSED_ENV if k in os.environ}
-        env.update(OPENAI_BASE_URL=self.proxy.url, OPENAI_API_KEY=episode.session, PADDLE_RL_SESSION=episode.session)
         stdin = json.dumps({"prompt": episode.prompt_text, "record": episode.record, "uid": episode.uid,
                             "sample": episode.sample}, default=str).encode()
-        out, err, status, timed_out = b"", b"", None, False
+        out, err, status, timed_out, box = b"", b"", None, False, None
         try:
-            process = subprocess.Popen(s.command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                       stderr=subprocess.PIPE, env=env, start_new_session=True)
-        except OSError as e:
+            if self.sandbox is not None:
+                box = self.sandbox.start(self.proxy.socket_path(episode), episode.session)
+                process = box.process
+            else:
+                env = {k: os.environ[k] for k in PASSED_ENV if k in os.environ}
+                env.update(OPENAI_BASE_URL=self.proxy.url, OPENAI_API_KEY=episode.session,
+                           PADDLE_RL_SESSION=episode.session)
+                process = subprocess.Popen(s.command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                           stderr=subprocess.PIPE, env=env, start_new_session=True)
+        except (OSError, SandboxError) as e:
             self._ended(episode, ("start", f"could not start: {e}"), b"")
             return
+        kill = box.kill if box is not None else (lambda: _kill(process))
         with self.cond:
-            self.processes[episode.row] = process
+            self.processes[episode.row] = kill
+        over_memory = False
         try:
             out, err, timed_out = _communicate(process, stdin, time.monotonic() + s.timeout)
             if timed_out:   # killed now: waiting first would wait for the program to end by itself
-                _kill(process)
+                kill()
             status = process.wait()
         finally:
-            _kill(process)   # the program's children too (its own process group)
+            kill()   # the program's children too (its own process group; the sandbox's every process)
+            if box is not None:
+                over_memory = box.close()
             with self.cond:
                 self.processes.pop(episode.row, None)
         failure = None
-        if timed_out:
+        if over_memory:   # the kernel (or the watchdog) killed some process of it: its outcome is not its own
+            failure = ("memory", f"went past agent_memory_mb ({s.memory_mb} MB) and was killed")
+        elif timed_out:
             failure = ("timeout", f"ran past agent_timeout ({s.timeout:g} s) and was killed")
         elif status != 0:
             failure = ("exit", f"exited with status {status}")
@@ -654,23 +810,111 @@ def _kill(process) -> None:
         pass
 
 
+class AgentSandbox:
+    """How an environment's programs start in the sandbox (rewards/sandbox.py's view: bubblewrap, namespaces, the
+    read-only system, private /sandbox, /tmp and /dev/shm, the memory / process / time bounds) with agent_relay.py
+    as the first process and the episode's proxy socket bound in at SOCKET_INSIDE. The command's executable and the
+    arguments naming existing files or folders are bound read-only at their absolute paths (`python` / `python3`:
+    this interpreter), with `binds`."""
+
+    def __init__(self, settings: AgentSettings):
+        found = isolation()
+        if found is None:
+            raise SandboxError(f"agent_sandbox: cannot isolate agent programs here: {isolation_problem()}. Install "
+                               "bubblewrap (Debian / Ubuntu: apt-get install bubblewrap), or set agent_sandbox: false "
+                               "to run them as this user with this machine's files and network (only for programs "
+                               "you trust)")
+        self.found = found
+        self.limits = SandboxLimits(wall_seconds=settings.timeout, cpu_seconds=max(1, math.ceil(settings.timeout)),
+                                    memory_mb=settings.memory_mb, output_mb=AGENT_FILES_MB,
+                                    processes=settings.processes, allow_network=settings.allow_network)
+        self.argv, binds = sandbox_argv(settings.command, found)
+        self.binds = tuple(dict.fromkeys(binds + [os.path.abspath(b) for b in settings.binds]))
+        path = ":".join(dict.fromkeys([os.path.dirname(found.python), "/usr/local/bin", "/usr/bin", "/bin"]))
+        self.env = {"PATH": path, "HOME": "/sandbox", "TMPDIR": "/tmp", "LANG": os.environ.get("LANG", "C.UTF-8")}
+        self.env.update({k: os.environ[k] for k in ("LC_ALL", "TZ") if k in os.environ})
+        self.tail = ["--ro-bind", RELAY, RELAY_INSIDE, "--chdir", "/sandbox", "--clearenv", "--setenv", "PATH", path,
+                     "--setenv", "LANG", "C.UTF-8", "--setenv", "HOME", "/sandbox"]
+
+    def start(self, socket_path: str, session: str) -> SandboxedProcess:
+        """One program in a sandbox of its own, talking to the proxy through `socket_path`."""
+        spec = json.dumps({"argv": self.argv, "env": dict(self.env, OPENAI_API_KEY=session, PADDLE_RL_SESSION=session),
+                           "socket": SOCKET_INSIDE, "connections": CONNECTIONS,
+                           "drop_to": NOBODY if self.found.as_root else None,
+                           "nproc": None if self.found.cgroup else self.limits.processes}).encode()
+        if len(spec) > 60000:   # written whole before the sandbox starts: within a pipe's buffer
+            raise SandboxError(f"agent_command: {len(spec)} bytes of command line and environment, more than 60000")
+        r, w = os.pipe()
+        try:
+            os.write(w, spec)
+            os.close(w)
+            w = None
+            command = (view(self.found, self.limits, self.binds, [(socket_path, SOCKET_INSIDE)]) + self.tail
+                       + ["--", self.found.python, "-I", "-S", RELAY_INSIDE, str(r)])
+            return SandboxedProcess(self.found, command, self.limits, pass_fds=(r,))
+        finally:
+            os.close(r)
+            if w is not None:
+                os.close(w)
+
+
+def _visible(path: str, found) -> bool:
+    """Whether the sandbox's view holds `path` without a bind of its own."""
+    tops = ("/usr", "/bin", "/lib", "/lib64", "/lib32", "/sbin") + tuple(found.binds)
+    return any(path == t or path.startswith(t.rstrip("/") + "/") for t in tops)
+
+
+def sandbox_argv(command: List[str], found):
+    """(the command as the sandbox runs it, the host paths to bind read-only for it)."""
+    argv, binds = list(command), []
+    first = argv[0]
+    if "/" not in first and first in ("python", "python3", f"python3.{sys.version_info[1]}"):
+        argv[0] = found.python   # the trainer's interpreter, bound with its prefix
+    else:
+        path = first if "/" in first else shutil.which(first)
+        if path is None or not os.path.isfile(path):
+            raise SandboxError(f"agent_command: {first}: not found (on PATH {os.environ.get('PATH', '')})")
+        argv[0] = os.path.abspath(path)
+        if not _visible(argv[0], found):
+            binds.append(argv[0])
+    for i, arg in enumerate(argv[1:], 1):
+        if not arg.startswith("-") and os.path.exists(arg):
+            argv[i] = os.path.abspath(arg)
+            if not _visible(argv[i], found):
+                binds.append(argv[i])
+    return argv, binds
+
+
 class AgentEnvironment:
-    """`env_plugin: agent`: the factory of each rollout's AgentEpisodes, holding the proxy (started on first use)."""
+    """`env_plugin: agent`: the factory of each rollout's AgentEpisodes, holding the proxy (started on first use)
+    and, with `settings.sandbox`, how programs start in the sandbox (checked when the environment is built)."""
 
     def __init__(self, settings: AgentSettings, tokenizer, stop_ids, sampling: dict):
         self.settings, self.tokenizer, self.stop_ids, self.sampling = settings, tokenizer, stop_ids, sampling
         self.proxy: Optional[AgentProxy] = None
+        self.sandbox = AgentSandbox(settings) if settings.sandbox else None
+        if self.sandbox is None:
+            _warn_unsandboxed(settings)
 
     def episodes(self, records: List[dict], texts: List[str], uids, n: int) -> AgentEpisodes:
         if self.proxy is None:
-            self.proxy = AgentProxy()
+            self.proxy = AgentProxy(sandboxed=self.sandbox is not None)
         return AgentEpisodes(self.proxy, self.settings, records, texts, uids, n, self.tokenizer, self.stop_ids,
-                             self.sampling)
+                             self.sampling, self.sandbox)
 
     def close(self) -> None:
         if self.proxy is not None:
             self.proxy.shutdown()
             self.proxy = None
+
+
+def _warn_unsandboxed(settings: AgentSettings) -> None:
+    logger.warning("!" * 100)
+    logger.warning("env_plugin agent: agent_sandbox: false -- agent programs (%s) run OUTSIDE ANY SANDBOX, as this "
+                   "user (uid %d), with this machine's files, network and credentials, and every program can read the "
+                   "others' sessions; run them so only when you trust them (or run the trainer in a container)",
+                   " ".join(settings.command), os.geteuid())
+    logger.warning("!" * 100)
 
 
 def _with_agent(check):
@@ -707,6 +951,51 @@ AGENT_ON_FAILURE = option("agent_on_failure", str, "zero",
                           "episode/agent_failed_share) | error (stop the run, naming it).", choices=ON_FAILURE)
 
 
+def _sandbox_key(check=None):
+    """A check of a key that acts only in the sandbox: refused when set with agent_sandbox: false."""
+    def errors(key, value, config):
+        if config.env_plugin != "agent":
+            return None
+        default = PIECE_DEFAULTS[key]
+        if not config.agent_sandbox and value != default:
+            return f"{key}: acts only with agent_sandbox: true (without the sandbox nothing bounds or confines a program)"
+        return check(key, value, config) if check is not None else None
+    return errors
+
+
+def _binds_errors(key, value, config):
+    for path in value or ():
+        if not os.path.exists(str(path)):
+            return f"{key}: {path}: not found (host paths bound read-only into each agent program's sandbox)"
+    return None
+
+
+AGENT_SANDBOX = option("agent_sandbox", bool, True,
+                       "With env_plugin: agent, each program runs in bubblewrap (the code rule's sandbox: its own PID, "
+                       "IPC, UTS, mount and network namespaces, a read-only system, a private /sandbox and /tmp, "
+                       "memory, process and time bounds, nothing left behind), its one way out the recording proxy "
+                       "at $OPENAI_BASE_URL. false: programs run as this user with this machine's files and network "
+                       "(warned loudly; only for programs you trust).")
+AGENT_ALLOW_NETWORK = option("agent_allow_network", bool, False,
+                             "With env_plugin: agent and agent_sandbox: true, the sandbox shares the host's network "
+                             "(for programs that must reach other servers): everything else stays isolated, but a "
+                             "program can then reach any service this machine reaches, 127.0.0.1 included.",
+                             check=_sandbox_key())
+AGENT_MEMORY_MB = option("agent_memory_mb", int, 1024,
+                         "With env_plugin: agent, the memory of one sandboxed program, its processes and files "
+                         "together; past it the program is killed and its episode failed (`memory`).",
+                         check=_sandbox_key(at_least(64)))
+AGENT_PROCESSES = option("agent_processes", int, 64,
+                         "With env_plugin: agent, the processes (and threads) one sandboxed program may have at once.",
+                         check=_sandbox_key(at_least(4)))
+AGENT_SANDBOX_BINDS = option("agent_sandbox_binds", list, [],
+                             "With env_plugin: agent, host files or folders bound read-only into each sandbox at the "
+                             "same path (the agent's code or data beyond the files agent_command names, which are "
+                             "bound without it).", check=_sandbox_key(_binds_errors))
+PIECE_DEFAULTS = {o.key: o.default for o in (AGENT_ALLOW_NETWORK, AGENT_MEMORY_MB, AGENT_PROCESSES,
+                                             AGENT_SANDBOX_BINDS)}
+
+
 def agent_settings(config, tokenizer) -> AgentSettings:
     """`env_plugin: agent`'s settings from the config; says once where the reward comes from."""
     named = [str(f) for f in config.reward_funcs]
@@ -718,10 +1007,13 @@ def agent_settings(config, tokenizer) -> AgentSettings:
                     "line is not used (reward_funcs has no `env`)", ", ".join(named))
     return AgentSettings(shlex.split(config.agent_command), config.agent_timeout, config.agent_concurrency,
                          config.agent_on_failure, config.max_turns, config.max_prompt_len, program_reward,
-                         tokenizer.vocab_size)
+                         tokenizer.vocab_size, config.agent_sandbox, config.agent_allow_network,
+                         config.agent_memory_mb, config.agent_processes, tuple(config.agent_sandbox_binds))
 
 
-@register_environment("agent", options=(AGENT_COMMAND, AGENT_TIMEOUT, AGENT_CONCURRENCY, AGENT_ON_FAILURE))
+@register_environment("agent", options=(AGENT_COMMAND, AGENT_TIMEOUT, AGENT_CONCURRENCY, AGENT_ON_FAILURE,
+                                        AGENT_SANDBOX, AGENT_ALLOW_NETWORK, AGENT_MEMORY_MB, AGENT_PROCESSES,
+                                        AGENT_SANDBOX_BINDS))
 def agent_episodes(config, tokenizer, stop_ids):
     """Agent programs, one run per sample, through the recording proxy (started on the first rollout)."""
     env = AgentEnvironment(agent_settings(config, tokenizer), tokenizer, stop_ids,
