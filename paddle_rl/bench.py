@@ -59,6 +59,7 @@ from .env import configure_threads, malloc_mode
 from .model_files.hub import fetch_benchmark, resolve_model
 from .monitor import memory
 from .monitor.run_info import cpu_info
+from .soak import soak_main
 
 MODELS = {
     "w1": dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=4,
@@ -873,6 +874,8 @@ def peak_lines(result: dict) -> list:
 
 
 def _bench(args) -> int:
+    if args.soak is not None:
+        return soak_main(args)
     if args.rollout_precisions:
         result = rollout_precisions(args, resolve_args(args), [p.strip() for p in args.rollout_precisions.split(",")])
         print(f"rollout of {result['workload']} ({result['model']}), {result['prompts']} x {result['rollout_n']} rows, "
@@ -910,6 +913,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rollout-precisions", default=None, metavar="LIST",
                    help="time the rollout alone once per precision, e.g. float32,bfloat16,weight_only_int8")
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="any configuration override (repeatable)")
+    p.add_argument("--soak", type=float, default=None, metavar="MINUTES",
+                   help="instead of timing: train the tiny default for MINUTES on two rollout servers and the reward "
+                        "server while a seeded chaos loop kills and restarts them and once the trainer, then check "
+                        "that nothing was lost (paddle_rl/soak.py, docs/reliability.md); --seed seeds the schedule")
+    p.add_argument("--soak-interval", type=float, default=None, metavar="SECONDS",
+                   help="--soak: mean seconds between faults (default: MINUTES x 2, within 15-60)")
+    p.add_argument("--soak-keep", action="store_true", help="--soak: keep the work folder (kept anyway on a failure)")
 
 
 def add_bench_subparser(subparsers) -> None:

@@ -227,6 +227,7 @@ class RLTrainer:
         start = time.perf_counter()
         pool, batch, metrics = self._generate_batch(step, timer)
         metrics = self.layout.batch.reduce_metrics(metrics)
+        metrics.update(self._group_accounting(pool, batch))
         everything = self.layout.batch.gather(pool, metric_columns(pool))
         metrics.update(reward_result(everything).metrics("reward"))
         metrics.update(self._length_metrics(everything))
@@ -348,6 +349,24 @@ class RLTrainer:
             return
         rows = sample_rows(self.layout.batch.gather(batch, record_columns(batch)), cfg.num_completions_to_print)
         self.log.log_completions(step, completion_records(rows, self.tokenizer))
+
+    def _group_accounting(self, pool: StepBatch, train: StepBatch) -> dict:
+        """Where each prompt group the step drew went (summed over the ranks): `batch/groups_drawn` (every
+        generation round's), `batch/groups_trained`, `batch/groups_dropped_reward_skipped` (a sample the reward server
+        could not score: reward_server_on_failure skip), `batch/groups_dropped_unselected` (left out by dynamic
+        sampling, or past the groups it needed), and `batch/partial_groups`: trained groups that do not hold all
+        rollout_n samples (0 unless something is broken). drawn = trained + the two dropped counts."""
+        drawn = np.unique(pool["group"])
+        skipped = pool.get("skipped")
+        lost = np.unique(pool["group"][skipped]) if skipped is not None and skipped.any() else drawn[:0]
+        trained, counts = np.unique(train["group"], return_counts=True)
+        partial = int((counts != self.config.rollout_n).sum())
+        unselected = len(drawn) - len(trained) - len(lost)
+        totals = self.layout.batch.sum([float(len(drawn)), float(len(trained)), float(len(lost)), float(unselected),
+                                        float(partial)])
+        names = ("groups_drawn", "groups_trained", "groups_dropped_reward_skipped", "groups_dropped_unselected",
+                 "partial_groups")
+        return {f"batch/{name}": float(value) for name, value in zip(names, totals)}
 
     @staticmethod
     def _length_metrics(batch: StepBatch) -> dict:
