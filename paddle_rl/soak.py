@@ -576,7 +576,8 @@ class Soak:
             "rollout_servers_rejoined": sum(r.get("rollout_server/rejoined", 0.0) for r in rows),
             "rss_mb": lives, "rss_bound": f"end <= start + max({RSS_BOUND_MB:g} MiB, "
                                          f"{100 * RSS_BOUND_SHARE:g}% of start), per life of the trainer",
-            "servers_stopped": stopped, "leftovers": left, "left_by_killed_processes": killed_left, "problems": problems, "ok": not problems,
+            "servers_stopped": stopped, "leftovers": left, "left_by_killed_processes": killed_left,
+            "problems": problems, "ok": not problems,
             "reward_server_children_gone_s": [r["children_gone_s"] for r in self.done if "children_gone_s" in r],
             "schedule": self.done, "work": self.work}
         return result
@@ -592,7 +593,8 @@ def machine() -> dict:
 def report(result: dict) -> str:
     lines = [f"soak: {result['soak_minutes']:g} min on {result['machine']['cpu_model']} "
              f"({result['machine']['cores']} cores, {' '.join(result['machine']['cpu_flags'])}), seed {result['seed']}",
-             f"  faults: {result['faults_total']} ({', '.join(f'{k} {v}' for k, v in sorted(result['faults'].items()))})"
+             f"  faults: {result['faults_total']} ("
+             + ", ".join(f"{k} {v}" for k, v in sorted(result["faults"].items())) + ")"
              f"; not fired before the end: {result['faults_not_fired']}",
              f"  steps: {result['steps']}; redone after the trainer's kill: {result['steps_redone_after_trainer_kill']}"
              f"; steps without an update: {result['steps_without_update'] or 'none'}",
