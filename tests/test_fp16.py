@@ -201,9 +201,9 @@ def test_o2_keeps_gradients_in_float16_unless_amp_master_grad(micro):
                                 level, master)
         strategy.prepare_model(model)
         strategy.prepare_training(model, None)
-        ids = paddle.to_tensor([[3, 7, 11, 2, 5, 9, 4, 1]])
-        bias = attention_bias_from_mask(paddle.ones_like(ids), 8, causal=True)
-        for _ in range(2):   # two micro-batches summed
+        for row in ([3, 7, 11, 2, 5, 9, 4, 1], [8, 6, 12, 3, 3, 10, 2, 7]):   # two micro-batches summed
+            ids = paddle.to_tensor([row])
+            bias = attention_bias_from_mask(paddle.ones_like(ids), 8, causal=True)
             logp = model.head_logprobs(model.hidden_states(ids, paddle.arange(8).unsqueeze(0), bias), ids, 1.0)[0]
             strategy.loss_scale.scale(-logp.mean()).backward()
         params = [p for p in model.parameters() if p.grad is not None]
