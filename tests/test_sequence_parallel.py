@@ -5,8 +5,10 @@ on the rank itself), tensor parallel, tensor parallel + sequence parallel. Both 
 micro-batches as the whole one, padded (the shared-prompt passes) and packed, with token counts the degree does not
 divide (the split pads them), through a loss of log-probs and entropy and its backward; GradientSync sums the
 norms' gradients over the tensor group as training does. Compared: log-probs, entropy, loss, every gradient
-(gathered), and one SGD update of the weights; also with LoRA adapters, with whole layers recomputed, and with
-bf16 products recomputing each attention block (against tensor parallelism alone there). The same run with the collectives perturbed must lose parity:
+(gathered), and one SGD update of the weights; also with LoRA adapters, Qwen3's q/k norms (their gradients summed
+over the tensor group, with or without sequence parallelism), whole layers recomputed, and bf16 products
+recomputing each attention block (against tensor parallelism alone there). The same run with the collectives
+perturbed must lose parity:
   - the reduce-scatter replaced by the tensor-parallel all-reduce and a slice of this rank's tokens (the
     all-reduce's identity backward then hands each rank's partial products the gradient of its own tokens only);
   - the reduce-scatter without its sum (each rank keeps its own tokens of its partial products);
@@ -37,7 +39,7 @@ def test_sequence_parallel_equals_one_process(micro, tmp_path):
     launch([os.path.abspath(__file__), "--worker", micro["model"], str(out)], str(tmp_path / "log"), timeout=300)
     result = json.load(open(out / "rank0.json"))
     rank1 = json.load(open(out / "rank1.json"))
-    for case in ("padded", "packed", "lora", "recompute full", "bf16 core_attn_mlp"):
+    for case in ("padded", "packed", "lora", "qwen3", "recompute full", "bf16 core_attn_mlp"):
         for layout in result[case]:
             errors = result[case][layout]
             worst = max(errors, key=errors.get)
@@ -121,7 +123,7 @@ def _run(model, data, forward, topo, lr=0.1):
     logp, entropy = forward(model, data)
     loss = (logp * mask * weight).sum() / mask.sum() + 0.1 * (entropy * mask).sum() / mask.sum()
     loss.backward()
-    GradientSync(topo, model.parameters(), model.sequence_parallel_parameters()).sync()
+    GradientSync(topo, model.parameters(), model.tensor_partial_parameters()).sync()
     out = {"logp": logp.numpy() * data[4], "entropy": entropy.numpy() * data[4], "loss": float(loss)}
     group = model.tp_group
     for name, param in model.named_parameters():
@@ -180,7 +182,7 @@ def _worker(folder, out_dir):
     group = topo.group("tp")
     data = _inputs(np.random.default_rng(11), 400)
     from paddle_rl.models import CausalLM, ModelConfig
-    from paddle_rl.models.pretrained import hf_state
+    from paddle_rl.models.pretrained import hf_state, save_model
     from sequence_parallel_memory import measure, packed_batch
     result = {}
     for case, forward, lora in (("padded", _padded, None), ("packed", _packed, None),
@@ -191,6 +193,21 @@ def _worker(folder, out_dir):
                         "sp": _errors(ref, _run(sp, data, forward, topo))}
         if case == "padded":
             reference = ref
+    # Qwen3's q/k norms: each rank normalizes its own heads, so their gradients are summed over the tensor group
+    # (with or without sequence parallelism)
+    qwen3 = ModelConfig(model_type="qwen3", vocab_size=400, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    paddle.seed(2)
+    model = CausalLM(qwen3)
+    model.init_weights()
+    for name, param in model.named_parameters():
+        if "norm" in name:  # away from 1, so that every norm's gradient depends on its weight
+            param.set_value(paddle.normal(1.0, 0.3, param.shape))
+    qwen3_folder = os.path.join(out_dir, f"qwen3-rank{topo.rank}")
+    save_model(model, qwen3_folder)
+    whole, tp, sp = _models(qwen3_folder, group)
+    ref = _run(whole, data, _padded, topo)
+    result["qwen3"] = {name: _errors(ref, _run(model, data, _padded, topo)) for name, model in (("tp", tp), ("sp", sp))}
     # recompute: whole layers (float32, against one process), and bf16 products with core_attn_mlp (each attention
     # block recomputed from its input's bfloat16 rounding, collectives inside; against tensor parallelism alone,
     # as bf16 against one process differs at bf16's rounding)
@@ -225,7 +242,7 @@ def _worker(folder, out_dir):
         perturbed[name] = _errors(reference, _run(sp, data, _padded, topo))
         split.reduce_scatter, split.gather, split.gather_matmul = keep
     _, _, sp = _models(folder, group)
-    sp.sequence_parallel_parameters = lambda: []
+    sp.tensor_partial_parameters = lambda: []
     perturbed["norm gradients not summed"] = _errors(reference, _run(sp, data, _padded, topo))
     result["perturbed"] = perturbed
     # activation memory: the decoder's saved activations of one packed micro-batch of 1,200 tokens (a model with

@@ -5,10 +5,10 @@
 Each rank builds the same random Qwen2-style model (tensor degree 2) and runs one training forward of a packed
 micro-batch (`use_remove_padding`: the CPU attention kernel keeps no probabilities) of one prompt and its
 responses, twice: tensor parallel alone, then with `sequence_parallel`; the decoder's layers alone, then the whole
-log-prob pass (with the vocabulary-parallel LM head). Measured per rank while the graph is alive: the bytes of the activations autograd keeps for the backward (saved tensors, each storage counted once, the
-parameters left out) and the
-growth of the process's resident memory over the forward (RSS, from /proc/self/statm; allocator caching makes it
-a rougher figure). Rank 0 prints a table and, with --json, writes the numbers.
+log-prob pass (with the vocabulary-parallel LM head). Measured per rank while the graph is alive: the bytes of the
+activations autograd keeps for the backward (saved tensors, each storage counted once, the parameters left out)
+and the growth of the process's resident memory over the forward (RSS, from /proc/self/statm; allocator caching
+makes it a rougher figure). Rank 0 prints a table and, with --json, writes the numbers.
 """
 import argparse
 import json

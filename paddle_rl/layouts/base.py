@@ -327,13 +327,13 @@ class Layout(abc.ABC):
     # ---------------------------------------------------------------- optimizer
     def build_optimizer(self, model, config, total_steps: int):
         """AdamW over the trained parameters (a LoRA model's adapters; frozen ones get no state)."""
-        self.grad_sync = GradientSync(self._topo, model.parameters(), model.sequence_parallel_parameters())
+        self.grad_sync = GradientSync(self._topo, model.parameters(), model.tensor_partial_parameters())
         return build_sharded_optimizer(model, config, total_steps, self.grad_sync)
 
     def gradient_sync(self, model) -> GradientSync:
         """A gradient sync of its own for a second trained model (the critic) on this grid: its gradients summed over
         the batch group, its norm, its sharded optimizer (parallel/sharding.py)."""
-        return GradientSync(self._topo, model.parameters(), model.sequence_parallel_parameters())
+        return GradientSync(self._topo, model.parameters(), model.tensor_partial_parameters())
 
     def clip_grad_norm_(self, model, max_norm: float) -> float:
         """Sum gradients over ranks, clip to max_norm; the norm before clipping."""

@@ -119,7 +119,7 @@ class Partitioned(Replicated):
     # ---------------------------------------------------------------- optimizer
     def build_optimizer(self, model, config, total_steps: int):
         """AdamW over this rank's shards of the trained parameters."""
-        self.grad_sync = PartitionedSync(self._topo, self.params, model, model.sequence_parallel_parameters())
+        self.grad_sync = PartitionedSync(self._topo, self.params, model, model.tensor_partial_parameters())
         inner, scheduler = build_optimizer(model, config, total_steps, parameters=self.grad_sync.params)
         return PartitionedOptimizer(inner, self.grad_sync), scheduler
 

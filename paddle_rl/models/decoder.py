@@ -634,6 +634,16 @@ class CausalLM(nn.Layer):
         out = [t for layer in self.layers for t in layer.sequence_parallel_parameters()]
         return out + ([self.norm.weight] if self.is_last else [])
 
+    def tensor_partial_parameters(self) -> list:
+        """The parameters every tensor-parallel rank holds whole but whose gradient each computes in part, summed over
+        the tensor group by the gradient sync: the q/k norms (each rank normalizes its own heads) and, under sequence
+        parallelism, `sequence_parallel_parameters`; [] without tensor parallelism."""
+        if self.tp_group is None:
+            return []
+        heads = [m.weight for layer in self.layers for m in (getattr(layer.self_attn, "q_norm", None),
+                                                             getattr(layer.self_attn, "k_norm", None)) if m is not None]
+        return heads + self.sequence_parallel_parameters()
+
     def hidden_states(self, inputs, position_ids, attention_bias, cache=None, token_weight=None,
                       chunk: Optional[int] = None):
         """`token_weight` [B, T]: how much each token counts in the load-balancing loss (None: all once); `chunk`:

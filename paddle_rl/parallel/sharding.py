@@ -77,8 +77,9 @@ def partition_params(params: List, n: int) -> List[int]:
 
 class GradientSync:
     """Sums gradients over the batch group (reduced to owners under stage2) and measures the global norm.
-    `token_partial`: parameters whose gradients each tensor-parallel rank holds for its own tokens only (sequence
-    parallelism's norms: CausalLM.sequence_parallel_parameters), summed over the tensor-parallel group first."""
+    `token_partial`: parameters every tensor-parallel rank holds whole but whose gradient each computes in part (the
+    q/k norms over its heads; sequence parallelism's norms over its tokens: CausalLM.tensor_partial_parameters),
+    summed over the tensor-parallel group first."""
 
     def __init__(self, topo, params: List, token_partial: List = ()):
         self.topo = topo
