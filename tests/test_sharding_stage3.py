@@ -207,10 +207,14 @@ def test_stage3_model_variants(stage3_setup, name):
 
 
 @pytest.mark.slow
-def test_stage3_with_recompute(stage3_setup, single):
+@pytest.mark.parametrize("keys", [dict(recompute=True, recompute_granularity="core_attn_mlp"),
+                                  dict(release_grads=False)], ids=["recompute", "kept-gradients"])
+def test_stage3_with_recompute_or_kept_gradients(stage3_setup, single, keys):
     """recompute_granularity core_attn_mlp (the attention core and each MLP block rerun inside the layer's own
-    backward, while the layer is gathered) equals the single-process run that keeps everything."""
-    out_dir = run_stage3(stage3_setup, "stage3-recompute", recompute=True, recompute_granularity="core_attn_mlp")
+    backward, while the layer is gathered), and release_grads false (the slices' gradients zeroed in place between
+    steps, not dropped), equal the single-process run."""
+    name = "stage3-" + ("recompute" if "recompute" in keys else "kept-gradients")
+    out_dir = run_stage3(stage3_setup, name, **keys)
     check_parity(stage3_setup, single, out_dir)
 
 

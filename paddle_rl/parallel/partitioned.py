@@ -198,7 +198,10 @@ class PartitionedParams:
         offset = 0
         for part in parts:
             piece = mine[offset:offset + part.size]
-            part.grad = piece if part.grad is None else part.grad + piece
+            if part.grad is None:
+                part.grad = piece
+            else:
+                part.grad.add_(piece)
             offset += part.size
 
     # ---------------------------------------------------------------- hooks
@@ -284,10 +287,16 @@ class PartitionedParams:
     def parts(self, model) -> List[_Part]:
         return [part for unit in self._state(model).units for part in unit.parts]
 
-    def clear_grads(self, model) -> None:
+    @paddle.no_grad()
+    def clear_grads(self, model, set_to_zero: bool = False) -> None:
+        """Drop the shards' gradients, or zero them in place (`set_to_zero`: their memory kept, release_grads
+        false). The whole gradients are dropped at each reduce-scatter either way."""
         for unit in self._state(model).units:
             for part in unit.parts:
-                part.grad = None
+                if set_to_zero and part.grad is not None:
+                    part.grad.zero_()
+                else:
+                    part.grad = None
 
 
 class PartitionedSync:
@@ -381,9 +390,9 @@ class PartitionedOptimizer:
         self.inner.step()
 
     def clear_grad(self, set_to_zero: bool = True) -> None:
-        self.sync.partitioned.clear_grads(self.sync.model)
+        self.sync.partitioned.clear_grads(self.sync.model, set_to_zero)
         for shard in self.sync.params:
-            shard.clear_gradient(False)
+            shard.clear_gradient(set_to_zero)
 
     def get_lr(self) -> float:
         return self.inner.get_lr()
