@@ -73,6 +73,7 @@ def test_stage3_refuses_what_it_cannot_run_by_name(micro, tmp_path):
     layout.check_config(config(use_remove_padding=True))  # packed: prompts shared in one pass
     for keys, message in ((dict(), "share_prompt_prefix: true runs the layers a second time"),
                           (dict(KEYS, bf16=True), "bf16: true keeps bfloat16 copies"),
+                          (dict(KEYS, fp16=True), "fp16: true unscales"),
                           (dict(KEYS, recompute=True), "recompute_granularity: full reruns a layer")):
         with pytest.raises(TopologyError, match="sharding: stage3: " + message):
             layout.check_config(config(**keys))

@@ -47,6 +47,9 @@ class Partitioned(Replicated):
         if config.bf16:
             refused.append("bf16: true keeps bfloat16 copies of the weights beside the parameters (the reference's "
                            "stored weights, AMP's master weights), which stage 3 does not partition; use float32")
+        if config.fp16:
+            refused.append("fp16: true unscales (and under O2 rounds) the whole gradients after the backward, which "
+                           "stage 3 has already reduce-scattered to the slices; use float32")
         if config.recompute and config.recompute_granularity in ("full", "full_attn"):
             refused.append(f"recompute_granularity: {config.recompute_granularity} reruns a layer inside its own "
                            "backward, which stage 3's per-layer gather does not follow; use core_attn or "
