@@ -150,7 +150,7 @@ def test_translations_refusals_and_precedence(tmp_path):
     for argv, message in (
             (["--rlhf_type", "dpo"], "rlhf_type dpo: this suite trains from rewards"),
             (["--deepspeed", "zero3_offload"], "deepspeed zero3_offload: zero0, zero1, zero2 or zero3"),
-            (["--torch_dtype", "float16"], "torch_dtype float16: float16 training is not implemented"),
+            (["--torch_dtype", "float64"], "torch_dtype float64: bfloat16, float16 or float32"),
             (["--chord_sft_dataset", "x.jsonl"], "chord_sft_dataset x.jsonl: CHORD"),
             (["--top_entropy_quantile", "0.2"], "top_entropy_quantile 0.2: a loss on the highest-entropy tokens"),
             (["--use_vllm", "true"], "vllm_mode is required with use_vllm"),
@@ -224,3 +224,9 @@ def test_train_sh_data_sources_pick_their_rules():
                for source, truth, right, wrong in cases for response in (right, wrong)]
     result = build_local_reward(config)(samples)
     assert [float(s) for s in result.scores] == [1.0, 0.0] * len(cases)
+
+
+def test_swift_float16_is_fp16_training():
+    """ms-swift's --torch_dtype float16 trains in float16 mixed precision: fp16 true (loss scaling on), bf16 false."""
+    config = cli_config(["--model", ARITH_MODEL, "--dataset", ARITH_TEST, "--torch_dtype", "float16"])
+    assert config.fp16 and not config.bf16 and config.scale_loss == 2.0 ** 15

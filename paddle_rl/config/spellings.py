@@ -333,11 +333,15 @@ def _swift_dtype(work: _Work) -> None:
     if dtype in ("bfloat16", "bf16"):
         work.pop("torch_dtype")
         work.set("bf16", True, source)
+    elif dtype in ("float16", "fp16", "half"):   # ms-swift trains float16 in mixed precision with loss scaling
+        work.pop("torch_dtype")
+        work.set("bf16", False, source)
+        work.set("fp16", True, source)
     elif dtype in ("float32", "fp32", "auto"):
         work.pop("torch_dtype")
         work.set("bf16", False, source)
     else:
-        work.refuse("torch_dtype", "float16 training is not implemented here; bfloat16 or float32")
+        work.refuse("torch_dtype", "bfloat16, float16 or float32")
 
 
 def _swift_tuner(work: _Work) -> None:
