@@ -7,12 +7,13 @@ Each rank builds its stage of a random decoder (--layers, --hidden; the same lay
 --repeats training schedules (forward and backward of --micro micro-batches of --rows x --tokens tokens, the
 loss the mean of the last hidden states) after one untimed, and rank 0 writes one record per (k, micro): the
 median over the repeats of each rank's idle fraction (`Link.waited` / the schedule's wall time) and of the wall
-time, beside Narayanan et al.'s (2021) bubble (p - 1) / (m k) of the ideal time, i.e. an idle fraction of
-(p - 1) / (m k + p - 1).
+time, and each rank's peak RSS so far, beside Narayanan et al.'s (2021) bubble (p - 1) / (m k) of the ideal time,
+i.e. an idle fraction of (p - 1) / (m k + p - 1).
 """
 import argparse
 import json
 import os
+import resource
 import sys
 import time
 
@@ -93,15 +94,18 @@ def main(argv=None):
             runs = [one_schedule(link, model, virtual, micro, ids, pos, bias, threaded) for _ in range(args.repeats)]
             idle = float(np.median([w / t for t, w in runs]))
             wall = float(np.median([t for t, _ in runs]))
-            per_rank = C.gather_objects((idle, wall), topo.group("pp"))
+            peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # MB (Linux: KiB)
+            per_rank = C.gather_objects((idle, wall, peak), topo.group("pp"))
             name = "interleaved" if virtual > 1 else "1f1b, transfer thread" if threaded else "1f1b (train_1f1b)"
             records.append({"schedule": name, "stages": stages, "virtual": virtual, "micro": micro,
                             "idle_per_rank": [r[0] for r in per_rank], "wall_s": max(r[1] for r in per_rank),
+                            "peak_rss_mb_per_rank": [round(r[2]) for r in per_rank],
                             "literature_bubble": (stages - 1) / (micro * virtual),
                             "literature_idle": (stages - 1) / (micro * virtual + stages - 1)})
             if topo.rank == 0:
                 r = records[-1]
-                print(f"{name}: p {stages} k {virtual} m {micro}: idle per rank {[round(x, 3) for x in r['idle_per_rank']]} "
+                idle_text = [round(x, 3) for x in r["idle_per_rank"]]
+                print(f"{name}: p {stages} k {virtual} m {micro}: idle per rank {idle_text} "
                       f"(literature {r['literature_idle']:.3f}), schedule {r['wall_s']:.3f} s", flush=True)
     if topo.rank == 0 and args.out:
         with open(args.out, "w") as f:
