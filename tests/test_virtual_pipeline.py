@@ -119,6 +119,18 @@ def test_a_perturbed_schedule_is_refused_before_it_runs():
         plan_interleaved(2, 2, 4, orders=orders)
 
 
+def test_a_model_whose_layers_the_chunks_do_not_split_is_refused_before_it_loads(micro):
+    from paddle_rl.config import load_config
+    from paddle_rl.trainer.preflight import path_problems
+    config = load_config(None, [f"actor_model_name_or_path={micro['model']}", "pipeline_parallel_degree=2",
+                                "virtual_pp_degree=2"])
+    problems = path_problems(config, data=False)
+    assert any(p.startswith("virtual_pp_degree 2: num_hidden_layers (2) must be divisible by pipeline_parallel_degree "
+                            "x virtual_pp_degree (2 x 2 = 4)") for p in problems), problems
+    config.virtual_pp_degree = 1
+    assert not any("virtual_pp_degree" in p for p in path_problems(config, data=False))
+
+
 def test_virtual_stages_are_refused_without_a_pipeline_and_with_an_odd_micro_batch_count():
     from paddle_rl.config import ConfigError, load_config
     from paddle_rl.layouts import Pipelined

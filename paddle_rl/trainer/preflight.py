@@ -12,6 +12,7 @@ from ..config.loader import dataset_paths
 from ..data.loader import DatasetError, iter_records
 from ..data.records import ChatForm, RecordError, to_prompt_record
 from ..models.config import ModelConfig
+from ..models.decoder import stage_chunks
 from ..monitor.dashboards import resolve_dashboards
 from ..parallel.topology import TopologyError, resolve_degrees
 from ..models.tokenizer import Tokenizer
@@ -73,6 +74,11 @@ def path_problems(config, data: bool = True) -> list:
             if windows and config.use_remove_padding:
                 problems.append(f"use_remove_padding: packed micro-batches do not implement sliding-window attention "
                                 f"(this model has layers with sliding_window {windows[0]}); set it to false")
+            try:  # the interleaved pipeline's chunks: every virtual stage the same number of layers
+                stage_chunks(model_config.num_hidden_layers, config.pipeline_parallel_degree, 0,
+                             config.virtual_pp_degree)
+            except ValueError as e:
+                problems.append(f"{e} ({os.path.join(model, 'config.json')})")
     tokenizer = config.tokenizer_name_or_path or model
     if os.path.isdir(tokenizer) and not os.path.isfile(os.path.join(tokenizer, "tokenizer.json")):
         key = "tokenizer_name_or_path" if config.tokenizer_name_or_path else "actor_model_name_or_path"
