@@ -421,3 +421,26 @@ def test_the_agent_sandbox_keys_are_checked(tmp_path):
             ([f"agent_sandbox_binds=[{tmp_path}/missing]"], "agent_sandbox_binds: .*missing: not found")):
         with pytest.raises(ConfigError, match=message):
             config(*overrides)
+
+
+def test_without_bubblewrap_agent_sandbox_is_named(monkeypatch):
+    """Where bwrap is missing (made so: an empty PATH), the preflight and the environment refuse by the key's name;
+    with agent_sandbox: false the run may start, warned."""
+    from paddle_rl.config import load_config
+    from paddle_rl.rewards import sandbox
+    from paddle_rl.rewards.sandbox import SandboxError
+    from paddle_rl.trainer.preflight import plugin_problems
+    config = load_config(None, [f"actor_model_name_or_path={TOOL}/model", "env_plugin=agent",
+                                f"agent_command={sys.executable} a.py"])
+    monkeypatch.setenv("PATH", "/nonexistent")
+    sandbox.isolation.cache_clear()
+    try:
+        problems = plugin_problems(config)
+        assert len(problems) == 1 and problems[0].startswith("agent_sandbox: agent programs run in a sandbox, and "
+                                                             "here bubblewrap (bwrap) is not installed"), problems
+        with pytest.raises(SandboxError, match="agent_sandbox: cannot isolate agent programs here"):
+            AgentEnvironment(AgentSettings([sys.executable, "a.py"]), None, [], {})
+        config.agent_sandbox = False
+        assert plugin_problems(config) == []
+    finally:
+        sandbox.isolation.cache_clear()

@@ -1,7 +1,7 @@
 """The first process of an agent program's sandbox (agents.py): it starts the program and is its one way out to the
 trainer. It runs INSIDE the sandbox and imports nothing of this project (it is bound in as a file).
 
-Its argument is a descriptor holding its spec (JSON: "argv", "env", "socket": the episode's Unix socket of the
+Its argument is a descriptor holding its spec (marshal: "argv", "env", "socket": the episode's Unix socket of the
 recording proxy, bound into the sandbox; "drop_to": the uid to switch to first, as root; "nproc": RLIMIT_NPROC to
 set; "connections": the most relayed at once). It reads and closes it, switches to the sandbox user, listens on
 127.0.0.1 (the sandbox's own loopback: the sandbox has no other network), starts the program with
@@ -10,18 +10,18 @@ byte for byte to the proxy's socket, in this one thread (a flood of connections 
 `connections` at once, a new one is closed as it comes). When the program ends, this process ends with its status
 (128 + N for a signal N), and with it the sandbox.
 """
-import json
 import os
-import resource
-import selectors
-import socket
-import subprocess
+import select
 import sys
 
+import _socket   # the C module itself: socket.py (enum, selectors) and subprocess would double a sandbox's start
+
 BUFFER = 1 << 18   # bytes held for one direction of a connection before its reader waits
+IN, OUT = select.EPOLLIN, select.EPOLLOUT
 
 
 def _read_spec(fd: int) -> dict:
+    import marshal   # builtin: nothing to read from disk
     chunks = []
     while True:
         chunk = os.read(fd, 1 << 16)
@@ -29,25 +29,26 @@ def _read_spec(fd: int) -> dict:
             break
         chunks.append(chunk)
     os.close(fd)
-    return json.loads(b"".join(chunks))
+    return marshal.loads(b"".join(chunks))
 
 
 class Relay:
     """Connections to the listener, each joined to a new connection to the proxy's Unix socket."""
 
-    def __init__(self, selector, socket_path: str, limit: int):
-        self.selector, self.socket_path, self.limit = selector, socket_path, limit
-        self.peer, self.out, self.eof, self.shut = {}, {}, set(), set()
+    def __init__(self, poll, socket_path: str, limit: int):
+        self.poll, self.socket_path, self.limit = poll, socket_path, limit
+        self.socks, self.peer, self.out, self.eof, self.shut, self.masks = {}, {}, {}, set(), set(), {}
 
     def accept(self, listener) -> None:
         try:
-            client, _ = listener.accept()
+            fd, _ = listener._accept()
         except OSError:
             return
+        client = _socket.socket(fileno=fd)
         if len(self.peer) // 2 >= self.limit:
             client.close()
             return
-        upstream = socket.socket(socket.AF_UNIX)
+        upstream = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM)
         try:
             upstream.setblocking(False)
             upstream.connect(self.socket_path)
@@ -57,6 +58,7 @@ class Relay:
             return
         client.setblocking(False)
         for a, b in ((client, upstream), (upstream, client)):
+            self.socks[a.fileno()] = a
             self.peer[a], self.out[a] = b, bytearray()
         self._update(client)
         self._update(upstream)
@@ -64,52 +66,55 @@ class Relay:
     def _mask(self, s) -> int:
         mask = 0
         if s not in self.eof and len(self.out[self.peer[s]]) < BUFFER:
-            mask |= selectors.EVENT_READ
+            mask |= IN
         if self.out[s]:
-            mask |= selectors.EVENT_WRITE
+            mask |= OUT
         return mask
 
     def _update(self, s) -> None:
-        mask = self._mask(s)
-        registered = s in self.selector.get_map()
-        if mask and registered:
-            self.selector.modify(s, mask, "pipe")
-        elif mask:
-            self.selector.register(s, mask, "pipe")
-        elif registered:
-            self.selector.unregister(s)
+        mask, known = self._mask(s), self.masks.get(s)
+        if mask == known:
+            return
+        if known is None:
+            self.poll.register(s.fileno(), mask)
+        else:
+            self.poll.modify(s.fileno(), mask)
+        self.masks[s] = mask
 
     def _close(self, s) -> None:
         for end in (s, self.peer.get(s)):
             if end is None or end not in self.peer:
                 continue
-            if end in self.selector.get_map():
-                self.selector.unregister(end)
+            if end in self.masks:
+                self.poll.unregister(end.fileno())
+                del self.masks[end]
+            del self.socks[end.fileno()]
             self.peer.pop(end)
             self.out.pop(end)
             self.eof.discard(end)
             self.shut.discard(end)
             end.close()
 
-    def event(self, s, mask: int) -> None:
-        peer = self.peer.get(s)
+    def event(self, fd: int, mask: int) -> None:
+        s = self.socks.get(fd)
+        peer = self.peer.get(s) if s is not None else None
         if peer is None:
             return
         try:
-            if mask & selectors.EVENT_WRITE and self.out[s]:
+            if mask & OUT and self.out[s]:
                 sent = s.send(self.out[s])
                 del self.out[s][:sent]
-            if mask & selectors.EVENT_READ:
+            if mask & (IN | select.EPOLLHUP | select.EPOLLERR):
                 data = s.recv(1 << 16)
                 if data:
                     self.out[peer] += data
                 else:
                     self.eof.add(s)
             if s in self.eof and not self.out[peer] and peer not in self.shut:
-                peer.shutdown(socket.SHUT_WR)
+                peer.shutdown(_socket.SHUT_WR)
                 self.shut.add(peer)
             if peer in self.eof and not self.out[s] and s not in self.shut:
-                s.shutdown(socket.SHUT_WR)
+                s.shutdown(_socket.SHUT_WR)
                 self.shut.add(s)
         except (BlockingIOError, InterruptedError):
             pass
@@ -130,31 +135,33 @@ def main() -> int:
         os.setgid(spec["drop_to"])
         os.setuid(spec["drop_to"])
     if spec.get("nproc"):
+        import resource
         resource.setrlimit(resource.RLIMIT_NPROC, (spec["nproc"], spec["nproc"]))
-    listener = socket.socket()
+    listener = _socket.socket(_socket.AF_INET, _socket.SOCK_STREAM)
     listener.bind(("127.0.0.1", 0))
     listener.listen(64)
     listener.setblocking(False)
     env = dict(spec["env"], OPENAI_BASE_URL=f"http://127.0.0.1:{listener.getsockname()[1]}/v1")
-    try:
-        program = subprocess.Popen(spec["argv"], env=env, cwd=os.getcwd(), close_fds=True)
+    argv = spec["argv"]
+    try:   # stdin, stdout and stderr are the program's; the listener and the poll are not inherited
+        pid = os.posix_spawn(argv[0], argv, env)
     except OSError as e:
-        print(f"could not start {spec['argv'][0]}: {e}", file=sys.stderr)
+        os.write(2, f"could not start {argv[0]}: {e}\n".encode())
         return 127
-    selector = selectors.DefaultSelector()
-    ended = os.pidfd_open(program.pid)
-    selector.register(ended, selectors.EVENT_READ, "ended")
-    selector.register(listener, selectors.EVENT_READ, "listener")
-    relay = Relay(selector, spec["socket"], int(spec.get("connections", 16)))
+    poll = select.epoll()
+    ended = os.pidfd_open(pid)
+    poll.register(ended, IN)
+    poll.register(listener.fileno(), IN)
+    relay = Relay(poll, spec["socket"], int(spec.get("connections", 16)))
     while True:
-        for key, mask in selector.select():
-            if key.data == "ended":
-                code = os.waitstatus_to_exitcode(os.waitpid(program.pid, 0)[1])
+        for fd, mask in poll.poll():
+            if fd == ended:
+                code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
                 return code if code >= 0 else 128 - code
-            if key.data == "listener":
+            if fd == listener.fileno():
                 relay.accept(listener)
             else:
-                relay.event(key.fileobj, mask)
+                relay.event(fd, mask)
 
 
 if __name__ == "__main__":

@@ -37,6 +37,7 @@ container to isolate it); its environment holds only PATH, HOME, LANG, LC_ALL, T
 """
 import json
 import logging
+import marshal
 import math
 import os
 import secrets
@@ -838,10 +839,10 @@ class AgentSandbox:
 
     def start(self, socket_path: str, session: str) -> SandboxedProcess:
         """One program in a sandbox of its own, talking to the proxy through `socket_path`."""
-        spec = json.dumps({"argv": self.argv, "env": dict(self.env, OPENAI_API_KEY=session, PADDLE_RL_SESSION=session),
+        spec = marshal.dumps({"argv": self.argv, "env": dict(self.env, OPENAI_API_KEY=session, PADDLE_RL_SESSION=session),
                            "socket": SOCKET_INSIDE, "connections": CONNECTIONS,
                            "drop_to": NOBODY if self.found.as_root else None,
-                           "nproc": None if self.found.cgroup else self.limits.processes}).encode()
+                           "nproc": None if self.found.cgroup else self.limits.processes}, 4)
         if len(spec) > 60000:   # written whole before the sandbox starts: within a pipe's buffer
             raise SandboxError(f"agent_command: {len(spec)} bytes of command line and environment, more than 60000")
         r, w = os.pipe()

@@ -181,13 +181,19 @@ def _sandbox_problems(config, who: str) -> list:
 
 
 def plugin_problems(config) -> list:
-    """A file named by env_plugin (file.py:ClassName) that does not exist; the tool environment's python tool where
-    programs cannot be isolated."""
+    """A file named by env_plugin (file.py:ClassName) that does not exist; the tool environment's python tool and
+    agent programs (agent_sandbox) where programs cannot be isolated."""
     spec = getattr(config, "env_plugin", "") or ""
     if ":" in spec and not os.path.isfile(spec.rsplit(":", 1)[0]):
         return [f"env_plugin: file not found: {spec.rsplit(':', 1)[0]} (written file.py:ClassName)"]
     if spec == "tools" and "python" in (getattr(config, "env_tools", None) or ()):
         return _sandbox_problems(config, "env_tools: the python tool")
+    if spec == "agent" and getattr(config, "agent_sandbox", False):
+        problem = isolation_problem()
+        if problem:
+            return [f"agent_sandbox: agent programs run in a sandbox, and here {problem}: install bubblewrap "
+                    "(apt-get install bubblewrap), or set agent_sandbox: false to run them as this user with this "
+                    "machine's files and network (only for programs you trust)"]
     return []
 
 
