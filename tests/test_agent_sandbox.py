@@ -444,3 +444,21 @@ def test_without_bubblewrap_agent_sandbox_is_named(monkeypatch):
         assert plugin_problems(config) == []
     finally:
         sandbox.isolation.cache_clear()
+
+
+def test_a_killed_trainers_proxy_folder_goes_at_the_next_start():
+    """The proxy's folder (its sockets, the relay's copy) is removed by shutdown or at exit; one whose process was
+    killed goes when the next proxy starts. A live process's folder stays."""
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    left = tempfile.mkdtemp(prefix=f"{agents.FOLDER_PREFIX}{dead.pid}_")
+    open(os.path.join(left, "0-x.sock"), "w").close()
+    live = tempfile.mkdtemp(prefix=f"{agents.FOLDER_PREFIX}{os.getpid()}_")
+    proxy = AgentProxy(sandboxed=True)
+    try:
+        assert not os.path.exists(left) and os.path.isdir(live)
+        assert os.path.isfile(proxy.relay) and os.path.dirname(proxy.relay) == proxy.folder
+    finally:
+        proxy.shutdown()
+        os.rmdir(live)
+    assert not os.path.exists(proxy.folder)

@@ -21,13 +21,15 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+
+from paddle_rl.models import Tokenizer, load_model  # noqa: E402
+from paddle_rl.rollout import RolloutEngine, SamplingParams, sample_key  # noqa: E402
+from paddle_rl.rollout.agents import AgentEnvironment, AgentSettings  # noqa: E402
+
 TOOL = os.path.join(ROOT, "data", "tiny_tool")
 
 
 def measure(prompts: int, rounds: int, concurrency: int) -> dict:
-    from paddle_rl.models import Tokenizer, load_model
-    from paddle_rl.rollout import RolloutEngine, SamplingParams, sample_key
-    from paddle_rl.rollout.agents import AgentEnvironment, AgentSettings
     tok = Tokenizer.from_pretrained(os.path.join(TOOL, "model"))
     model = load_model(os.path.join(TOOL, "model"))
     stops = sorted(set(tok.eos_token_ids) | set(model.config.eos_token_ids))
@@ -68,8 +70,6 @@ def launch(count: int) -> dict:
     """The sandbox's own cost: `count` episodes each of a program that makes one request and ends, started through
     the agent environment with and without the sandbox (alternated), with the engine's generation left out (the
     requests are answered by a fixed empty answer: max_turns 0)."""
-    from paddle_rl.rollout.agents import AgentEnvironment, AgentSettings
-    from paddle_rl.models import Tokenizer
     tok = Tokenizer.from_pretrained(os.path.join(TOOL, "model"))
     program = os.path.join(tempfile.mkdtemp(prefix="paddle_rl_bench_agent_"), "one_request.py")
     os.chmod(os.path.dirname(program), 0o755)

@@ -10,7 +10,9 @@ byte for byte to the proxy's socket, in this one thread (a flood of connections 
 `connections` at once, a new one is closed as it comes). When the program ends, this process ends with its status
 (128 + N for a signal N), and with it the sandbox.
 """
+import marshal   # builtin, as the rest: nothing to read from disk but select's and resource's small libraries
 import os
+import resource
 import select
 import sys
 
@@ -21,7 +23,6 @@ IN, OUT = select.EPOLLIN, select.EPOLLOUT
 
 
 def _read_spec(fd: int) -> dict:
-    import marshal   # builtin: nothing to read from disk
     chunks = []
     while True:
         chunk = os.read(fd, 1 << 16)
@@ -135,7 +136,6 @@ def main() -> int:
         os.setgid(spec["drop_to"])
         os.setuid(spec["drop_to"])
     if spec.get("nproc"):
-        import resource
         resource.setrlimit(resource.RLIMIT_NPROC, (spec["nproc"], spec["nproc"]))
     listener = _socket.socket(_socket.AF_INET, _socket.SOCK_STREAM)
     listener.bind(("127.0.0.1", 0))

@@ -6,7 +6,8 @@ training sample is the recorded token sequence.
 The program gets
     stdin                one JSON object: {"prompt": the dataset prompt (text), "record": the dataset record (its
                          ground truth, tools, ...), "uid": the prompt's id, "sample": which of its rollout_n samples}
-    OPENAI_BASE_URL      http://127.0.0.1:PORT/v1, the recording proxy (a thread of this process)
+    OPENAI_BASE_URL      http://127.0.0.1:PORT/v1: the recording proxy (a thread of this process), in the sandbox
+                         through a relay on the sandbox's own loopback
     OPENAI_API_KEY       session-<random hex>: the episode's session (each request is matched to its episode by it)
     PADDLE_RL_SESSION    the same session id
 and may call POST /v1/chat/completions or /v1/completions (n = 1, one request at a time). Its last stdout line,
@@ -27,13 +28,19 @@ BATCH_WAIT_S passes), then the engine runs them together. Request k of an episod
 ran in. Sampling settings are the config's: a request's temperature / top_p / top_k / min_tokens that differ from
 them (the trainer's log-probs are of logits / temperature), a seed, n > 1 or a repetition penalty are refused.
 
-Agent programs are untrusted input. Guaranteed: a run ends after `agent_timeout` seconds (its process group is
-killed), stdout and stderr are read up to their last 64 KB / 4 KB, a request body is read up to 8 MB, an unknown
-session is refused (HTTP 401), and a program that fails (times out, exits non-zero, prints a last line that is not
-the JSON it must be, makes no request) either stops the run with an AgentError naming it (`agent_on_failure:
-error`) or gives a sample of reward 0 (`zero`, column `agent_failed`, metric `episode/agent_failed_share`). Not
-guaranteed: the program runs as this user, with this machine's file system and network (run the trainer in a
-container to isolate it); its environment holds only PATH, HOME, LANG, LC_ALL, TZ, TMPDIR and the variables above.
+Agent programs are untrusted input. By default (`agent_sandbox: true`) each runs in a sandbox of its own
+(AgentSandbox: rewards/sandbox.py's bubblewrap view, agent_relay.py its first process): no other process, no network
+but its loopback, a read-only system, private /sandbox, /tmp and /dev/shm, `agent_memory_mb` / `agent_processes` /
+`agent_timeout` bounds, nothing left behind; its one way out is the relay at OPENAI_BASE_URL to this episode's Unix
+socket of the proxy, where a request with another episode's session is refused (403) and at most CONNECTIONS
+connections are served at once. Guaranteed besides: stdout and stderr are read up to their last 64 KB / 4 KB, a
+request body up to 8 MB, an unknown session is refused (HTTP 401), and a program that fails (times out, goes past
+its memory, exits non-zero, prints a last line that is not the JSON it must be, makes no request) either stops the
+run with an AgentError naming it (`agent_on_failure: error`) or gives a sample of reward 0 (`zero`, column
+`agent_failed`, metric `episode/agent_failed_share`). Not guaranteed: CPU share, the kernel's own attack surface;
+with `agent_allow_network` the host's network is shared; with `agent_sandbox: false` (warned) the program runs as
+this user with this machine's files and network, its environment holding only PATH, HOME, LANG, LC_ALL, TZ, TMPDIR
+and the variables above (docs/multi_turn.md).
 """
 import json
 import logging
@@ -51,6 +58,7 @@ import sys
 import tempfile
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field, replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import List, Optional
@@ -77,6 +85,7 @@ ON_FAILURE = ("zero", "error")
 RELAY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "agent_relay.py")
 RELAY_INSIDE = "/run/paddle_rl/relay.py"
 SOCKET_INSIDE = "/run/paddle_rl/proxy.sock"
+FOLDER_PREFIX = "paddle_rl_agent_proxy_"
 CONNECTIONS = 16                 # the most connections of one episode at once (its relay's, the proxy's)
 AGENT_FILES_MB = 64              # a sandboxed program's /sandbox, /tmp and /dev/shm each, and any file it writes
 
@@ -231,7 +240,15 @@ class AgentProxy:
         self.handler = Handler
         self.server = self.thread = None
         if sandboxed:
-            self.folder = tempfile.mkdtemp(prefix="paddle_rl_agent_proxy_")   # 0700: this user's alone
+            _sweep_folders()
+            # 0700: this user's alone; removed at this process's exit (a killed one's: by the next proxy's start)
+            self.folder = tempfile.mkdtemp(prefix=f"{FOLDER_PREFIX}{os.getpid()}_")
+            self.cleanup = weakref.finalize(self, shutil.rmtree, self.folder, True)
+            # the relay as it is now: a sandbox started later in this run gets this copy, whatever happens to the
+            # installed file
+            self.relay = os.path.join(self.folder, "relay.py")
+            shutil.copyfile(RELAY, self.relay)
+            os.chmod(self.relay, 0o644)
             self.listeners = {}        # episode session -> listening socket
             self.connections = {}      # episode session -> its connections being served
             self.selector = selectors.DefaultSelector()
@@ -359,7 +376,24 @@ class AgentProxy:
         self.selector.close()
         os.close(self.wake_r)
         os.close(self.wake_w)
-        shutil.rmtree(self.folder, ignore_errors=True)
+        self.cleanup()
+
+
+def _sweep_folders() -> None:
+    """Removes the proxy folders of this user's processes that died without removing theirs (killed)."""
+    top = tempfile.gettempdir()
+    try:
+        names = os.listdir(top)
+    except OSError:
+        return
+    for name in names:
+        owner = name[len(FOLDER_PREFIX):].split("_")[0] if name.startswith(FOLDER_PREFIX) else ""
+        path = os.path.join(top, name)
+        try:
+            if owner.isdigit() and not os.path.exists(f"/proc/{owner}") and os.stat(path).st_uid == os.geteuid():
+                shutil.rmtree(path, ignore_errors=True)
+        except OSError:
+            pass
 
 
 class AgentEpisodes:
@@ -621,7 +655,7 @@ class AgentEpisodes:
         out, err, status, timed_out, box = b"", b"", None, False, None
         try:
             if self.sandbox is not None:
-                box = self.sandbox.start(self.proxy.socket_path(episode), episode.session)
+                box = self.sandbox.start(self.proxy.socket_path(episode), episode.session, self.proxy.relay)
                 process = box.process
             else:
                 env = {k: os.environ[k] for k in PASSED_ENV if k in os.environ}
@@ -834,11 +868,12 @@ class AgentSandbox:
         path = ":".join(dict.fromkeys([os.path.dirname(found.python), "/usr/local/bin", "/usr/bin", "/bin"]))
         self.env = {"PATH": path, "HOME": "/sandbox", "TMPDIR": "/tmp", "LANG": os.environ.get("LANG", "C.UTF-8")}
         self.env.update({k: os.environ[k] for k in ("LC_ALL", "TZ") if k in os.environ})
-        self.tail = ["--ro-bind", RELAY, RELAY_INSIDE, "--chdir", "/sandbox", "--clearenv", "--setenv", "PATH", path,
+        self.tail = [RELAY_INSIDE, "--chdir", "/sandbox", "--clearenv", "--setenv", "PATH", path,
                      "--setenv", "LANG", "C.UTF-8", "--setenv", "HOME", "/sandbox"]
 
-    def start(self, socket_path: str, session: str) -> SandboxedProcess:
-        """One program in a sandbox of its own, talking to the proxy through `socket_path`."""
+    def start(self, socket_path: str, session: str, relay: str = RELAY) -> SandboxedProcess:
+        """One program in a sandbox of its own, talking to the proxy through `socket_path`; `relay`: the file of
+        agent_relay.py to bind in."""
         spec = marshal.dumps({"argv": self.argv, "env": dict(self.env, OPENAI_API_KEY=session, PADDLE_RL_SESSION=session),
                            "socket": SOCKET_INSIDE, "connections": CONNECTIONS,
                            "drop_to": NOBODY if self.found.as_root else None,
@@ -850,7 +885,8 @@ class AgentSandbox:
             os.write(w, spec)
             os.close(w)
             w = None
-            command = (view(self.found, self.limits, self.binds, [(socket_path, SOCKET_INSIDE)]) + self.tail
+            command = (view(self.found, self.limits, self.binds, [(socket_path, SOCKET_INSIDE)])
+                       + ["--ro-bind", relay] + self.tail
                        + ["--", self.found.python, "-I", "-S", RELAY_INSIDE, str(r)])
             return SandboxedProcess(self.found, command, self.limits, pass_fds=(r,))
         finally:
