@@ -240,18 +240,21 @@ class Polite:
         return r.status_code == 200 and len(r.json()["rows"]) == 1
 
     def rate(self, seconds: float):
-        """(requests per second answered right, failures) over `seconds`."""
+        """(requests per second answered right, failures, median seconds per request) over `seconds`."""
         done = failed = 0
+        times = []
         end = time.monotonic() + seconds
         start = time.monotonic()
         while time.monotonic() < end:
+            t = time.monotonic()
             try:
                 ok = self.one()
             except httpx.HTTPError:
                 ok = False
+            times.append(time.monotonic() - t)
             done += ok
             failed += not ok
-        return done / (time.monotonic() - start), failed
+        return done / (time.monotonic() - start), failed, float(np.median(times))
 
 
 class Attack:
@@ -310,17 +313,23 @@ def attacks(kind: str, url: str) -> dict:
     def slow_keyed_body(port, stop):
         return _status(slow_body(port, path, key, byte_delay=0.5))
 
-    def flood(port, stop):   # 1000 idle connections opened as fast as they go, held until the server closes them
-        socks = []
-        for _ in range(1000):
-            if stop.is_set():
-                break
-            socks.append(socket.create_connection(("127.0.0.1", port), timeout=10.0))
-        time.sleep(0.5)
-        closed = closed_by_server(socks)
-        for s in socks:
-            s.close()
-        return f"{closed}/{len(socks)} closed by the server"
+    def flood(port, stop):   # 1000 idle connections held open; each one the server closes is opened again
+        socks = open_idle(port, 1000)
+        reopened = 0
+        while not stop.is_set():
+            time.sleep(0.1)
+            poller = select.poll()
+            for sock in socks:
+                poller.register(sock, select.POLLIN)
+            gone = {fd for fd, _ in poller.poll(0)}
+            for i, sock in enumerate(socks):
+                if sock.fileno() in gone:
+                    sock.close()
+                    socks[i] = socket.create_connection(("127.0.0.1", port), timeout=10.0)
+                    reopened += 1
+        for sock in socks:
+            sock.close()
+        return f"{reopened} closed by the server (and opened again)"
 
     def too_large(port, stop):
         return _status(oversized(port, path, key, 2 ** 30, declared=True))
@@ -340,7 +349,7 @@ def attacks(kind: str, url: str) -> dict:
 
     out = {"slowloris head, 200 connections": (slowloris, 200),
            "slow keyed body, 64 connections": (slow_keyed_body, 64),
-           "idle connection flood (1000 at a time)": (flood, 1),
+           "1000 idle connections held open": (flood, 1),
            "oversized bodies (1 GiB declared), keyed": (too_large, 4),
            "malformed JSON": (bad_json, 4)}
     if kind == "rollout":
@@ -350,25 +359,30 @@ def attacks(kind: str, url: str) -> dict:
 
 
 def bench(kind: str, server: ServerProcess, seconds: float) -> List[str]:
-    """One row per attack: the polite client's rate just before it (quiet) and while it runs."""
+    """One row per attack: the polite client's rate while it runs, and quiet (the mean of the rates just before and
+    just after it: other jobs on the machine move the rate too)."""
     polite = Polite(kind, server.url)
     polite.rate(1.0)   # warm
     rows = []
     for name, (fn, threads) in attacks(kind, server.url).items():
-        quiet, quiet_failed = polite.rate(seconds)
+        before, before_failed, before_median = polite.rate(seconds)
         attack = Attack(fn, server.port, threads)
         attack.start()
         time.sleep(1.0)   # the attack under way
-        rate, failed = polite.rate(seconds)
+        rate, failed, median = polite.rate(seconds)
         answers = attack.stop()
+        time.sleep(1.0)
+        after, after_failed, after_median = polite.rate(seconds)
+        quiet, quiet_failed = (before + after) / 2, before_failed + after_failed
         told = ", ".join(f"{k} x{v}" for k, v in answers.most_common(4))
-        rows.append(f"| {kind} | {name} | {quiet:.1f} | {rate:.1f} ({rate / quiet:.0%}) | {quiet_failed} / {failed} "
-                    f"| {told} |")
+        rows.append(f"| {kind} | {name} | {quiet:.1f} ({before:.1f}, {after:.1f}) | {rate:.1f} ({rate / quiet:.0%}) | "
+                    f"{1e3 * before_median:.1f}, {1e3 * after_median:.1f} / {1e3 * median:.1f} | "
+                    f"{quiet_failed} / {failed} | {told} | {os.getloadavg()[0]:.1f} |")
         print(rows[-1], flush=True)
         time.sleep(1.0)
     health = httpx.get(server.url + "/health").json()
     rows.append(f"| {kind} | (the server's connection counters after all rows; its peak RSS {server.peak_rss_mb():.0f} "
-                f"MB) | | | | {health['connections']} |")
+                f"MB) | | | | | {health['connections']} | |")
     return rows
 
 
@@ -378,8 +392,9 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=5.0, help="measurement window per row")
     parser.add_argument("--model", default=os.path.join(ROOT, "data", "tiny_arith", "model"))
     args = parser.parse_args()
-    rows = ["| server | attack | well-behaved client, requests/s, quiet | under the attack (of quiet) | its failures "
-            "(quiet / attack) | what the attacker got |", "|---|---|---|---|---|---|"]
+    rows = ["| server | attack | well-behaved client, requests/s, quiet (before, after) | under the attack (of quiet) "
+            "| median ms per request, quiet (before, after) / under the attack | its failures (quiet / attack) "
+            "| what the attacker got | load average |", "|---|---|---|---|---|---|---|---|"]
     kinds = ("reward", "rollout") if args.server == "both" else (args.server,)
     for kind in kinds:
         server = reward_server() if kind == "reward" else rollout_server(args.model)
