@@ -6,7 +6,8 @@ The trainer talks to one `Layout` (base.py) and never branches on the layout or 
 - `Partitioned` (partitioned.py): sharding stage 3, the same with every parameter partitioned over the sharding
   group, each layer gathered for its forward and backward;
 - `MicroBatching` (micro.py): micro-batches by rows or by a token budget, padded to their own longest or packed;
-- `Pipelined` (pipelined.py): consecutive layer ranges on the stages of a pipeline, 1F1B schedule;
+- `Pipelined` (pipelined.py): consecutive layer ranges on the stages of a pipeline, 1F1B schedule (with
+  `virtual_pp_degree` k, k interleaved chunks per stage on the interleaved schedule);
 - the rollout (rollout.py) decodes on the training model itself or on a copy resharded to
   `rollout_tensor_parallel_degree` (a pipeline rolls out on a gathered copy).
 """
