@@ -421,6 +421,9 @@ def test_the_agent_sandbox_keys_are_checked(tmp_path):
             ([f"agent_sandbox_binds=[{tmp_path}/missing]"], "agent_sandbox_binds: .*missing: not found")):
         with pytest.raises(ConfigError, match=message):
             config(*overrides)
+    for key in ("agent_sandbox=false", "agent_memory_mb=512"):   # without the agent environment: refused by name
+        with pytest.raises(ConfigError, match=f"{key.split('=')[0]}: acts only with env_plugin: agent"):
+            load_config(None, [f"actor_model_name_or_path={TOOL}/model", key])
 
 
 def test_without_bubblewrap_agent_sandbox_is_named(monkeypatch):

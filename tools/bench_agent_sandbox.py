@@ -13,6 +13,7 @@ a mount namespace.
 import argparse
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -63,7 +64,7 @@ def measure(prompts: int, rounds: int, concurrency: int) -> dict:
             "ms_per_episode_sandbox": round(sandboxed, 1), "ms_per_episode_no_sandbox": round(plain, 1),
             "sandbox_cost_ms_per_episode": round(sandboxed - plain, 1),
             "all_sandbox": [round(t, 1) for t in times[True]], "all_no_sandbox": [round(t, 1) for t in times[False]],
-            "failed": failed, "load_average": load}
+            "failed": failed, "load_average": load, **peak_rss()}
 
 
 def launch(count: int) -> dict:
@@ -106,7 +107,13 @@ def launch(count: int) -> dict:
             "ms_per_episode_no_sandbox": round(plain, 1), "sandbox_cost_ms_per_episode": round(sandboxed - plain, 1),
             "sandbox_p10_p90": [round(statistics.quantiles(times[True], n=10)[i], 1) for i in (0, 8)],
             "no_sandbox_p10_p90": [round(statistics.quantiles(times[False], n=10)[i], 1) for i in (0, 8)],
-            "failed": failed, "load_average": load}
+            "failed": failed, "load_average": load, **peak_rss()}
+
+
+def peak_rss() -> dict:
+    """Peak resident memory of this process and of the largest program it started (MB)."""
+    return {"peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+            "largest_child_rss_mb": round(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024, 1)}
 
 
 def as_nobody(argv) -> int:

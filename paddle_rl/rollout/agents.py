@@ -991,10 +991,11 @@ AGENT_ON_FAILURE = option("agent_on_failure", str, "zero",
 def _sandbox_key(check=None):
     """A check of a key that acts only in the sandbox: refused when set with agent_sandbox: false."""
     def errors(key, value, config):
+        default = _SANDBOX_DEFAULTS[key]
         if config.env_plugin != "agent":
-            return None
-        default = PIECE_DEFAULTS[key]
-        if not config.agent_sandbox and value != default:
+            return (f"{key}: acts only with env_plugin: agent (env_plugin is {config.env_plugin!r})"
+                    if value != default else None)
+        if key != "agent_sandbox" and not config.agent_sandbox and value != default:
             return f"{key}: acts only with agent_sandbox: true (without the sandbox nothing bounds or confines a program)"
         return check(key, value, config) if check is not None else None
     return errors
@@ -1012,7 +1013,7 @@ AGENT_SANDBOX = option("agent_sandbox", bool, True,
                        "IPC, UTS, mount and network namespaces, a read-only system, a private /sandbox and /tmp, "
                        "memory, process and time bounds, nothing left behind), its one way out the recording proxy "
                        "at $OPENAI_BASE_URL. false: programs run as this user with this machine's files and network "
-                       "(warned loudly; only for programs you trust).")
+                       "(warned loudly; only for programs you trust).", check=_sandbox_key())
 AGENT_ALLOW_NETWORK = option("agent_allow_network", bool, False,
                              "With env_plugin: agent and agent_sandbox: true, the sandbox shares the host's network "
                              "(for programs that must reach other servers): everything else stays isolated, but a "
@@ -1029,7 +1030,7 @@ AGENT_SANDBOX_BINDS = option("agent_sandbox_binds", list, [],
                              "With env_plugin: agent, host files or folders bound read-only into each sandbox at the "
                              "same path (the agent's code or data beyond the files agent_command names, which are "
                              "bound without it).", check=_sandbox_key(_binds_errors))
-PIECE_DEFAULTS = {o.key: o.default for o in (AGENT_ALLOW_NETWORK, AGENT_MEMORY_MB, AGENT_PROCESSES,
+_SANDBOX_DEFAULTS = {o.key: o.default for o in (AGENT_SANDBOX, AGENT_ALLOW_NETWORK, AGENT_MEMORY_MB, AGENT_PROCESSES,
                                              AGENT_SANDBOX_BINDS)}
 
 
