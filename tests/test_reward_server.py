@@ -63,7 +63,7 @@ class Server:
                                      cwd=ROOT, env={**os.environ, **(env or {})},
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
-    def wait(self, timeout=60.0):
+    def wait(self, timeout=180.0):   # two servers with three workers start in 25-70 s on 2 busy cores
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
