@@ -150,17 +150,17 @@ def test_virtual_stages_are_refused_without_a_pipeline_and_with_an_odd_micro_bat
 
 # --------------------------------------------------------------------------------------------- 2 processes
 
-def four_layer_model(micro, root):
+def four_layer_model(micro, root, layers=4):
     """The micro model's tokenizer and data with a random 4-layer decoder (2 stages x 2 chunks of one layer)."""
     import paddle
     from paddle_rl.models import CausalLM, ModelConfig
     from paddle_rl.models.pretrained import copy_tokenizer_files, save_model, write_generation_config
     config = ModelConfig.from_pretrained(micro["model"])
-    config.num_hidden_layers = 4
+    config.num_hidden_layers = layers
     paddle.seed(7)
     model = CausalLM(config)
     model.init_weights()
-    folder = os.path.join(root, "model-4-layers")
+    folder = os.path.join(root, f"model-{layers}-layers")
     save_model(model, folder)
     copy_tokenizer_files(micro["model"], folder)
     write_generation_config(folder, micro["tokenizer"].eos_token_ids, micro["tokenizer"].pad_token_id)
@@ -184,15 +184,15 @@ def single(setup, name, **extra):
     return out_dir
 
 
-def run_vpp(setup, name, perturb="", **extra):
+def run_vpp(setup, name, perturb="", nproc=2, degrees=VPP, **extra):
     out_dir = str(setup["root"] / name)
     os.makedirs(out_dir, exist_ok=True)
-    spec = {"overrides": run_overrides(setup["micro"], out_dir, setup["plugin"], **VPP, **extra), "out_dir": out_dir,
-            "prompts": setup["prompts"], "perturb": perturb}
+    spec = {"overrides": run_overrides(setup["micro"], out_dir, setup["plugin"], **degrees, **extra),
+            "out_dir": out_dir, "prompts": setup["prompts"], "perturb": perturb}
     spec_path = os.path.join(out_dir, "spec.json")
     with open(spec_path, "w") as f:
         json.dump(spec, f)
-    launch([os.path.abspath(__file__), "--worker", spec_path], os.path.join(out_dir, "log"))
+    launch([os.path.abspath(__file__), "--worker", spec_path], os.path.join(out_dir, "log"), nproc=nproc)
     return out_dir
 
 
@@ -279,6 +279,26 @@ def test_virtual_pipeline_lora_and_tied_embeddings(setup, variant):
     else:
         np.testing.assert_array_equal(np.load(os.path.join(out_dir, "greedy.npy")),
                                       np.load(os.path.join(reference, "greedy.npy")))
+
+
+@pytest.fixture(scope="module")
+def six_layers(setup):
+    """A 6-layer variant and its single-process run (3 micro-batches per mini-batch)."""
+    six = dict(setup, micro=four_layer_model(setup["micro"], str(setup["root"]), layers=6))
+    return six, single(six, "six-layers", rl_algorithm="grpo", per_device_train_batch_size=3)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("virtual", [1, 2])
+def test_three_stages_with_and_without_chunks(six_layers, virtual):
+    """3 processes, a 6-layer model, 3 micro-batches per mini-batch: pipeline 3 (1F1B) and pipeline 3 x virtual 2
+    equal one process. Each pair of neighbouring stages transfers on a group of its own (on one group shared by the
+    3 stages the transfers were paired across neighbours and hung)."""
+    six, reference = six_layers
+    degrees = dict(pipeline_parallel_degree=3, virtual_pp_degree=virtual)
+    out_dir = run_vpp(six, f"pp3-vpp{virtual}", nproc=3, degrees=degrees, rl_algorithm="grpo",
+                      per_device_train_batch_size=3)
+    check_parity(six, {"grpo": reference}, out_dir)
 
 
 # --------------------------------------------------------------------------------------------- worker

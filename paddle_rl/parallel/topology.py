@@ -171,7 +171,8 @@ class Topology:
 
     def describe(self) -> str:
         return (f"rank {self.rank}/{self.world_size}: data {self.degrees['data']} x sharding "
-                f"{self.degrees['sharding']} (stage{self.sharding_stage}) x pipeline {self.degrees['pipe']} x tensor "
+                f"{self.degrees['sharding']} (stage{self.sharding_stage}) x pipeline {self.degrees['pipe']}"
+                f"{f' (virtual {self.virtual_pp})' if self.virtual_pp > 1 else ''} x tensor "
                 f"{self.degrees['tensor']}{' (sequence parallel)' if self.sequence_parallel else ''}; rollout tensor "
                 f"{self.rollout_tp}; coords {self.coords()}")
 
