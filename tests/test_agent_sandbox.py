@@ -59,6 +59,10 @@ gained, found = 0, {}
 if mode in ("ok", "linger"):
     ask()
     gained = 0.5
+    status = open("/proc/self/status").read()
+    found = {"uid": os.getuid(), "cap_eff": status.split("CapEff:")[1].split()[0],
+             "no_new_privs": status.split("NoNewPrivs:")[1].split()[0], "processes": len(
+                 [p for p in os.listdir("/proc") if p.isdigit()])}
     if mode == "linger":   # still running while the others look for it
         time.sleep(3)
 elif mode == "files":   # host files: read the test's secret and the repository, write everywhere
@@ -293,6 +297,9 @@ def check_contained(result: dict) -> None:
     by_mode = dict(zip(MODES[:-1], zip(result["rewards"], result["failures"])))
     assert result["rewards"][0] == result["rewards"][-1] == 0.5 and result["failures"][0] is None, result
     assert result["failures"][-1] is None and result["turns"][0] == 1, result
+    # as nobody without capabilities, alone in its PID namespace (bwrap's init, the relay, itself)
+    assert json.loads(result["findings"][0]) == {"uid": 65534, "cap_eff": "0" * 16, "no_new_privs": "1",
+                                                 "processes": 3}, result
     for mode in ("files", "network", "forge", "flood"):   # every attempt refused; the program still ran to its end
         assert by_mode[mode] == (0.0, None), (mode, result)
     assert by_mode["fork_bomb"] == (0.0, None), result   # held at the process bound; its forks die with it
