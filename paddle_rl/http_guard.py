@@ -3,8 +3,8 @@ client may do before its request reaches the API-key check (http_auth.py) and th
 
 uvicorn's HTTP/1.1 protocol (h11) serves each connection; the subclass `guarded_protocol` builds adds:
 - a header deadline: a connection must deliver a complete request head within `header_timeout` seconds of opening,
-  or of its previous answer (uvicorn has no such limit: a client trickling a header a byte at a time held its
-  connection for ever). Past it the connection is closed, with HTTP 408 when it had sent part of a request;
+  or of the first byte of a later request's head (uvicorn has no such limit: a client trickling a header a byte at
+  a time held its connection for ever; between requests uvicorn's keep-alive timer closes a silent connection). Past it the connection is closed, with HTTP 408 when it had sent part of a request;
 - a header size: a request head of more than `max_header_bytes` is answered HTTP 431 and the connection closed;
 - a connection cap that idle connections cannot fill: when a connection beyond `max_connections` opens, the open
   connection that has waited longest for its first request head (sending nothing, or a head byte by byte), for
@@ -83,8 +83,9 @@ def add_limit_arguments(parser: argparse.ArgumentParser) -> None:
                              "connection that has waited longest without a request in progress; when all have one, "
                              "the newcomer gets HTTP 503.")
     parser.add_argument("--header-timeout", type=float, default=DEFAULT_HEADER_TIMEOUT, metavar="S",
-                        help=f"Seconds a connection may take to send a request head, from its opening or its "
-                             f"previous answer (default {DEFAULT_HEADER_TIMEOUT:g}); then it is closed (HTTP 408).")
+                        help=f"Seconds a connection may take to send a request head, from its opening or from a "
+                             f"later head's first byte (default {DEFAULT_HEADER_TIMEOUT:g}); then it is closed "
+                             "(HTTP 408).")
     parser.add_argument("--max-header-kb", type=float, default=DEFAULT_MAX_HEADER_BYTES / 1024, metavar="KB",
                         help=f"Largest request head (default {DEFAULT_MAX_HEADER_BYTES // 1024} KiB; HTTP 431 "
                              "beyond).")
@@ -162,6 +163,8 @@ def guarded_protocol(limits: ConnectionLimits) -> type:
 
         def data_received(self, data: bytes) -> None:
             if self._waiting_since is not None:
+                if self._head_timer is None and not self.transport.is_closing():   # a later request's first byte
+                    self._head_timer = self.loop.call_later(limits.header_timeout, self._head_deadline)
                 self._head_bytes += len(data)
                 if self._head_bytes > limits.max_header_bytes and self._head_too_large(data):
                     return
@@ -186,7 +189,9 @@ def guarded_protocol(limits: ConnectionLimits) -> type:
         def on_response_complete(self) -> None:
             self._answered += 1
             if not self.transport.is_closing():
-                self._wait_for_head()
+                # between two requests uvicorn's keep-alive timer closes a silent connection; the head deadline
+                # starts with the next head's first byte (data_received)
+                self._wait_for_head(arm=False)
             super().on_response_complete()
 
         # ------------------------------------------------------------------------------------------ helpers
@@ -202,10 +207,11 @@ def guarded_protocol(limits: ConnectionLimits) -> type:
                                     f"request head over {limits.max_header_bytes} bytes (max_header_bytes)"))
             return True
 
-        def _wait_for_head(self, timeout: Optional[float] = None) -> None:
+        def _wait_for_head(self, timeout: Optional[float] = None, arm: bool = True) -> None:
             self._waiting_since, self._head_bytes = time.monotonic(), 0
             self._cancel_head_timer()
-            self._head_timer = self.loop.call_later(timeout or limits.header_timeout, self._head_deadline)
+            if arm:
+                self._head_timer = self.loop.call_later(timeout or limits.header_timeout, self._head_deadline)
 
         def _cancel_head_timer(self) -> None:
             if self._head_timer is not None:
