@@ -14,6 +14,7 @@ uvicorn's HTTP/1.1 protocol (h11) serves each connection; the subclass `guarded_
 A request's body has its own deadline, kept by the servers' request gates (`http_auth.read_body`).
 """
 import argparse
+import signal
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -252,3 +253,21 @@ def guarded_protocol(limits: ConnectionLimits) -> type:
             self.transport.close()
 
     return GuardedH11Protocol
+
+
+def _exit(signum, frame):
+    raise SystemExit(0)
+
+
+def serve(app, host: str, port: int, **options) -> None:
+    """uvicorn.run, with a stop by SIGTERM ending as a normal exit. uvicorn shuts the server down on SIGTERM (the
+    app's shutdown runs: the reward server's workers stop) and then raises the signal again under the handler it
+    found; Python's default one ends the process at once, before its exit handlers, so multiprocessing's folder
+    (`pymp-*` in TMPDIR, its forkserver's socket) stayed behind. The handler it finds here exits through them."""
+    # deferred: uvicorn loads with a server, not with the parsers that import this module
+    import uvicorn
+    previous = signal.signal(signal.SIGTERM, _exit)
+    try:
+        uvicorn.run(app, host=host, port=port, **options)
+    finally:
+        signal.signal(signal.SIGTERM, previous)

@@ -10,7 +10,7 @@ import os
 from paddle_rl.config import ConfigError, config_from_values, parse_overrides
 from paddle_rl.config.loader import read_values
 from paddle_rl.http_auth import bind_problem, is_loopback
-from paddle_rl.http_guard import add_limit_arguments, limits_from_args
+from paddle_rl.http_guard import add_limit_arguments, limits_from_args, serve
 from paddle_rl.rewards.check import reward_config_errors
 from paddle_rl.rewards.rules import rule_option_errors
 from paddle_rl.rewards.client import API_KEY_ENV
@@ -145,8 +145,7 @@ def check_bind(host: str, api_key: str, allow_no_key: bool) -> None:
 
 
 def run_reward_server(args) -> int:
-    # deferred: FastAPI and uvicorn load when the server starts, not with the parser
-    import uvicorn
+    # deferred: FastAPI loads when the server starts, not with the parser
     from .app import create_app
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -161,6 +160,6 @@ def run_reward_server(args) -> int:
     if not is_loopback(args.host) and not settings.api_key:
         log.warning("serving %s without an API key (--allow-no-key): anyone who can reach this port can use the "
                     "server", args.host)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=args.access_log,
-                **settings.connections.uvicorn_options())
+    serve(app, args.host, args.port, log_level=args.log_level, access_log=args.access_log,
+          **settings.connections.uvicorn_options())
     return 0

@@ -582,3 +582,16 @@ def test_cli_settings(tmp_path):
     # the keys the rules declare where they register are checked here too (the server checks only reward keys)
     with pytest.raises(ConfigError, match="cosine_max_len: must be > 0 or -1, got 0"):
         settings_from_args(parser.parse_args(["reward-server", "--reward", "cosine", "--set", "cosine_max_len=0"]))
+
+
+def test_sigterm_stops_the_server_and_leaves_nothing_in_tmpdir(tmp_path):
+    """SIGTERM: the server shuts down, its workers stop and the process exits 0 through Python's exit handlers, so
+    multiprocessing's forkserver folder (pymp-*, with its socket) is removed from TMPDIR (uvicorn raises the signal
+    again after its shutdown; under the default handler the process ended before them)."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    server = Server("--reward", "kk", "--workers", "1", env={"TMPDIR": str(tmp)}).wait()
+    assert any(p.name.startswith("pymp-") for p in tmp.iterdir())   # the forkserver's folder, while it serves
+    server.stop()
+    assert server.proc.returncode == 0, server.proc.stdout.read()
+    assert sorted(p.name for p in tmp.iterdir()) == []

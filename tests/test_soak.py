@@ -170,12 +170,7 @@ def test_two_minute_soak_loses_nothing(tmp_path):
     output = proc.stdout[-4000:] + proc.stderr[-4000:]
     work_removed = result.get("work_removed") is True
     shutil.rmtree(result["work"], ignore_errors=True)   # a failed soak keeps its folder: not left by the suite
-    # a reward server stopped by SIGTERM leaves multiprocessing's pymp-* folder in its TMPDIR (uvicorn re-raises
-    # the signal after its shutdown, so the interpreter's exit handlers do not run): reward_server/, known
-    known = [p for p in result["problems"]
-             if p.startswith("files left in its TMPDIR by reward_server.") and "pymp-" in p]
-    others = [p for p in result["problems"] if p not in known]
-    assert not others, output
+    assert not result["problems"], output
     assert result["faults"]["trainer"] == 1
     assert all(result["faults"].get(kind, 0) >= 1 for kind in soak.KINDS), result["faults"]
     assert result["partial_groups"] == 0
@@ -184,7 +179,5 @@ def test_two_minute_soak_loses_nothing(tmp_path):
     assert groups["trained"] + groups["dropped_reward_skipped"] + groups["dropped_unselected"] == groups["drawn"]
     assert all(life["within_bound"] for life in result["rss_mb"])
     assert result["leftovers"]["processes"] == [] and result["leftovers"]["ports_busy"] == []
-    if known:
-        pytest.xfail("; ".join(known))
     assert proc.returncode == 0 and result["ok"] and work_removed, output
     assert result["leftovers"]["tmp_entries"] == []

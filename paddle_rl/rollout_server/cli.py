@@ -10,7 +10,7 @@ import sys
 from ..config import ConfigError, load_config
 from ..errors import setup_error_types
 from ..http_auth import bind_problem, is_loopback
-from ..http_guard import add_limit_arguments, limits_from_args
+from ..http_guard import add_limit_arguments, limits_from_args, serve
 
 DEFAULT_PORT = 8732
 API_KEY_ENV = "PADDLE_RL_ROLLOUT_API_KEY"
@@ -110,8 +110,7 @@ def run_rollout_server(args) -> int:
     except setup_error_types() as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    # deferred: FastAPI and uvicorn load with the server, not with the parser
-    import uvicorn
+    # deferred: FastAPI loads with the server, not with the parser
     from .app import ServerSettings, create_app
     settings = ServerSettings(max_request_bytes=int(args.max_request_mb * 2 ** 20),
                               max_weights_bytes=int(args.max_weights_mb * 2 ** 20), api_key=api_key,
@@ -124,7 +123,7 @@ def run_rollout_server(args) -> int:
     identity = service.identity
     log.info("rollout server: %s (%s, vocab %d) from %s, engine %s, on %s:%d", settings.served_model_name,
              identity["architecture"], identity["vocab_size"], folder, service.engine_settings, args.host, args.port)
-    uvicorn.run(create_app(service, settings), host=args.host, port=args.port, log_level=args.log_level,
-                access_log=args.access_log, **connections.uvicorn_options())
+    serve(create_app(service, settings), args.host, args.port, log_level=args.log_level, access_log=args.access_log,
+          **connections.uvicorn_options())
     return 0
 
