@@ -52,6 +52,17 @@ status, answer = post({"messages": messages, "logprobs": True})
 assert status == 200, answer
 reply = answer["choices"][0]
 messages.append({"role": "assistant", "content": reply["message"]["content"]})
+if mode == "budget":   # turns without max_tokens until the budget is spent: each answered, the last ones empty
+    statuses = []
+    for _ in range(40):
+        messages.append({"role": "tool", "content": "1"})
+        status, answer = post({"messages": messages})
+        statuses.append([status, answer["choices"][0]["finish_reason"] if status == 200 else answer])
+        if status != 200:
+            break
+        messages.append({"role": "assistant", "content": answer["choices"][0]["message"]["content"]})
+    with open(record["out"], "w") as f:
+        json.dump(statuses, f)
 if mode == "probe":   # the proxy's refusals, written where the test reads them
     found = {"unknown_session": post({"messages": messages}, key="session-x")[0],
              "not_continued": post({"messages": messages[:1] + [{"role": "tool", "content": "1"}]}),
@@ -209,6 +220,18 @@ def test_the_proxy_refuses_what_would_break_the_sample(tool_model, program, tmp_
     start, end = _answers(out, 0)[0]
     assert found["answer_ids"] == out["response_ids"][0, start:end].tolist()
     assert found["answer_logprobs"] == out["rollout_logp"][0, start:end].tolist()
+
+
+def test_a_request_past_the_budget_gets_an_empty_answer(tool_model, program, tmp_path):
+    """A program that leaves max_tokens out keeps asking after the response budget (max_dec_len) is spent: each
+    request is answered (200), those past the budget with an empty answer cut for length, never a refusal of a
+    max_tokens it did not send (the bundled agent used to exit 1 there)."""
+    out_file = tmp_path / "budget.json"
+    # unsandboxed: the program writes its findings into a file of the host (tests/test_agent_sandbox.py: the sandbox)
+    _rollout(tool_model, program, _records(1, mode="budget", out=str(out_file)), 1, sandbox=False, max_turns=60)
+    statuses = json.loads(out_file.read_text())
+    assert len(statuses) == 40 and all(status == 200 for status, _ in statuses), statuses
+    assert statuses[-1][1] == "length"
 
 
 def _ended(pid: int, wait: float = 10.0) -> bool:

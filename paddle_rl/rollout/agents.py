@@ -506,7 +506,8 @@ class AgentEpisodes:
             context = episode.seq.prompt + episode.seq.tokens + fed
         max_key = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
         left = cfg["max_dec_len"] - len(episode.seq.tokens) - len(fed)
-        wanted = number(body, max_key, left, int, low=1)
+        # a request without max_tokens wants what is left; past the budget that is nothing, answered below
+        wanted = number(body, max_key, max(left, 1), int, low=1)
         if left < 1 or episode.calls >= self.settings.max_turns:   # past the budget: an empty answer, no tokens
             episode.seq.stopped = False
             episode.calls += 1
