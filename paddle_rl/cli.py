@@ -3,18 +3,14 @@ import argparse
 import importlib
 import json
 import os
-import re
 import subprocess
 import sys
 
 import yaml
 
-from .config import ConfigError, load_config
+from .config import OVERRIDE, ConfigError, config_and_overrides, load_config
 from .env import configure_threads
 from .errors import setup_error_types
-
-# A key=value override; anything else among train / eval's positional words is the CONFIG file.
-OVERRIDE = re.compile(r"^[A-Za-z_][A-Za-z0-9_.\-]*=")
 
 # Subcommands registered by a module of their own: (name, module, function(subparsers), help if unavailable).
 # When the module cannot be imported the subcommand still exists and, when run, stops naming what is missing.
@@ -61,11 +57,11 @@ def _config_and_overrides(parser, args) -> None:
     """CONFIG is the one positional word that is not key=value (none: the run is given by overrides and flags
     alone); overrides keep their command-line order."""
     words = [w for w in (args.config, *args.overrides) if w is not None]
-    configs = [w for w in words if not OVERRIDE.match(w)]
+    configs, overrides = config_and_overrides(words)
     if len(configs) > 1 or not words:
         parser.error(f"{args.command}: expected a CONFIG file and / or key=value overrides and --key value flags, "
                      f"got {' '.join(words) or 'nothing'}")
-    args.config, args.overrides = (configs or [None])[0], [w for w in words if OVERRIDE.match(w)]
+    args.config, args.overrides = (configs or [None])[0], overrides
 
 
 def _flag_value(values: list) -> str:
@@ -228,8 +224,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     if getattr(args, "unavailable", None):
         return args  # its options are unknown: the command only reports what is missing
     if getattr(args, "takes_overrides", False):
-        unknown = [w for w in extras if not OVERRIDE.match(w)]
-        args.overrides = args.overrides + [w for w in extras if OVERRIDE.match(w)]
+        unknown, overrides = config_and_overrides(extras)
+        args.overrides = args.overrides + overrides
         if unknown:
             parser.error(f"unrecognized arguments: {' '.join(unknown)} (overrides are written key=value)")
         _config_and_overrides(parser, args)

@@ -10,8 +10,7 @@ from paddle_rl.env import configure_threads  # noqa: E402
 configure_threads()
 
 # after the thread settings of the launcher's process (paddle_rl/env.py), before Paddle loads
-from paddle_rl.cli import OVERRIDE  # noqa: E402
-from paddle_rl.config import load_config  # noqa: E402
+from paddle_rl.config import config_and_overrides, load_config  # noqa: E402
 from paddle_rl.errors import setup_error_types  # noqa: E402
 from paddle_rl.trainer import RLTrainer, SFTTrainer  # noqa: E402
 
@@ -35,12 +34,11 @@ def main(argv=None) -> int:
     parser.add_argument("--sft", action="store_true", help="supervised fine-tuning on prompt / response records")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
-    configs = [w for w in args.words if not OVERRIDE.match(w)]
+    configs, overrides = config_and_overrides(args.words)
     if len(configs) > 1:
         parser.error(f"expected one CONFIG file and key=value overrides, got {' '.join(args.words)}")
     try:
-        trainer = build_trainer(configs[0] if configs else None, [w for w in args.words if OVERRIDE.match(w)],
-                                sft=args.sft)
+        trainer = build_trainer(configs[0] if configs else None, overrides, sft=args.sft)
     except setup_error_types() as e:  # the message names the key / file / package: one line is enough
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -6,6 +6,7 @@ import dataclasses
 import difflib
 import logging
 import os
+import re
 import typing
 from typing import Any, Iterable, Optional
 
@@ -102,6 +103,16 @@ def _coerce(key: str, value: Any, annotation) -> Any:
             raise ConfigError(f"{key}: expected a mapping, got {value!r}")
         return value
     return value
+
+
+# a command-line word that is a key=value override (any other word names a config file)
+OVERRIDE = re.compile(r"^[A-Za-z_][A-Za-z0-9_.\-]*=")
+
+
+def config_and_overrides(words: Iterable[str]) -> tuple:
+    """A command line's words -> ([the words naming config files], [the key=value overrides, in order])."""
+    words = list(words)
+    return [w for w in words if not OVERRIDE.match(w)], [w for w in words if OVERRIDE.match(w)]
 
 
 def parse_overrides(items: Iterable[str]) -> dict:
