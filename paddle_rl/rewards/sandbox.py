@@ -267,9 +267,8 @@ def _run(found: Optional[Isolation], code: str, stdin: str, limits: SandboxLimit
             os.close(spec_r)
             marker_r = spec_r = None
             watchdog = None
-            if found is not None and cgroup is None:
-                watchdog = _MemoryWatchdog(proc.pid, limits.memory_mb)
-                watchdog.start()
+            if found is not None and cgroup is None:   # without a cgroup: the sum of its processes' memory
+                watchdog = _SHARED_WATCHDOG.watch(proc.pid, limits.memory_mb)
             timer = _Deadline(proc.pid, limits.wall_seconds)   # a blocking wait: no polling delay
             try:
                 proc.wait()
@@ -277,7 +276,7 @@ def _run(found: Optional[Isolation], code: str, stdin: str, limits: SandboxLimit
                 timer.cancel()
                 _kill(proc, cgroup)
                 if watchdog is not None:
-                    watchdog.stop()
+                    _SHARED_WATCHDOG.forget(watchdog)
             timed_out = timer.fired
             feeder.join(timeout=5)
             seconds = time.monotonic() - start
@@ -636,62 +635,16 @@ def _sweep_cgroups() -> None:
                         pass
 
 
-class _MemoryWatchdog(threading.Thread):
-    """Without a cgroup: sums the resident memory of `root` and its descendants every WATCH_SECONDS and kills the
-    group past `memory_mb`."""
-
-    def __init__(self, root: int, memory_mb: int):
-        super().__init__(daemon=True)
-        self.root, self.limit, self.fired = root, memory_mb << 20, False
-        self.done = threading.Event()
-        self.page = os.sysconf("SC_PAGE_SIZE")
-
-    def run(self):
-        while not self.done.wait(WATCH_SECONDS):
-            if self._resident() > self.limit:
-                self.fired = True
-                try:
-                    os.killpg(self.root, signal.SIGKILL)
-                except (ProcessLookupError, PermissionError):
-                    pass
-                return
-
-    def _resident(self) -> int:
-        parents, rss = {}, {}
-        for name in os.listdir("/proc"):
-            if not name.isdigit():
-                continue
-            try:
-                with open(f"/proc/{name}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            pid = int(name)
-            parents[pid] = int(fields[1])
-            rss[pid] = int(fields[21]) * self.page
-        total = 0
-        for pid in rss:
-            p, depth = pid, 0
-            while p and p != self.root and depth < 64:
-                p, depth = parents.get(p, 0), depth + 1
-            if p == self.root:
-                total += rss[pid]
-        return total
-
-    def stop(self):
-        self.done.set()
-        self.join(timeout=1)
-
-
 class _Watched:
     def __init__(self, root: int, limit: int):
         self.root, self.limit, self.fired, self.cgroup = root, limit, False, None
 
 
 class _SharedWatchdog:
-    """The memory watchdog of the SandboxedProcesses of this process (many at once: one agent program per sample):
-    one thread, one reading of /proc every WATCH_SECONDS for all of them, each sandbox's processes' resident memory
-    summed and the sandbox killed past its bound (a thread per sandbox would read /proc once each)."""
+    """The memory watchdog of this process's sandboxes (run_program's without a cgroup, and the SandboxedProcesses:
+    many at once, one agent program per sample): one thread, one reading of /proc every WATCH_SECONDS for all of
+    them, each sandbox's processes' resident memory summed and the sandbox killed past its bound (a thread per
+    sandbox would read /proc once each); with a cgroup, the whole sandbox killed at the kernel's first OOM kill."""
 
     def __init__(self):
         self.lock = threading.Lock()
