@@ -6,7 +6,6 @@ import sys
 import types
 
 import numpy as np
-import paddle
 import pytest
 
 from micro_model import micro_overrides
@@ -51,14 +50,15 @@ def test_values_that_act_load(micro, tmp_path):
     assert _cfg(micro, tmp_path, reward_model_name_or_path=micro["model"]).reward_funcs == ["reward_model"]
 
 
-def test_offload_keys_are_refused_on_a_cpu_build_before_any_model_loads(micro, tmp_path):
+def test_offload_keys_on_a_cpu_build_are_named_and_the_run_goes_on(micro, tmp_path, caplog):
+    """On a CPU build the states offload_optim / offload_level would move are in host memory already: one warning
+    line each, no refusal (PaddleNLP's own grpo_argument.yaml sets offload_level)."""
     cfg = _cfg(micro, tmp_path, offload_optim="true", offload_level="freeze_model")
-    problems = memory_problems(cfg)
-    assert [p.split(":")[0] for p in problems] == ["offload_optim", "offload_level"]
-    assert all("there is no second memory to move them to" in p for p in problems)
-    assert memory_problems(_cfg(micro, tmp_path)) == []
-    with pytest.raises(ConfigError, match="offload_optim: True moves the optimizer states to host memory"):
-        RLTrainer(cfg)
+    with caplog.at_level(logging.WARNING, logger="paddle_rl"):
+        assert memory_problems(cfg) == []
+    lines = [r.getMessage() for r in caplog.records]
+    assert [line.split(":")[0] for line in lines if "there is no second memory" in line] == ["offload_optim",
+                                                                                             "offload_level"]
 
 
 def test_per_device_rollout_batch_size_bounds_the_decode_batch(micro, tmp_path):

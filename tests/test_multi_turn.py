@@ -220,7 +220,9 @@ def test_the_built_in_environments_declare_their_keys():
     assert [o.key for o in ENVIRONMENTS["tools"].options] == ["env_tools", "max_tool_calls_per_turn",
                                                               "sandbox_allow_network", "sandbox_allow_unisolated"]
     assert [o.key for o in ENVIRONMENTS["agent"].options] == ["agent_command", "agent_timeout", "agent_concurrency",
-                                                              "agent_on_failure"]
+                                                              "agent_on_failure", "agent_sandbox",
+                                                              "agent_allow_network", "agent_memory_mb",
+                                                              "agent_processes", "agent_sandbox_binds"]
     assert PIECE_OPTIONS.readers("env_tools") == [("environment", "tools")]
     with pytest.raises(ConfigError, match="max_tool_calls_per_turn: must be >= 1, got 0"):
         load_config(None, {"actor_model_name_or_path": "m", "max_tool_calls_per_turn": 0})

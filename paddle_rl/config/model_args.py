@@ -91,14 +91,15 @@ class ModelArgs:
                                              "blocks are kept). With bf16 on a CPU, full_attn and core_attn_mlp "
                                              "recompute each attention block from its input's bfloat16 rounding "
                                              "(what its q/k/v product reads), the one tensor it keeps.")
-    offload_level: str = arg("", "PaddleNLP's offload of named states to host memory: refused when set (a CPU build "
-                                  "holds everything in host memory already; GPU offload is not implemented).")
+    offload_level: str = arg("", "PaddleNLP's offload of named states to host memory: on a CPU build they are there "
+                                  "already (one warning line says so); refused on a GPU build, where offload is not "
+                                  "implemented.")
     release_grads: bool = arg(True, "After each optimizer step free the gradients (true; their memory returns until "
                                     "the next backward) or keep them allocated and zeroed (false). PaddleNLP's "
                                     "default: false.")
     offload_optim: bool = arg(False, "PaddleNLP's offload of the optimizer states to host memory after each step: "
-                                     "refused when true (a CPU build holds them in host memory already; GPU "
-                                     "offload is not implemented).")
+                                     "on a CPU build they are there already (one warning line says so); refused "
+                                     "on a GPU build, where offload is not implemented.")
     quant_type: str = arg("", "PaddleNLP's quantized training weights (weight_only_int8, a8w8, ...): refused when "
                               "set; the trained weights are float32 here (master weights under bf16 / fp16), and "
                               "the rollout's weights are quantized by rollout_quant_type.")

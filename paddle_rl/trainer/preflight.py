@@ -3,6 +3,7 @@ named by a fetchable id resolved to their folders, each model's config.json read
 LoRA adapter's settings, the data files and the first record of each as the model would see it, the reward (its
 server answering, its function names and plugin files, a reward model's folder, the sandbox its programs need), an
 environment plugin's file. `preflight` names every problem at once, each with what to do."""
+import logging
 import os
 
 import paddle
@@ -22,7 +23,8 @@ from ..rewards import check as reward_check
 from ..rewards.client import RewardServerClient
 from ..rewards.plugins import PluginError
 from ..rewards.sandbox import isolation_problem
-from .precision import precision_problems
+
+logger = logging.getLogger("paddle_rl")
 
 
 def check_paths(config, data: bool = True) -> None:
@@ -45,7 +47,7 @@ def preflight(config, rewards: bool = True, train: bool = True, sft: bool = Fals
     if rewards:
         problems += reward_problems(config)
     problems += plugin_problems(config) + grid_problems(config) + dashboard_problems(config)
-    problems += precision_problems(config) + memory_problems(config)
+    problems += memory_problems(config)
     if problems:
         raise ConfigError(f"invalid configuration ({len(problems)} problem{'s' if len(problems) > 1 else ''} to fix "
                           "before the run can start):\n  " + "\n  ".join(problems))
@@ -209,15 +211,18 @@ def grid_problems(config) -> list:
 
 
 def memory_problems(config) -> list:
-    """The memory keys a CPU build cannot honour: the optimizer states and gradients have no second memory to move
-    to (offload_optim, offload_level)."""
+    """The memory keys (offload_optim, offload_level): on a GPU build offloading is not implemented, so they are
+    refused; on a CPU build the states they would move are in host memory already, which is what they ask, so a
+    run goes on with one warning line saying so (PaddleNLP's own grpo_argument.yaml sets offload_level)."""
+    given = [(key, what) for key, what in (("offload_optim", "the optimizer states"), ("offload_level", "the named "
+                                                                                    "states")) if getattr(config, key)]
     if paddle.is_compiled_with_cuda() and paddle.get_device().startswith("gpu"):
         return [f"{key}: offloading to host memory is not implemented on GPU builds yet; leave it unset"
-                for key in ("offload_optim", "offload_level") if getattr(config, key)]
-    return [f"{key}: {getattr(config, key)!r} moves {what} to host memory, and on a CPU build they are in host "
-            "memory already (there is no second memory to move them to); leave it unset"
-            for key, what in (("offload_optim", "the optimizer states"), ("offload_level", "the named states"))
-            if getattr(config, key)]
+                for key, _ in given]
+    for key, what in given:
+        logger.warning("%s: %r asks for %s in host memory; on a CPU build they are there already (there is no "
+                       "second memory to move them to): nothing to move", key, getattr(config, key), what)
+    return []
 
 
 def dashboard_problems(config) -> list:
