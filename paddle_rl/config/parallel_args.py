@@ -13,6 +13,26 @@ def sequence_parallel_refusal(tensor: int, pipe: int) -> str:
             "exchange whole-sequence activations); use pipeline_parallel_degree 1 or sequence_parallel: false")
 
 
+def context_parallel_refusal(tensor: int, pipe: int, sharding: str, rollout_tensor: int) -> str:
+    """Why `context_parallel_degree` > 1 cannot run with these keys ('' where it can): the config check and the
+    topology."""
+    what = []
+    if tensor > 1:
+        what.append(f"tensor_parallel_degree {tensor} (the all-to-all splits whole heads; with tensor parallelism "
+                    "the heads are split already)")
+    if pipe > 1:
+        what.append(f"pipeline_parallel_degree {pipe} (the stages exchange whole-sequence activations)")
+    if sharding == "stage3":
+        what.append("sharding: stage3 (each layer's gather would run per token slice)")
+    if rollout_tensor not in (-1, 1):
+        what.append(f"rollout_tensor_parallel_degree {rollout_tensor} (each context-parallel group decodes on its "
+                    "first rank, on the whole model)")
+    if not what:
+        return ""
+    return ("context_parallel_degree > 1 is not implemented with " + "; with ".join(what) +
+            "; use data parallelism and sharding stage1 / stage2 beside it, or context_parallel_degree 1")
+
+
 STAGE3_AT_DEGREE_1 = ("sharding: stage3 partitions the parameters over sharding_parallel_degree ranks, and at "
                       "degree 1 there is nothing to partition (PaddleNLP drops it there without a word); set "
                       "sharding_parallel_degree > 1 (or -1) or leave sharding empty")
@@ -54,6 +74,23 @@ class ParallelArgs:
                                          "its output instead of the all-reduce. Needs tensor_parallel_degree > 1 "
                                          "and pipeline_parallel_degree 1 (PaddleNLP ignores it without tensor "
                                          "parallelism; refused here). The rollout's decoding is unchanged.")
+    context_parallel_degree: int = arg(1, "Ulysses sequence parallelism (verl's "
+                                          "actor_rollout_ref.actor.ulysses_sequence_parallel_size, ms-swift's "
+                                          "sequence_parallel_size): this many ranks split every sequence of the "
+                                          "update and log-prob passes (actor, reference, critic) into contiguous "
+                                          "token slices; around each attention core an all-to-all trades the token "
+                                          "split for a split of the heads, so attention sees whole sequences; the "
+                                          "norms, MLP, LM head and log-probs run on each rank's own tokens. The "
+                                          "ranks of a group hold the same rows; their gradients are summed as data "
+                                          "parallelism's (world = data x sharding x context). num_attention_heads "
+                                          "must divide by it, and num_key_value_heads divide it or be divisible by "
+                                          "it (fewer key/value heads than the degree are repeated). Needs "
+                                          "tensor_parallel_degree, pipeline_parallel_degree and "
+                                          "rollout_tensor_parallel_degree 1 and no stage3, and padded micro-batches "
+                                          "with share_prompt_prefix: false (or use_remove_padding: true); no MoE "
+                                          "models. The rollout is not split: each group's first rank decodes its "
+                                          "prompts and hands the responses to the others.",
+                                  aliases=("ulysses_sequence_parallel_size",))
     virtual_pp_degree: int = arg(1, "Chunks of layers per pipeline stage (interleaved 1F1B, Megatron's virtual "
                                     "pipeline): the decoder layers split into pipeline_parallel_degree x k chunks, "
                                     "stage r holding chunks r, r + pipeline_parallel_degree, ...; the schedule's "
@@ -79,7 +116,8 @@ class ParallelArgs:
                           "communication (tensor fusion, overlap, reduce_avg); the sharding here issues its own "
                           "collectives (parallel/sharding.py) and has no such switch; only enable_release_grads is "
                           "taken")
-        for key in ("tensor_parallel_degree", "pipeline_parallel_degree", "virtual_pp_degree"):
+        for key in ("tensor_parallel_degree", "pipeline_parallel_degree", "virtual_pp_degree",
+                    "context_parallel_degree"):
             if getattr(self, key) < 1:
                 errors.append(f"{key}: must be >= 1, got {getattr(self, key)}")
         for key in ("sharding_parallel_degree", "data_parallel_degree", "rollout_tensor_parallel_degree"):
@@ -94,6 +132,12 @@ class ParallelArgs:
             errors.append(f"sharding: must be stage1, stage2 or stage3, got {self.sharding!r}")
         if self.sequence_parallel and (self.tensor_parallel_degree == 1 or self.pipeline_parallel_degree > 1):
             errors.append(sequence_parallel_refusal(self.tensor_parallel_degree, self.pipeline_parallel_degree))
+        if self.context_parallel_degree > 1:
+            refusal = context_parallel_refusal(self.tensor_parallel_degree, self.pipeline_parallel_degree,
+                                               self.sharding if self.sharding_parallel_degree != 1 else "",
+                                               self.rollout_tensor_parallel_degree)
+            if refusal:
+                errors.append(refusal)
         if self.sharding == "stage3" and self.sharding_parallel_degree == 1:  # PaddleNLP drops it there, silently
             errors.append(STAGE3_AT_DEGREE_1)
         if self.sharding == "stage3" and self.pipeline_parallel_degree > 1:

@@ -89,6 +89,11 @@ class RLConfig(ModelArgs, PrecisionArgs, DataArgs, RolloutArgs, AlgorithmArgs, C
         if self.use_remove_padding and self.pipeline_parallel_degree > 1:
             errors.append("use_remove_padding: packed micro-batches are not supported with pipeline_parallel_degree "
                           f"{self.pipeline_parallel_degree} (the stages exchange padded activations); set it to false")
+        if self.context_parallel_degree > 1 and self.share_prompt_prefix and not self.use_remove_padding:
+            errors.append(f"context_parallel_degree {self.context_parallel_degree} with share_prompt_prefix: true on "
+                          "padded micro-batches: the shared-prompt pass hands each prompt's last hidden state and keys "
+                          "to a second pass, which a split of the tokens does not; set share_prompt_prefix: false, or "
+                          "use_remove_padding: true (packing shares each prompt in one pass)")
 
     def _check_declared(self, errors) -> None:
         """The checks declared beside keys (fields.arg's `check`): the options of registered pieces, and any group

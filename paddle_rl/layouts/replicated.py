@@ -2,10 +2,14 @@
 its model (tensor-parallel layers split inside it; padded or packed, by rows or a token budget: micro.py);
 gradients are summed over the batch group. With sequence parallelism (the topology's `sequence_parallel`) the
 models split their activations outside the tensor-parallel blocks along the tokens (models/decoder.py), and
-the norms' gradients are summed over the tensor-parallel group too (GradientSync's token_partial)."""
+the norms' gradients are summed over the tensor-parallel group too (GradientSync's token_partial). With context
+parallelism (`context_parallel_degree`, Ulysses) every pass splits its tokens over the context group (the models'
+`set_context_parallel`), each rank's gradients are its tokens' share and are summed over that group, and the rollout
+runs on each group's first rank (rollout.py)."""
 from ..models import hf_state, load_model
 from ..models.critic import load_critic
 from ..optim import clip_grad_norm_
+from ..parallel.topology import TopologyError
 from ..parallel.watchdog import watched
 from .base import Layout
 
@@ -14,13 +18,23 @@ class Replicated(Layout):
     def load_model(self, folder: str, lora=None, adapter=None):
         model = load_model(folder, tp_group=self._topo.group("tp"), lora=lora, adapter=adapter)
         model.sequence_parallel = self._topo.sequence_parallel
+        self._context(model)
         return model
 
     def load_critic(self, folder: str, lora=None):
         """The critic split over the tensor-parallel group like the actor, its value head replicated."""
         critic = load_critic(folder, tp_group=self._topo.group("tp"), lora=lora)
         critic.sequence_parallel = self._topo.sequence_parallel
+        self._context(critic)
         return critic
+
+    def _context(self, model) -> None:
+        """Context parallelism (context_parallel_degree): the model's training and log-prob passes split their tokens
+        over the context group (refused by name where its heads or blocks cannot split)."""
+        try:
+            model.set_context_parallel(self._topo.group("cp"))
+        except ValueError as e:
+            raise TopologyError(str(e)) from None
 
     def full_state(self, model, frozen: bool = True) -> dict:
         if self._topo.group("tp") is None:

@@ -1,6 +1,8 @@
 """The model the rollout decodes with: the training model itself, or a copy resharded in memory to
 `rollout_tensor_parallel_degree` (gathered whole for a pipeline). A rollout group wider than the training
-tensor group decodes the prompts of all its batch ranks together."""
+tensor group decodes the prompts of all its batch ranks together. A context-parallel group (whose ranks hold the
+same prompts and the whole model) decodes once, on its first rank, and hands the responses to the others: the
+rollout is not split, and its ranks cannot drift apart (sampling, agent programs and tools run once)."""
 import numpy as np
 import paddle
 
@@ -34,6 +36,14 @@ class Rollout:
         return engine.bind(self._copy)
 
     def generate(self, engine, prompts, n: int, params, keys, episodes=None) -> StepBatch:
+        context = self._topo.group("cp")
+        if context is not None:
+            first = self._topo.ranks_of["cp"][0]
+            out = self._generate(engine, prompts, n, params, keys, episodes) if self._topo.rank == first else None
+            return C.broadcast_object(out, first, context)
+        return self._generate(engine, prompts, n, params, keys, episodes)
+
+    def _generate(self, engine, prompts, n: int, params, keys, episodes=None) -> StepBatch:
         engine = self.engine_for(engine)
         topo = self._topo
         if topo.rollout_tp <= topo.tp_degree or topo.group("rollout") is None:

@@ -13,7 +13,7 @@ import paddle
 from ..model_files.safetensors_io import load_state
 from .config import ModelConfig
 from .decoder import CausalLM
-from .logprobs import response_hidden
+from .logprobs import context_head, response_head
 from .lora import LoraSettings, add_adapters
 from .pretrained import load_model, load_weights
 
@@ -67,10 +67,16 @@ def head_values(model: CausalLM, hidden):
 def token_values(model: CausalLM, input_ids, attention_mask, prompt_width: int, length: int, shared_prompts=None):
     """V_t of each response position t [b, length]: the head on the hidden state that predicts response token t
     (the state before the token is chosen), as `models.logprobs.token_logprobs` reads the LM head."""
-    return head_values(model, response_hidden(model, input_ids, attention_mask, prompt_width, length, shared_prompts))
+    return response_head(model, input_ids, attention_mask, prompt_width, length, shared_prompts,
+                         lambda hidden, cols: (head_values(model, hidden),), ("float",))[0]
 
 
 def packed_token_values(model: CausalLM, packing):
-    """token_values of a packed micro-batch (packing.Packing): [b, W], 0 where nothing is predicted."""
-    hidden = paddle.gather(model.packed_hidden_states(packing)[0], packing.select).unsqueeze(0)
-    return packing.place(head_values(model, hidden))
+    """token_values of a packed micro-batch (packing.Packing): [b, W], 0 where nothing is predicted (under context
+    parallelism each rank's head on the positions it holds: logprobs.context_head)."""
+    hidden = model.packed_hidden_states(packing, split_context=True)
+    if model.context_group is None:
+        return packing.place(head_values(model, paddle.gather(hidden[0], packing.select).unsqueeze(0)))
+    values, = context_head(model.context_split(packing.tokens), hidden, packing.select.numpy(),
+                           lambda h, cols: (head_values(model, h),), ("float",))
+    return packing.place(values)

@@ -23,7 +23,7 @@ import paddle.nn.functional as F
 from paddle.autograd import PyLayer
 
 from .. import ops
-from ..parallel.collectives import TokenSplit, copy_to_group, gather_from_group, group_size
+from ..parallel.collectives import ContextSplit, TokenSplit, copy_to_group, gather_from_group, group_size
 from .config import ModelConfig
 from .layers import Bf16Products, ColumnLinear, RMSNorm, RowLinear, ScoreHead, VocabEmbedding, vocab_parallel_argmax, \
     vocab_parallel_logprobs
@@ -195,6 +195,9 @@ class Pass:
     marks a packed row of several sequences: attention runs on its blocks instead of a bias over the row.
     `tokens` (set by CausalLM.run under sequence parallelism: collectives.TokenSplit): the residual stream and the
     norms hold this rank's share of the tokens; the tensor-parallel blocks gather them and scatter their output.
+    `context` (set by CausalLM.run under context parallelism: collectives.ContextSplit): every layer holds this rank's
+    slice of the tokens and attention trades it for a slice of the heads around its core; `split_context` (set by
+    the callers that read the output on a rank's own tokens) asks for it.
     `recompute` (set by CausalLM.run in training): what the backward recomputes, None or "full" (each layer),
     "full_attn" (each self-attention block), "core_attn" (softmax(QK^T)V, whose probabilities grow with the
     sequence) or "core_attn_mlp" (that and each dense MLP block with its norm)."""
@@ -206,6 +209,8 @@ class Pass:
         self.recompute = None
         self.reentrant = False   # recompute_use_reentrant (set by CausalLM.run with `recompute`)
         self.tokens = None
+        self.context = None
+        self.split_context = False
         self.attention_bias = attention_bias
         self.caches = caches
         self.decode_start = decode_start
@@ -281,6 +286,33 @@ class Attention(nn.Layer):
         v = v.reshape([batch, length, self.num_kv_heads, self.head_dim])
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
+        if p.context is not None:
+            return self.o_proj(self._context_core(q, k, v, p), p.tokens)
+        return self._attend(q, k, v, p, cache)
+
+    def _context_core(self, q, k, v, p: Pass):
+        """Ulysses: q, k, v of this rank's tokens and all heads -> all tokens and this rank's heads (all-to-all), the
+        attention core on whole sequences, and back (all-to-all): [B, local, heads * d]. Fewer key/value heads than
+        the degree are repeated first, so that each rank's query heads find theirs (each kv head's copies take the
+        sum of their gradients)."""
+        split, size = p.context, p.context.size
+        if self.num_kv_heads < size:
+            repeat = size // self.num_kv_heads
+            k, v = paddle.repeat_interleave(k, repeat, axis=2), paddle.repeat_interleave(v, repeat, axis=2)
+        # one all-to-all for q, k and v: each rank's share of every one side by side [q_r | k_r | v_r]
+        batch, length, d = q.shape[0], q.shape[1], self.head_dim
+        heads, kv_heads = q.shape[2] // size, k.shape[2] // size
+        qkv = paddle.concat([t.reshape([batch, length, size, -1, d]) for t in (q, k, v)], axis=3)
+        qkv = split.to_heads(qkv.reshape([batch, length, size * (heads + 2 * kv_heads), d]))
+        q, k, v = paddle.split(qkv, [heads, kv_heads, kv_heads], axis=2)
+        out = self._attend(q, k, v, p, None, project=False)
+        out = split.to_tokens(out.reshape([out.shape[0], out.shape[1], -1, self.head_dim]))
+        return out.reshape([out.shape[0], out.shape[1], self.num_heads * self.head_dim])
+
+    def _attend(self, q, k, v, p: Pass, cache, project: bool = True):
+        """Rotary, then the attention core of q [B, L, H, d], k, v [B, L, KV, d]; its output through o_proj
+        (`project`), else [B, L, H * d] as it is."""
+        finish = (lambda out: self.o_proj(out, p.tokens)) if project else (lambda out: out)
         cos, sin = (p.local_cos, p.local_sin) if self.window is not None and p.local_cos is not None else (p.cos, p.sin)
         q, k = ops.rotary(q, cos, sin), ops.rotary(k, cos, sin)
         if p.packing is not None:  # several sequences in one row: attention on the packing's blocks
@@ -300,23 +332,24 @@ class Attention(nn.Layer):
         stores = p.packing.stores_probabilities(q, k, v) if p.packing is not None \
             else not ops.kernel_switch("attention")
         if p.recompute in ("core_attn", "core_attn_mlp") and stores:
-            return self.o_proj(_recompute(core, *args, reentrant=p.reentrant), p.tokens)
-        return self.o_proj(core(*args), p.tokens)
+            return finish(_recompute(core, *args, reentrant=p.reentrant))
+        return finish(core(*args))
 
     def _core(self, q, k, v, bias):
         """softmax(q k^T * scale + bias) v: q [B, H, L, D], k, v [B, KV, K, D] -> [B, L, H * D]. With
         use_flash_attention the blocked attention (ops.blocked_attention: no probabilities stored), else the
         probabilities materialized (ops.masked_softmax)."""
-        batch, length = q.shape[0], q.shape[2]
-        groups = self.num_heads // self.num_kv_heads
+        batch, heads, length = q.shape[0], q.shape[1], q.shape[2]   # heads: this rank's (context parallel: a share)
+        kv_heads = k.shape[1]
+        groups = heads // kv_heads
         # heads h = kv * groups + j share kv head `kv`: fold the group into the query axis
-        q = q.reshape([batch, self.num_kv_heads, groups * length, self.head_dim])
+        q = q.reshape([batch, kv_heads, groups * length, self.head_dim])
         if ops.kernel_switch("attention"):
             out = ops.blocked_attention(q, k, v, bias, self.scale)
         else:
             out = paddle.matmul(ops.masked_softmax(paddle.matmul(q, k, transpose_y=True), bias, self.scale), v)
-        out = out.reshape([batch, self.num_heads, length, self.head_dim])
-        return out.transpose([0, 2, 1, 3]).reshape([batch, length, self.num_heads * self.head_dim])
+        out = out.reshape([batch, heads, length, self.head_dim])
+        return out.transpose([0, 2, 1, 3]).reshape([batch, length, heads * self.head_dim])
 
     @property
     def reads_input_rounded(self) -> bool:
@@ -521,6 +554,9 @@ class CausalLM(nn.Layer):
         # sequence parallelism (set by the layout from `sequence_parallel`; needs tp_group): the training and
         # log-prob passes split the residual stream, norms and the embedding's output along the tokens
         self.sequence_parallel = False
+        # context parallelism (set_context_parallel, from context_parallel_degree): the group whose ranks split the
+        # training and log-prob passes' tokens (Ulysses), None when off
+        self.context_group = None
         self.lora = None  # LoraSettings once adapters are on the model (models/lora.py)
         self._packed_head = None  # the tied head's packed table while packed_weights is on
         self.head_bf16 = False  # the LM head's products in bfloat16 (trainer/precision.py; the linears: _Linear.bf16)
@@ -585,6 +621,9 @@ class CausalLM(nn.Layer):
         embedding before chunk 0 of the first rank, the final norm after the last chunk of the last rank)."""
         first, last, own = self._chunk(chunk)
         p.tokens = self._token_split(inputs, p)
+        p.context = self._context_split(inputs, p)
+        if p.context is not None:   # this rank's slice of the token ids (only a first stage: no pipeline with it)
+            inputs = p.context.own(inputs)
         if first:
             x = self.embed_tokens(inputs, p.tokens)
         else:
@@ -601,6 +640,8 @@ class CausalLM(nn.Layer):
                 x = layer(x, p, p.cache(i))
         self._router = p.router
         x = self.norm(x) if last else x
+        if p.context is not None:  # context parallelism: the output stays this rank's tokens (context_head reads it)
+            return x
         # sequence parallelism: the stage's output whole again (the head and the log-prob chunks, a critic's value
         # head and the next stage read every token, as under tensor parallelism alone)
         return x if p.tokens is None else p.tokens.whole(x)
@@ -625,6 +666,32 @@ class CausalLM(nn.Layer):
         recompute = self.recompute if self.training else None
         return TokenSplit(self.tp_group, inputs.shape[1], keep_own=recompute in (None, "core_attn"))
 
+    def _context_split(self, inputs, p: Pass) -> Optional[ContextSplit]:
+        """How a pass's tokens split under context parallelism, or None: off, or a pass whose caller reads the output
+        whole (a decode step, a rollout prefill, a reward model's scores: they run whole on every rank)."""
+        if self.context_group is None or not p.split_context or p.decode or p.caches is not None:
+            return None
+        return ContextSplit(self.context_group, inputs.shape[1])
+
+    def set_context_parallel(self, group) -> None:
+        """Split the training and log-prob passes' tokens over `group` (context_parallel_degree; None: off). Refused
+        by name where the heads cannot split over it, and for sparse MoE blocks (their router statistics and
+        load-balancing loss read every token of the pass)."""
+        size = group_size(group)
+        if size > 1:
+            heads, kv = self.config.num_attention_heads, self.config.num_key_value_heads
+            if heads % size or (kv % size and size % kv):
+                raise ValueError(f"context_parallel_degree {size}: num_attention_heads ({heads}) must be divisible by "
+                                 f"it, and num_key_value_heads ({kv}) divisible by it or dividing it (fewer key/value "
+                                 "heads are repeated); choose a degree that splits this model's heads")
+            if self.moe is not None:
+                raise ValueError(f"context_parallel_degree {size}: this model has sparse MoE blocks, whose router "
+                                 "statistics and load-balancing loss read every token of a pass; not implemented "
+                                 "with a split of the tokens")
+            if self.tp_group is not None:
+                raise ValueError("context_parallel_degree > 1 with tensor_parallel_degree > 1 is not implemented")
+        self.context_group = group if size > 1 else None
+
     def sequence_parallel_parameters(self) -> list:
         """The parameters every rank holds whole but applies to its own tokens under sequence parallelism (the
         norms outside the attention heads, the row layers' biases, LoRA's A on column and B on row layers): their
@@ -645,17 +712,24 @@ class CausalLM(nn.Layer):
         return heads + self.sequence_parallel_parameters()
 
     def hidden_states(self, inputs, position_ids, attention_bias, cache=None, token_weight=None,
-                      chunk: Optional[int] = None):
+                      chunk: Optional[int] = None, split_context: bool = False):
         """`token_weight` [B, T]: how much each token counts in the load-balancing loss (None: all once); `chunk`:
-        one chunk of an interleaved pipeline stage (run)."""
-        return self.run(inputs, Pass(self.rotary, position_ids, attention_bias, cache, token_weight=token_weight),
-                        chunk)
+        one chunk of an interleaved pipeline stage (run); `split_context`: under context parallelism the output is
+        this rank's tokens only (`context_split`), for a caller that reads it through `context_head`."""
+        p = Pass(self.rotary, position_ids, attention_bias, cache, token_weight=token_weight)
+        p.split_context = split_context
+        return self.run(inputs, p, chunk)
 
-    def packed_hidden_states(self, packing):
+    def packed_hidden_states(self, packing, split_context: bool = False):
         """hidden_states [1, N, hidden] of a packed row (packing.Packing: real tokens only, attention per
-        segment block)."""
-        return self.run(packing.input_ids, Pass(self.rotary, packing.position_ids, token_weight=packing.token_weight,
-                                                packing=packing))
+        segment block); `split_context` as hidden_states."""
+        p = Pass(self.rotary, packing.position_ids, token_weight=packing.token_weight, packing=packing)
+        p.split_context = split_context
+        return self.run(packing.input_ids, p)
+
+    def context_split(self, tokens: int) -> Optional[ContextSplit]:
+        """The split of a `tokens`-long pass under context parallelism (what `run` makes), None when off."""
+        return None if self.context_group is None else ContextSplit(self.context_group, tokens)
 
     def sequence_scores(self, input_ids, attention_mask):
         """A sequence classifier's scores [B, num_labels], read at each row's last token that is not the pad token

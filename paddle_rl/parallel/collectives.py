@@ -331,3 +331,96 @@ def sum_gradients(params, group) -> None:
         n = int(np.prod(p.grad.shape))
         paddle.assign(flat[offset:offset + n].reshape(p.grad.shape).astype(p.grad.dtype), output=p.grad)
         offset += n
+
+
+# ---------------------------------------------------------------------- context parallelism (Ulysses)
+
+def _all_to_all(x, split_axis: int, concat_axis: int, group):
+    """x split into group.nranks chunks along `split_axis`; rank r's result is chunk r of every rank's x, concatenated
+    along `concat_axis` in rank order. NCCL: one `dist.alltoall`. gloo (the CPU backend) has no all-to-all (Paddle
+    3.3.1: "ProcessGroupGLOO does not support all_to_all"): an all-gather of the whole x, each rank keeping its chunk
+    of every part (the same result, group.nranks times the bytes on the wire)."""
+    size = group.nranks
+    if x.place.is_gpu_place():
+        chunks = [c.contiguous() for c in paddle.split(x, size, axis=split_axis)]
+        parts: List[paddle.Tensor] = []
+        with watched("all_to_all (context parallel)", group):
+            dist.alltoall(parts, chunks, group=group)
+    else:
+        gathered: List[paddle.Tensor] = []
+        with watched("all_gather (context parallel all-to-all)", group):
+            dist.all_gather(gathered, x.contiguous() if hasattr(x, "contiguous") else x, group=group)
+        parts = [paddle.split(g, size, axis=split_axis)[group.rank] for g in gathered]
+    return paddle.concat(parts, axis=concat_axis)
+
+
+class _TokensToHeads(PyLayer):
+    # [B, local tokens, heads, d] -> [B, padded tokens, heads / size, d]; backward: the inverse all-to-all
+    @staticmethod
+    def forward(ctx, x, split):
+        ctx.split = split
+        return _all_to_all(x, 2, 1, split.group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_to_all(grad, 1, 2, ctx.split.group)
+
+
+class _HeadsToTokens(PyLayer):
+    # [B, padded tokens, heads / size, d] -> [B, local tokens, heads, d]; backward: the inverse all-to-all
+    @staticmethod
+    def forward(ctx, x, split):
+        ctx.split = split
+        return _all_to_all(x, 1, 2, split.group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_to_all(grad, 2, 1, ctx.split.group)
+
+
+class ContextSplit:
+    """The tokens of one pass split over a context-parallel group (Ulysses sequence parallelism,
+    `context_parallel_degree`): `total` tokens along axis 1, padded to `padded` (a multiple of the group's size),
+    rank r holding the contiguous tokens [r * local, (r + 1) * local) through the whole decoder: embedding, norms,
+    projections, MLP, the head. Around each attention core an all-to-all turns [tokens / size, all heads] into
+    [all tokens, heads / size] (`to_heads`) and back (`to_tokens`): attention runs on whole sequences for this rank's
+    heads. Pad tokens (the last rank's tail) reach no attention (cut off before it) and no log-prob."""
+
+    def __init__(self, group, total: int):
+        self.group = group
+        self.size, self.rank = group_size(group), group_rank(group)
+        self.total = total
+        self.local = -(-total // self.size)
+        self.padded = self.local * self.size
+        self.start = self.rank * self.local
+
+    def own(self, x):
+        """x [B, total, ...] (ids, positions; the same on every rank) -> this rank's tokens [B, local, ...] (pad rows
+        zeros)."""
+        return _pad_tokens(x, self.padded)[:, self.start:self.start + self.local]
+
+    def to_heads(self, x):
+        """[B, local, heads, d] -> [B, total, heads / size, d] (the all-to-all before attention)."""
+        whole = _TokensToHeads.apply(x, self)
+        return whole if self.padded == self.total else whole[:, :self.total]
+
+    def to_tokens(self, x):
+        """[B, total, heads / size, d] -> [B, local, heads, d] (the all-to-all after attention)."""
+        return _HeadsToTokens.apply(_pad_tokens(x, self.padded), self)
+
+    def owned(self, positions: np.ndarray) -> np.ndarray:
+        """Which of `positions` (token indices along axis 1) this rank holds."""
+        positions = np.asarray(positions)
+        return (positions >= self.start) & (positions < min(self.start + self.local, self.total))
+
+    def sum(self, x):
+        """Every rank's values summed (each rank filled its own positions, zeros elsewhere); backward: the identity,
+        so each rank's positions take the gradient of the one loss every rank computes from the sum."""
+        return reduce_from_group(x, self.group)
+
+    @paddle.no_grad()
+    def sum_ints(self, x):
+        out = x.clone()
+        with watched("all_reduce (context parallel)", self.group):
+            dist.all_reduce(out, group=self.group)
+        return out

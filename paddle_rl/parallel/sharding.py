@@ -3,6 +3,8 @@
 Gradients are summed (not averaged): the loss of every rank is already its share of the global
 mini-batch loss (global token / sequence normalizers), so the sum is the single-process gradient.
 
+- context parallelism first (`context_parallel_degree`): every gradient all-reduced over the context group, whose
+  ranks computed it from their own token slices (as a data-parallel group from its rows);
 - no sharding / stage1: all-reduce every gradient over the batch group (data x sharding);
   stage1 then lets each sharding rank update only the parameters it owns (its Adam moments only)
   and broadcasts the updated values from the owners.
@@ -102,6 +104,8 @@ class GradientSync:
         sum_gradients(self.token_partial, topo.group("tp"))
         # every rank of the batch group holds the same parameter list and each took part in the loss
         params = [p for p in self.params if p.grad is not None]
+        if topo.group("cp") is not None and params:  # each context rank's gradient is its tokens' share
+            _coalesced(params, lambda flat: _all_reduce(flat, topo.group("cp")))
         if topo.batch_degree == 1 or not params:
             return
         if self.stage == 2:

@@ -1,8 +1,8 @@
-"""The process grid: data x sharding x pipeline x tensor, and one communication group per axis.
+"""The process grid: data x sharding x pipeline x context x tensor, and one communication group per axis.
 
-Rank r has coordinates (data, sharding, pipe, tensor), tensor varying fastest:
-    r = ((data * S + sharding) * P + pipe) * T + tensor
-so tensor-parallel peers are neighbours (one node, the fastest links on GPUs).
+Rank r has coordinates (data, sharding, pipe, context, tensor), tensor varying fastest:
+    r = (((data * S + sharding) * P + pipe) * C + context) * T + tensor
+so tensor-parallel peers are neighbours (one node, the fastest links on GPUs), context-parallel ones next.
 
 Groups (a paddle.distributed group, or None for an axis of size 1, where every collective is a no-op):
 - tp:       same (data, sharding, pipe), different tensor rank: split layers
@@ -11,7 +11,11 @@ Groups (a paddle.distributed group, or None for an axis of size 1, where every c
 - dp:       same (sharding, pipe, tensor): split the batch, replicate the optimizer
 - batch:    same (pipe, tensor): every rank holding a different part of the batch (dp x sharding); gradient
             and statistics sums run over it
-- model:    same (data, sharding): the ranks that hold one copy of the model and the same data (pipe x tensor)
+- cp:       same (data, sharding, pipe, tensor), different context rank: the ranks that split every sequence's
+            tokens (Ulysses, `context_parallel_degree`; parallel/collectives.py ContextSplit); they hold the same
+            rows, and their gradients are summed as a data-parallel group's
+- model:    same (data, sharding): the ranks that hold one copy of the model and the same data
+            (pipe x context x tensor)
 - embed:    first and last stage of a pipeline (tied input / output embedding)
 - pp_next / pp_prev: this stage and its next / previous one on the ring of a pipeline's stages (the last
             stage's next is the first), for their send/recv, with more than 2 stages (with 2, the default group)
@@ -27,15 +31,16 @@ import os
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
-from ..config.parallel_args import STAGE3_AT_DEGREE_1, sequence_parallel_refusal
+from ..config.parallel_args import STAGE3_AT_DEGREE_1, context_parallel_refusal, sequence_parallel_refusal
 from . import watchdog
 from .watchdog import watched
 
 logger = logging.getLogger("paddle_rl")
 
-AXES = ("data", "sharding", "pipe", "tensor")
+AXES = ("data", "sharding", "pipe", "context", "tensor")
 DEGREE_KEYS = {"data": "data_parallel_degree", "sharding": "sharding_parallel_degree",
-               "pipe": "pipeline_parallel_degree", "tensor": "tensor_parallel_degree"}
+               "pipe": "pipeline_parallel_degree", "context": "context_parallel_degree",
+               "tensor": "tensor_parallel_degree"}
 
 
 class TopologyError(ValueError):
@@ -47,27 +52,29 @@ def world_size_from_env() -> int:
 
 
 def resolve_degrees(tensor: int = 1, pipe: int = 1, sharding: int = 1, data: int = -1,
-                    world_size: Optional[int] = None) -> Dict[str, int]:
+                    world_size: Optional[int] = None, context: int = 1) -> Dict[str, int]:
     """Degrees per axis; -1 derives a degree from the world size (the processes launched). Errors name the keys.
 
     - sharding -1 (PaddleNLP's `sharding_parallel_degree: -1`) takes every rank that tensor x pipeline leave,
       divided by data_parallel_degree when that is given (>= 1). With data -1 as well, sharding is derived
       first and takes them all, so data is 1: PaddleNLP resolves sharding -1 before it derives the data degree
       from what is left. (config/parallel_args.py turns -1 into 1 when no sharding stage is named.)
-    - data -1 takes what tensor x pipeline x sharding leave.
+    - data -1 takes what tensor x pipeline x sharding (x context) leave.
+    The result names the context axis only when its degree is above 1 (a grid without it reads as before).
     """
     world = world_size_from_env() if world_size is None else world_size
+    ctx_named = f" x context_parallel_degree ({context})" if context > 1 else ""
     if sharding == -1:
-        rest = tensor * pipe * (1 if data == -1 else data)
-        rest_named = f"tensor_parallel_degree ({tensor}) x pipeline_parallel_degree ({pipe})" + (
+        rest = tensor * pipe * context * (1 if data == -1 else data)
+        rest_named = f"tensor_parallel_degree ({tensor}) x pipeline_parallel_degree ({pipe}){ctx_named}" + (
             "" if data == -1 else f" x data_parallel_degree ({data})")
         if world % rest:
             raise TopologyError(f"sharding_parallel_degree -1 takes the ranks that {rest_named} = {rest} leave, but "
                                 f"{rest} does not divide the world size {world} (processes launched)")
         sharding = world // rest
-    model = tensor * pipe * sharding
+    model = tensor * pipe * sharding * context
     named = (f"tensor_parallel_degree ({tensor}) x pipeline_parallel_degree ({pipe}) x "
-             f"sharding_parallel_degree ({sharding})")
+             f"sharding_parallel_degree ({sharding}){ctx_named}")
     if data == -1:
         if world % model:
             raise TopologyError(f"{named} = {model} does not divide the world size {world} (processes launched); "
@@ -76,7 +83,10 @@ def resolve_degrees(tensor: int = 1, pipe: int = 1, sharding: int = 1, data: int
     elif data * model != world:
         raise TopologyError(f"data_parallel_degree ({data}) x {named} = {data * model} does not match the world "
                             f"size {world} (processes launched, e.g. --nproc_per_node)")
-    return {"data": data, "sharding": sharding, "pipe": pipe, "tensor": tensor}
+    degrees = {"data": data, "sharding": sharding, "pipe": pipe, "tensor": tensor}
+    if context > 1:
+        degrees["context"] = context
+    return degrees
 
 
 @dataclass
@@ -89,6 +99,10 @@ class Topology:
     groups: Dict[str, object] = field(default_factory=dict)
     ranks_of: Dict[str, List[int]] = field(default_factory=dict)
     virtual_pp: int = 1      # chunks of layers per pipeline stage (virtual_pp_degree: the interleaved schedule)
+
+    def __post_init__(self):
+        self.degrees = dict(self.degrees)
+        self.degrees.setdefault("context", 1)   # a grid named without the context axis has degree 1 there
 
     # ------------------------------------------------------------------ coordinates
     @property
@@ -108,12 +122,14 @@ class Topology:
         for axis in reversed(AXES):
             out[axis] = rank % self.degrees[axis]
             rank //= self.degrees[axis]
+        if self.degrees["context"] == 1:
+            del out["context"]   # coordinates read as before on a grid without context parallelism
         return out
 
     def rank_at(self, **coords) -> int:
         rank = 0
         for axis in AXES:
-            rank = rank * self.degrees[axis] + coords[axis]
+            rank = rank * self.degrees[axis] + coords.get(axis, 0)
         return rank
 
     @property
@@ -131,6 +147,10 @@ class Topology:
     @property
     def dp_degree(self) -> int:
         return self.degrees["data"]
+
+    @property
+    def cp_degree(self) -> int:
+        return self.degrees["context"]
 
     @property
     def tp_rank(self) -> int:
@@ -172,7 +192,8 @@ class Topology:
     def describe(self) -> str:
         return (f"rank {self.rank}/{self.world_size}: data {self.degrees['data']} x sharding "
                 f"{self.degrees['sharding']} (stage{self.sharding_stage}) x pipeline {self.degrees['pipe']}"
-                f"{f' (virtual {self.virtual_pp})' if self.virtual_pp > 1 else ''} x tensor "
+                f"{f' (virtual {self.virtual_pp})' if self.virtual_pp > 1 else ''}"
+                f"{f' x context {self.cp_degree}' if self.cp_degree > 1 else ''} x tensor "
                 f"{self.degrees['tensor']}{' (sequence parallel)' if self.sequence_parallel else ''}; rollout tensor "
                 f"{self.rollout_tp}; coords {self.coords()}")
 
@@ -183,7 +204,7 @@ class Topology:
         out = []
         for r in range(self.world_size):
             c = self.coords(r)
-            if all(c[a] == base[a] for a in AXES if a not in axes):
+            if all(c.get(a, 0) == base.get(a, 0) for a in AXES if a not in axes):
                 out.append(r)
         return out
 
@@ -194,7 +215,8 @@ class Topology:
 
 
 GROUP_AXES = {"tp": ("tensor",), "pp": ("pipe",), "sharding": ("sharding",), "dp": ("data",),
-              "batch": ("data", "sharding"), "model": ("pipe", "tensor"), "world": AXES}
+              "batch": ("data", "sharding"), "model": ("pipe", "context", "tensor"), "world": AXES,
+              "cp": ("context",)}
 
 _GROUP_CACHE: Dict[Tuple[int, ...], object] = {}
 _INITIALIZED = False
@@ -219,7 +241,7 @@ def _new_group(ranks: Tuple[int, ...]):
 
 def build_topology(tensor: int = 1, pipe: int = 1, sharding: int = 1, data: int = -1, sharding_stage: str = "",
                    rollout_tensor: int = -1, collective_timeout: float = watchdog.DEFAULT_TIMEOUT,
-                   sequence_parallel: bool = False, virtual_pp: int = 1) -> Topology:
+                   sequence_parallel: bool = False, virtual_pp: int = 1, context: int = 1) -> Topology:
     """Initialize paddle.distributed (once per process), start this rank's watchdog (parallel/watchdog.py: a
     collective pending for more than `collective_timeout` seconds, or a dead peer, stops the rank with a message)
     and create every group of this grid.
@@ -227,9 +249,15 @@ def build_topology(tensor: int = 1, pipe: int = 1, sharding: int = 1, data: int 
     A single process with every degree 1 gets a topology without groups and without initializing anything.
     `virtual_pp` (virtual_pp_degree) chunks of layers per pipeline stage need a pipeline (pipe > 1).
     `sequence_parallel` splits the tensor group's activations along the tokens (tensor > 1, pipeline 1).
+    `context` (context_parallel_degree) ranks split every sequence's tokens (Ulysses: tensor, pipeline 1, no stage3).
     """
     global _INITIALIZED
-    degrees = resolve_degrees(tensor, pipe, sharding, data)
+    if context > 1:
+        refusal = context_parallel_refusal(tensor, pipe, sharding_stage if sharding != 1 else "", rollout_tensor)
+        if refusal:
+            raise TopologyError(refusal)
+    degrees = resolve_degrees(tensor, pipe, sharding, data, context=context)
+    degrees.setdefault("context", 1)
     if sequence_parallel and (tensor == 1 or pipe > 1):
         raise TopologyError(sequence_parallel_refusal(tensor, pipe))
     stage = {"": 1, "stage1": 1, "stage2": 2, "stage3": 3}.get(sharding_stage)
@@ -244,7 +272,7 @@ def build_topology(tensor: int = 1, pipe: int = 1, sharding: int = 1, data: int 
         raise TopologyError(f"virtual_pp_degree {virtual_pp} needs pipeline_parallel_degree > 1 (it splits each "
                             "pipeline stage into chunks of layers)")
     rollout_tp = tensor if rollout_tensor == -1 else rollout_tensor
-    world = degrees["data"] * degrees["sharding"] * degrees["pipe"] * degrees["tensor"]
+    world = degrees["data"] * degrees["sharding"] * degrees["pipe"] * degrees["context"] * degrees["tensor"]
     if world % rollout_tp:
         raise TopologyError(f"rollout_tensor_parallel_degree ({rollout_tp}) does not divide the world size {world}")
     if rollout_tp != tensor and pipe > 1:
@@ -323,7 +351,7 @@ def build_topology(tensor: int = 1, pipe: int = 1, sharding: int = 1, data: int 
 
 
 def _product_text(degrees: Dict[str, int]) -> str:
-    return " x ".join(f"{DEGREE_KEYS[a]} ({degrees[a]})" for a in AXES)
+    return " x ".join(f"{DEGREE_KEYS[a]} ({degrees[a]})" for a in AXES if a != "context" or degrees[a] > 1)
 
 
 def topology_from_config(config) -> Topology:
@@ -332,7 +360,8 @@ def topology_from_config(config) -> Topology:
                           sharding_stage=config.sharding if config.sharding_parallel_degree != 1 else "",
                           rollout_tensor=config.rollout_tensor_parallel_degree,
                           collective_timeout=config.collective_timeout,
-                          virtual_pp=config.virtual_pp_degree, sequence_parallel=config.sequence_parallel)
+                          virtual_pp=config.virtual_pp_degree, sequence_parallel=config.sequence_parallel,
+                          context=config.context_parallel_degree)
 
 
 def single_process() -> Topology:

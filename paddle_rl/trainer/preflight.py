@@ -204,7 +204,8 @@ def grid_problems(config) -> list:
     that never come)."""
     try:
         resolve_degrees(config.tensor_parallel_degree, config.pipeline_parallel_degree,
-                        config.sharding_parallel_degree, config.data_parallel_degree)
+                        config.sharding_parallel_degree, config.data_parallel_degree,
+                        context=config.context_parallel_degree)
     except TopologyError as e:
         return [f"{e} (`paddle-rl train CONFIG --nproc_per_node N` launches N processes)"]
     return []
