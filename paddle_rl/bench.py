@@ -35,24 +35,34 @@ generates on the servers, and the two run step by step in turn (the same work, t
 load); printed below the inline run: its step, its ratio to the inline step, the servers' generation, the weight
 push's seconds (serialising apart) and bytes per server.
 
-Prints seconds per step and its split by stage, generated and trained tokens, rows processed by decode steps,
-effective GFLOP/s against the fp32 matmul peak measured in the same process, peak RSS and each stage's peak RSS and
-Paddle tensors (monitor/memory.py); the last line is one JSON
-object. Matmul peaks (`matmul_peaks`): square products and the workload's own linear shapes, measured before the
+`--switches [LIST]` times the fused-kernel switches (use_flash_attention, use_fused_rms_norm, use_fused_rope,
+use_fused_head_and_loss_fn, use_fused_linear; all, or those listed): the workload with the config's switches and with
+each flipped, one at a time, --warmup + --steps rounds alternated in one process (`switch_runs`); a table of seconds
+per step and stage, the ratio to the baseline, peak RSS and Paddle tensors' peak per run, then one JSON object.
+
+Prints the configuration (the --set overrides, each fused-kernel switch and the path it takes), seconds per step and
+its split by stage, generated and trained tokens, rows processed by decode steps, effective GFLOP/s against the fp32
+matmul peak measured in the same process, each stage's GFLOP/s and its share of the peak of the precision it runs in
+(`stage_peak_fraction`), peak RSS and each stage's peak RSS and Paddle tensors (monitor/memory.py); the last line is
+one JSON object. Matmul peaks (`matmul_peaks`): square products and the workload's own linear shapes, measured before the
 trainer is built and again after the run, the best of each kind kept: fp32 (paddle.matmul; `matmul_peak_gflops`,
 the effective rates' yardstick), the suite's bf16 training product and packed bf16 rollout kernel, and PyTorch's
-bf16 matmul as an outside reference where torch is importable (`<kind>_peak_gflops`, `_before_` / `_after_`).
+bf16 matmul as an outside reference where torch is importable (`<kind>_peak_gflops`, `_before_` / `_after_`;
+`--peaks` picks the kinds).
 """
 # Each workload imports what it runs inside its function: `paddle-rl bench --help` and the parser of every other
 # command stay without Paddle and the model code.
 import argparse
 import json
+import logging
 import math
 import os
 import sys
 import tempfile
 import time
 from typing import Optional
+
+import yaml
 
 from .config import load_config
 from .env import configure_threads, malloc_mode
@@ -282,6 +292,18 @@ def matmul_peaks(shape: Optional[dict] = None, repeat: int = 3, kinds=tuple(PEAK
     return rows
 
 
+def chosen_peak_kinds(value: Optional[str]) -> tuple:
+    """--peaks: `all` (None) or a comma-separated list of PEAK_KINDS -> the kinds to time (fp32 always: the effective
+    rates' yardstick)."""
+    if value in (None, "", "all"):
+        return tuple(PEAK_KINDS)
+    kinds = [k.strip() for k in value.split(",") if k.strip()]
+    unknown = [k for k in kinds if k not in PEAK_KINDS]
+    if unknown:
+        raise SystemExit(f"bench: --peaks: {', '.join(unknown)}: not among {', '.join(PEAK_KINDS)}")
+    return tuple(k for k in PEAK_KINDS if k in kinds or k == "fp32")
+
+
 def matmul_peak(size: int = 1024, repeat: int = 5) -> float:
     """GFLOP/s of one square fp32 matmul in this process (best of `repeat`)."""
     fn = _peak_products("fp32", size, size, size)
@@ -436,17 +458,47 @@ def resolve_args(args) -> dict:
     return spec
 
 
+def prepare_workload(args, spec: dict, tmp: str) -> tuple:
+    """The workload's model folder and prompts in `tmp` -> (work {model_dir, data}, the model's shape)."""
+    if spec["model"] == "path":
+        make = code_workload if spec.get("data") == "humaneval" else chat_workload
+        work = make(tmp, args.model_path, args.prompts)
+        return work, model_shape(work["model_dir"])
+    return build_workload(tmp, spec["model"], args.prompts, args.prompt_len, args.seed), MODELS[spec["model"]]
+
+
+def workload_overrides(args, spec: dict, work: dict, tmp: str, steps: int) -> dict:
+    """The run's configuration keys: the workload's, then the command line's `--set KEY=VALUE` (YAML values)."""
+    rows = args.prompts * args.rollout_n
+    overrides = {
+        "actor_model_name_or_path": work["model_dir"], "train_datasets": work["data"],
+        "prompt_key": "src", "response_key": "tgt", "output_dir": os.path.join(tmp, "out"),
+        "max_prompt_len": max(args.prompt_len + 8, 256), "max_dec_len": spec["response_len"],
+        "min_dec_len": spec["response_len"] if spec["exact"] else 0, "temperature": 1.0, "top_p": 1.0,
+        "rollout_n": args.rollout_n, "global_batch_size": args.prompts, "global_mini_batch_size": -1,
+        "update_iters": 1, "per_device_train_batch_size": rows, "per_device_logprob_batch_size": rows,
+        "per_device_value_batch_size": rows,
+        "kl_loss_coeff": args.kl_loss_coeff, "learning_rate": 1e-5, "max_steps": steps, "save_strategy": "no",
+        "do_eval": False, "report_to": "none", "disable_tqdm": True, "reward_funcs": ["distinct_chars"],
+        "seed": args.seed, **spec["settings"],
+    }
+    for item in args.set or []:
+        key, value = item.split("=", 1)
+        overrides[key.strip()] = yaml.safe_load(value)
+    return overrides
+
+
 def run(args) -> dict:
     # strided views make Paddle's CPU transposes/reshapes copy element by element (~10x slower than a real
     # transpose): the decoder's attention is much faster with them off (see docs/performance.md)
     os.environ.setdefault("FLAGS_use_stride_kernel", "0")
     configure_threads()
-    import logging
 
     import numpy as np
 
     # deferred: the trainer loads Paddle, only when a workload runs (after configure_threads)
     from .trainer import RLTrainer
+    from .trainer.logprobs import reuses_rollout_logprobs
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     spec = resolve_args(args)
@@ -455,37 +507,17 @@ def run(args) -> dict:
     lengths = long_tail_lengths(rows, cap=spec["response_len"]) if spec.get("lengths") == "long_tail" else None
     with tempfile.TemporaryDirectory(prefix="paddle_rl_bench_") as tmp:
         start = time.perf_counter()
-        if spec["model"] == "path":
-            make = code_workload if spec.get("data") == "humaneval" else chat_workload
-            work = make(tmp, args.model_path, args.prompts)
-            shape = model_shape(work["model_dir"])
-        else:
-            work = build_workload(tmp, spec["model"], args.prompts, args.prompt_len, args.seed)
-            shape = MODELS[spec["model"]]
+        work, shape = prepare_workload(args, spec, tmp)
         build_s = time.perf_counter() - start
-        overrides = {
-            "actor_model_name_or_path": work["model_dir"], "train_datasets": work["data"],
-            "prompt_key": "src", "response_key": "tgt", "output_dir": os.path.join(tmp, "out"),
-            "max_prompt_len": max(args.prompt_len + 8, 256), "max_dec_len": spec["response_len"],
-            "min_dec_len": spec["response_len"] if spec["exact"] else 0, "temperature": 1.0, "top_p": 1.0,
-            "rollout_n": args.rollout_n, "global_batch_size": args.prompts, "global_mini_batch_size": -1,
-            "update_iters": 1, "per_device_train_batch_size": rows, "per_device_logprob_batch_size": rows,
-            "per_device_value_batch_size": rows,
-            "kl_loss_coeff": args.kl_loss_coeff, "learning_rate": 1e-5, "max_steps": steps, "save_strategy": "no",
-            "do_eval": False, "report_to": "none", "disable_tqdm": True, "reward_funcs": ["distinct_chars"],
-            "seed": args.seed, **spec["settings"],
-        }
-        for item in args.set or []:
-            key, value = item.split("=", 1)
-            import yaml
-            overrides[key.strip()] = yaml.safe_load(value)
+        overrides = workload_overrides(args, spec, work, tmp, steps)
         server_urls = server_list(overrides.pop("rollout_server_urls", None))
         config = load_config(None, overrides)
         if server_urls and lengths is not None:
             raise SystemExit("bench: W2's EOS schedule is applied to the trainer's own engine; it cannot reach a "
                              "rollout server (use w1, w3 or w4 with rollout_server_urls)")
         load_before = os.getloadavg()[0]
-        peaks_before = matmul_peaks(shape)
+        peak_kinds = chosen_peak_kinds(args.peaks)
+        peaks_before = matmul_peaks(shape, kinds=peak_kinds)
         trainer = RLTrainer(config)
         if lengths is not None:
             if config.async_rollout:
@@ -499,13 +531,16 @@ def run(args) -> dict:
             trainer.train()
             cpu_s = time.process_time() - cpu_start
             records, served = _read_metrics(os.path.join(config.output_dir, "metrics.jsonl")), None
-        peaks = peak_summary(peaks_before, matmul_peaks(shape))
+        peaks = peak_summary(peaks_before, matmul_peaks(shape, kinds=peak_kinds))
         peak = peaks["fp32_peak_gflops"]
         optimizer_bytes = trainer.layout.optimizer_state_bytes(trainer.optimizer)["total"]
         trainable = sum(int(np.prod(p.shape)) for p in trainer.actor.parameters() if not p.stop_gradient)
         critic = trainer.critic is not None
         critic_optimizer_bytes = trainer.layout.optimizer_state_bytes(trainer.critic.optimizer)["total"] \
             if critic else 0
+        switches = kernel_switches(config, trainer.actor)
+        # the old-log-prob stage runs a forward unless it takes the rollout's own log-probs (reuse_rollout_logprobs)
+        old_pass = not reuses_rollout_logprobs(config, trainer.mini_batches_per_step)
         del trainer
     timed = records[args.warmup:] or records[-1:]
 
@@ -519,7 +554,7 @@ def run(args) -> dict:
     response_tokens = mean("response_length/mean") * rows
     prompt_tokens = mean("prompt_length/mean") * rows
     flops = step_flops(shape, prompt_tokens, response_tokens, rows, config.kl_loss_coeff > 0 or config.kl_coeff > 0,
-                       mean("time/old_logprob") > 0 and "time/old_logprob" in timed[-1], groups=args.prompts,
+                       old_pass and "time/old_logprob" in timed[-1], groups=args.prompts,
                        shared_prompts=config.share_prompt_prefix and args.rollout_n > 1,
                        shared_update=config.share_prompt_prefix and args.rollout_n > 1
                        and config.recompute_what not in ("full", "full_attn"), critic=critic,
@@ -539,7 +574,7 @@ def run(args) -> dict:
         "effective_gflops": flops["step"] / max(step_s, 1e-9) / 1e9,
         "rollout_gflops": flops["rollout"] / max(generate_s, 1e-9) / 1e9, "generate_s": generate_s,
         "update_gflops": flops["update"] / max(mean("time/update"), 1e-9) / 1e9,
-        "peak_gflops": peak, "matmul_peak_gflops": peak, **peaks,
+        "peak_gflops": peak, "matmul_peak_gflops": peak, **peaks, "peak_kinds": list(peak_kinds),
         "peak_rss_mb": memory.process_peak_mb(),  # the trainer's process
         # the peak RSS within each stage (monitor/memory.py), the timed steps' largest
         **{f"stage_peak_{kind}_mb": {k[len("memory/"):-len(f"_peak_{kind}_mb")]: max(r.get(k, 0.0) for r in timed)
@@ -555,8 +590,11 @@ def run(args) -> dict:
         "custom_ops": _custom_ops_status(), "overrides": args.set or [],
         "rollout_dtype": config.rollout_dtype, "rollout_quant_type": config.rollout_quant_type,
         **machine(), "bf16": bool(config.bf16), "lora": bool(config.lora),
-        "reward_mean": mean("reward/mean"), "accuracy": mean("reward/accuracy"),
+        "reward_mean": mean("reward/mean"), "accuracy": mean("reward/accuracy"), **switches,
     }
+    stage_seconds = {"rollout": generate_s, **{s: mean(f"time/{s}") for s in STAGES[2:] + CRITIC_STAGES}}
+    result.update(stage_rates(flops, stage_seconds, stage_peak_kinds(
+        config.rollout_dtype, config.rollout_quant_type, bool(config.bf16), bool(config.fp16)), peaks))
     if config.bf16:  # the bf16 products against float32's at this model's linear shapes, after the timed steps
         micro = int(config.max_tokens_per_micro_batch or 0) if config.use_remove_padding else 0
         tokens = int(round(mean("perf/trained_tokens")))
@@ -574,6 +612,234 @@ def run(args) -> dict:
                       critic_update_gflops=flops["critic_update"] / max(mean("time/critic_update"), 1e-9) / 1e9,
                       critic_optimizer_state_mb=critic_optimizer_bytes / 2**20)
     return result
+
+
+def kernel_switches(config, model) -> dict:
+    """The fused-kernel switches as the run has them: `kernel_switches` each key's value (None: unset), and
+    `kernel_paths` the path it selects in the model's training passes here ("fused" or "composed"; unset: what
+    ops/switches.py's `unset_choices` says this build and layout take)."""
+    # deferred: ops/ loads Paddle, only when a workload runs
+    from . import ops
+    unset = ops.switches.unset_choices(bool(config.use_remove_padding))
+    if getattr(model, "unchunked_head", None):   # tensor parallel or soft-capped logits: the whole logits
+        unset["head"] = False
+    values = config.kernel_switches
+    return {"kernel_switches": {ops.switches.KEYS[name]: value for name, value in values.items()},
+            "kernel_paths": {ops.switches.KEYS[name]: "fused" if (unset[name] if value is None else value)
+                             else "composed" for name, value in values.items()}}
+
+
+# the stages whose matmul rate the report sets against a peak: the rollout, the log-prob passes, the update, the critic
+RATED_STAGES = ("rollout", "ref_logprob", "old_logprob", "update") + CRITIC_STAGES
+
+
+def stage_peak_kinds(rollout_dtype: str, rollout_quant_type: str, bf16: bool, fp16: bool) -> dict:
+    """The peak kind (PEAK_KINDS) of the precision each stage's products run in, None where none is measured: the
+    rollout's packed kernels (weight_only_int8: the int8 kernel; bfloat16: the bf16 kernel; weight_only_int4 has
+    no measured peak) or float32; the training passes' bf16 product under bf16, float32 otherwise (fp16's emulated
+    products have no measured peak)."""
+    if rollout_quant_type == "weight_only_int8":
+        rollout = "int8_packed"
+    elif rollout_quant_type:
+        rollout = None
+    else:
+        rollout = "bf16_packed" if rollout_dtype == "bfloat16" else "fp32"
+    training = "bf16_linear" if bf16 else None if fp16 else "fp32"
+    return {stage: rollout if stage == "rollout" else training for stage in RATED_STAGES}
+
+
+def stage_rates(flops: dict, seconds: dict, kinds: dict, peaks: dict) -> dict:
+    """Each stage's effective GFLOP/s (its matmul FLOPs over its seconds; stages that did not run left out) and its
+    share of the in-run peak of its precision: `stage_gflops`, `stage_peak_kind`, `stage_peak_gflops`,
+    `stage_peak_fraction` (None where that peak was not measured)."""
+    out = {"stage_gflops": {}, "stage_peak_kind": {}, "stage_peak_gflops": {}, "stage_peak_fraction": {}}
+    for stage in RATED_STAGES:
+        if not flops.get(stage) or not seconds.get(stage):
+            continue
+        rate = flops[stage] / seconds[stage] / 1e9
+        kind = kinds[stage]
+        peak = peaks.get(f"{kind}_peak_gflops") if kind else None
+        out["stage_gflops"][stage] = rate
+        out["stage_peak_kind"][stage] = kind
+        out["stage_peak_gflops"][stage] = peak
+        out["stage_peak_fraction"][stage] = rate / peak if peak else None
+    return out
+
+
+def switch_names(value: str) -> list:
+    """--switches' list (`all`, or keys such as use_fused_rope, or the short names attention, rms_norm, rope, head,
+    linear) -> ops/switches.py names, in the order given."""
+    # deferred: ops/ loads Paddle, only when a workload runs
+    from . import ops
+    keys = ops.switches.KEYS
+    if value in (None, "", "all"):
+        return list(keys)
+    by_key = {key: name for name, key in keys.items()}
+    out = []
+    for item in (x.strip() for x in value.split(",") if x.strip()):
+        name = item if item in keys else by_key.get(item)
+        if name is None:
+            raise SystemExit(f"bench: --switches: {item!r} is none of {', '.join(keys.values())}")
+        out.append(name)
+    return out
+
+
+def switch_runs(args) -> dict:
+    """The workload with the config's fused-kernel switches (the baseline) and with each chosen switch flipped, one
+    at a time, in one process and one sitting: one trainer runs `--warmup` + `--steps` rounds, each round a step of
+    every run in turn (reversed every other round, so a load that drifts through the sitting falls on both sides),
+    each step under its run's switches (ops.kernels_selected: the passes read them per call; each run's config is
+    read and checked as a run of its own would be, so a flip that cannot act is refused by name). Flipping a switch
+    sets the key to the opposite of the path it takes in the baseline (unset: ops/switches.py's `unset_choices`).
+    Per run: seconds per step and stage (mean of the timed rounds), their ratio to the baseline's, and the peak
+    RSS and peak of Paddle's tensors within the run's steps (monitor/memory.py's stage peaks)."""
+    os.environ.setdefault("FLAGS_use_stride_kernel", "0")
+    configure_threads()
+
+    import numpy as np
+
+    # deferred: the trainer and ops/ load Paddle, only when a workload runs (after configure_threads)
+    from . import ops
+    from .trainer import RLTrainer
+
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    spec = resolve_args(args)
+    names = switch_names(args.switches)
+    rounds = args.warmup + args.steps
+    with tempfile.TemporaryDirectory(prefix="paddle_rl_bench_") as tmp:
+        work, shape = prepare_workload(args, spec, tmp)
+        overrides = workload_overrides(args, spec, work, tmp, rounds * (1 + len(names)))
+        if server_list(overrides.get("rollout_server_urls")) or spec.get("lengths") == "long_tail":
+            raise SystemExit("bench: --switches runs the trainer's own engine without an EOS schedule (w1, w3, w4 or "
+                             "w5, without rollout_server_urls)")
+        with said_once() as said:   # each variant's read repeats the baseline's warnings: those are said once
+            config = load_config(None, overrides)
+            said.seal()
+            load_before = os.getloadavg()[0]
+            trainer = RLTrainer(config)
+            baseline = kernel_switches(config, trainer.actor)
+            variants = flipped_configs(overrides, names, baseline, trainer.actor)
+        runs = [{"name": "baseline", "key": None, "value": None, "config": config}] + variants["runs"]
+        refused = variants["refused"]
+        steps = {r["name"]: [] for r in runs}
+        try:
+            for index in range(rounds):
+                for r in runs if index % 2 == 0 else runs[::-1]:
+                    with ops.kernels_selected(**r["config"].kernel_switches):
+                        metrics = trainer.train_step()
+                    trainer.stepped()
+                    if index >= args.warmup:
+                        steps[r["name"]].append(metrics)
+        finally:
+            trainer.close()
+        del trainer
+    base = None
+    out = []
+    for r in runs:
+        timed = steps[r["name"]]
+
+        def mean(key):
+            values = [m[key] for m in timed if isinstance(m.get(key), (int, float))]
+            return float(np.mean(values)) if values else 0.0
+
+        def peak(kind):
+            return max((v for m in timed for k, v in m.items() if k.startswith("memory/")
+                        and k.endswith(f"_peak_{kind}_mb") and not k.startswith("memory/before_step")), default=0.0)
+        row = {"name": r["name"], "key": r["key"], "value": r["value"], "steps_s": [m["time/step"] for m in timed],
+               "step_s": mean("time/step"),
+               **{f"{s}_s": mean(f"time/{s}") for s in STAGES + CRITIC_STAGES if f"time/{s}" in timed[-1]},
+               "peak_rss_mb": peak("rss"), "peak_tensor_mb": peak("tensor"),
+               "kernel_switches": {ops.switches.KEYS[n]: v for n, v in r["config"].kernel_switches.items()}}
+        base = base or row
+        row["step_ratio"] = row["step_s"] / max(base["step_s"], 1e-9)
+        row["stage_ratios"] = {s: row[f"{s}_s"] / base[f"{s}_s"] for s in STAGES + CRITIC_STAGES
+                               if f"{s}_s" in row and base.get(f"{s}_s")}
+        out.append(row)
+    return {"mode": "switches", "workload": args.workload,
+            "model": spec["model"] if spec["model"] != "path" else args.model_path, "prompts": args.prompts,
+            "rollout_n": args.rollout_n, "response_len": spec["response_len"], "exact_length": spec["exact"],
+            "rounds": rounds, "rounds_timed": args.steps, "overrides": args.set or [], **baseline, "runs": out,
+            "refused": refused, **machine(), "threads": os.environ.get("OMP_NUM_THREADS"),
+            "custom_ops": _custom_ops_status(), "load_avg": [load_before, os.getloadavg()[0]],
+            "peak_rss_mb": memory.process_peak_mb(), "per_stage_rss": memory.per_stage()}
+
+
+def flipped_configs(overrides: dict, names: list, baseline: dict, model) -> dict:
+    """One config per chosen switch, the switch set to the opposite of the path the baseline takes, read and checked
+    as a run's own: {"runs": [{name, key, value, config}], "refused": {key: why}} (a flip that cannot act here: the
+    config's refusal, ops' SwitchError, or the head's reason on a model that reads whole logits)."""
+    # deferred: ops/ loads Paddle, only when a workload runs
+    from . import ops
+    from .config import ConfigError
+    runs, refused = [], {}
+    for name in names:
+        key = ops.switches.KEYS[name]
+        flipped = baseline["kernel_paths"][key] != "fused"
+        keys = {k: v for k, v in overrides.items() if not (name == "linear" and k == "fused_linear")}
+        try:
+            variant = load_config(None, {**keys, key: flipped})
+            with ops.kernels_selected(**variant.kernel_switches):
+                pass   # a True switch whose kernels are not in use is refused here (SwitchError)
+            if name == "head" and flipped and getattr(model, "unchunked_head", None):
+                raise ops.SwitchError(model.unchunked_head)
+        except (ConfigError, ops.SwitchError) as e:
+            refused[key] = str(e)
+            continue
+        runs.append({"name": switch_text(key, flipped), "key": key, "value": flipped, "config": variant})
+    return {"runs": runs, "refused": refused}
+
+
+class said_once(logging.Filter):
+    """A block in which the `paddle_rl` logger's messages are said once: until `seal()` every message passes and
+    is noted; after it, a message noted before is dropped (a config read again with one key changed repeats its
+    warnings), any other passes."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen, self.sealed = set(), False
+
+    def seal(self) -> None:
+        self.sealed = True
+
+    def filter(self, record) -> bool:
+        message = record.getMessage()
+        if not self.sealed:
+            self.seen.add(message)
+            return True
+        return message not in self.seen
+
+    def __enter__(self):
+        logging.getLogger("paddle_rl").addFilter(self)
+        return self
+
+    def __exit__(self, *exc):
+        logging.getLogger("paddle_rl").removeFilter(self)
+
+
+def switch_report(result: dict) -> str:
+    """The table of `--switches`: one row per run (the baseline, then each flipped switch), seconds per step and
+    stage, the step's ratio to the baseline's, the peak RSS and Paddle tensors' peak within its steps."""
+    exact = "exactly" if result["exact_length"] else "at most"
+    stages = [s for s in STAGES + CRITIC_STAGES
+              if any(r.get(f"{s}_s") for r in result["runs"]) and s not in ("reward", "advantage")]
+    lines = [f"fused-kernel switches on {result['workload']} ({result['model']}): {result['prompts']} prompts x "
+             f"rollout_n {result['rollout_n']}, response {exact} {result['response_len']} tokens; {result['rounds']} "
+             f"rounds alternated in one process, the last {result['rounds_timed']} timed",
+             f"machine {result['cpu_model']}, {result['cores']} cores, flags {' '.join(result['cpu_flags']) or '-'}; "
+             f"OMP_NUM_THREADS={result['threads']}, custom ops {result['custom_ops']}, load average "
+             f"{result['load_avg'][0]:.1f} -> {result['load_avg'][1]:.1f}",
+             *config_lines(result)]
+    head = f"  {'run':<36} {'step s':>8} " + " ".join(f"{s:>12}" for s in stages) + \
+        f" {'x baseline':>10} {'peak RSS MB':>11} {'tensors MB':>10}"
+    lines.append(head)
+    for r in result["runs"]:
+        lines.append(f"  {r['name']:<36} {r['step_s']:8.3f} " + " ".join(f"{r.get(f'{s}_s', 0.0):12.3f}" for s in stages)
+                     + f" {r['step_ratio']:10.3f} {r['peak_rss_mb']:11.0f} {r['peak_tensor_mb']:10.0f}")
+    for key, why in result["refused"].items():
+        lines.append(f"  {key}: not flipped: {why}")
+    if not result.get("per_stage_rss", True):
+        lines.append("  (peak RSS cumulative: /proc/self/clear_refs not writable)")
+    return "\n".join(lines)
 
 
 LOCAL_SERVER = "local"   # a rollout_server_urls entry the bench starts itself: a server on 127.0.0.1
@@ -629,7 +895,6 @@ def side_by_side(args, tmp: str, overrides: dict, urls: list, inline) -> tuple:
     127.0.0.1 and stopped at the end). Taking turns, both see the same drift of a shared machine's load, and both
     do the same work (the same prompts and keys). -> (the inline steps' metrics, the server run's summary, the
     inline steps' process CPU seconds)."""
-    import logging
     import signal
 
     import numpy as np
@@ -794,6 +1059,7 @@ def report(result: dict) -> str:
              f"{result['steps_timed']} timed step(s), OMP_NUM_THREADS={result['threads']}, custom ops "
              f"{result['custom_ops']}, malloc {result['malloc']}, load average {result['load_avg'][0]:.1f} -> "
              f"{result['load_avg'][1]:.1f}, rollout {result['rollout_dtype']}{' ' + result['rollout_quant_type'] if result['rollout_quant_type'] else ''}",
+             *config_lines(result),
              f"  step          {result['step_s']:8.3f} s"]
     for stage in STAGES + tuple(s for s in CRITIC_STAGES if f"{s}_s" in result):
         fused = stage == "values" and result[f"{stage}_s"] == 0  # one update pass: its forward gave the values
@@ -814,6 +1080,7 @@ def report(result: dict) -> str:
               f"update {result['update_gflops']:.1f}) = {100 * result['effective_gflops'] / result['matmul_peak_gflops']:.0f}% of "
               f"the fp32 matmul peak",
               *peak_lines(result),
+              *stage_rate_lines(result),
               f"  peak RSS      {result['peak_rss_mb']:8.0f} MB{worker} (optimizer state "
               f"{result['optimizer_state_mb']:.1f} MB, {result['trainable_params']:,} trained parameters)",
               f"  peak by stage {stage_peaks(result)} (RSS, Paddle's tensors)",
@@ -840,6 +1107,43 @@ def report(result: dict) -> str:
     return "\n".join(lines)
 
 
+def switch_text(key: str, value, path: Optional[str] = None) -> str:
+    """`use_fused_rope=false` / `use_flash_attention unset`, with the path it takes in parentheses."""
+    text = f"{key} unset" if value is None else f"{key}={str(value).lower()}"
+    return f"{text} ({path})" if path else text
+
+
+def config_lines(result: dict) -> list:
+    """The report's echo of the configuration: the command line's --set overrides and the fused-kernel switches
+    (each key's value and the path it selects here)."""
+    lines = [f"  config        {' '.join(result.get('overrides') or []) or '(the workload as defined)'}"]
+    if result.get("kernel_switches"):
+        paths = result.get("kernel_paths") or {}
+        lines.append("  kernels       " + ", ".join(switch_text(k, v, paths.get(k))
+                                                   for k, v in result["kernel_switches"].items()))
+    return lines
+
+
+PEAK_LABELS = {"fp32": "fp32 paddle.matmul", "bf16_linear": "bf16 suite bf16_linear (training)",
+               "bf16_packed": "bf16 suite packed kernel (rollout)", "int8_packed": "int8 suite packed kernel (rollout)",
+               "torch_bf16": "bf16 torch.matmul (outside reference)"}
+
+
+def stage_rate_lines(result: dict) -> list:
+    """Each stage's effective GFLOP/s and its share of the in-run peak of the precision it runs in."""
+    rates = result.get("stage_gflops") or {}
+    if not rates:
+        return []
+    lines = ["  stage rates   GFLOP/s (matmul FLOPs over the stage's seconds) and share of the peak of its precision:"]
+    for stage, rate in rates.items():
+        kind, peak = result["stage_peak_kind"][stage], result["stage_peak_gflops"][stage]
+        share = result["stage_peak_fraction"][stage]
+        against = f"= {100 * share:3.0f}% of {PEAK_LABELS[kind]} {peak:.1f}" if share is not None else \
+            f"(no peak measured for {PEAK_LABELS.get(kind, kind) if kind else 'its precision'})"
+        lines.append(f"    {stage:<14} {rate:8.1f} {against}")
+    return lines
+
+
 def stage_peaks(result: dict) -> str:
     """The peak RSS within each stage of the timed steps, and in parentheses the peak of Paddle's live tensors, MB
     (before_step: from the previous step's end or the process's start, the model builds included, to the step's
@@ -860,10 +1164,10 @@ def peak_lines(result: dict) -> list:
                 if r["gflops_before"] is not None or r["gflops_after"] is not None]
         return max(rows, key=lambda t: t[0])[1]["shape"] if rows else "-"
     lines = ["  matmul peaks  GFLOP/s, best over square and the workload's linear shapes (before / after the run):"]
-    for kind, label in (("fp32", "fp32 paddle.matmul"), ("bf16_linear", "bf16 suite bf16_linear (training)"),
-                        ("bf16_packed", "bf16 suite packed kernel (rollout)"),
-                        ("int8_packed", "int8 suite packed kernel (rollout)"),
-                        ("torch_bf16", "bf16 torch.matmul (outside reference)")):
+    for kind, label in PEAK_LABELS.items():
+        if kind not in result.get("peak_kinds", PEAK_KINDS):
+            lines.append(f"    {label:<40} not timed (--peaks)")
+            continue
         lines.append(f"    {label:<40} {gf(result[f'{kind}_peak_gflops']):>7} ({gf(result[f'{kind}_peak_before_gflops'])}"
                      f" / {gf(result[f'{kind}_peak_after_gflops'])}; best at {best_shape(kind)})")
     drift = result.get("peak_drift")
@@ -885,6 +1189,12 @@ def _bench(args) -> int:
             name = "+".join(x for x in (r["rollout_dtype"], r["rollout_quant_type"]) if x)
             print(f"  {name:<28} {r['generate_s']:8.2f} s  {1e3 * r['s_per_generated_token']:7.2f} ms / token  "
                   f"{r['speedup']:5.2f}x")
+        print(json.dumps(result, sort_keys=True))
+        sys.stdout.flush()
+        return 0
+    if args.switches is not None:
+        result = switch_runs(args)
+        print(switch_report(result))
         print(json.dumps(result, sort_keys=True))
         sys.stdout.flush()
         return 0
@@ -913,6 +1223,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rollout-precisions", default=None, metavar="LIST",
                    help="time the rollout alone once per precision, e.g. float32,bfloat16,weight_only_int8")
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="any configuration override (repeatable)")
+    p.add_argument("--peaks", default=None, metavar="LIST",
+                   help="the matmul peaks to time before and after the run (default all: " + ", ".join(PEAK_KINDS) +
+                        "; fp32 always); where a kind is emulated (bf16 on a CPU without AVX512-BF16 / AMX, torch's "
+                        "bf16 there too) its timing takes a minute; a kind left out reads n/a and rates no stage")
+    p.add_argument("--switches", nargs="?", const="all", default=None, metavar="LIST",
+                   help="time the fused-kernel switches instead: the workload with the config's switches and with "
+                        "each switch flipped (all, or a comma-separated list such as use_fused_rope,"
+                        "use_flash_attention), --warmup + --steps rounds alternated in one process")
     p.add_argument("--soak", type=float, default=None, metavar="MINUTES",
                    help="instead of timing: train the tiny default for MINUTES on two rollout servers and the reward "
                         "server while a seeded chaos loop kills and restarts them and once the trainer, then check "

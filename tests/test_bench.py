@@ -148,3 +148,102 @@ def test_w5_trains_on_humaneval_records_scored_by_the_code_rule(bench_rule, tmp_
     assert result["accuracy"] == 0.0 and result["reward_s"] > 0
     assert result["cores"] >= 1 and result["cpu_model"] and "reward" in bench.report(result)
     assert "machine " in bench.report(result)
+
+
+TINY_W1 = ("--workload", "w1", "--response-len", "4", "--steps", "1", "--warmup", "0", "--prompts", "2",
+           "--rollout-n", "2")
+
+
+def test_the_report_echoes_the_switches_and_rates_each_stage_against_its_precisions_peak(bench_rule):
+    """The switches given by --set appear in the config echo with the path each takes; every stage that ran has
+    its GFLOP/s and its share of the peak of its precision (float32 here), in the JSON and the table; the old-log-prob
+    stage that takes the rollout's own log-probs (W1: reuse_rollout_logprobs auto) runs no pass and has no rate."""
+    result = bench.run(args_for(*TINY_W1, "--peaks", "fp32", "--set", "use_fused_rope=false", "--set",
+                                "use_flash_attention=true"))
+    assert result["kernel_switches"] == {"use_flash_attention": True, "use_fused_rms_norm": None,
+                                         "use_fused_rope": False, "use_fused_head_and_loss_fn": None,
+                                         "use_fused_linear": None}
+    assert result["kernel_paths"] == {"use_flash_attention": "fused", "use_fused_rms_norm": "fused",
+                                      "use_fused_rope": "composed", "use_fused_head_and_loss_fn": "fused",
+                                      "use_fused_linear": "fused"}
+    table = bench.report(result)
+    assert "  config        use_fused_rope=false use_flash_attention=true" in table
+    assert "use_fused_rope=false (composed)" in table and "use_flash_attention=true (fused)" in table
+    assert "use_fused_rms_norm unset (fused)" in table
+    rates, fractions = result["stage_gflops"], result["stage_peak_fraction"]
+    assert sorted(rates) == ["ref_logprob", "rollout", "update"]   # no old-log-prob pass ran
+    assert rates["update"] == result["update_gflops"] and rates["rollout"] == result["rollout_gflops"]
+    for stage, rate in rates.items():
+        assert result["stage_peak_kind"][stage] == "fp32" and rate > 0
+        assert fractions[stage] == rate / result["fp32_peak_gflops"]
+        assert f"    {stage:<14} {rate:8.1f} = {100 * fractions[stage]:3.0f}% of fp32 paddle.matmul" in table
+    assert f"machine {result['cpu_model']}, {result['cores']} cores, flags" in table
+    # the kinds --peaks left out are not timed, and say so
+    assert result["peak_kinds"] == ["fp32"] and result["torch_bf16_peak_gflops"] is None
+    assert f"    {'bf16 torch.matmul (outside reference)':<40} not timed (--peaks)" in table
+
+
+def test_stage_peak_kinds_follow_each_stages_precision():
+    kinds = bench.stage_peak_kinds
+    assert kinds("float32", "", False, False) == dict.fromkeys(bench.RATED_STAGES, "fp32")
+    bf16 = kinds("bfloat16", "", True, False)
+    assert bf16["rollout"] == "bf16_packed" and bf16["update"] == bf16["ref_logprob"] == "bf16_linear"
+    assert kinds("float32", "weight_only_int8", False, False)["rollout"] == "int8_packed"
+    assert kinds("float32", "weight_only_int4", False, False)["rollout"] is None   # no int4 peak is measured
+    assert kinds("float32", "", False, True)["update"] is None                     # nor an fp16 one
+    rates = bench.stage_rates({"rollout": 4e9, "update": 6e9, "ref_logprob": 0.0}, {"rollout": 2.0, "update": 3.0},
+                              {"rollout": "bf16_packed", "update": None, "ref_logprob": "fp32"},
+                              {"bf16_packed_peak_gflops": 8.0})
+    assert rates["stage_gflops"] == {"rollout": 2.0, "update": 2.0}
+    assert rates["stage_peak_fraction"] == {"rollout": 0.25, "update": None}
+    lines = "\n".join(bench.stage_rate_lines(dict(rates)))
+    assert "25% of bf16 suite packed kernel (rollout) 8.0" in lines and "no peak measured" in lines
+
+
+def test_switches_flip_each_switch_one_at_a_time_through_its_path(bench_rule, monkeypatch):
+    """--switches: the baseline (the config's switches) and one run per switch flipped, each step under its run's
+    switches: the composed linear / RMSNorm and the blocked attention are called in the flipped runs' steps only
+    (the switches seen at each call), and the table has a row per run with its ratio to the baseline."""
+    from paddle_rl import ops
+    from paddle_rl.ops import linear_bias, norm as norm_module
+    seen = {}
+
+    def count(target, name):
+        fn = getattr(target, name)
+
+        def counted(*a, **k):
+            seen.setdefault(name, []).append(ops.kernel_switches())
+            return fn(*a, **k)
+        monkeypatch.setattr(target, name, counted)
+    for target, name in ((linear_bias, "affine_reference"), (norm_module, "rms_norm_reference"),
+                         (ops, "blocked_attention")):
+        count(target, name)
+    result = bench.switch_runs(args_for(*TINY_W1, "--switches", "use_fused_linear,rms_norm,use_flash_attention"))
+    names = [r["name"] for r in result["runs"]]
+    assert names == ["baseline", "use_fused_linear=false", "use_fused_rms_norm=false", "use_flash_attention=true"]
+    assert result["refused"] == {} and result["kernel_paths"]["use_flash_attention"] == "composed"
+    assert seen["affine_reference"] and all(s["linear"] is False for s in seen["affine_reference"])
+    assert seen["rms_norm_reference"] and all(s["rms_norm"] is False for s in seen["rms_norm_reference"])
+    assert seen["blocked_attention"] and all(s["attention"] is True for s in seen["blocked_attention"])
+    base = result["runs"][0]
+    assert base["step_ratio"] == 1.0 and base["kernel_switches"]["use_fused_linear"] is None
+    for run in result["runs"][1:]:
+        assert run["kernel_switches"][run["key"]] is run["value"] and len(run["steps_s"]) == 1
+        assert run["step_ratio"] == run["step_s"] / base["step_s"] and run["update_s"] > 0
+        assert run["stage_ratios"]["update"] == run["update_s"] / base["update_s"]
+        assert 0 < run["peak_tensor_mb"] < run["peak_rss_mb"] <= result["peak_rss_mb"]
+    table = bench.switch_report(result)
+    for run in result["runs"]:
+        assert f"  {run['name']:<36} {run['step_s']:8.3f}" in table and f"{run['step_ratio']:10.3f}" in table
+    assert "x baseline" in table and "machine " in table
+
+
+def test_a_flip_that_cannot_act_is_refused_by_name():
+    """With the custom ops off, unset RMSNorm runs the composed ops; its flip (true) is refused by the config's own
+    check, named, and not run."""
+    flips = bench.flipped_configs({"actor_model_name_or_path": "m", "use_custom_ops": "off"}, ["rms_norm", "linear"],
+                                  {"kernel_paths": {"use_fused_rms_norm": "composed", "use_fused_linear": "fused"}},
+                                  None)
+    assert list(flips["refused"]) == ["use_fused_rms_norm"]
+    assert "use_fused_rms_norm: true runs the fused kernel" in flips["refused"]["use_fused_rms_norm"]
+    assert [r["name"] for r in flips["runs"]] == ["use_fused_linear=false"]

@@ -65,6 +65,15 @@ def selected(**values):
         _state.update(previous)
 
 
+def unset_choices(packed: bool) -> dict:
+    """What each switch left unset selects in the model's training passes on this build: True the fused path,
+    False the composed one (attention: the packed kernel for packed rows where the kernels run, the materialized
+    probabilities for padded rows; rms_norm, rope: the kernel where the kernels run; head: chunked, unless the model
+    reads whole logits (tensor parallel, soft-capped: `CausalLM.unchunked_head`); linear: Paddle's linear op)."""
+    kernels = build.available()
+    return {"attention": packed and kernels, "rms_norm": kernels, "rope": kernels, "head": True, "linear": True}
+
+
 def unusable(name: str, why: str) -> SwitchError:
     """The error of a True switch whose fused path does not run on these tensors."""
     return SwitchError(f"{KEYS[name]}: true, but the fused kernel cannot run here ({why}); set it false or leave it "
