@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from test_parallel import ROOT, launch  # noqa: E402
+from test_parallel import ROOT, check_parity, launch, run_layout, run_overrides, setup, train_and_probe  # noqa: E402,F401
 
 TOL = 2e-5          # relative, per tensor (||a - b|| / ||a||): float32 sums in another order
 BROKEN = 1e-3       # a perturbed run differs by more than this somewhere
@@ -60,6 +60,45 @@ def test_context_parallel_4k_tokens_equals_one_process(micro, tmp_path):
            timeout=900)
     for rank in range(2):
         _check(json.load(open(out / f"rank{rank}.json")))
+
+
+@pytest.fixture(scope="module")
+def single(setup):
+    """One process's GRPO run (3 steps) and its greedy tokens, as tests/test_parallel.py's reference."""
+    out_dir = str(setup["root"] / "single-grpo")
+    os.makedirs(out_dir, exist_ok=True)
+    train_and_probe(run_overrides(setup["micro"], out_dir, setup["plugin"], rl_algorithm="grpo"), out_dir,
+                    setup["prompts"])
+    return {"grpo": out_dir}
+
+
+def test_context_parallel_trainer_equals_one_process(setup, single):
+    """context 2 through the trainer (3 RL steps: the rollout on the group's first rank handed to the other, the
+    reference and old log-prob passes and the update split over the tokens, gradients summed over the group, AdamW,
+    clipping) equals one process: losses, statistics, weights and the greedy tokens after training."""
+    out_dir, _ = run_layout(setup, "cp2", context_parallel_degree=2, share_prompt_prefix=False)
+    check_parity(setup, single, out_dir)
+    with open(os.path.join(out_dir, "log", "workerlog.0"), errors="replace") as f:
+        assert "x context 2 x tensor 1" in f.read()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,degrees", [
+    ("cp2-packed-lora", dict(context_parallel_degree=2, use_remove_padding=True, lora=True, lora_rank=4,
+                             lora_alpha=8, learning_rate=2e-2)),
+    ("dp2-cp2", dict(context_parallel_degree=2, data_parallel_degree=2, use_remove_padding=True)),
+    ("dp2", dict(data_parallel_degree=2, use_remove_padding=True))])
+def test_context_parallel_trainer_layouts(setup, name, degrees):
+    """Packed micro-batches with LoRA on context 2; data 2 x context 2 (4 processes) and data 2 alone: each against
+    one process with the same keys."""
+    ref_keys = {k: v for k, v in degrees.items() if k not in ("context_parallel_degree", "data_parallel_degree")}
+    ref_dir = str(setup["root"] / f"single-{name}")
+    os.makedirs(ref_dir, exist_ok=True)
+    train_and_probe(run_overrides(setup["micro"], ref_dir, setup["plugin"], rl_algorithm="grpo", **ref_keys), ref_dir,
+                    setup["prompts"])
+    nproc = degrees.get("context_parallel_degree", 1) * degrees.get("data_parallel_degree", 1)
+    out_dir, _ = run_layout(setup, name, nproc=nproc, **degrees)
+    check_parity(setup, {"grpo": ref_dir}, out_dir)
 
 
 def test_context_parallel_refusals():

@@ -89,10 +89,15 @@ def context_head(split, hidden, positions, fn, kinds):
     positions = np.asarray(positions, dtype=np.int64)
     mine = np.flatnonzero(split.owned(positions))
     batch, count = hidden.shape[0], len(positions)
-    outs = fn(paddle.gather(hidden, paddle.to_tensor(positions[mine] - split.start), axis=1), mine) if len(mine) \
-        else [None] * len(kinds)
-    index = np.full(count, len(mine), dtype=np.int64)
-    index[mine] = np.arange(len(mine))
+    # a rank holding none of the positions runs the head on its first token and keeps 0 x its outputs (in the first
+    # position's place): its backward then reaches the layers' collectives and every head parameter as its peers' do
+    # (the gradient sum over the group needs the same tensors on every rank)
+    idle = not len(mine)
+    at = np.zeros(1, np.int64) if idle else positions[mine] - split.start
+    take = np.zeros(1, np.int64) if idle else mine
+    outs = fn(paddle.gather(hidden, paddle.to_tensor(at), axis=1), take)
+    index = np.full(count, len(take), dtype=np.int64)
+    index[take] = np.arange(len(take))
     index = paddle.to_tensor(index)
     result = []
     for kind, out in zip(kinds, outs):
@@ -100,12 +105,9 @@ def context_head(split, hidden, positions, fn, kinds):
             result.append(None)
             continue
         dtype = "int64" if kind == "int" else "float32"
-        if out is None:   # nothing of this rank's: zeros, tied to its hidden states so its backward runs the layers'
-            full = paddle.zeros([batch, count], dtype)   # collectives as its peers' do
-            if kind == "float" and not hidden.stop_gradient:
-                full = full + hidden.sum() * 0.0
-        else:
-            full = paddle.gather(paddle.concat([out.astype(dtype), paddle.zeros([batch, 1], dtype)], axis=1), index,
-                                 axis=1)
+        out = out.astype(dtype)
+        if idle:
+            out = paddle.zeros_like(out) if kind == "int" else out * 0.0
+        full = paddle.gather(paddle.concat([out, paddle.zeros([batch, 1], dtype)], axis=1), index, axis=1)
         result.append(split.sum_ints(full) if kind == "int" else split.sum(full))
     return tuple(result)
