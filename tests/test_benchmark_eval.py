@@ -175,6 +175,9 @@ def test_eval_benchmark_humaneval_on_the_tiny_model(tmp_path):
     for row, task in zip(rows, TASKS):
         assert row["prompt"] == humaneval_prompt(tokenizer, task["prompt"])    # the prompt as the model saw it
         assert row["response_tokens"] == 1
+        assert len(row["response_token_ids"]) == 1      # the generated ids (tools/reference_check.py reads them)
+        assert tokenizer.decode(row["response_token_ids"], skip_special_tokens=True).strip() == \
+            row["completion"].strip()
 
     # --limit: the first problems only
     result = run_cli(["eval", CONFIG, "--benchmark", "humaneval", "--limit", "1", "eval_max_dec_len=1",

@@ -198,6 +198,8 @@ def run_benchmark(config, name: str, limit: int = -1, samples: int = 1, write_re
     params = SamplingParams.from_config(config, stop_ids, greedy=samples == 1, max_dec_len=max_new)
     params.min_dec_len = 0   # a benchmark's answer ends where the model ends it
     chunk = max(1, config.per_device_eval_batch_size // samples)
+    if write_responses is not None:
+        write_records(write_responses, [])   # replaced now; each engine call's rows are appended as they are scored
     rows, start = [], time.perf_counter()
     with progress_bar(len(problems), desc=f"{name}", disabled=config.disable_tqdm) as bar:
         for first in range(0, len(problems), chunk):
@@ -205,7 +207,9 @@ def run_benchmark(config, name: str, limit: int = -1, samples: int = 1, write_re
             keys = None if samples == 1 else [sample_key(config.seed, 0, p.task_id, j)
                                               for p in part for j in range(samples)]
             batch: StepBatch = engine.generate([tokenizer.encode(p.prompt) for p in part], samples, params, keys)
-            texts = tokenizer.decode_batch(batch.responses(), skip_special_tokens=True)
+            responses = batch.responses()
+            texts = tokenizer.decode_batch(responses, skip_special_tokens=True)
+            first_row = len(rows)
             for row, text in enumerate(texts):
                 problem = part[row // samples]
                 completion = cut_completion(text) if name == "humaneval" else text
@@ -213,7 +217,10 @@ def run_benchmark(config, name: str, limit: int = -1, samples: int = 1, write_re
                 passed, kind = score_one(problem, completion, length, truncated)
                 rows.append({"task_id": problem.task_id, "sample": row % samples, "prompt": problem.prompt,
                              "completion": completion, "passed": passed, "failure": kind,
-                             "response_tokens": length, "truncated": truncated})
+                             "response_tokens": length, "truncated": truncated,
+                             "response_token_ids": [int(t) for t in responses[row]]})
+            if write_responses is not None:
+                write_records(write_responses, rows[first_row:], append=True)
             for _ in range(len(part) - 1):
                 bar.update("")
             done = len({r["task_id"] for r in rows})
@@ -221,8 +228,6 @@ def run_benchmark(config, name: str, limit: int = -1, samples: int = 1, write_re
                        f"{(time.perf_counter() - start) / done:.1f} s/problem")
     seconds = time.perf_counter() - start
     metrics = benchmark_metrics(name, rows, samples, seconds)
-    if write_responses is not None:
-        write_records(write_responses, rows)
     print(format_table(name, metrics, samples), file=out)
     return metrics
 
