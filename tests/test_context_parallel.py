@@ -85,7 +85,7 @@ def test_context_parallel_trainer_equals_one_process(setup, single):
 @pytest.mark.slow
 @pytest.mark.parametrize("name,degrees", [
     ("cp2-packed-lora", dict(context_parallel_degree=2, use_remove_padding=True, lora=True, lora_rank=4,
-                             lora_alpha=8, learning_rate=2e-2)),
+                             lora_alpha=8, learning_rate=2e-2, merge_lora=True)),
     ("dp2-cp2", dict(context_parallel_degree=2, data_parallel_degree=2, use_remove_padding=True)),
     ("dp2", dict(data_parallel_degree=2, use_remove_padding=True))])
 def test_context_parallel_trainer_layouts(setup, name, degrees):
