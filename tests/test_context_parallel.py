@@ -116,9 +116,15 @@ def test_context_parallel_refusals():
         load_config(None, base)
     for keys in (["share_prompt_prefix=false"], ["use_remove_padding=true"]):
         assert load_config(None, base + keys).context_parallel_degree == 2
-    # verl's spelling is an alias of the key
-    assert load_config(None, ["actor_model_name_or_path=x", "ulysses_sequence_parallel_size=2",
-                              "use_remove_padding=true"]).context_parallel_degree == 2
+    # verl's and ms-swift's spellings
+    for keys in (["ulysses_sequence_parallel_size=2"], ["sequence_parallel_size=2"],
+                 ["actor_rollout_ref.actor.ulysses_sequence_parallel_size=2",
+                  "actor_rollout_ref.ref.ulysses_sequence_parallel_size=2"]):
+        assert load_config(None, ["actor_model_name_or_path=x", "use_remove_padding=true", *keys]
+                           ).context_parallel_degree == 2
+    with pytest.raises(ConfigError, match="sets context_parallel_degree to 1"):
+        load_config(None, ["actor_model_name_or_path=x", "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2",
+                           "critic.ulysses_sequence_parallel_size=1"])
     with pytest.raises(TopologyError, match="context_parallel_degree > 1 is not implemented with tensor"):
         build_topology(tensor=2, context=2)
     assert resolve_degrees(context=2, world_size=4) == {"data": 2, "sharding": 1, "pipe": 1, "tensor": 1,

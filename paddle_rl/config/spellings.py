@@ -121,6 +121,7 @@ SWIFT_RENAMES: Dict[str, Tuple[str, Callable]] = {
     "gradient_checkpointing": ("recompute", _same),
     "eval_strategy": ("evaluation_strategy", _same),
     "vllm_tensor_parallel_size": ("rollout_tensor_parallel_degree", _same),
+    "sequence_parallel_size": ("context_parallel_degree", _same),   # Ulysses over the training passes
     "external_plugins": ("reward_plugins", _as_list),
 }
 
@@ -139,6 +140,9 @@ VERL_RENAMES: Dict[str, Tuple[str, Callable]] = {
     "actor_rollout_ref.actor.ppo_mini_batch_size": ("global_mini_batch_size", _same),
     "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": ("per_device_train_batch_size", _same),
     "actor_rollout_ref.actor.ppo_epochs": ("update_iters", _same),
+    "actor_rollout_ref.actor.ulysses_sequence_parallel_size": ("context_parallel_degree", _same),
+    "actor_rollout_ref.ref.ulysses_sequence_parallel_size": ("context_parallel_degree", _same),
+    "critic.ulysses_sequence_parallel_size": ("context_parallel_degree", _same),
     "actor_rollout_ref.actor.clip_ratio": ("clip_range_ratio", _same),
     "actor_rollout_ref.actor.clip_ratio_low": ("clip_range_ratio_low", _same),
     "actor_rollout_ref.actor.clip_ratio_high": ("clip_range_ratio_high", _same),
