@@ -18,6 +18,11 @@ whole again) and gives four more pairs:
 - split:          take own tokens / all-gather      (out of a replicated computation)
 gloo (the CPU backend) has no reduce-scatter: there it is an all-reduce and each rank keeps its own tokens (the
 same values, twice the bytes on the wire); NCCL runs `dist.reduce_scatter`.
+
+Context parallelism (Ulysses, `context_parallel_degree`): `ContextSplit` holds a rank's contiguous slice of a pass's
+tokens through the whole decoder and gives the all-to-all pair around attention (tokens for heads, and back: each
+the other's backward) and the sum of the head's per-rank outputs (identity backward). gloo has no all-to-all
+either: there it is an all-gather, each rank keeping its chunk of every part; NCCL runs `dist.alltoall`.
 """
 from typing import List
 
