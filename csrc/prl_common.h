@@ -157,7 +157,97 @@ inline V8 Load8(const float* p) {
   return x;
 }
 
+inline void Store8(float* p, V8 x) { std::memcpy(p, &x, sizeof(x)); }
+
+inline V8 Splat8(float v) { return V8{v, v, v, v, v, v, v, v}; }
+
 inline float HSum8(V8 a) { return ((a[0] + a[4]) + (a[1] + a[5])) + ((a[2] + a[6]) + (a[3] + a[7])); }
+
+// ExpF on 8 lanes: the same constants, clamping and operations in the same order, with vector compares and selects
+// (no branch), so each lane equals ExpF of it bit for bit (tests/test_ops.py checks this through the kernels).
+// On AVX2 one 256-bit register; the compiler splits it into halves where the target is narrower (SSE).
+inline V8 ExpF8(V8 x) {
+  const V8 lo = Splat8(-87.33654f), hi = Splat8(88.0f);
+  const float shifter = 12582912.0f;  // 1.5 * 2^23
+  const V8 xc = x < lo ? lo : (x > hi ? hi : x);
+  const V8 t = xc * 1.44269504f + shifter;
+  const V8 n = t - shifter;
+  V8 r = xc - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  V8 p = Splat8(1.0f / 5040.0f);
+  p = p * r + 1.0f / 720.0f;
+  p = p * r + 1.0f / 120.0f;
+  p = p * r + 1.0f / 24.0f;
+  p = p * r + 1.0f / 6.0f;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  const V8 scale = BitCast<V8>((BitCast<U8>(t) + 127u) << 23);
+  return x < lo ? Splat8(0.0f) : p * scale;
+}
+
+typedef double V4D __attribute__((vector_size(32)));
+typedef uint64_t U4 __attribute__((vector_size(32)));
+typedef float V4F __attribute__((vector_size(16)));
+
+inline V4D Load4(const double* p) {
+  V4D x;
+  std::memcpy(&x, p, sizeof(x));
+  return x;
+}
+
+inline void Store4(double* p, V4D x) { std::memcpy(p, &x, sizeof(x)); }
+
+inline double HSum4(V4D a) { return (a[0] + a[2]) + (a[1] + a[3]); }
+
+// The low and high 4 lanes of a V8 in double.
+inline V4D LowD(V8 a) { return __builtin_convertvector((V4F{a[0], a[1], a[2], a[3]}), V4D); }
+inline V4D HighD(V8 a) { return __builtin_convertvector((V4F{a[4], a[5], a[6], a[7]}), V4D); }
+
+// ExpD on 4 lanes, each equal to ExpD of it bit for bit (as ExpF8 to ExpF).
+inline V4D ExpD4(V4D x) {
+  const V4D lo = V4D{1, 1, 1, 1} * -708.3964185322641, hi = V4D{1, 1, 1, 1} * 709.0;
+  const double shifter = 6755399441055744.0;  // 1.5 * 2^52
+  const V4D xc = x < lo ? lo : (x > hi ? hi : x);
+  const V4D t = xc * 1.4426950408889634 + shifter;
+  const V4D n = t - shifter;
+  V4D r = xc - n * 6.93147180369123816490e-01;
+  r = r - n * 1.90821492927058770002e-10;
+  V4D p = V4D{1, 1, 1, 1} * (1.0 / 6227020800.0);
+  p = p * r + 1.0 / 479001600.0;
+  p = p * r + 1.0 / 39916800.0;
+  p = p * r + 1.0 / 3628800.0;
+  p = p * r + 1.0 / 362880.0;
+  p = p * r + 1.0 / 40320.0;
+  p = p * r + 1.0 / 5040.0;
+  p = p * r + 1.0 / 720.0;
+  p = p * r + 1.0 / 120.0;
+  p = p * r + 1.0 / 24.0;
+  p = p * r + 1.0 / 6.0;
+  p = p * r + 0.5;
+  p = p * r + 1.0;
+  p = p * r + 1.0;
+  const V4D scale = BitCast<V4D>((BitCast<U4>(t) + uint64_t{1023}) << 52);
+  return x < lo ? V4D{0, 0, 0, 0} : p * scale;
+}
+
+// x[i] = ExpF(x[i] - shift) for i < n (8 lanes at a time, the rest one by one); returns their sum (the vector
+// lanes summed together, then the rest in order).
+inline float ExpShiftSum(float* x, float shift, int64_t n) {
+  V8 acc = Splat8(0.0f);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const V8 e = ExpF8(Load8(x + i) - shift);
+    Store8(x + i, e);
+    acc += e;
+  }
+  float sum = HSum8(acc);
+  for (; i < n; ++i) {
+    x[i] = ExpF(x[i] - shift);
+    sum += x[i];
+  }
+  return sum;
+}
 
 // out[i] = scale * (the sum of a[i]'s lanes) for i < N; N = 8 and 4 reduce their vectors together (pairwise
 // horizontal adds, a lane order of their own), other N one at a time.

@@ -198,14 +198,9 @@ void Attend(const float* qp, const T* kp, const T* vp, const int64_t* st, float*
     for (int64_t j = 0; j < groups; ++j) {
       float* sc = scores.data() + j * cap;
       float mx = -3.0e38f;
+#pragma omp simd reduction(max : mx)
       for (int64_t s = 0; s < n; ++s) mx = std::max(mx, sc[s]);
-      float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-      for (int64_t s = 0; s < n; ++s) {
-        sc[s] = prl::ExpF(sc[s] - mx);
-        sum += sc[s];
-      }
-      inv[j] = 1.0f / sum;
+      inv[j] = 1.0f / prl::ExpShiftSum(sc, mx, n);
     }
     for (int64_t j0 = 0; j0 < groups; j0 += kHeadBlock) {
       ForBlock(groups, j0, [&](auto m) {
@@ -536,13 +531,8 @@ void prl_cpu::PackedAttentionForward(const float* q, const float* k, const float
 #pragma omp simd reduction(max : mx)
             for (int64_t c = 0; c < len; ++c) mx = std::max(mx, x[c]);
           });
-          OverVisible(blk, blk.t0 + r / groups, s.data() + r * cols, [&](float* x, int64_t len) {
-#pragma omp simd reduction(+ : sum)
-            for (int64_t c = 0; c < len; ++c) {
-              x[c] = prl::ExpF(x[c] - mx);
-              sum += x[c];
-            }
-          });
+          OverVisible(blk, blk.t0 + r / groups, s.data() + r * cols,
+                      [&](float* x, int64_t len) { sum += prl::ExpShiftSum(x, mx, len); });
           const float inv = 1.0f / sum;
           OverVisible(blk, blk.t0 + r / groups, s.data() + r * cols, [&](float* x, int64_t len) {
 #pragma omp simd
@@ -605,8 +595,10 @@ void prl_cpu::PackedAttentionBackward(const float* q, const float* k, const floa
           float* sr = s.data() + r * cols;
           OverVisible(blk, t, sr, [&](float* x, int64_t len) {
             const float* y = dpr + (x - sr);
-#pragma omp simd
-            for (int64_t c = 0; c < len; ++c) x[c] = prl::ExpF(x[c] - m) * (y[c] - dl);
+            int64_t c = 0;
+            for (; c + 8 <= len; c += 8)
+              prl::Store8(x + c, prl::ExpF8(prl::Load8(x + c) - m) * (prl::Load8(y + c) - dl));
+            for (; c < len; ++c) x[c] = prl::ExpF(x[c] - m) * (y[c] - dl);
           });
         }
         blk.Rows(kr.data() + g * (n + 1) * d, d, x);
@@ -660,8 +652,13 @@ void prl_cpu::PackedAttentionBackward(const float* q, const float* k, const floa
             float* dsr = dpt.data() + i * cols;
             const int64_t lo = off + std::min(used, std::max<int64_t>(0, (j0 + i - ta) * groups));
             for (int64_t c = 0; c < lo; ++c) pr[c] = dsr[c] = 0.0f;
-#pragma omp simd
-            for (int64_t c = lo; c < off + used; ++c) {
+            int64_t c = lo;
+            for (; c + 8 <= off + used; c += 8) {
+              const prl::V8 p = prl::ExpF8(prl::Load8(pr + c) - prl::Load8(lc + c));
+              prl::Store8(pr + c, p);
+              prl::Store8(dsr + c, p * (prl::Load8(dsr + c) - prl::Load8(dc + c)));
+            }
+            for (; c < off + used; ++c) {
               const float p = prl::ExpF(pr[c] - lc[c]);
               pr[c] = p;
               dsr[c] = p * (dsr[c] - dc[c]);

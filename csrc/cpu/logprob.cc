@@ -26,9 +26,18 @@ void prl_cpu::LogprobForward(const float* xp, const int64_t* yp, float* lp, floa
         z[i] = x[i] * sc;
         m = std::max(m, z[i]);
       }
-      double s = 0.0, sz = 0.0;
-#pragma omp simd reduction(+ : s, sz)
-      for (int64_t i = 0; i < vocab; ++i) {
+      // sums of e = exp(z - m) and e * z in double: 8 lanes at a time into 4-lane accumulators, then the rest
+      prl::V4D s4 = {0, 0, 0, 0}, sz4 = s4;
+      int64_t i = 0;
+      for (; i + 8 <= vocab; i += 8) {
+        const prl::V8 zi = prl::Load8(z + i);
+        const prl::V8 e = prl::ExpF8(zi - m);
+        const prl::V4D e0 = prl::LowD(e), e1 = prl::HighD(e);
+        s4 += e0 + e1;
+        sz4 += e0 * prl::LowD(zi) + e1 * prl::HighD(zi);
+      }
+      double s = prl::HSum4(s4), sz = prl::HSum4(sz4);
+      for (; i < vocab; ++i) {
         const float e = prl::ExpF(z[i] - m);
         s += e;
         sz += static_cast<double>(e) * z[i];
@@ -52,8 +61,13 @@ void prl_cpu::LogprobBackward(const float* xp, const int64_t* yp, const float* s
       const float* x = xp + r * vocab;
       float* g = gp + r * vocab;
       const float l = sp[r], mz = mp[r], a = gl[r] * sc, c = (ge ? ge[r] : 0.0f) * sc;
-#pragma omp simd
-      for (int64_t i = 0; i < vocab; ++i) {
+      int64_t i = 0;
+      for (; i + 8 <= vocab; i += 8) {
+        const prl::V8 z = prl::Load8(x + i) * sc;
+        const prl::V8 p = prl::ExpF8(z - l);
+        prl::Store8(g + i, -a * p - c * p * (z - mz));
+      }
+      for (; i < vocab; ++i) {
         const float z = x[i] * sc;
         const float p = prl::ExpF(z - l);
         g[i] = -a * p - c * p * (z - mz);

@@ -44,13 +44,7 @@ std::vector<paddle::Tensor> MaskedSoftmaxForward(const paddle::Tensor& scores, c
         y[i] = x[i] * scale + bias_row[i];
         m = std::max(m, y[i]);
       }
-      float total = 0.0f;
-#pragma omp simd reduction(+ : total)
-      for (int64_t i = 0; i < k; ++i) {
-        y[i] = prl::ExpF(y[i] - m);
-        total += y[i];
-      }
-      const float inv = 1.0f / total;
+      const float inv = 1.0f / prl::ExpShiftSum(y, m, k);
 #pragma omp simd
       for (int64_t i = 0; i < k; ++i) y[i] *= inv;
     }
