@@ -66,8 +66,8 @@ def test_stage3_refuses_what_it_cannot_run_by_name(micro, tmp_path):
     layout = build_layout(topo)
     assert isinstance(layout, Partitioned)
 
-    def config(**keys):
-        return load_config(None, run_overrides(micro, str(tmp_path), "", rl_algorithm="grpo",
+    def config(rl_algorithm="grpo", **keys):
+        return load_config(None, run_overrides(micro, str(tmp_path), "", rl_algorithm=rl_algorithm,
                                                sharding_parallel_degree=2, sharding="stage3", **keys))
     layout.check_config(config(**KEYS))  # accepted
     layout.check_config(config(use_remove_padding=True))  # packed: prompts shared in one pass
@@ -77,8 +77,7 @@ def test_stage3_refuses_what_it_cannot_run_by_name(micro, tmp_path):
                           (dict(KEYS, recompute=True), "recompute_granularity: full reruns a layer")):
         with pytest.raises(TopologyError, match="sharding: stage3: " + message):
             layout.check_config(config(**keys))
-    with pytest.raises(TopologyError, match="sharding: stage3 does not partition a critic"):
-        layout.load_critic(micro["model"])
+    layout.check_config(config(**KEYS, rl_algorithm="ppo"))  # a critic: partitioned too (test_sharding_stage3_critic.py)
 
 
 def test_stage3_equals_one_process(stage3_setup, single):

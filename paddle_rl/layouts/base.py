@@ -327,13 +327,18 @@ class Layout(abc.ABC):
     # ---------------------------------------------------------------- optimizer
     def build_optimizer(self, model, config, total_steps: int):
         """AdamW over the trained parameters (a LoRA model's adapters; frozen ones get no state)."""
-        self.grad_sync = GradientSync(self._topo, model.parameters(), model.tensor_partial_parameters())
-        return build_sharded_optimizer(model, config, total_steps, self.grad_sync)
+        self.grad_sync = self.gradient_sync(model)
+        return self.sharded_optimizer(model, config, total_steps, self.grad_sync)
 
     def gradient_sync(self, model) -> GradientSync:
-        """A gradient sync of its own for a second trained model (the critic) on this grid: its gradients summed over
-        the batch group, its norm, its sharded optimizer (parallel/sharding.py)."""
+        """A gradient sync of its own for a trained model on this grid (the actor's is `grad_sync`; a critic's): its
+        gradients summed over the batch group, its norm, its clipping (parallel/sharding.py)."""
         return GradientSync(self._topo, model.parameters(), model.tensor_partial_parameters())
+
+    def sharded_optimizer(self, model, config, total_steps: int, sync):
+        """(optimizer, scheduler) of a trained model whose gradients `sync` (`gradient_sync`'s) sums: AdamW over its
+        trained parameters, or over this rank's shard of them under sharding."""
+        return build_sharded_optimizer(model, config, total_steps, sync)
 
     def clip_grad_norm_(self, model, max_norm: float) -> float:
         """Sum gradients over ranks, clip to max_norm; the norm before clipping."""

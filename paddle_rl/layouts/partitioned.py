@@ -6,7 +6,9 @@ and head for the whole pass; gradients land on the shards, and the optimizer upd
 Every rank of the sharding group runs the same number of passes (a gather is a collective): a rank with fewer
 micro-batches than its peers runs idle one-token passes (their loss multiplied by 0). The rollout, a checkpoint and a
 resume gather the whole model once and free it after; the reference model (a second partitioned model) and the
-old log-probs gather per layer like the update's forward.
+old log-probs gather per layer like the update's forward. A critic (rl_algorithm ppo) is partitioned the same way:
+its value pass and its update gather per layer (its value head with the embedding and final norm, for the whole
+pass) under the same idle-pass rule, its optimizer updates its slices, its checkpoint and resume gather it once.
 """
 import contextlib
 
@@ -64,7 +66,11 @@ class Partitioned(Replicated):
         return model
 
     def load_critic(self, folder: str, lora=None):
-        raise TopologyError("sharding: stage3 does not partition a critic (rl_algorithm ppo); use sharding: stage2")
+        """The critic partitioned like the actor: its decoder layers one unit each, its embedding, final norm and
+        value head the outer unit."""
+        critic = super().load_critic(folder, lora=lora)
+        self.params.partition(critic)
+        return critic
 
     def load_weights(self, model, folder: str) -> None:
         with self.params.gathered(model):
@@ -119,12 +125,41 @@ class Partitioned(Replicated):
                 idle_pass(model, backward=True)
         return outs
 
+    def _value_chunks(self, model, batch, plan) -> list:
+        chunks, idle = [], self._passes(plan)
+        for rows in plan:
+            with self.params.running(model):
+                chunks.append((rows, self.micro.values(model, batch.micro(rows)).numpy()))
+        for _ in range(idle):
+            with self.params.running(model):
+                idle_pass(model, backward=False)
+        return chunks
+
+    def value_forward_backward(self, model, mini, keys, micro: int, loss_fn) -> list:
+        outs = []
+        plan = self.micro.plan(mini, micro)
+        idle = self._passes(plan)
+        for rows in plan:
+            part = mini.micro(rows)
+            with self.params.running(model):
+                out = loss_fn(rows, part, part.tensors(keys=keys), self.micro.values(model, part))
+                out.loss.backward()
+            outs.append(out)
+        for _ in range(idle):
+            with self.params.running(model):
+                idle_pass(model, backward=True)
+        return outs
+
     # ---------------------------------------------------------------- optimizer
-    def build_optimizer(self, model, config, total_steps: int):
-        """AdamW over this rank's shards of the trained parameters."""
-        self.grad_sync = PartitionedSync(self._topo, self.params, model, model.tensor_partial_parameters())
-        inner, scheduler = build_optimizer(model, config, total_steps, parameters=self.grad_sync.params)
-        return PartitionedOptimizer(inner, self.grad_sync), scheduler
+    def gradient_sync(self, model) -> PartitionedSync:
+        """The sync of a partitioned model (the actor's `grad_sync`, a critic's): its slices' gradients, already
+        reduce-scattered by the passes, summed over the data axis; the norm over the slices."""
+        return PartitionedSync(self._topo, self.params, model, model.tensor_partial_parameters())
+
+    def sharded_optimizer(self, model, config, total_steps: int, sync):
+        """AdamW over this rank's slices of the trained parameters (PartitionedOptimizer)."""
+        inner, scheduler = build_optimizer(model, config, total_steps, parameters=sync.params)
+        return PartitionedOptimizer(inner, sync), scheduler
 
     def clip_grad_norm_(self, model, max_norm: float) -> float:
         return self.grad_sync.clip_(max_norm)

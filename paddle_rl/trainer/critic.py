@@ -4,7 +4,9 @@ log-probs, passes them to the Objective (GAE), and runs `update` before the acto
 
 The critic runs on the actor's grid (`Layout.load_critic`): data parallelism and sharding stage 1 / 2 through a
 GradientSync and sharded optimizer of its own (gradients summed over the batch group, Adam moments split over the
-sharding ranks), tensor parallelism with the actor's group (its value head replicated), pipeline parallelism in
+sharding ranks; `Layout.gradient_sync`, `Layout.sharded_optimizer`), sharding stage 3 with its parameters
+partitioned like the actor's (layouts/partitioned.py: each decoder layer gathered for its forward and backward, the
+optimizer over the slices, the checkpoint gathered), tensor parallelism with the actor's group (its value head replicated), pipeline parallelism in
 the actor's stages (its value head on the last; its value pass and update on the pipeline's schedules,
 layouts/pipelined.py). With LoRA it trains adapters of the actor's settings and its whole value head, and is saved
 as a PEFT adapter (task SEQ_CLS, modules_to_save [score])."""
@@ -20,10 +22,9 @@ from paddle.utils import unique_name
 
 from ..config import ConfigError
 from ..config.critic_args import CRITIC_OPTIMIZER_KEYS
-from ..models import load_weights, save_model
+from ..models import save_model
 from ..models.lora import has_adapter, lora_settings
 from ..models.pretrained import saves_frozen
-from ..parallel.sharding import build_sharded_optimizer
 from .checkpoint import load_optimizer, optimizer_stem
 from .state_files import write_state
 
@@ -73,7 +74,7 @@ class Critic:
         for key, value in settings.items():
             setattr(optimizer_config, key, value)
         self.sync = layout.gradient_sync(self.model)
-        self.optimizer, self.scheduler = build_sharded_optimizer(self.model, optimizer_config, total_updates, self.sync)
+        self.optimizer, self.scheduler = layout.sharded_optimizer(self.model, optimizer_config, total_updates, self.sync)
         logger.info("critic from %s (lr %g)", folder, settings["learning_rate"])
         if self.fuses_value_pass:
             default = type(config).__dataclass_fields__["per_device_value_batch_size"].default
@@ -192,7 +193,7 @@ class Critic:
         if not os.path.isdir(target) or "critic" not in state:
             raise FileNotFoundError(f"{path}: no critic in this checkpoint ({FOLDER}/ and trainer_state.json "
                                     "'critic'); it was written by a run without rl_algorithm: ppo")
-        load_weights(self.model, target)
+        self.layout.load_weights(self.model, target)
         load_optimizer(target, self.optimizer, self.scheduler,
                        dict(state, scheduler=state["critic"]["scheduler"]), rank=rank, world_size=world_size)
 
