@@ -247,3 +247,28 @@ def test_a_flip_that_cannot_act_is_refused_by_name():
     assert list(flips["refused"]) == ["use_fused_rms_norm"]
     assert "use_fused_rms_norm: true runs the fused kernel" in flips["refused"]["use_fused_rms_norm"]
     assert [r["name"] for r in flips["runs"]] == ["use_fused_linear=false"]
+
+
+@pytest.mark.slow   # ~30 s: Paddle in the child process and transformers in this one
+def test_trls_w1_loads_the_benchs_own_model_files(tmp_path):
+    """tools/bench_trl.py's W1 is the bench's: the bench's builder makes the files (in a child process), and
+    transformers loads every tensor of the 5M-parameter model from them, none missing or left over; the prompts are
+    the bench's, one token per word. (trl itself is not imported.)"""
+    import importlib.util
+    import os
+
+    import torch
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    spec = importlib.util.spec_from_file_location("bench_trl", os.path.join(root, "tools", "bench_trl.py"))
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    work = tool.build_w1(str(tmp_path), 2, 8, 0)
+    model, info = AutoModelForCausalLM.from_pretrained(work["model_dir"], dtype=torch.float32,
+                                                       output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    assert sum(p.numel() for p in model.parameters()) == 5_001_472
+    prompts = tool.w1_prompts(work["data"], 3)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_file=os.path.join(work["model_dir"], "tokenizer.json"))
+    assert [len(tokenizer(p)["input_ids"]) for p in prompts] == [len(p.split()) for p in prompts]
+    assert all(4 <= len(p.split()) <= 12 for p in prompts)
