@@ -145,7 +145,9 @@ class LayerCache:
         size = max(needed, self.capacity, 2 * (0 if self.k is None else self.k.shape[2]))
         shape = [shape[0], shape[1], size, shape[3]]
         dtype = self.dtype or (self.k.dtype if self.k is not None else dtype)
-        k, v = paddle.zeros(shape, dtype), paddle.zeros(shape, dtype)
+        # uninitialized: the slots from `length` on are written before anything reads them (update writes its
+        # tokens' slots, then returns the slots below its end; a decode step writes its slot, then attends up to it)
+        k, v = paddle.empty(shape, dtype), paddle.empty(shape, dtype)
         if self.length:
             k[:, :, :self.length] = self.keys
             v[:, :, :self.length] = self.values

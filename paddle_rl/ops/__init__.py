@@ -35,7 +35,7 @@ linear=)`; linear_bias.py the linear layers' x W + b (Paddle's linear op, or the
 from .linear_bias import affine, affine_fused, affine_reference
 from .activation import swiglu, swiglu_fused, swiglu_reference
 from .attention import (blocked_attention, blocked_attention_reference, decode_attention, decode_attention_fused,
-                        decode_attention_reference, masked_softmax,
+                        decode_attention_reads_windows, decode_attention_reference, masked_softmax,
                         masked_softmax_fused, masked_softmax_reference, packed_attention_fused,
                         packed_attention_reference, packed_attention_usable, packed_key_mask)
 from .build import CustomOpsError, available, configure, mode, status
@@ -77,7 +77,7 @@ __all__ = ["configure", "available", "mode", "status", "CustomOpsError",
            "ROLLOUT_DTYPES", "ROLLOUT_QUANT_TYPES", "LowpPacked", "rollout_weight_format",
            "pack_weight_lowp", "pack_weight_lowp_fused", "pack_weight_lowp_reference",
            "packed_linear_lowp", "packed_linear_lowp_fused", "packed_linear_lowp_reference",
-           "decode_attention", "decode_attention_fused", "decode_attention_reference",
+           "decode_attention", "decode_attention_fused", "decode_attention_reads_windows", "decode_attention_reference",
            "masked_softmax", "masked_softmax_fused", "masked_softmax_reference",
            "packed_attention_fused", "packed_attention_reference", "packed_attention_usable",
            "packed_key_mask", "blocked_attention", "blocked_attention_reference",

@@ -5,8 +5,8 @@ import paddle.nn.functional as F
 from paddle.autograd import PyLayer
 
 from . import build
-from ._util import contiguous, fusable
-from .kv_cache import caches_fusable
+from ._util import FLOAT32, contiguous, fusable
+from .kv_cache import DTYPES as KV_DTYPES, caches_fusable
 
 NEG_INF = -1e9
 
@@ -33,6 +33,15 @@ def decode_attention_fused(q, cache_k, cache_v, start, length: int, scale: float
 def decode_attention(q, cache_k, cache_v, start, length: int, scale: float):
     fn = decode_attention_fused if fusable(q) and caches_fusable(cache_k, cache_v) else decode_attention_reference
     return fn(q, cache_k, cache_v, start, length, scale)
+
+
+def decode_attention_reads_windows(q_dtype, cache_dtype) -> bool:
+    """Whether decode_attention of a q_dtype query over cache_dtype caches on the default device runs the kernel,
+    which reads each row's slots start[b] .. length - 1 only (the reference reads every slot below `length`, the
+    ones before a row's start masked: they must hold finite numbers). What `decode_attention` checks on its tensors,
+    read ahead of them (the rollout engine's buffers)."""
+    return (paddle.in_dynamic_mode() and q_dtype in FLOAT32 and cache_dtype in KV_DTYPES
+            and paddle.get_device().split(":")[0] in ("cpu", "gpu") and build.available())
 
 
 def masked_softmax_reference(scores, bias, scale: float):

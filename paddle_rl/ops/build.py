@@ -240,7 +240,14 @@ def status() -> dict:
             "reason": _State.reason, "cache": cache_root()}
 
 
+_run_custom_op = None   # Paddle's custom-op entry, looked up on the first call (run is called per kernel launch)
+
+
 def run(name: str, *args):
     """Call a registered custom op; returns its list of outputs."""
-    from paddle import _C_ops
-    return _C_ops._run_custom_op(name, *args)
+    global _run_custom_op
+    if _run_custom_op is None:
+        # this file imports Paddle where it uses it, as its other functions do (never at its top)
+        from paddle import _C_ops
+        _run_custom_op = _C_ops._run_custom_op
+    return _run_custom_op(name, *args)

@@ -7,7 +7,7 @@ import paddle
 from paddle.autograd import PyLayer
 
 from . import build
-from ._util import contiguous, fusable
+from ._util import contiguous, cpu_build, fusable
 
 logger = logging.getLogger("paddle_rl")
 
@@ -45,7 +45,11 @@ def packed_linear_fused(x, packed, n: int):
 def packing_helps(weight) -> bool:
     """The kernel runs for this weight: float32 on the CPU with the custom ops in use (a GPU's matmul reads its
     weights at the memory's rate without a packed copy)."""
-    return fusable(weight) and weight.place.is_cpu_place()
+    return fusable(weight) and _on_cpu(weight)
+
+
+def _on_cpu(t) -> bool:
+    return cpu_build() or t.place.is_cpu_place()
 
 
 def packed_linear(x, packed, n: int):
@@ -53,7 +57,7 @@ def packed_linear(x, packed, n: int):
     k in order whatever the other rows are, so a row's output does not depend on the batch it is in."""
     if isinstance(packed, LowpPacked):
         return packed_linear_lowp(x, packed)
-    fused = packing_helps(x) and packed.place.is_cpu_place()
+    fused = packing_helps(x) and _on_cpu(packed)
     return (packed_linear_fused if fused else packed_linear_reference)(x, packed, n)
 
 
@@ -171,7 +175,7 @@ def packed_linear_lowp_fused(x, packed: LowpPacked):
 
 
 def packed_linear_lowp(x, packed: LowpPacked):
-    fused = packing_helps(x) and packed.data.place.is_cpu_place()
+    fused = packing_helps(x) and _on_cpu(packed.data)
     return (packed_linear_lowp_fused if fused else packed_linear_lowp_reference)(x, packed)
 
 

@@ -33,7 +33,7 @@ from ..ops.kv_cache import kv_place
 from .keys import uniforms_for
 from .running import RunningBatch
 from .sampling import SamplingParams
-from .sequence import Scheduler, Sequence, sequences_batch
+from .sequence import Scheduler, Sequence, append_samples, sequences_batch
 from .settings import EngineSettings
 
 
@@ -115,7 +115,11 @@ class RolloutEngine:
         scheduler = Scheduler(groups, self.max_num_seqs, self.max_cache_tokens, params.max_dec_len)
         stop_ids = sorted(set(params.stop_token_ids) | set(self.eos_ids))
         stop_t = paddle.to_tensor(np.asarray(stop_ids, dtype=np.int64).reshape([-1]))
-        batch = RunningBatch(len(model.layers), params.max_dec_len)
+        compute = model.embed_tokens.weight.dtype   # the activations' (the decode step's queries)
+        cached = compute if self.kv_cache_dtype is None else paddle.empty([0], self.kv_cache_dtype).dtype
+        batch = RunningBatch(len(model.layers), params.max_dec_len,
+                             zero_fill=not ops.decode_attention_reads_windows(compute, cached))
+        between = self._stages_with("between_steps")
         stats = {"peak_rows": 0, "decode_steps": 0, "prefills": 0}
         done = []
         while not scheduler.done or len(batch):
@@ -136,9 +140,9 @@ class RolloutEngine:
             if batch.slot >= batch.capacity:
                 batch.relayout(np.arange(len(batch)), decode_count=stats["decode_steps"])
             # rows keep their KV caches, written by the weights they were decoded with
-            if any([stage.between_steps() for stage in self._stages_with("between_steps")]):
+            if any([stage.between_steps() for stage in between]):
                 repack()  # the packed copies follow the new weights
-            last = paddle.to_tensor(np.array([s.tokens[-1] for s in batch.seqs], dtype=np.int64))
+            last = paddle.to_tensor(batch.last)
             positions = paddle.to_tensor(batch.positions().reshape(-1, 1))
             batch.logits = model.decode_step(last, positions, batch.layers, batch.start_tensor())
             stats["decode_steps"] += 1
@@ -152,37 +156,40 @@ class RolloutEngine:
     def _prefill(self, batch: RunningBatch, joining, params: SamplingParams, decode_count: int) -> None:
         """Run the joining groups' prompts once and place n rows per prompt. Prompts of one length run together
         and none is padded, so a prompt's keys, values and first logits never depend on which prompts joined
-        with it (padding would change the float rounding of its attention sums)."""
+        with it (padding would change the float rounding of its attention sums). The prompts of one length take
+        consecutive rows of the prefill caches (one copy per layer), from which their samples are fanned out."""
         model = self.model
         lengths = np.array([len(g[0].prompt) for g in joining])
         width = int(lengths.max())
         caches = None
-        logits = [None] * len(joining)
+        logits = []
+        row_of = np.zeros(len(joining), dtype=np.int64)   # joining group -> its row in the prefill caches
+        placed = 0
         for length in np.unique(lengths):
             members = np.flatnonzero(lengths == length)
+            row_of[members] = np.arange(placed, placed + len(members))
             ids = paddle.to_tensor(np.array([joining[i][0].prompt for i in members], dtype=np.int64))
             cache = model.new_cache(int(length), self.kv_cache_dtype)
             positions = paddle.arange(int(length), dtype="int64").unsqueeze(0).expand(ids.shape)
             bias = attention_bias_from_mask(paddle.ones_like(ids), int(length), causal=True)
             hidden = model.hidden_states(ids, positions, bias, cache)
-            last = model.logits(hidden[:, -1])
-            for j, i in enumerate(members):
-                logits[i] = last[j]
+            logits.append(model.logits(hidden[:, -1]))
             if caches is None:
                 caches = [LayerCache() for _ in cache]
                 for layer, src in zip(caches, cache):
                     shape = [len(joining), src.k.shape[1], width, src.k.shape[3]]
-                    layer.k, layer.v = paddle.zeros(shape, src.k.dtype), paddle.zeros(shape, src.v.dtype)
+                    layer.k, layer.v = batch.buffer(shape, src.k.dtype), batch.buffer(shape, src.v.dtype)
             rows = paddle.arange(len(members), dtype="int64")
             for layer, src in zip(caches, cache):
-                for j, i in enumerate(members):
-                    kv_place(layer.k, src.k, rows[j:j + 1], int(i), 0, width - int(length), int(length))
-                    kv_place(layer.v, src.v, rows[j:j + 1], int(i), 0, width - int(length), int(length))
+                kv_place(layer.k, src.k, rows, placed, 0, width - int(length), int(length))
+                kv_place(layer.v, src.v, rows, placed, 0, width - int(length), int(length))
+            placed += len(members)
         seqs = [s for g in joining for s in g]
-        fan = np.repeat(np.arange(len(joining)), [len(g) for g in joining]).astype(np.int64)
-        new = {"logits": paddle.gather(paddle.stack(logits), paddle.to_tensor(fan))}
+        fan = row_of[np.repeat(np.arange(len(joining)), [len(g) for g in joining])]
+        logits = logits[0] if len(logits) == 1 else paddle.concat(logits)
+        new = {"logits": paddle.gather(logits, paddle.to_tensor(fan))}
         if not params.greedy:
-            new["uniforms"] = paddle.to_tensor(np.stack([s.uniforms for s in seqs]))
+            new["uniforms"] = np.stack([s.uniforms for s in seqs])
         if params.repetition_penalty != 1.0:
             seen = np.zeros((len(seqs), new["logits"].shape[-1]), dtype=np.float32)
             for r, s in enumerate(seqs):
@@ -193,23 +200,30 @@ class RolloutEngine:
     def _sample(self, batch: RunningBatch, params: SamplingParams, stop_t, stop_ids) -> np.ndarray:
         """One token for every running row; returns which rows finished (stop token or max_dec_len)."""
         generated = batch.lengths()
-        lengths = paddle.to_tensor(generated)
         logits = batch.logits
         greedy_np = ops.row_argmax(logits).numpy()  # the distribution's own greedy choice, per row
         for stage in self._stages_with("logits"):
             logits = stage.logits(batch.seqs, logits, generated, stop_ids)
         uniforms = None
-        if batch.uniforms is not None:
-            uniforms = paddle.take_along_axis(batch.uniforms, lengths.unsqueeze(-1), axis=1).squeeze(-1)
-        ban = lengths < params.min_dec_len if params.min_dec_len > 0 else None
+        if batch.uniforms is not None:   # row r's draw number len(tokens) of its own stream
+            uniforms = paddle.to_tensor(batch.uniforms[np.arange(len(batch)), generated])
+        ban = None   # the rows whose stop tokens are banned (under min_dec_len); None: none is
+        if params.min_dec_len > 0 and (generated < params.min_dec_len).any():
+            ban = paddle.to_tensor(generated < params.min_dec_len)
         tokens, logp = ops.sample(logits, uniforms, batch.seen, ban, stop_t, params.temperature, params.top_k,
                                   params.top_p, params.repetition_penalty)
-        alive = paddle.zeros([len(batch)], dtype="bool")
-        state = ops.step_update(tokens, logp, alive, lengths, stop_t, batch.seen, self.pad_id, params.min_dec_len)
-        batch.seen = state.seen
+        if batch.seen is not None:   # every row is alive: step_update marks its token seen
+            alive = paddle.zeros([len(batch)], dtype="bool")
+            batch.seen = ops.step_update(tokens, logp, alive, paddle.to_tensor(generated), stop_t, batch.seen,
+                                         self.pad_id, params.min_dec_len).seen
         batch.logits = None
-        tokens_np, logp_np = state.tokens.numpy(), state.logprob.numpy()
-        stopped = state.finished.numpy().astype(bool)
+        tokens_np, logp_np = tokens.numpy(), logp.numpy()
+        stopped = np.isin(tokens_np, stop_ids)
+        if self._episodes is None:   # every row appends its sample (only an environment feeds tokens in)
+            append_samples(batch.seqs, tokens_np.tolist(), logp_np.tolist(), greedy_np.tolist(), stopped.tolist(),
+                           self.version)
+            batch.advance(tokens_np)
+            return stopped | (generated + 1 >= params.max_dec_len)
         finished = np.zeros(len(batch), dtype=bool)
         for i, seq in enumerate(batch.seqs):
             seq.versions.append(self.version)
@@ -227,6 +241,7 @@ class RolloutEngine:
                     seq.forced.extend(observation)
                     seq.stopped = False
             finished[i] = seq.stopped or len(seq.tokens) >= params.max_dec_len
+        batch.advance(np.array([seq.tokens[-1] for seq in batch.seqs], dtype=np.int64))
         return finished
 
     def _output(self, done, rows: int) -> StepBatch:

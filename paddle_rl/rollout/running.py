@@ -10,6 +10,7 @@ copy of the live window) from which the slots before the oldest live row's promp
 placed so that their prompt ends at `slot`. docs/performance.md and ARCHITECTURE.md say why this and not a paged
 cache.
 """
+import math
 from typing import List, Optional
 
 import numpy as np
@@ -20,12 +21,17 @@ from ..ops.kv_cache import kv_place
 from .sequence import Sequence
 
 GROWTH = 128   # slots added past the widest window when a buffer is (re)built (bounded by prompt + max_dec_len)
-ROW_STATE = ("logits", "uniforms", "seen")   # the per-row tensors, aligned with seqs
+ROW_STATE = ("logits", "seen")   # the per-row tensors, aligned with seqs
+ROW_ARRAYS = ("uniforms", "prompt_lengths", "generated", "last")   # the per-row numpy arrays, aligned with seqs
 
 
 class RunningBatch:
-    def __init__(self, num_layers: int, max_dec_len: int):
+    def __init__(self, num_layers: int, max_dec_len: int, zero_fill: bool = True):
+        """`zero_fill`: new cache buffers are zeroed (the reference decode attention reads every slot below the
+        step's, masked: 0 x an uninitialized NaN would be NaN); False where the decode kernel reads them, which
+        reads each row's window only (ops.decode_attention_reads_windows), every slot of which is written first."""
         self.max_dec_len = max_dec_len
+        self.zero_fill = zero_fill
         self.layers: List[LayerCache] = [LayerCache() for _ in range(num_layers)]
         self.seqs: List[Sequence] = []
         self.start = np.zeros(0, dtype=np.int64)
@@ -33,8 +39,12 @@ class RunningBatch:
         self.capacity = 0
         # per-row tensors, aligned with seqs
         self.logits = None        # [R, V] the next token's logits
-        self.uniforms = None      # [R, max_dec_len] float32 (sampling)
         self.seen = None          # [R, V] float32 (repetition penalty)
+        # per-row numpy arrays, aligned with seqs (what each step reads without a loop over the rows)
+        self.uniforms = None      # [R, max_dec_len] float32 (sampling)
+        self.prompt_lengths = np.zeros(0, dtype=np.int64)
+        self.generated = np.zeros(0, dtype=np.int64)   # tokens so far (len(seq.tokens))
+        self.last = np.zeros(0, dtype=np.int64)        # each row's last token (the next decode step's input)
         self.relayouts = 0
         self.copied_slots = 0      # row-slots copied by relayouts (per layer, keys and values each)
         self.peak_slots = 0        # the most row-slots the buffers held (rows x capacity)
@@ -50,12 +60,22 @@ class RunningBatch:
 
     # ---------------------------------------------------------------- row-aligned values
     def lengths(self) -> np.ndarray:
-        return np.array([len(s.tokens) for s in self.seqs], dtype=np.int64)
+        """Tokens so far per row (len(seq.tokens))."""
+        return self.generated.copy()
 
     def positions(self) -> np.ndarray:
         """The position id of each row's next token (prompt tokens + tokens so far, minus one for the last
         sampled token not yet in the cache)."""
-        return np.array([len(s.prompt) + len(s.tokens) - 1 for s in self.seqs], dtype=np.int64)
+        return self.prompt_lengths + self.generated - 1
+
+    def advance(self, tokens: np.ndarray) -> None:
+        """Every row took one more token, `tokens` [R] (its sample, or an observation's token fed in)."""
+        self.generated = self.generated + 1
+        self.last = np.asarray(tokens, dtype=np.int64)
+
+    def buffer(self, shape, dtype):
+        """A new cache buffer (zeroed with `zero_fill`, else uninitialized)."""
+        return paddle.zeros(shape, dtype) if self.zero_fill else paddle.empty(shape, dtype)
 
     # ---------------------------------------------------------------- relayout
     def relayout(self, keep: np.ndarray, new_seqs: List[Sequence] = (), prefill: Optional[List[LayerCache]] = None,
@@ -75,7 +95,7 @@ class RunningBatch:
         seqs = kept + list(new_seqs)
         if not seqs:
             counters = (self.relayouts + 1, self.copied_slots, self.peak_slots, self.peak_kv_bytes)
-            self.__init__(len(self.layers), self.max_dec_len)
+            self.__init__(len(self.layers), self.max_dec_len, self.zero_fill)
             self.relayouts, self.copied_slots, self.peak_slots, self.peak_kv_bytes = counters
             return
         widest = max(len(s.prompt) for s in seqs) + self.max_dec_len
@@ -87,7 +107,7 @@ class RunningBatch:
             source = prefill[i] if prefill is not None else None
             shape_of = layer.k if layer.k is not None else source.k
             shape = [len(seqs), shape_of.shape[1], capacity, shape_of.shape[3]]
-            k, v = paddle.zeros(shape, shape_of.dtype), paddle.zeros(shape, shape_of.dtype)
+            k, v = self.buffer(shape, shape_of.dtype), self.buffer(shape, shape_of.dtype)
             if len(keep) and old_width:
                 kv_place(k, layer.k, keep_t, 0, origin, width - old_width, old_width)
                 kv_place(v, layer.v, keep_t, 0, origin, width - old_width, old_width)
@@ -101,21 +121,33 @@ class RunningBatch:
         self._start_t = None
         for s in new_seqs:
             s.joined_at = decode_count
+        whole = len(keep) == len(self.seqs) and (keep == np.arange(len(keep))).all()
         for name in ROW_STATE:
             old = getattr(self, name)
             parts = []
             if old is not None and len(keep):
-                parts.append(old if len(keep) == len(self.seqs) and (keep == np.arange(len(keep))).all()
-                             else paddle.gather(old, keep_t))
+                parts.append(old if whole else paddle.gather(old, keep_t))
             if new_rows is not None and new_rows.get(name) is not None:
                 parts.append(new_rows[name])
             setattr(self, name, None if not parts else parts[0] if len(parts) == 1 else paddle.concat(parts))
+        joining = {"uniforms": None if new_rows is None else new_rows.get("uniforms"),
+                   "prompt_lengths": np.array([len(s.prompt) for s in new_seqs], dtype=np.int64),
+                   "generated": np.array([len(s.tokens) for s in new_seqs], dtype=np.int64),
+                   "last": np.array([s.tokens[-1] if s.tokens else 0 for s in new_seqs], dtype=np.int64)}
+        for name in ROW_ARRAYS:
+            old, parts = getattr(self, name), []
+            if old is not None and len(keep):
+                parts.append(old if whole else old[keep])
+            if joining[name] is not None and new_seqs:
+                parts.append(joining[name])
+            setattr(self, name, None if not parts else parts[0] if len(parts) == 1 else np.concatenate(parts))
         self.seqs, self.capacity = seqs, capacity
         self.relayouts += 1
         self.copied_slots += len(keep) * old_width + (len(new_seqs) * prompt_width if new_seqs else 0)
         self.peak_slots = max(self.peak_slots, len(seqs) * capacity)
         first = self.layers[0].k
-        self.peak_kv_bytes = max(self.peak_kv_bytes, 2 * len(self.layers) * first.size * first.element_size())
+        held = 2 * len(self.layers) * math.prod(first.shape) * first.element_size()   # (Tensor.size is an op)
+        self.peak_kv_bytes = max(self.peak_kv_bytes, held)
 
     def drop(self, keep: np.ndarray) -> None:
         """Keep rows `keep` (increasing) in the buffers they are in: the last kept rows move into the places of the
@@ -133,13 +165,16 @@ class RunningBatch:
             first = int(self.start[tails].min())
             width = self.slot - first
             tails_t = paddle.to_tensor(tails)
-            moved = [paddle.to_tensor(np.array([j], dtype=np.int64)) for j in range(len(holes))]
+            # hole j takes scratch row j: a run of consecutive holes is one copy of consecutive scratch rows
+            runs = np.flatnonzero(np.diff(holes) != 1) + 1
+            moved = [(paddle.to_tensor(np.arange(a, b, dtype=np.int64)), int(holes[a]))
+                     for a, b in zip(np.r_[0, runs], np.r_[runs, len(holes)])]
             for layer in self.layers:
                 for buf in (layer.k, layer.v):
                     scratch = paddle.empty([len(tails), buf.shape[1], width, buf.shape[3]], buf.dtype)
                     kv_place(scratch, buf, tails_t, 0, first, 0, width)
-                    for j, hole in enumerate(holes):
-                        kv_place(buf, scratch, moved[j], int(hole), 0, first, width)
+                    for rows, hole in moved:
+                        kv_place(buf, scratch, rows, hole, 0, first, width)
             self.copied_slots += len(tails) * width
         for layer in self.layers:
             layer.k, layer.v = layer.k._slice(0, n), layer.v._slice(0, n)   # views: no copy
@@ -151,6 +186,10 @@ class RunningBatch:
             old = getattr(self, name)
             if old is not None:
                 setattr(self, name, paddle.gather(old, order_t))
+        for name in ROW_ARRAYS:
+            old = getattr(self, name)
+            if old is not None:
+                setattr(self, name, old[order])
         self.relayouts += 1
 
     def start_tensor(self):

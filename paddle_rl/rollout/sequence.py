@@ -47,6 +47,19 @@ class Sequence:
         return not self.stopped
 
 
+def append_samples(seqs: List[Sequence], tokens: List[int], logprobs: List[float], greedy: List[int],
+                   stopped: List[bool], version: int) -> None:
+    """One decode step's samples, one per sequence: what `Sequence.append(..., policy=True)` records, the
+    policy's version and whether the token stopped the sequence (a loop without a call per row)."""
+    for seq, token, logprob, best, stop in zip(seqs, tokens, logprobs, greedy, stopped):
+        seq.tokens.append(token)
+        seq.logprobs.append(logprob)
+        seq.policy.append(1.0)
+        seq.greedy.append(best)
+        seq.versions.append(version)
+        seq.stopped = stop
+
+
 class Scheduler:
     def __init__(self, groups: List[List[Sequence]], max_num_seqs: int, max_cache_tokens: int, max_dec_len: int):
         self.waiting = deque(groups)
