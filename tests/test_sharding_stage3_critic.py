@@ -136,13 +136,15 @@ def test_stage3_value_pass_and_token_budget(root):
     """Two mini-batches per step (the critic's separate value pass, then its update) with padded micro-batches under
     a token budget: the ranks form different numbers of micro-batches and the one with fewer runs idle passes in the
     value, log-prob and update passes; the run equals one process."""
-    keys = dict(global_mini_batch_size=2, per_device_value_batch_size=3, max_tokens_per_micro_batch=120)
+    keys = dict(global_mini_batch_size=2, per_device_value_batch_size=3, max_tokens_per_micro_batch=114)
     alone = run(root, "single-budget", **keys)
     assert all("time/values" in r for r in _timed_rows(alone))
     out_dir = run(root, "stage3-budget", nproc=2, **STAGE3, **keys)
     check_parity(alone, out_dir)
-    idle = [p["idle_passes"] for p in held(out_dir)]
-    print(f"stage3 value pass + budget: idle passes per rank {idle}")
+    parts = held(out_dir)
+    idle = [p["critic"]["idle_passes"] for p in parts]
+    print(f"stage3 value pass + budget: the critic's idle passes per rank {idle} (all models: "
+          f"{[p['idle_passes'] for p in parts]})")
     assert sum(idle) > 0
 
 
@@ -169,6 +171,44 @@ def test_stage3_critic_parity_fails_when_its_collective_is_perturbed(root, singl
     worst = max(rel_err(wa[k], wb[k]) for k in wa)
     print(f"critic {perturb} perturbed: max critic weight rel err {worst:.2e}")
     assert worst > 1e-3
+
+
+@pytest.mark.slow
+def test_stage3_critic_memory_against_stage2(root):
+    """A 19M-parameter variant of the tiny arithmetic model (hidden 512, intermediate 1024, 8 layers; random
+    weights), one PPO step at sharding 2 under stage 2 and stage 3: each rank's parameter bytes of the actor and of
+    the critic between passes (stage 3: half of each), the critic's Adam moments, the most gathered at once inside a
+    pass, and each rank's peak RSS (printed for docs/parallelism.md)."""
+    import paddle
+    from paddle_rl.models import CausalLM, ModelConfig
+    from paddle_rl.models.pretrained import copy_tokenizer_files, save_model, write_generation_config
+    base = os.path.join(TINY, "model")
+    config = ModelConfig.from_dict(dict(ModelConfig.from_pretrained(base).to_hf_dict(), hidden_size=512,
+                                        intermediate_size=1024, num_hidden_layers=8, num_attention_heads=8,
+                                        num_key_value_heads=4, head_dim=64))
+    paddle.seed(7)
+    model = CausalLM(config)
+    model.init_weights()
+    folder = str(root / "wide-model")
+    save_model(model, folder)
+    copy_tokenizer_files(base, folder)
+    write_generation_config(folder, [config.eos_token_id], config.pad_token_id)
+    del model
+    rows = {}
+    for stage in ("stage2", "stage3"):
+        out_dir = run(root, f"memory-{stage}", nproc=2, sharding_parallel_degree=2, sharding=stage, max_steps=1,
+                      save_steps=100, actor_model_name_or_path=folder)
+        rows[stage] = held(out_dir)
+    total = rows["stage2"][0]["critic_bytes"]
+    for stage, parts in rows.items():
+        print(f"{stage}: actor {parts[0]['actor_bytes']} bytes, critic {total} bytes; per rank between passes: actor "
+              f"{[p.get('actor', {}).get('shards', p['actor_bytes']) for p in parts]}, critic "
+              f"{[p.get('critic', {}).get('shards', total) for p in parts]}; critic Adam moments "
+              f"{[p['critic_moments'] for p in parts]}; most whole inside a pass "
+              f"{[p.get('critic', {}).get('pass_peak_whole', '-') for p in parts]}; peak RSS "
+              f"{[p['peak_rss'] for p in parts]}")
+    assert all(p["critic"]["shards"] <= 0.501 * total and p["critic"]["whole"] == 0 for p in rows["stage3"])
+    assert max(p["critic"]["pass_peak_whole"] for p in rows["stage3"]) < 0.5 * total
 
 
 def _timed_rows(out_dir):

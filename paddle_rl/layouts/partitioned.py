@@ -37,6 +37,7 @@ class Partitioned(Replicated):
         super().__init__(topo, share_prompts, max_tokens, remove_padding)
         self.params = PartitionedParams(topo)
         self.idle_passes = 0   # passes run only to keep this rank's collectives in step with its peers
+        self._idle_of = {}     # the same per model (id: the actor, the reference, a critic)
 
     def check_config(self, config) -> None:
         super().check_config(config)
@@ -82,20 +83,21 @@ class Partitioned(Replicated):
             return super().full_state(model, frozen)
 
     def held_bytes(self, model) -> dict:
-        """Bytes of `model`'s parameters this rank holds (PartitionedParams.held_bytes)."""
-        return self.params.held_bytes(model)
+        """Bytes of `model`'s parameters this rank holds (PartitionedParams.held_bytes), and the idle passes it ran."""
+        return dict(self.params.held_bytes(model), idle_passes=self._idle_of.get(id(model), 0))
 
     # ---------------------------------------------------------------- passes
-    def _passes(self, plan) -> int:
-        """Idle passes this rank adds so that every rank of the sharding group runs as many as the busiest (a
-        collective: called before any of the passes)."""
-        most = int(C.max_numpy([len(plan)], self._topo.group("sharding"))[0])
-        self.idle_passes += most - len(plan)
-        return most - len(plan)
+    def _passes(self, model, plan) -> int:
+        """Idle passes this rank adds so that every rank of the sharding group runs as many passes of `model` as the
+        busiest (a collective: called before any of the passes)."""
+        idle = int(C.max_numpy([len(plan)], self._topo.group("sharding"))[0]) - len(plan)
+        self.idle_passes += idle
+        self._idle_of[id(model)] = self._idle_of.get(id(model), 0) + idle
+        return idle
 
     def _logprob_chunks(self, model, batch, plan, temperature: float, with_entropy: bool,
                         with_greedy: bool = False) -> list:
-        chunks, idle = [], self._passes(plan)
+        chunks, idle = [], self._passes(model, plan)
         for rows in plan:
             with self.params.running(model):
                 out = self.micro.logprobs(model, batch.micro(rows), temperature, with_entropy, with_greedy)
@@ -109,7 +111,7 @@ class Partitioned(Replicated):
                          with_greedy: bool = False) -> list:
         outs = []
         plan = self.micro.plan(mini, micro)
-        idle = self._passes(plan)
+        idle = self._passes(model, plan)
         for rows in plan:
             part = mini.micro(rows)
             with self.params.running(model):
@@ -126,7 +128,7 @@ class Partitioned(Replicated):
         return outs
 
     def _value_chunks(self, model, batch, plan) -> list:
-        chunks, idle = [], self._passes(plan)
+        chunks, idle = [], self._passes(model, plan)
         for rows in plan:
             with self.params.running(model):
                 chunks.append((rows, self.micro.values(model, batch.micro(rows)).numpy()))
@@ -138,7 +140,7 @@ class Partitioned(Replicated):
     def value_forward_backward(self, model, mini, keys, micro: int, loss_fn) -> list:
         outs = []
         plan = self.micro.plan(mini, micro)
-        idle = self._passes(plan)
+        idle = self._passes(model, plan)
         for rows in plan:
             part = mini.micro(rows)
             with self.params.running(model):
