@@ -31,7 +31,7 @@ def test_long_tail_lengths_have_the_promised_shape():
 
 def test_w2_generates_the_schedule_and_decodes_live_rows_only(bench_rule):
     result = bench.run(args_for("--workload", "w2", "--response-len", "40", "--steps", "1", "--warmup", "0",
-                                "--prompts", "2", "--rollout-n", "4", "--kl-loss-coeff", "0"))
+                                "--prompts", "2", "--rollout-n", "4", "--kl-loss-coeff", "0", "--peaks", "fp32"))
     lengths = bench.long_tail_lengths(8, cap=40)
     assert result["generated_tokens"] == sum(lengths)
     assert result["response_length_mean"] == sum(lengths) / 8
@@ -54,7 +54,7 @@ def test_ppo_reports_the_critic_stages(bench_rule):
     with their cost against the actor's update. W1 has one update pass per step, so the update's forward gives the
     values (values 0 s); with two mini-batches the value pass runs on its own."""
     common = ("--workload", "w1", "--response-len", "8", "--steps", "1", "--warmup", "0", "--prompts", "2",
-              "--rollout-n", "4")
+              "--rollout-n", "4", "--peaks", "fp32")   # the emulated bf16 peaks are not what this test reads
     fused = bench.run(args_for(*common, "--set", "rl_algorithm=ppo"))
     two = bench.run(args_for(*common, "--set", "rl_algorithm=ppo", "--set", "global_mini_batch_size=1"))
     for result in (fused, two):
@@ -107,7 +107,7 @@ def test_a_local_rollout_server_is_timed_against_the_inline_rollout(bench_rule):
     inline and on the server step by step in turn, and reports both steps and the push: its bytes are the model's
     float32 tensors (W1: 5,001,472 parameters) and a safetensors header."""
     result = bench.run(args_for("--workload", "w1", "--response-len", "4", "--steps", "1", "--warmup", "0",
-                                "--prompts", "2", "--rollout-n", "2", "--kl-loss-coeff", "0",
+                                "--prompts", "2", "--rollout-n", "2", "--kl-loss-coeff", "0", "--peaks", "fp32",
                                 "--set", "rollout_server_urls=local"))
     served = result["rollout_server"]
     assert served["urls"] == ["local"] and served["local_servers"] == 1 and served["steps_timed"] == 1
@@ -139,7 +139,7 @@ def test_w5_trains_on_humaneval_records_scored_by_the_code_rule(bench_rule, tmp_
         f.writelines(json.dumps(r) + "\n" for r in humaneval_records(data, "tasks"))
     args = args_for("--workload", "w5", "--model-path", bench.os.path.join(bench.os.path.dirname(
         bench.os.path.dirname(bench.__file__)), "data", "tiny_arith", "model"), "--response-len", "4",
-                    "--steps", "1", "--warmup", "0", "--kl-loss-coeff", "0")
+                    "--steps", "1", "--warmup", "0", "--kl-loss-coeff", "0", "--peaks", "fp32")
     spec = bench.resolve_args(args)
     assert (args.prompts, args.rollout_n) == (4, 4) and spec["settings"]["reward_funcs"] == ["code"]
     result = bench.run(args)
