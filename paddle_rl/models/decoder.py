@@ -870,6 +870,7 @@ class CausalLM(nn.Layer):
         finally:
             for m in linears:
                 _hold(m, "packed", None)
+                _hold(m, "packed_bias", None)   # ColumnLinear's bias expanded to a decode step's rows
             _hold(self, "_packed_head", None)
             self.set_bf16(*trained_bf16)
 

@@ -233,8 +233,18 @@ class ColumnLinear(_Linear):
             y = ops.affine(x, weight, self.bias)  # Paddle's linear op (use_fused_linear: false: two)
         else:
             y = self.project(copy_to_group(x, self.group), weight)
-            y = y + self.bias if self.bias is not None else y
+            y = y if self.bias is None else y + (self.bias if self.packed is None else self._bias_like(y))
         return y if self.lora is None else self.lora.add(x, y, tokens)
+
+    def _bias_like(self, y):
+        """The bias expanded to y's shape, kept while the packed copy and the shape stay (a decode step's rows):
+        Paddle's CPU add broadcasting [N] over [rows, 1, N] takes ~3x the time of adding a tensor of y's shape,
+        the same sums. The rollout's (packed copies are inference only); dropped with the packed copy."""
+        held = self.__dict__.get("packed_bias")
+        if held is None or held[0] is not self.packed or held[1].shape != y.shape:
+            held = (self.packed, paddle.expand(self.bias, y.shape))
+            self.__dict__["packed_bias"] = held   # a plain attribute, as `packed` (not a buffer of the layer)
+        return held[1]
 
 
 class RowLinear(_Linear):
