@@ -161,6 +161,27 @@ def test_stage3_ppo_resume_equals_uninterrupted(root):
 
 
 @pytest.mark.slow
+def test_stage3_lora_critic(root):
+    """LoRA on the actor and the critic (the frozen bases partitioned with the adapters; the critic's value head
+    trained whole, in slices): the losses, the actor's merged weights, and the critic's adapters and head (a PEFT
+    adapter in checkpoint-3/critic) equal one process."""
+    from paddle_rl.models.lora import read_adapter
+    keys = dict(lora_rank=4, lora_alpha=8, merge_lora="true")
+    alone = run(root, "single-lora", **keys)
+    out_dir = run(root, "stage3-lora", nproc=2, **STAGE3, **keys)
+    ref, par = read_rows(alone), read_rows(out_dir)
+    worst = max(abs(a[k] - b[k]) / max(abs(a[k]), abs(b[k]), 1e-2) for a, b in zip(ref, par) for k in a
+                if k in LOSSES)
+    wa, wb = weights(alone), weights(out_dir)
+    actor = max(rel_err(wa[k], wb[k]) for k in wa)
+    ca, cb = (read_adapter(os.path.join(d, "checkpoint-3", "critic")) for d in (alone, out_dir))
+    assert set(ca) == set(cb) and any("lora_B" in k for k in ca) and any("score" in k for k in ca)
+    critic = max(rel_err(ca[k], cb[k]) for k in ca)
+    print(f"stage3 LoRA: max loss rel err {worst:.2e}, actor merged weights {actor:.2e}, critic adapters {critic:.2e}")
+    assert worst <= REL_TOL and actor <= REL_TOL and critic <= REL_TOL
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("perturb", ["gather", "reduce"])
 def test_stage3_critic_parity_fails_when_its_collective_is_perturbed(root, single, perturb):
     """Only the critic's collectives broken (the actor's untouched): each rank using its own slice in place of its
