@@ -6,10 +6,10 @@ The critic runs on the actor's grid (`Layout.load_critic`): data parallelism and
 GradientSync and sharded optimizer of its own (gradients summed over the batch group, Adam moments split over the
 sharding ranks; `Layout.gradient_sync`, `Layout.sharded_optimizer`), sharding stage 3 with its parameters
 partitioned like the actor's (layouts/partitioned.py: each decoder layer gathered for its forward and backward, the
-optimizer over the slices, the checkpoint gathered), tensor parallelism with the actor's group (its value head replicated), pipeline parallelism in
-the actor's stages (its value head on the last; its value pass and update on the pipeline's schedules,
-layouts/pipelined.py). With LoRA it trains adapters of the actor's settings and its whole value head, and is saved
-as a PEFT adapter (task SEQ_CLS, modules_to_save [score])."""
+optimizer over the slices, the checkpoint gathered), tensor parallelism with the actor's group (its value head
+replicated), pipeline parallelism in the actor's stages (its value head on the last; its value pass and update on
+the pipeline's schedules, layouts/pipelined.py). With LoRA it trains adapters of the actor's settings and its whole
+value head, and is saved as a PEFT adapter (task SEQ_CLS, modules_to_save [score])."""
 import copy
 import logging
 import math
@@ -74,7 +74,8 @@ class Critic:
         for key, value in settings.items():
             setattr(optimizer_config, key, value)
         self.sync = layout.gradient_sync(self.model)
-        self.optimizer, self.scheduler = layout.sharded_optimizer(self.model, optimizer_config, total_updates, self.sync)
+        self.optimizer, self.scheduler = layout.sharded_optimizer(self.model, optimizer_config, total_updates,
+                                                                  self.sync)
         logger.info("critic from %s (lr %g)", folder, settings["learning_rate"])
         if self.fuses_value_pass:
             default = type(config).__dataclass_fields__["per_device_value_batch_size"].default
