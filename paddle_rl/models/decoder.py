@@ -216,7 +216,7 @@ class Pass:
         self.attention_bias = attention_bias
         self.caches = caches
         self.decode_start = decode_start
-        self.token_weight = None if token_weight is None else token_weight.astype("float32").reshape([-1])
+        self._token_weight, self._flat_weight = token_weight, None   # flattened when an MoE block reads it
         self.router = None if decode_start is not None else router if router is not None else RouterStats()
         self.inv_freq = rotary.inv_freq
         self.cos, self.sin = (None, None) if decode_start is not None else rotary(position_ids)
@@ -241,6 +241,13 @@ class Pass:
     @property
     def decode(self) -> bool:
         return self.decode_start is not None
+
+    @property
+    def token_weight(self):
+        """`token_weight` as [B * T] float32 (None: every token once), made on the first read (MoE blocks')."""
+        if self._flat_weight is None and self._token_weight is not None:
+            self._flat_weight = self._token_weight.astype("float32").reshape([-1])
+        return self._flat_weight
 
     def kept(self) -> "Pass":
         """This pass with nothing recomputed: for a block that is itself recomputed as a whole."""
@@ -774,12 +781,14 @@ class CausalLM(nn.Layer):
         first_ids, first_mask = paddle.gather(prompt_ids, prompt_first), paddle.gather(prompt_mask, prompt_first)
         recorded = [RecordingCache() for _ in self.layers]
         # the router statistics of both passes together, each distinct prompt counted once per row that has it
-        router = RouterStats()
-        uses = paddle.bincount(prompt_rows, minlength=first_ids.shape[0]).astype("float32").unsqueeze(-1)
+        # (MoE blocks read them; nothing does in a dense model)
+        router, weight = RouterStats(), None
+        if self.moe is not None:
+            uses = paddle.bincount(prompt_rows, minlength=first_ids.shape[0]).astype("float32").unsqueeze(-1)
+            weight = first_mask.astype("float32") * uses
         prompt_hidden = self.run(first_ids, Pass(self.rotary, position_ids_from_mask(first_mask),
                                                  attention_bias_from_mask(first_mask, prompt_width, causal=True),
-                                                 recorded, token_weight=first_mask.astype("float32") * uses,
-                                                 router=router))
+                                                 recorded, token_weight=weight, router=router))
         last_prompt = paddle.gather(prompt_hidden[:, -1], prompt_rows).unsqueeze(1)
         response_len = input_ids.shape[1] - prompt_width
         if response_len == 1:
@@ -788,7 +797,8 @@ class CausalLM(nn.Layer):
         response_hidden = self.run(input_ids[:, prompt_width:-1],
                                    Pass(self.rotary, position_ids_from_mask(attention_mask)[:, prompt_width:-1],
                                         attention_bias_from_mask(attention_mask[:, :-1], response_len - 1, causal=True),
-                                        prefixes, token_weight=attention_mask[:, prompt_width:-1], router=router))
+                                        prefixes, router=router,
+                                        token_weight=None if weight is None else attention_mask[:, prompt_width:-1]))
         return paddle.concat([last_prompt, response_hidden], axis=1)
 
     # ---------------------------------------------------------------- the head

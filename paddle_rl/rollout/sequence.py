@@ -83,6 +83,8 @@ class Scheduler:
 
     def admit(self, running: List[Sequence]) -> List[List[Sequence]]:
         """The waiting groups that join now (in order: a group never overtakes an earlier one)."""
+        if not self.waiting:   # (asked every decode step: the running rows are read only when a group waits)
+            return []
         rows = len(running)
         widest = max((len(s.prompt) for s in running), default=0)
         out = []
