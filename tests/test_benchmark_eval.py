@@ -228,6 +228,23 @@ def test_eval_benchmark_gsm8k_prompt_and_table(tmp_path):
                                  "<|im_end|>\n<|im_start|>assistant\n<think>")
     assert [r["failure"] for r in rows] == ["no_answer", "no_answer"]
 
+    # tools/reference_check.py: transformers' greedy argmax (one teacher-forced pass over the same safetensors)
+    # equals the engine's every generated token, and the independent reading agrees; a token changed is found
+    check = [sys.executable, os.path.join(ROOT, "tools", "reference_check.py"), "--benchmark", "gsm8k",
+             "--model-dir", TINY]
+    env = dict(os.environ, PYTHONPATH=ROOT, PADDLE_RL_DATA=str(folder))
+    done = subprocess.run(check + [str(out)], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "prompt ids equal to transformers' tokenizer: 2 / 2" in done.stdout
+    assert "argmax equals the engine's token at every position: 2 / 2" in done.stdout
+    assert "on the same completions: 2 / 2 agree" in done.stdout
+    rows[1]["response_token_ids"][3] = (rows[1]["response_token_ids"][3] + 1) % 300
+    changed = tmp_path / "changed.jsonl"
+    changed.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    done = subprocess.run(check + [str(changed)], env=env, capture_output=True, text=True, timeout=600)
+    assert "argmax equals the engine's token at every position: 1 / 2" in done.stdout, done.stdout
+    assert "gsm8k/1: first differs at response token 3 of 8" in done.stdout
+
 
 def test_eval_limit_without_benchmark_is_refused():
     result = run_cli(["eval", CONFIG, "--limit", "3"])

