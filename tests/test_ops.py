@@ -594,10 +594,12 @@ def test_swiglu_and_gradient(rng, shape):
 
 # ------------------------------------------------------------------------------------------------ packed linear
 
-@pytest.mark.parametrize("rows,k,n", [(1, 64, 96), (5, 64, 70), (13, 40, 33), (64, 96, 256), (7, 24, 1)])
+@pytest.mark.parametrize("rows,k,n", [(1, 64, 96), (5, 64, 70), (13, 40, 33), (64, 96, 256), (7, 24, 1),
+                                      (9, 1100, 40)])
 def test_packed_linear(rng, rows, k, n):
-    """x @ W from the packed copy: every row-tile size (6, 3 or fewer rows), a last panel cut short, and a row's
-    result bit for bit the same alone as in any batch (each row sums over k in order)."""
+    """x @ W from the packed copy: every row-tile size (6, 3 or fewer rows; half panels and whole ones, K past
+    1024 in whole panels), a last panel cut short, and a row's result bit for bit the same alone (a 1-row tile of
+    the whole panel) as in any batch (each row sums over k in order, whichever tile)."""
     x = t(rng.standard_normal((rows, k)))
     w = t(rng.standard_normal((k, n)))
     packed = ops.pack_weight_fused(w)

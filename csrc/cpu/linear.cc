@@ -13,58 +13,77 @@
 namespace {
 
 constexpr int64_t kPanel = 32;  // columns per panel: four 8-float vectors
-// rows per register tile: MR x 4 accumulators, 4 weight vectors and a broadcast (32 vector registers with
-// AVX-512, else 16)
+// Register tiles: MR rows x NV 8-float vectors of accumulators, NV weight vectors and a broadcast. AVX-512 (32
+// vector registers): 6 rows x the whole panel (24 + 4 + 1). AVX2 (16): 6 rows x half a panel (12 + 2 + 1), the panel
+// in two halves, where 6 rows of x fit the L1 cache (K <= 1024; 1.1-1.9x the 3 x 32 tile at the decode's shapes on
+// a Zen 3, whose 12 + 4 + 1 registers spilled); else 3 rows x the whole panel, as for 1-3 rows, whose 4 accumulator
+// chains a row keep the FMA units busy. Every tile sums each output over k in order: the same bits whichever tile.
 #ifdef __AVX512F__
-constexpr int kRows = 6;
+constexpr int kRows = 6, kVecs = 4;
 #else
-constexpr int kRows = 3;
+constexpr int kRows = 6, kVecs = 2;
 #endif
+constexpr int kRowsWhole = kVecs == 4 ? kRows : 3;   // rows of a whole-panel tile
+constexpr int64_t kHalfPanelMaxK = 1024;
 
-// out[m, 0 : cols] = sum_k x[m, k] panel[k, 0 : cols] for the MR rows of a tile
-template <int MR>
-inline void Tile(const float* x, int64_t k_dim, const float* panel, float* out, int64_t ldo, int64_t cols) {
-  prl::V8 acc[MR][4] = {};
+// out[m, 0 : cols] = sum_k x[m, k] w[k, 0 : cols] for the MR rows of a tile; w: the tile's first column of a
+// panel (rows of kPanel floats), cols <= 8 NV
+template <int MR, int NV>
+inline void Tile(const float* x, int64_t k_dim, const float* w0p, float* out, int64_t ldo, int64_t cols) {
+  prl::V8 acc[MR][NV] = {};
   for (int64_t k = 0; k < k_dim; ++k) {
-    const float* w = panel + k * kPanel;
-    const prl::V8 w0 = prl::Load8(w), w1 = prl::Load8(w + 8), w2 = prl::Load8(w + 16), w3 = prl::Load8(w + 24);
+    const float* w = w0p + k * kPanel;
+    prl::V8 wv[NV];
+    for (int v = 0; v < NV; ++v) wv[v] = prl::Load8(w + 8 * v);
     for (int m = 0; m < MR; ++m) {
       const float xv = x[m * k_dim + k];
-      acc[m][0] += xv * w0;
-      acc[m][1] += xv * w1;
-      acc[m][2] += xv * w2;
-      acc[m][3] += xv * w3;
+      for (int v = 0; v < NV; ++v) acc[m][v] += xv * wv[v];
     }
   }
   for (int m = 0; m < MR; ++m) {
-    if (cols == kPanel) {
+    if (cols == 8 * NV) {
       std::memcpy(out + m * ldo, acc[m], sizeof(acc[m]));
     } else {
-      float tmp[kPanel];
+      float tmp[8 * NV];
       std::memcpy(tmp, acc[m], sizeof(tmp));
       std::memcpy(out + m * ldo, tmp, cols * sizeof(float));
     }
   }
 }
 
-// the last r < kRows rows of a panel in one tile of their size
-template <int R>
-inline void LastTile(int64_t r, const float* x, int64_t k_dim, const float* panel, float* out, int64_t ldo,
+// the last r < MR rows in one tile of their size
+template <int R, int NV>
+inline void LastTile(int64_t r, const float* x, int64_t k_dim, const float* w, float* out, int64_t ldo,
                      int64_t cols) {
   if constexpr (R >= 1) {
-    if (r == R) return Tile<R>(x, k_dim, panel, out, ldo, cols);
-    LastTile<R - 1>(r, x, k_dim, panel, out, ldo, cols);
+    if (r == R) return Tile<R, NV>(x, k_dim, w, out, ldo, cols);
+    LastTile<R - 1, NV>(r, x, k_dim, w, out, ldo, cols);
   }
+}
+
+// rows [0, rows) of one panel's columns (w: the first of them, cols of them) in tiles of MR rows and NV vectors
+template <int MR, int NV>
+inline void Column(const float* x, int64_t rows, int64_t k_dim, const float* w, float* out, int64_t ldo,
+                   int64_t cols) {
+  int64_t m = 0;
+  for (; m + MR <= rows; m += MR) Tile<MR, NV>(x + m * k_dim, k_dim, w, out + m * ldo, ldo, cols);
+  if (m < rows) LastTile<MR - 1, NV>(rows - m, x + m * k_dim, k_dim, w, out + m * ldo, ldo, cols);
 }
 
 void Panels(const float* x, const float* packed, float* out, int64_t rows, int64_t k_dim, int64_t n, int64_t begin,
             int64_t end) {
+  const bool whole = kVecs == 4 || rows <= 3 || k_dim > kHalfPanelMaxK;
   for (int64_t p = begin; p < end; ++p) {
     const float* panel = packed + p * k_dim * kPanel;
     const int64_t col = p * kPanel, cols = std::min(kPanel, n - col);
-    int64_t m = 0;
-    for (; m + kRows <= rows; m += kRows) Tile<kRows>(x + m * k_dim, k_dim, panel, out + m * n + col, n, cols);
-    if (m < rows) LastTile<kRows - 1>(rows - m, x + m * k_dim, k_dim, panel, out + m * n + col, n, cols);
+    if (whole) {
+      Column<kRowsWhole, 4>(x, rows, k_dim, panel, out + col, n, cols);
+      continue;
+    }
+    for (int64_t first = 0; first < cols; first += 8 * kVecs) {
+      Column<kRows, kVecs>(x, rows, k_dim, panel + first, out + col + first, n,
+                           std::min<int64_t>(8 * kVecs, cols - first));
+    }
   }
 }
 
