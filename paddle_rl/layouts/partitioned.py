@@ -97,59 +97,48 @@ class Partitioned(Replicated):
 
     def _logprob_chunks(self, model, batch, plan, temperature: float, with_entropy: bool,
                         with_greedy: bool = False) -> list:
-        chunks, idle = [], self._passes(model, plan)
-        for rows in plan:
-            with self.params.running(model):
-                out = self.micro.logprobs(model, batch.micro(rows), temperature, with_entropy, with_greedy)
-            chunks.append((rows, *(None if x is None else x.numpy() for x in out)))
-        for _ in range(idle):
-            with self.params.running(model):
-                idle_pass(model, backward=False)
-        return chunks
+        def one(rows):
+            out = self.micro.logprobs(model, batch.micro(rows), temperature, with_entropy, with_greedy)
+            return (rows, *(None if x is None else x.numpy() for x in out))
+        return self._each_pass(model, plan, one, backward=False)
 
     def forward_backward(self, model, mini, keys, micro: int, temperature: float, loss_fn,
                          with_greedy: bool = False) -> list:
-        outs = []
-        plan = self.micro.plan(mini, micro)
-        idle = self._passes(model, plan)
-        for rows in plan:
+        def one(rows):
             part = mini.micro(rows)
-            with self.params.running(model):
-                logp, entropy, *greedy = self.micro.logprobs(model, part, temperature, True, with_greedy)
-                tensors = part.tensors(keys=keys)
-                if with_greedy:
-                    tensors["greedy"] = greedy[0]
-                out = loss_fn(tensors, logp, entropy)
-                out.loss.backward()
-            outs.append(out)
-        for _ in range(idle):
-            with self.params.running(model):
-                idle_pass(model, backward=True)
-        return outs
+            logp, entropy, *greedy = self.micro.logprobs(model, part, temperature, True, with_greedy)
+            tensors = part.tensors(keys=keys)
+            if with_greedy:
+                tensors["greedy"] = greedy[0]
+            out = loss_fn(tensors, logp, entropy)
+            out.loss.backward()
+            return out
+        return self._each_pass(model, self.micro.plan(mini, micro), one, backward=True)
 
     def _value_chunks(self, model, batch, plan) -> list:
-        chunks, idle = [], self._passes(model, plan)
-        for rows in plan:
-            with self.params.running(model):
-                chunks.append((rows, self.micro.values(model, batch.micro(rows)).numpy()))
-        for _ in range(idle):
-            with self.params.running(model):
-                idle_pass(model, backward=False)
-        return chunks
+        return self._each_pass(model, plan, lambda rows: (rows, self.micro.values(model, batch.micro(rows)).numpy()),
+                               backward=False)
 
     def value_forward_backward(self, model, mini, keys, micro: int, loss_fn) -> list:
-        outs = []
-        plan = self.micro.plan(mini, micro)
-        idle = self._passes(model, plan)
-        for rows in plan:
+        def one(rows):
             part = mini.micro(rows)
+            out = loss_fn(rows, part, part.tensors(keys=keys), self.micro.values(model, part))
+            out.loss.backward()
+            return out
+        return self._each_pass(model, self.micro.plan(mini, micro), one, backward=True)
+
+    def _each_pass(self, model, plan, one, backward: bool) -> list:
+        """`one(rows)` for each micro-batch of `plan` with `model`'s layers gathered as its passes run, then the idle
+        passes (forward, and backward when `backward`) that keep this rank's gathers in step with its sharding
+        peers'; the list of what `one` returned."""
+        idle = self._passes(model, plan)
+        outs = []
+        for rows in plan:
             with self.params.running(model):
-                out = loss_fn(rows, part, part.tensors(keys=keys), self.micro.values(model, part))
-                out.loss.backward()
-            outs.append(out)
+                outs.append(one(rows))
         for _ in range(idle):
             with self.params.running(model):
-                idle_pass(model, backward=True)
+                idle_pass(model, backward=backward)
         return outs
 
     # ---------------------------------------------------------------- optimizer
