@@ -95,38 +95,6 @@ class Partitioned(Replicated):
         self._idle_of[id(model)] = self._idle_of.get(id(model), 0) + idle
         return idle
 
-    def _logprob_chunks(self, model, batch, plan, temperature: float, with_entropy: bool,
-                        with_greedy: bool = False) -> list:
-        def one(rows):
-            out = self.micro.logprobs(model, batch.micro(rows), temperature, with_entropy, with_greedy)
-            return (rows, *(None if x is None else x.numpy() for x in out))
-        return self._each_pass(model, plan, one, backward=False)
-
-    def forward_backward(self, model, mini, keys, micro: int, temperature: float, loss_fn,
-                         with_greedy: bool = False) -> list:
-        def one(rows):
-            part = mini.micro(rows)
-            logp, entropy, *greedy = self.micro.logprobs(model, part, temperature, True, with_greedy)
-            tensors = part.tensors(keys=keys)
-            if with_greedy:
-                tensors["greedy"] = greedy[0]
-            out = loss_fn(tensors, logp, entropy)
-            out.loss.backward()
-            return out
-        return self._each_pass(model, self.micro.plan(mini, micro), one, backward=True)
-
-    def _value_chunks(self, model, batch, plan) -> list:
-        return self._each_pass(model, plan, lambda rows: (rows, self.micro.values(model, batch.micro(rows)).numpy()),
-                               backward=False)
-
-    def value_forward_backward(self, model, mini, keys, micro: int, loss_fn) -> list:
-        def one(rows):
-            part = mini.micro(rows)
-            out = loss_fn(rows, part, part.tensors(keys=keys), self.micro.values(model, part))
-            out.loss.backward()
-            return out
-        return self._each_pass(model, self.micro.plan(mini, micro), one, backward=True)
-
     def _each_pass(self, model, plan, one, backward: bool) -> list:
         """`one(rows)` for each micro-batch of `plan` with `model`'s layers gathered as its passes run, then the idle
         passes (forward, and backward when `backward`) that keep this rank's gathers in step with its sharding

@@ -44,16 +44,14 @@ class Replicated(Layout):
 
     def _logprob_chunks(self, model, batch, plan, temperature: float, with_entropy: bool,
                         with_greedy: bool = False) -> list:
-        chunks = []
-        for rows in plan:
+        def one(rows):
             out = self.micro.logprobs(model, batch.micro(rows), temperature, with_entropy, with_greedy)
-            chunks.append((rows, *(None if x is None else x.numpy() for x in out)))
-        return chunks
+            return (rows, *(None if x is None else x.numpy() for x in out))
+        return self._each_pass(model, plan, one, backward=False)
 
     def forward_backward(self, model, mini, keys, micro: int, temperature: float, loss_fn,
                          with_greedy: bool = False) -> list:
-        outs = []
-        for rows in self.micro.plan(mini, micro):
+        def one(rows):
             part = mini.micro(rows)
             logp, entropy, *greedy = self.micro.logprobs(model, part, temperature, True, with_greedy)
             tensors = part.tensors(keys=keys)
@@ -61,20 +59,25 @@ class Replicated(Layout):
                 tensors["greedy"] = greedy[0]
             out = loss_fn(tensors, logp, entropy)
             out.loss.backward()
-            outs.append(out)
-        return outs
+            return out
+        return self._each_pass(model, self.micro.plan(mini, micro), one, backward=True)
 
     def _value_chunks(self, model, batch, plan) -> list:
-        return [(rows, self.micro.values(model, batch.micro(rows)).numpy()) for rows in plan]
+        return self._each_pass(model, plan, lambda rows: (rows, self.micro.values(model, batch.micro(rows)).numpy()),
+                               backward=False)
 
     def value_forward_backward(self, model, mini, keys, micro: int, loss_fn) -> list:
-        outs = []
-        for rows in self.micro.plan(mini, micro):
+        def one(rows):
             part = mini.micro(rows)
             out = loss_fn(rows, part, part.tensors(keys=keys), self.micro.values(model, part))
             out.loss.backward()
-            outs.append(out)
-        return outs
+            return out
+        return self._each_pass(model, self.micro.plan(mini, micro), one, backward=True)
+
+    def _each_pass(self, model, plan, one, backward: bool) -> list:
+        """`one(rows)` for each micro-batch of `plan` (the list of what it returned); `backward`: whether `one`
+        runs a backward (a layout whose passes are collectives adds its idle ones, layouts/partitioned.py)."""
+        return [one(rows) for rows in plan]
 
     def clip_grad_norm_(self, model, max_norm: float) -> float:
         if not self.is_parallel:
