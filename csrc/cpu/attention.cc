@@ -284,20 +284,22 @@ inline void DotTile(const float* const* a, const float* bt, int64_t d, int64_t c
                     int64_t lds) {
   const int64_t panel = 16 * d;
   int64_t c = 0;
-  for (; kWideTiles && c + 32 <= cols; c += 32) {
-    V16 acc[R][2] = {};
-    const float* p0 = bt + (c / 16) * panel;
-    for (int64_t k = 0; k < d; ++k) {
-      const V16 b0 = Ld16(p0 + 16 * k), b1 = Ld16(p0 + panel + 16 * k);
-      for (int r = 0; r < R; ++r) {
-        const float x = a[r][k];
-        acc[r][0] += x * b0;
-        acc[r][1] += x * b1;
+  if constexpr (kWideTiles) {
+    for (; c + 32 <= cols; c += 32) {
+      V16 acc[R][2] = {};
+      const float* p0 = bt + (c / 16) * panel;
+      for (int64_t k = 0; k < d; ++k) {
+        const V16 b0 = Ld16(p0 + 16 * k), b1 = Ld16(p0 + panel + 16 * k);
+        for (int r = 0; r < R; ++r) {
+          const float x = a[r][k];
+          acc[r][0] += x * b0;
+          acc[r][1] += x * b1;
+        }
       }
-    }
-    for (int r = 0; r < R; ++r) {
-      St16(s + r * lds + c, acc[r][0] * scale);
-      St16(s + r * lds + c + 16, acc[r][1] * scale);
+      for (int r = 0; r < R; ++r) {
+        St16(s + r * lds + c, acc[r][0] * scale);
+        St16(s + r * lds + c + 16, acc[r][1] * scale);
+      }
     }
   }
   for (; c < cols; c += 16) {
@@ -363,8 +365,10 @@ inline void Mix(const float* w, int64_t ldw, int64_t rows, const float* const* x
                 float* const* o, bool add) {
   OverRowTiles(rows, [&](int64_t r0, auto r) {
     constexpr int R = decltype(r)::value;
-    if (kWideTiles && d % 64 == 0) MixTile<R, 4>(w + r0 * ldw, ldw, x, n, d, scale, o + r0, add);
-    else MixTile<R, 1>(w + r0 * ldw, ldw, x, n, d, scale, o + r0, add);
+    if constexpr (kWideTiles) {
+      if (d % 64 == 0) return MixTile<R, 4>(w + r0 * ldw, ldw, x, n, d, scale, o + r0, add);
+    }
+    MixTile<R, 1>(w + r0 * ldw, ldw, x, n, d, scale, o + r0, add);
   });
 }
 
