@@ -1,5 +1,5 @@
 """PaddleNLP's smaller keys: each acts, or a value this build cannot honour is refused by name with the reason
-(offload_optim, offload_level, release_grads, recompute_use_reentrant, quant_type, sharding_parallel_config,
+(offload_optim, offload_level, release_grads, recompute_use_reentrant, no_recompute_layers, quant_type, sharding_parallel_config,
 per_device_rollout_batch_size, global_gen_batch_size, use_rule_reward, skip_profile_timer, wandb_http_proxy)."""
 import logging
 import sys
@@ -35,6 +35,10 @@ def _cfg(micro, tmp_path, **extra):
                                                                      "only, and reward_funcs / reward_routes name "
                                                                      "reward_model"),
     (dict(report_to="wandb", wandb_http_proxy="127.0.0.1:8962"), "wandb_http_proxy: expected a proxy URL"),
+    (dict(no_recompute_layers="[0]"), "no_recompute_layers: [0] is set without recompute: true"),
+    (dict(recompute="true", no_recompute_layers="[0, -1]"), "no_recompute_layers: layer indices are integers >= 0, "
+                                                             "got [-1]"),
+    (dict(recompute="true", no_recompute_layers="[1, 1]"), "no_recompute_layers: a layer is listed twice"),
 ])
 def test_a_value_this_build_cannot_honour_is_refused_by_name(micro, tmp_path, extra, message):
     with pytest.raises(ConfigError) as err:
@@ -129,6 +133,55 @@ def test_recompute_use_reentrant_runs_paddles_reentrant_recompute(micro):
     assert grads["reentrant"][1] == model.config.num_hidden_layers and grads["reentrant_core"][1] > 0
     for name in ("hooks", "reentrant", "reentrant_core"):
         assert all(np.array_equal(a, b) for a, b in zip(grads[name][0], grads["plain"][0]))
+
+
+def _recompute_calls(micro, what, keep=()):
+    """(gradients, number of blocks run through Paddle's reentrant recompute) of one forward and backward of the
+    micro model recomputing `what`, the layers `keep` not recomputed."""
+    import paddle.distributed.fleet.recompute  # noqa: F401 - loads the module whose PyLayer is counted
+    from paddle_rl.models import load_model
+    from paddle_rl.models.decoder import attention_bias_from_mask
+    module = sys.modules["paddle.distributed.fleet.recompute.recompute"]
+    calls = []
+    original = module.RecomputeFunction.forward
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    module.RecomputeFunction.forward = staticmethod(counted)
+    try:
+        model = load_model(micro["model"])
+        model.train()
+        model.set_recompute(what, True, keep)
+        ids = paddle.to_tensor([[3, 7, 11, 2, 5, 9, 4, 1]])
+        bias = attention_bias_from_mask(paddle.ones_like(ids), 8, causal=True)
+        logp = model.head_logprobs(model.hidden_states(ids, paddle.arange(8).unsqueeze(0), bias), ids, 1.0)[0]
+        (-logp.mean()).backward()
+    finally:
+        module.RecomputeFunction.forward = original
+    return [p.grad.numpy() for p in model.parameters()], len(calls), model.config.num_hidden_layers
+
+
+@pytest.mark.parametrize("what", ["full", "core_attn_mlp"])
+def test_no_recompute_layers_keep_their_activations(micro, what):
+    """The listed layers (global indices) run without recompute, the others as recompute_granularity says; the
+    gradients are the same bits either way."""
+    plain, none, layers = _recompute_calls(micro, None)
+    every, calls_all, _ = _recompute_calls(micro, what)
+    kept, calls_kept, _ = _recompute_calls(micro, what, keep=[0])
+    assert none == 0 and calls_all > 0 and calls_all % layers == 0
+    assert calls_kept == calls_all - calls_all // layers   # layer 0's blocks are not recomputed
+    assert _recompute_calls(micro, what, keep=range(layers))[1] == 0
+    for grads in (every, kept):
+        assert all(np.array_equal(a, b) for a, b in zip(grads, plain))
+
+
+def test_no_recompute_layers_names_a_layer_the_model_lacks(micro, tmp_path):
+    cfg = _cfg(micro, tmp_path, recompute="true", no_recompute_layers="[0, 40]")
+    with pytest.raises(ConfigError) as err:
+        RLTrainer(cfg)
+    assert "no_recompute_layers: layers [40] do not exist: the model has" in str(err.value)
 
 
 def test_wandb_http_proxy_reaches_the_wandb_run(tmp_path, monkeypatch, micro, caplog):

@@ -91,6 +91,10 @@ class ModelArgs:
                                              "blocks are kept). With bf16 on a CPU, full_attn and core_attn_mlp "
                                              "recompute each attention block from its input's bfloat16 rounding "
                                              "(what its q/k/v product reads), the one tensor it keeps.")
+    no_recompute_layers: list = arg([], "PaddleNLP's: decoder layers (indices from 0 over the whole model, as in "
+                                        "config.json) that keep their activations under recompute; the other layers "
+                                        "recompute what recompute_granularity says. Each listed layer saves its "
+                                        "recomputed forward and holds its activations through the backward.")
     offload_level: str = arg("", "PaddleNLP's offload of named states to host memory: on a CPU build they are there "
                                   "already (one warning line says so); refused on a GPU build, where offload is not "
                                   "implemented.")
@@ -127,6 +131,14 @@ class ModelArgs:
         elif self.recompute_granularity != "full" and not self.recompute:
             errors.append(f"recompute_granularity: {self.recompute_granularity} is set without recompute: true, so "
                           "nothing is recomputed")
+        bad = [i for i in self.no_recompute_layers if isinstance(i, bool) or not isinstance(i, int) or i < 0]
+        if bad:
+            errors.append(f"no_recompute_layers: layer indices are integers >= 0, got {bad}")
+        elif len(set(self.no_recompute_layers)) != len(self.no_recompute_layers):
+            errors.append(f"no_recompute_layers: a layer is listed twice in {self.no_recompute_layers}")
+        elif self.no_recompute_layers and not self.recompute:
+            errors.append(f"no_recompute_layers: {self.no_recompute_layers} is set without recompute: true, so every "
+                          "layer keeps its activations anyway")
         if self.merge_lora and not self.uses_lora:
             errors.append("merge_lora: needs LoRA (lora: true, lora_rank > 0 or lora_path)")
         if self.quant_type:

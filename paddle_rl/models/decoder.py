@@ -559,6 +559,7 @@ class CausalLM(nn.Layer):
         self.recompute = None   # what training passes recompute in the backward: None | full | full_attn | core_attn
         #                         | core_attn_mlp
         self.recompute_reentrant = False  # Paddle's reentrant recompute instead (recompute_use_reentrant)
+        self.no_recompute_layers = frozenset()   # layers (global indices) that keep their activations anyway
         self._router = None
         # sequence parallelism (set by the layout from `sequence_parallel`; needs tp_group): the training and
         # log-prob passes split the residual stream, norms and the embedding's output along the tokens
@@ -612,6 +613,16 @@ class CausalLM(nn.Layer):
         """(body products, head) computing with bfloat16 operands (set_bf16)."""
         return any(m.bf16 for m in self._body_products()), self.head_bf16
 
+    def set_recompute(self, what: Optional[str], reentrant: bool = False, keep_layers=()) -> None:
+        """What training passes recompute in the backward (None or a recompute_granularity), with Paddle's reentrant
+        recompute or not, and the layers that keep their activations whatever `what` says (global indices:
+        no_recompute_layers); ValueError for an index the model does not have."""
+        layers = self.config.num_hidden_layers
+        missing = sorted(i for i in keep_layers if not 0 <= i < layers)
+        if missing:
+            raise ValueError(f"layers {missing} do not exist: the model has {layers} (0 to {layers - 1})")
+        self.recompute, self.recompute_reentrant, self.no_recompute_layers = what, reentrant, frozenset(keep_layers)
+
     @property
     def recomputes_layers(self) -> bool:
         """Whether a training pass recomputes whole layers or attention blocks (they cannot hand a prompt's keys and
@@ -641,12 +652,15 @@ class CausalLM(nn.Layer):
             x = x * paddle.full([], self.embed_scale, dtype=x.dtype)
         p.recompute = self.recompute if self.training and not p.decode else None
         p.reentrant = self.recompute_reentrant
+        # no_recompute_layers run with nothing recomputed (the same Pass otherwise: its router statistics are shared)
+        kept = p.kept() if p.recompute is not None and self.no_recompute_layers else p
         for i in own:
             layer = self.layers[i]
-            if p.recompute == "full" and p.caches is None:
-                x = _recompute(layer, x, p, None, reentrant=p.reentrant)
+            lp = kept if self.layer_ids[i] in self.no_recompute_layers else p
+            if lp.recompute == "full" and lp.caches is None:
+                x = _recompute(layer, x, lp, None, reentrant=lp.reentrant)
             else:
-                x = layer(x, p, p.cache(i))
+                x = layer(x, lp, lp.cache(i))
         self._router = p.router
         x = self.norm(x) if last else x
         if p.context is not None:  # context parallelism: the output stays this rank's tokens (context_head reads it)

@@ -66,8 +66,10 @@ class Critic:
             except (KeyError, ValueError) as e:
                 key = "critic_model_name_or_path" if config.critic_model_name_or_path else "actor_model_name_or_path"
                 raise ConfigError(f"{key}: {e.args[0]}") from None
-        self.model.recompute = config.recompute_what
-        self.model.recompute_reentrant = config.recompute_use_reentrant
+        try:
+            self.model.set_recompute(config.recompute_what, config.recompute_use_reentrant, config.no_recompute_layers)
+        except ValueError as e:
+            raise ConfigError(f"no_recompute_layers: {e.args[0]} (the critic's)") from None
         settings = config.critic_optimizer_settings()
         self.max_grad_norm = settings.pop("max_grad_norm")
         optimizer_config = copy.copy(config)

@@ -25,6 +25,7 @@ from paddle.utils import unique_name
 
 from .. import ops
 from ..batch import StepBatch
+from ..config import ConfigError
 from ..env import training_heap
 from ..data.loader import PromptSampler, load_prompt_dataset
 from ..layouts import build_layout
@@ -99,8 +100,10 @@ class StepLoop:
         with unique_name.guard("actor_"):
             self.actor = self.layout.load_model(cfg.actor_model_name_or_path, lora=lora_settings(cfg),
                                                 adapter=cfg.lora_path or None)
-        self.actor.recompute = cfg.recompute_what
-        self.actor.recompute_reentrant = cfg.recompute_use_reentrant
+        try:
+            self.actor.set_recompute(cfg.recompute_what, cfg.recompute_use_reentrant, cfg.no_recompute_layers)
+        except ValueError as e:
+            raise ConfigError(f"no_recompute_layers: {e.args[0]}") from None
         if cfg.use_fused_head_and_loss_fn and self.actor.is_last and self.actor.unchunked_head:
             raise ops.SwitchError(self.actor.unchunked_head)
         if cfg.recompute_what == "core_attn_mlp" and any(isinstance(m, SparseMoE) for m in self.actor.sublayers()):
