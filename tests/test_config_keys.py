@@ -99,45 +99,9 @@ def test_release_grads_frees_or_keeps_the_gradients_and_skip_profile_timer_print
     assert all(g is not None and not np.any(g.numpy()) for g in held["false"])
 
 
-def test_recompute_use_reentrant_runs_paddles_reentrant_recompute(micro):
-    """true: the recomputed blocks run through Paddle's reentrant recompute (its RecomputeFunction PyLayer), false:
-    the non-reentrant one; the gradients are the same bits, and the same as without recompute."""
-    import paddle.distributed.fleet.recompute  # noqa: F401 - loads the module whose PyLayer is counted
-    from paddle_rl.models import load_model
-    from paddle_rl.models.decoder import attention_bias_from_mask
-    module = sys.modules["paddle.distributed.fleet.recompute.recompute"]
-    calls = []
-    original = module.RecomputeFunction.forward
-
-    def counted(*args, **kwargs):
-        calls.append(1)
-        return original(*args, **kwargs)
-
-    module.RecomputeFunction.forward = staticmethod(counted)
-    try:
-        grads = {}
-        for name, what, reentrant in (("plain", None, False), ("hooks", "full", False), ("reentrant", "full", True),
-                                      ("reentrant_core", "core_attn_mlp", True)):
-            model = load_model(micro["model"])
-            model.train()
-            model.recompute, model.recompute_reentrant = what, reentrant
-            ids = paddle.to_tensor([[3, 7, 11, 2, 5, 9, 4, 1]])
-            bias = attention_bias_from_mask(paddle.ones_like(ids), 8, causal=True)
-            before = len(calls)
-            logp = model.head_logprobs(model.hidden_states(ids, paddle.arange(8).unsqueeze(0), bias), ids, 1.0)[0]
-            (-logp.mean()).backward()
-            grads[name] = ([p.grad.numpy() for p in model.parameters()], len(calls) - before)
-    finally:
-        module.RecomputeFunction.forward = original
-    assert grads["plain"][1] == grads["hooks"][1] == 0
-    assert grads["reentrant"][1] == model.config.num_hidden_layers and grads["reentrant_core"][1] > 0
-    for name in ("hooks", "reentrant", "reentrant_core"):
-        assert all(np.array_equal(a, b) for a, b in zip(grads[name][0], grads["plain"][0]))
-
-
-def _recompute_calls(micro, what, keep=()):
-    """(gradients, number of blocks run through Paddle's reentrant recompute) of one forward and backward of the
-    micro model recomputing `what`, the layers `keep` not recomputed."""
+def _recompute_calls(micro, what, reentrant=True, keep=()):
+    """(gradients, number of blocks run through Paddle's reentrant recompute, layers) of one forward and backward of
+    the micro model recomputing `what` (with `reentrant`), the layers `keep` not recomputed."""
     import paddle.distributed.fleet.recompute  # noqa: F401 - loads the module whose PyLayer is counted
     from paddle_rl.models import load_model
     from paddle_rl.models.decoder import attention_bias_from_mask
@@ -153,7 +117,7 @@ def _recompute_calls(micro, what, keep=()):
     try:
         model = load_model(micro["model"])
         model.train()
-        model.set_recompute(what, True, keep)
+        model.set_recompute(what, reentrant, keep)
         ids = paddle.to_tensor([[3, 7, 11, 2, 5, 9, 4, 1]])
         bias = attention_bias_from_mask(paddle.ones_like(ids), 8, causal=True)
         logp = model.head_logprobs(model.hidden_states(ids, paddle.arange(8).unsqueeze(0), bias), ids, 1.0)[0]
@@ -161,6 +125,18 @@ def _recompute_calls(micro, what, keep=()):
     finally:
         module.RecomputeFunction.forward = original
     return [p.grad.numpy() for p in model.parameters()], len(calls), model.config.num_hidden_layers
+
+
+def test_recompute_use_reentrant_runs_paddles_reentrant_recompute(micro):
+    """true: the recomputed blocks run through Paddle's reentrant recompute (its RecomputeFunction PyLayer), false:
+    the non-reentrant one; the gradients are the same bits, and the same as without recompute."""
+    grads = {name: _recompute_calls(micro, what, reentrant)
+             for name, what, reentrant in (("plain", None, False), ("hooks", "full", False),
+                                           ("reentrant", "full", True), ("reentrant_core", "core_attn_mlp", True))}
+    assert grads["plain"][1] == grads["hooks"][1] == 0
+    assert grads["reentrant"][1] == grads["reentrant"][2] and grads["reentrant_core"][1] > 0
+    for name in ("hooks", "reentrant", "reentrant_core"):
+        assert all(np.array_equal(a, b) for a, b in zip(grads[name][0], grads["plain"][0]))
 
 
 @pytest.mark.parametrize("what", ["full", "core_attn_mlp"])

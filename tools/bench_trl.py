@@ -12,7 +12,8 @@ The same work as `paddle-rl bench --workload ...` (paddle_rl/bench.py, docs/perf
 - W3: a chat model (`--model-path`, e.g. SmolLM2-135M-Instruct), the bench's 8 chat prompts x 8, exactly 128 tokens.
 - W4: the same model and prompts sampled naturally: temperature 1, at most 512 tokens, no minimum.
 Every workload: beta 0.04 (the reference model runs), one optimizer step per generation batch (the prompts' groups
-as micro-batches of rollout_n rows), gradient checkpointing off, the reward the number of distinct characters
+as micro-batches of rollout_n rows), gradient checkpointing off (`--gradient-checkpointing`: on, TRL's default, for a
+memory comparison), the reward the number of distinct characters
 (the bench's `distinct_chars` rule scores their share; the advantages' groups see the same order). `--bf16`:
 TrainingArguments bf16=True (torch autocast, bf16 matmuls). `--prompts`, `--rollout-n`, `--response-len` change the
 sizes as the bench's options do.
@@ -62,6 +63,8 @@ def main(argv=None) -> int:
     p.add_argument("--model-path", default=None, help="W3 / W4: a Hugging Face chat model folder (e.g. the converted "
                                                       "SmolLM2-135M-Instruct)")
     p.add_argument("--bf16", action="store_true", help="TrainingArguments bf16=True (torch autocast, bf16 matmuls)")
+    p.add_argument("--gradient-checkpointing", action="store_true",
+                   help="TRL's default gradient checkpointing on (off without it, as the bench's timing runs)")
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--prompts", type=int, default=DEFAULT_PROMPTS)
     p.add_argument("--rollout-n", type=int, default=DEFAULT_ROLLOUT_N)
@@ -108,7 +111,8 @@ def main(argv=None) -> int:
         num_generations=args.rollout_n, max_completion_length=length,
         generation_kwargs={"min_new_tokens": length} if exact else {}, temperature=1.0, top_p=1.0,
         beta=0.04, learning_rate=1e-6, max_steps=args.steps, logging_steps=1, save_strategy="no",
-        gradient_checkpointing=False, shuffle_dataset=False, dataloader_num_workers=0)   # TRL's default is on
+        gradient_checkpointing=args.gradient_checkpointing, shuffle_dataset=False,   # TRL's default is on
+        dataloader_num_workers=0)
 
     class StepTimer(TrainerCallback):
         def __init__(self):
@@ -132,7 +136,7 @@ def main(argv=None) -> int:
     lengths = [log["completions/mean_length"] for log in trainer.state.log_history if "completions/mean_length" in log]
     tmp.cleanup()
     print(json.dumps({"tool": "trl", "workload": args.workload, "model": args.model_path or "w1 (the bench's)",
-                      "bf16": args.bf16, "prompts": args.prompts, "rollout_n": args.rollout_n,
+                      "bf16": args.bf16, "gradient_checkpointing": args.gradient_checkpointing, "prompts": args.prompts, "rollout_n": args.rollout_n,
                       "response_len": length, "exact_length": exact, "completion_mean_lengths": lengths,
                       "threads": args.threads, "step_seconds": timer.seconds, "step_cpu_seconds": timer.cpu_seconds,
                       "wall_seconds": wall, "peak_rss_mb": round(peak_mb), **machine(),
