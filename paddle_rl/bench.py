@@ -372,16 +372,21 @@ def linear_gflops(shape: dict, tokens: int, repeat: int = 2) -> dict:
 
 def step_flops(shape: dict, prompt_tokens: float, response_tokens: float, rows: int, reference: bool,
                old_pass: bool, groups: int = 1, shared_prompts: bool = False, shared_update: bool = None,
-               critic: bool = False, value_pass: bool = True) -> dict:
+               critic: bool = False, value_pass: bool = True, recompute: Optional[str] = None,
+               recomputed_layers: Optional[int] = None) -> dict:
     """Matmul FLOPs per stage (weights and attention; norms and element-wise work left out). `rows` sequences
     in `groups` prompt groups; the rollout prefills each distinct prompt once, and so do the log-prob passes
     with `shared_prompts` and the update with `shared_update` (default: as `shared_prompts`). `critic`: the
     critic's update and, with `value_pass`, its value pass (the same decoder, a one-column head instead of the
-    vocabulary's)."""
+    vocabulary's). The update counts its forward and backward (three forwards); `update_recompute` is what the
+    actor's backward runs again under `recompute` (a recompute_granularity) in `recomputed_layers` of its layers
+    (default: all): full the whole layer, full_attn the attention block, core_attn_mlp the MLP's products (the
+    attention core of core_attn / core_attn_mlp is left out: the packed and blocked kernels do not run it twice)."""
     h, f, layers = shape["hidden_size"], shape["intermediate_size"], shape["num_hidden_layers"]
     heads, kv, vocab = shape["num_attention_heads"], shape["num_key_value_heads"], shape["vocab_size"]
     head_dim = h // heads
-    per_token = 2 * layers * (h * (heads + 2 * kv) * head_dim + heads * head_dim * h + 3 * h * f)
+    projections = h * (heads + 2 * kv) * head_dim + heads * head_dim * h   # one layer's q/k/v and o, per token / 2
+    per_token = 2 * layers * (projections + 3 * h * f)
     head = 2 * h * vocab
     seq = (prompt_tokens + response_tokens) / max(rows, 1)
     attention = 2 * 2 * layers * heads * head_dim * seq / 2  # per token, causal average context
@@ -395,10 +400,15 @@ def step_flops(shape: dict, prompt_tokens: float, response_tokens: float, rows: 
     rollout = distinct_prompt_tokens * per_token + response_tokens * (per_token + attention + head)
     out = {"rollout": rollout, "ref_logprob": forward(shared_prompts) if reference else 0.0,
            "old_logprob": forward(shared_prompts) if old_pass else 0.0, "update": 3 * forward(shared_update)}
+    rerun = {"full": per_token / layers + attention / layers, "full_attn": 2 * projections + attention / layers,
+             "core_attn_mlp": 2 * 3 * h * f}.get(recompute, 0.0)   # per token and recomputed layer
+    update_tokens = (distinct_prompt_tokens if shared_update else prompt_tokens) + response_tokens
+    update_recompute = update_tokens * rerun * (layers if recomputed_layers is None else recomputed_layers)
     if critic:
         out.update(values=forward(shared_prompts, 2 * h) if value_pass else 0.0,
                    critic_update=3 * forward(shared_update, 2 * h))
     out["step"] = sum(out.values())
+    out["update_recompute"] = update_recompute   # not in "step": the stage rates above count the work, not its reruns
     return out
 
 
@@ -558,7 +568,8 @@ def run(args) -> dict:
                        shared_prompts=config.share_prompt_prefix and args.rollout_n > 1,
                        shared_update=config.share_prompt_prefix and args.rollout_n > 1
                        and config.recompute_what not in ("full", "full_attn"), critic=critic,
-                       value_pass=mean("time/values") > 0)
+                       value_pass=mean("time/values") > 0, recompute=config.recompute_what,
+                       recomputed_layers=shape["num_hidden_layers"] - len(config.no_recompute_layers))
     result = {
         "workload": args.workload, "model": spec["model"] if spec["model"] != "path" else args.model_path,
         "prompts": args.prompts, "rollout_n": args.rollout_n, "prompt_len": mean("prompt_length/mean"),
@@ -663,6 +674,14 @@ def stage_rates(flops: dict, seconds: dict, kinds: dict, peaks: dict) -> dict:
         out["stage_peak_kind"][stage] = kind
         out["stage_peak_gflops"][stage] = peak
         out["stage_peak_fraction"][stage] = rate / peak if peak else None
+    if flops.get("update_recompute") and "update" in out["stage_gflops"]:
+        # the update's products with the forward blocks its backward runs again (recompute) counted too
+        rate = (flops["update"] + flops["update_recompute"]) / seconds["update"] / 1e9
+        peak = out["stage_peak_gflops"]["update"]
+        out["stage_gflops"]["update_rerun"] = rate
+        out["stage_peak_kind"]["update_rerun"] = out["stage_peak_kind"]["update"]
+        out["stage_peak_gflops"]["update_rerun"] = peak
+        out["stage_peak_fraction"]["update_rerun"] = rate / peak if peak else None
     return out
 
 
@@ -1141,6 +1160,8 @@ def stage_rate_lines(result: dict) -> list:
         against = f"= {100 * share:3.0f}% of {PEAK_LABELS[kind]} {peak:.1f}" if share is not None else \
             f"(no peak measured for {PEAK_LABELS.get(kind, kind) if kind else 'its precision'})"
         lines.append(f"    {stage:<14} {rate:8.1f} {against}")
+    if "update_rerun" in rates:
+        lines.append("    (update_rerun: the update with the forward blocks its recompute runs again counted too)")
     return lines
 
 

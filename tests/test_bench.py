@@ -200,6 +200,26 @@ def test_stage_peak_kinds_follow_each_stages_precision():
     assert "25% of bf16 suite packed kernel (rollout) 8.0" in lines and "no peak measured" in lines
 
 
+def test_update_rerun_counts_what_the_recompute_runs_again():
+    """The update's FLOPs are three forwards; `update_recompute` adds the blocks its backward runs again: the MLP's
+    products (core_attn_mlp), the whole layer (full), in the layers not in no_recompute_layers; rated apart."""
+    shape = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=100)
+    args = (shape, 40.0, 160.0, 8, False, False)
+    plain, mlp = bench.step_flops(*args), bench.step_flops(*args, recompute="core_attn_mlp")
+    assert plain["update_recompute"] == 0.0 and mlp["update"] == plain["update"] and mlp["step"] == plain["step"]
+    assert mlp["update_recompute"] == 200.0 * 4 * 2 * 3 * 64 * 128   # tokens x layers x the MLP's products
+    assert bench.step_flops(*args, recompute="core_attn_mlp", recomputed_layers=1)["update_recompute"] == \
+        mlp["update_recompute"] / 4
+    full = bench.step_flops(*args, recompute="full")["update_recompute"]
+    reference = bench.step_flops(shape, 40.0, 160.0, 8, True, False)["ref_logprob"]
+    assert full == pytest.approx(reference - 160.0 * 2 * 64 * 100)   # a forward of every token, without the head
+    rates = bench.stage_rates(mlp, {"update": 2.0}, dict.fromkeys(bench.RATED_STAGES, "fp32"), {"fp32_peak_gflops": 1.0})
+    assert rates["stage_gflops"]["update_rerun"] == pytest.approx((mlp["update"] + mlp["update_recompute"]) / 2e9)
+    assert "update_rerun" not in bench.stage_rates(plain, {"update": 2.0}, dict.fromkeys(bench.RATED_STAGES, "fp32"),
+                                                   {"fp32_peak_gflops": 1.0})["stage_gflops"]
+
+
 def test_switches_flip_each_switch_one_at_a_time_through_its_path(bench_rule, monkeypatch):
     """--switches: the baseline (the config's switches) and one run per switch flipped, each step under its run's
     switches: the composed linear / RMSNorm and the blocked attention are called in the flipped runs' steps only
