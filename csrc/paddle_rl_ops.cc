@@ -2,6 +2,7 @@
 // compiled as one translation unit: paddle/extension.h dominates the compile time, so it is parsed once.
 #include "cpu/attention.cc"
 #include "cpu/bf16_matmul.cc"
+#include "cpu/decode_layer.cc"
 #include "cpu/kv_cache.cc"
 #include "cpu/linear.cc"
 #include "cpu/logprob.cc"

@@ -766,6 +766,82 @@ def test_packed_linear_low_precision_checks_its_inputs(rng):
         ops.rollout_weight_format("float32", "a8w8")
 
 
+# ------------------------------------------------------------------------------------------------ decode layer
+
+def _decode_layer_case(rng, rows, hidden, heads, kv, d, inter, fmt, qkv_bias, o_bias, qk_norm, cache_dtype, cap, slot):
+    """Random weights of one dense layer packed as the rollout packs them (fmt: float32 panels or a LowpPacked),
+    caches with `slot` earlier positions filled, and each row's start slot."""
+    def pack(k, n):
+        w = t(rng.standard_normal((k, n)) * 0.2)
+        return ops.pack_weight(w) if fmt == "float32" else ops.pack_weight_lowp(w, False, fmt, fmt == "bfloat16")
+    vec = (lambda n: t(1.0 + 0.1 * rng.standard_normal(n)))
+    w = ops.DecodeLayerWeights(
+        in_norm=vec(hidden), qkv=pack(hidden, (heads + 2 * kv) * d),
+        qkv_bias=t(rng.standard_normal((heads + 2 * kv) * d) * 0.1) if qkv_bias else None,
+        q_norm=vec(d) if qk_norm else None, k_norm=vec(d) if qk_norm else None, o=pack(heads * d, hidden),
+        o_bias=t(rng.standard_normal(hidden) * 0.1) if o_bias else None, post_norm=vec(hidden),
+        gate_up=pack(hidden, 2 * inter), down=pack(inter, hidden), num_heads=heads, num_kv_heads=kv, head_dim=d,
+        hidden=hidden, intermediate=inter, eps=1e-6, qk_eps=1e-5, scale=d ** -0.5)
+    x = t(rng.standard_normal((rows, 1, hidden)))
+    positions = paddle.to_tensor(rng.integers(slot, 4000, (rows, 1)))
+    caches = [t(rng.standard_normal((rows, kv, cap, d))).astype(cache_dtype) for _ in range(2)]
+    start = paddle.to_tensor(rng.integers(0, slot + 1, rows))
+    return x, w, positions, caches, start
+
+
+# (rows, hidden, heads, kv, d, intermediate): the last case's rows are split over the threads in each row-wise step
+@pytest.mark.parametrize("fmt", ["float32", "bfloat16", "weight_only_int8", "weight_only_int4"])
+@pytest.mark.parametrize("rows,hidden,heads,kv,d,inter,qkv_bias,o_bias,qk_norm,cache_dtype", [
+    (1, 64, 4, 2, 16, 96, True, False, False, "float32"),
+    (5, 48, 3, 1, 16, 40, False, True, True, "bfloat16"),
+    (7, 64, 4, 4, 8, 70, True, True, False, "float16"),
+    (150, 128, 4, 2, 32, 172, True, False, True, "float32")])
+def test_decode_layer_is_its_ops_bit_for_bit(rng, fmt, rows, hidden, heads, kv, d, inter, qkv_bias, o_bias, qk_norm,
+                                             cache_dtype):
+    """The whole layer in one kernel call gives the bits of its ten op calls: the output, and the keys and values
+    written into the caches (every slot; the ones it does not write unchanged), for every packed format, with and
+    without the biases and q/k norms, over float32 and 16-bit caches."""
+    cap, slot = 9, 6
+    x, w, positions, caches, start = _decode_layer_case(rng, rows, hidden, heads, kv, d, inter, fmt, qkv_bias, o_bias,
+                                                        qk_norm, cache_dtype, cap, slot)
+    inv_freq = _inv_freq(d)
+    fused_caches = [c.clone() for c in caches]
+    before = caches[0].astype("float32").numpy()
+    assert ops.decode_layer.__module__.endswith("decode_layer")
+    out = ops.decode_layer_fused(x, w, positions, inv_freq, *fused_caches, start, slot)
+    ref = ops.decode_layer_reference(x, w, positions, inv_freq, *caches, start, slot)
+    assert out.shape == [rows, 1, hidden]
+    np.testing.assert_array_equal(out.numpy(), ref.numpy())
+    for fused, c in zip(fused_caches, caches):
+        np.testing.assert_array_equal(fused.astype("float32").numpy(), c.astype("float32").numpy())
+    after = fused_caches[0].astype("float32").numpy()
+    assert not np.array_equal(after[:, :, slot], before[:, :, slot])    # the slot was written
+    np.testing.assert_array_equal(np.delete(after, slot, axis=2), np.delete(before, slot, axis=2))
+    # the dispatch runs the kernel for these tensors, and a row's result is its own (the same bits alone)
+    np.testing.assert_array_equal(ops.decode_layer(x, w, positions, inv_freq, *[c.clone() for c in caches], start,
+                                                   slot).numpy(), out.numpy())
+    alone = ops.decode_layer_fused(x[-1:], w, positions[-1:], inv_freq, *[c[-1:].clone() for c in caches],
+                                   start[-1:], slot)
+    np.testing.assert_array_equal(alone.numpy(), out.numpy()[-1:])
+
+
+def test_decode_layer_checks_its_inputs(rng):
+    x, w, positions, caches, start = _decode_layer_case(rng, 3, 32, 4, 2, 8, 40, "weight_only_int8", True, False,
+                                                        False, "float32", 6, 2)
+    inv_freq = _inv_freq(8)
+    with pytest.raises(Exception, match="prl_decode_layer: slot 6 and length 7"):
+        ops.decode_layer_fused(x, w, positions, inv_freq, *caches, start, 6)
+    with pytest.raises(Exception, match="prl_decode_layer: caches must be"):
+        ops.decode_layer_fused(x, w, positions, inv_freq, caches[0][:2], caches[1][:2], start, 2)
+    bad = ops.DecodeLayerWeights(**{**w.__dict__, "o": ops.LowpPacked(w.o.data, w.o.scales[:5], w.o.format, w.o.n,
+                                                                     w.o.bf16_act)})
+    with pytest.raises(Exception, match="prl_decode_layer: o: a weight_only_int8 pack needs its 32 float32 scales"):
+        ops.decode_layer_fused(x, bad, positions, inv_freq, *caches, start, 2)
+    bad = ops.DecodeLayerWeights(**{**w.__dict__, "qkv_bias": t(np.zeros(7))})
+    with pytest.raises(Exception, match="prl_decode_layer: qkv_bias must have 64 elements"):
+        ops.decode_layer_fused(x, bad, positions, inv_freq, *caches, start, 2)
+
+
 # ------------------------------------------------------------------------------------------------ residual add
 
 def test_residual_add_shares_its_gradient(rng):

@@ -1,5 +1,7 @@
 """The rollout engine's decode path (preallocated KV cache, DecodeRunner, fused or reference ops) against the
 model's full forward, and the rollout log-probs that may stand in for the old-log-prob pass."""
+import importlib
+
 import numpy as np
 import paddle
 import pytest
@@ -108,6 +110,40 @@ def test_fused_and_reference_rollouts_agree():
     filters = outs["on", "filters"]
     assert (filters.lengths >= 4).all()
     assert not np.isin(filters.response_ids[:, :3], [1, 2, 3]).any()
+
+
+# (kind, rollout_dtype, quant_type, kv_cache_dtype): a dense layer of each family the fused layer takes, each
+# packed weight format, a 16-bit cache
+@pytest.mark.parametrize("kind,rollout_dtype,quant,cache", [
+    ("qwen2", "float32", "", None), ("qwen3_tied", "float32", "", "bfloat16"), ("llama3", "float32", "", None),
+    ("qwen2", "bfloat16", "", None), ("llama", "float32", "weight_only_int8", "float16"),
+    ("qwen3_tied", "float32", "weight_only_int4", None), ("qwen3_moe", "float32", "", None)])
+def test_fused_decode_layer_is_the_layers_bit_for_bit(monkeypatch, kind, rollout_dtype, quant, cache):
+    """A rollout whose dense layers each decode in one kernel call (ops.decode_layer) samples the same tokens with
+    the same log-probs, bit for bit, as the layers' own modules (PADDLE_RL_FUSED_DECODE_LAYER=0), in every packed
+    format; the kernel ran once per dense layer and decode step (an MoE layer keeps its modules)."""
+    from paddle_rl.rollout import EngineSettings
+    model = make_model(kind, vocab=300, std=0.3)
+    ops.configure("on")
+    calls = []
+    fused = ops.decode_layer_fused
+    module = importlib.import_module("paddle_rl.ops.decode_layer")   # (ops.decode_layer is the function)
+    monkeypatch.setattr(module, "decode_layer_fused", lambda *a: calls.append(1) or fused(*a))
+    settings = EngineSettings(0, (1,), kv_cache_dtype=cache, rollout_dtype=rollout_dtype, quant_type=quant)
+    params = SamplingParams(max_dec_len=12, min_dec_len=12, temperature=1.0)
+    keys = [sample_key(7, 2, i // 3, i % 3) for i in range(9)]
+    outs = {}
+    try:
+        for switch in ("1", "0"):
+            monkeypatch.setenv("PADDLE_RL_FUSED_DECODE_LAYER", switch)
+            outs[switch] = RolloutEngine(model, settings=settings).generate(PROMPTS, 3, params, keys)
+    finally:
+        ops.configure("auto")
+    np.testing.assert_array_equal(outs["1"].response_ids, outs["0"].response_ids)
+    np.testing.assert_array_equal(outs["1"].rollout_logp, outs["0"].rollout_logp)
+    from paddle_rl.models.decoder import MLP
+    dense = sum(isinstance(layer.mlp, MLP) for layer in model.layers)
+    assert len(calls) == dense * 11    # 12 tokens: the first from the prefill's logits, then 11 decode steps
 
 
 def test_single_row_and_single_token_prompt(op_mode):

@@ -104,6 +104,13 @@ inline void PanelOf(const float* w, int64_t k_dim, int64_t n, bool transposed, i
 
 }  // namespace
 
+void prl_cpu::PackedLinear(const float* x, const float* packed, float* out, int64_t rows, int64_t k_dim, int64_t n) {
+  const int64_t panels = (n + kPanel - 1) / kPanel;
+  prl::ParallelFor(panels, rows * k_dim * kPanel, [&](int, int64_t begin, int64_t end) {
+    Panels(x, packed, out, rows, k_dim, n, begin, end);
+  });
+}
+
 #ifndef PRL_NO_PADDLE
 // W [K, N] (or [N, K] with transposed) -> [P, K, 32], P = ceil(N / 32), the last panel zero-padded
 std::vector<paddle::Tensor> PackWeight(const paddle::Tensor& w, bool transposed) {
@@ -149,12 +156,7 @@ std::vector<paddle::Tensor> PackedLinear(const paddle::Tensor& x, const paddle::
   std::vector<int64_t> shape = x.shape();
   shape.back() = n;
   auto out = paddle::empty(shape, x.dtype(), x.place());
-  const float* xp = x.data<float>();
-  float* o = out.data<float>();
-  const float* pp = packed.data<float>();
-  prl::ParallelFor(ps[0], rows * k_dim * kPanel, [&](int, int64_t begin, int64_t end) {
-    Panels(xp, pp, o, rows, k_dim, n, begin, end);
-  });
+  prl_cpu::PackedLinear(x.data<float>(), packed.data<float>(), out.data<float>(), rows, k_dim, n);
   return {out};
 }
 

@@ -60,29 +60,33 @@ void prl_cpu::RotaryQkvCache(const float* src, const int64_t* pos, const float* 
     using T = decltype(zero);
     T* kp = static_cast<T*>(cache_k);
     T* vp = static_cast<T*>(cache_v);
-    std::vector<float> c(d), sn(d), tmp(d), rotated(d);
-    for (int64_t row = 0; row < b * l; ++row) {
-      const int64_t bi = row / l, li = row % l;
-      const float p = static_cast<float>(pos[row]);
-      for (int64_t i = 0; i < half; ++i) {
-        const float angle = p * freq[i];
-        c[i] = c[i + half] = std::cos(angle);
-        sn[i] = sn[i + half] = std::sin(angle);
-      }
-      const float* in = src + row * width;
-      for (int64_t h = 0; h < num_heads; ++h)
-        NormRotate(in + h * d, qp + (row * num_heads + h) * d, qn, eps, c.data(), sn.data(), d, tmp.data());
-      const float* kin = in + num_heads * d;
-      const float* vin = kin + num_kv_heads * d;
-      for (int64_t g = 0; g < num_kv_heads; ++g) {
-        const int64_t at = ((bi * num_kv_heads + g) * cap + slot + li) * d;
-        NormRotate(kin + g * d, rotated.data(), kn, eps, c.data(), sn.data(), d, tmp.data());
-        for (int64_t i = 0; i < d; ++i) {  // rounded to the cache's dtype as Paddle's cast would
-          prl::FromFloat(rotated[i], kp + at + i);
-          prl::FromFloat(vin[g * d + i], vp + at + i);
+    // rows in parallel (each row's numbers are its own): a row costs ~1 us (d / 2 sines and cosines), so parts
+    // start at 16 rows
+    prl::ParallelFor(b * l, int64_t{1} << 14, [&](int, int64_t first, int64_t last) {
+      std::vector<float> c(d), sn(d), tmp(d), rotated(d);
+      for (int64_t row = first; row < last; ++row) {
+        const int64_t bi = row / l, li = row % l;
+        const float p = static_cast<float>(pos[row]);
+        for (int64_t i = 0; i < half; ++i) {
+          const float angle = p * freq[i];
+          c[i] = c[i + half] = std::cos(angle);
+          sn[i] = sn[i + half] = std::sin(angle);
+        }
+        const float* in = src + row * width;
+        for (int64_t h = 0; h < num_heads; ++h)
+          NormRotate(in + h * d, qp + (row * num_heads + h) * d, qn, eps, c.data(), sn.data(), d, tmp.data());
+        const float* kin = in + num_heads * d;
+        const float* vin = kin + num_kv_heads * d;
+        for (int64_t g = 0; g < num_kv_heads; ++g) {
+          const int64_t at = ((bi * num_kv_heads + g) * cap + slot + li) * d;
+          NormRotate(kin + g * d, rotated.data(), kn, eps, c.data(), sn.data(), d, tmp.data());
+          for (int64_t i = 0; i < d; ++i) {  // rounded to the cache's dtype as Paddle's cast would
+            prl::FromFloat(rotated[i], kp + at + i);
+            prl::FromFloat(vin[g * d + i], vp + at + i);
+          }
         }
       }
-    }
+    });
   });
 }
 

@@ -368,19 +368,29 @@ class Attention(nn.Layer):
     def _decode(self, x, p: Pass, cache: LayerCache):
         """One token per row: split, q/k norm, rotary and the cache write in one kernel, then attention over
         the cache from each row's start slot."""
+        slot, inv_freq, start = self.decode_slot(x, p, cache)
+        q = ops.rotary_qkv_cache(self.qkv_proj(x), p.position_ids, inv_freq, cache.k, cache.v, self.num_heads,
+                                 self.num_kv_heads, slot, *self.qk_norms())
+        cache.length = slot + 1
+        return ops.decode_attention(q, cache.k, cache.v, start, slot + 1, self.scale)
+
+    def decode_slot(self, x, p: Pass, cache: LayerCache):
+        """A decode step's (slot, inverse frequencies, start [B]): the cache slot its token takes (the buffers
+        made to hold it), the rotary's frequencies (a sliding-window layer's own where the family has them) and the
+        first slot each row attends to."""
         slot = cache.length
         cache.reserve([x.shape[0], self.num_kv_heads, 1, self.head_dim], x.dtype, slot + 1)
         local = self.window is not None and p.local_inv_freq is not None
-        q = ops.rotary_qkv_cache(self.qkv_proj(x), p.position_ids, p.local_inv_freq if local else p.inv_freq,
-                                 cache.k, cache.v, self.num_heads, self.num_kv_heads, slot,
-                                 self.q_norm.scale if self.qk_norm else None,
-                                 self.k_norm.scale if self.qk_norm else None,
-                                 self.q_norm.eps if self.qk_norm else 1e-6)
-        cache.length = slot + 1
         start = p.decode_start
         if self.window is not None:  # the row's tokens fill consecutive slots: its last `window` end at `slot`
             start = paddle.maximum(start, paddle.full_like(start, slot + 1 - self.window))
-        return ops.decode_attention(q, cache.k, cache.v, start, slot + 1, self.scale)
+        return slot, p.local_inv_freq if local else p.inv_freq, start
+
+    def qk_norms(self):
+        """(q norm's scale, k norm's scale, their epsilon): (None, None, 1e-6) without q/k norms."""
+        if not self.qk_norm:
+            return None, None, 1e-6
+        return self.q_norm.scale, self.k_norm.scale, self.q_norm.eps
 
 
 class MLP(nn.Layer):
@@ -426,6 +436,13 @@ class DecoderLayer(nn.Layer):
             self.mlp = MLP(config, tp_group, f"{prefix}.mlp")
 
     def forward(self, x, p: Pass, cache=None):
+        if p.decode and cache is not None:
+            weights = self.decode_weights()
+            if weights is not None:   # the whole layer in one kernel call (ops.decode_layer: the same bits)
+                slot, inv_freq, start = self.self_attn.decode_slot(x, p, cache)
+                out = ops.decode_layer(x, weights, p.position_ids, inv_freq, cache.k, cache.v, start, slot)
+                cache.length = slot + 1
+                return out
         h = self.input_layernorm(x)
         if cache is None and p.recompute in ("full_attn", "core_attn_mlp") and self.self_attn.reads_input_rounded \
                 and not h.stop_gradient:
@@ -442,6 +459,25 @@ class DecoderLayer(nn.Layer):
             # only the block's input is kept: the norm's output, gate/up and SwiGLU outputs are made again
             return ops.residual_add(x, _recompute(self._mlp_block, x, p, reentrant=p.reentrant))
         return ops.residual_add(x, self._mlp_block(x, p))
+
+    def decode_weights(self) -> Optional[ops.DecodeLayerWeights]:
+        """What ops.decode_layer reads of this layer in a rollout decode step, or None where the layer is not the one
+        it runs: sandwich norms, an MoE block, a GeGLU MLP, tensor parallelism, an unmerged LoRA adapter, weights
+        without the rollout's packed copies (CausalLM.packed_weights), or PADDLE_RL_FUSED_DECODE_LAYER=0."""
+        attn, mlp = self.self_attn, self.mlp
+        if self.sandwich or not isinstance(mlp, MLP) or mlp.activation != "silu" or not ops.decode_layer_enabled() \
+                or self.input_layernorm.eps != self.post_attention_layernorm.eps:
+            return None
+        linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        if any(m.packed is None or m.group is not None
+               or (m.lora is not None and m.lora.merged is None and m.lora.enabled) for m in linears):
+            return None
+        q_norm, k_norm, qk_eps = attn.qk_norms()
+        return ops.DecodeLayerWeights(
+            self.input_layernorm.scale, attn.qkv_proj.packed, attn.qkv_proj.bias, q_norm, k_norm, attn.o_proj.packed,
+            attn.o_proj.bias, self.post_attention_layernorm.scale, mlp.gate_up_proj.packed, mlp.down_proj.packed,
+            attn.num_heads, attn.num_kv_heads, attn.head_dim, self.input_layernorm.weight.shape[0],
+            mlp.intermediate_size, self.input_layernorm.eps, qk_eps, attn.scale)
 
     def _attn_block(self, h, p: Pass, cache=None):
         out = self.self_attn(h, p, cache)

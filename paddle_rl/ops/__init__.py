@@ -18,6 +18,7 @@ when it is in use, else the reference). `configure("auto" | "on" | "off")` selec
   outputs rounded too under AMP O2 (`fp16: true`, `fp16_opt_level`; half.py); float16 always emulated
 - kv_place: the rollout's KV-cache relayout (rows' windows copied into another buffer, in place)
 - decode_attention: one decode step of grouped-query attention over the cache
+- decode_layer: a whole dense decoder layer of a decode step in one call (the ten ops above it runs, same bits)
 - masked_softmax: the training / prefill attention's softmax(scale * scores + bias), with its backward
 - packed_attention_fused / _reference: attention of a packed row (several sequences, each token's keys as two
   ranges), with its backward; the fused kernel stores no probabilities
@@ -39,6 +40,8 @@ from .attention import (blocked_attention, blocked_attention_reference, decode_a
                         masked_softmax_fused, masked_softmax_reference, packed_attention_fused,
                         packed_attention_reference, packed_attention_usable, packed_key_mask)
 from .build import CustomOpsError, available, configure, mode, status
+from .decode_layer import (DecodeLayerWeights, decode_layer, decode_layer_fused, decode_layer_reference,
+                           enabled as decode_layer_enabled)
 from .half import HALF_DTYPES, HalfProducts, half_linear, half_linear_reference, round_grad, round_half, round_value
 from .kv_cache import kv_place, kv_place_fused, kv_place_reference
 from .linear import (ROLLOUT_DTYPES, BF16_KERNELS, bf16_kernel, bf16_kernels, bf16_linear, bf16_linear_reference,
@@ -78,6 +81,7 @@ __all__ = ["configure", "available", "mode", "status", "CustomOpsError",
            "pack_weight_lowp", "pack_weight_lowp_fused", "pack_weight_lowp_reference",
            "packed_linear_lowp", "packed_linear_lowp_fused", "packed_linear_lowp_reference",
            "decode_attention", "decode_attention_fused", "decode_attention_reads_windows", "decode_attention_reference",
+           "DecodeLayerWeights", "decode_layer", "decode_layer_fused", "decode_layer_reference", "decode_layer_enabled",
            "masked_softmax", "masked_softmax_fused", "masked_softmax_reference",
            "packed_attention_fused", "packed_attention_reference", "packed_attention_usable",
            "packed_key_mask", "blocked_attention", "blocked_attention_reference",
