@@ -70,7 +70,9 @@ def _inv_freq(d, theta=10000.0):
     return 1.0 / (theta ** (paddle.arange(0, d, 2, dtype="int64").astype("float32") / d))
 
 
-@pytest.mark.parametrize("batch,length,heads,d,table_batch", [(2, 9, 4, 32, 2), (1, 1, 2, 64, 1), (3, 5, 2, 16, 1)])
+# the last case's rows are split over the threads
+@pytest.mark.parametrize("batch,length,heads,d,table_batch", [(2, 9, 4, 32, 2), (1, 1, 2, 64, 1), (3, 5, 2, 16, 1),
+                                                               (4, 600, 4, 32, 4)])
 def test_rotary_and_gradient(rng, batch, length, heads, d, table_batch):
     x = t(rng.standard_normal((batch, length, heads, d)), grad=True)
     cos, sin = ops.rotary_tables(paddle.to_tensor(rng.integers(0, 4000, (table_batch, length))), _inv_freq(d))
@@ -81,7 +83,7 @@ def test_rotary_and_gradient(rng, batch, length, heads, d, table_batch):
 
 
 @pytest.mark.parametrize("qk_norm", [False, True])
-@pytest.mark.parametrize("batch,length,slot", [(4, 1, 7), (1, 1, 0), (2, 3, 5)])
+@pytest.mark.parametrize("batch,length,slot", [(4, 1, 7), (1, 1, 0), (2, 3, 5), (40, 1, 2)])   # 40 rows: split
 def test_rotary_qkv_cache_write(rng, qk_norm, batch, length, slot):
     heads, kv, d, capacity = 4, 2, 32, 12
     qkv = t(rng.standard_normal((batch, length, (heads + 2 * kv) * d)))

@@ -34,22 +34,24 @@ inline void NormRotate(const float* src, float* dst, const float* norm_w, float 
 void prl_cpu::Rotary(const float* xp, const float* cp, const float* sp, float* op, int64_t b, int64_t l,
                      int64_t heads, int64_t d, int64_t cb, bool inverse) {
   const int64_t half = d / 2;
-  for (int64_t row = 0; row < b * l; ++row) {
-    const int64_t bi = row / l, li = row % l;
-    const float* c = cp + ((cb == 1 ? 0 : bi) * l + li) * d;
-    const float* sn = sp + ((cb == 1 ? 0 : bi) * l + li) * d;
-    for (int64_t h = 0; h < heads; ++h) {
-      const float* xi = xp + (row * heads + h) * d;
-      float* o = op + (row * heads + h) * d;
-      if (!inverse) {
-        for (int64_t i = 0; i < half; ++i) o[i] = xi[i] * c[i] + (-xi[i + half]) * sn[i];
-        for (int64_t i = half; i < d; ++i) o[i] = xi[i] * c[i] + xi[i - half] * sn[i];
-      } else {
-        for (int64_t i = 0; i < half; ++i) o[i] = xi[i] * c[i] + xi[i + half] * sn[i + half];
-        for (int64_t i = half; i < d; ++i) o[i] = xi[i] * c[i] - xi[i - half] * sn[i - half];
+  prl::ParallelFor(b * l, heads * d, [&](int, int64_t first, int64_t last) {
+    for (int64_t row = first; row < last; ++row) {
+      const int64_t bi = row / l, li = row % l;
+      const float* c = cp + ((cb == 1 ? 0 : bi) * l + li) * d;
+      const float* sn = sp + ((cb == 1 ? 0 : bi) * l + li) * d;
+      for (int64_t h = 0; h < heads; ++h) {
+        const float* xi = xp + (row * heads + h) * d;
+        float* o = op + (row * heads + h) * d;
+        if (!inverse) {
+          for (int64_t i = 0; i < half; ++i) o[i] = xi[i] * c[i] + (-xi[i + half]) * sn[i];
+          for (int64_t i = half; i < d; ++i) o[i] = xi[i] * c[i] + xi[i - half] * sn[i];
+        } else {
+          for (int64_t i = 0; i < half; ++i) o[i] = xi[i] * c[i] + xi[i + half] * sn[i + half];
+          for (int64_t i = half; i < d; ++i) o[i] = xi[i] * c[i] - xi[i - half] * sn[i - half];
+        }
       }
     }
-  }
+  });
 }
 
 void prl_cpu::RotaryQkvCache(const float* src, const int64_t* pos, const float* freq, float* qp, void* cache_k,
