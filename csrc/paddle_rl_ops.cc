@@ -2,7 +2,6 @@
 // compiled as one translation unit: paddle/extension.h dominates the compile time, so it is parsed once.
 #include "cpu/attention.cc"
 #include "cpu/bf16_matmul.cc"
-#include "cpu/decode_layer.cc"
 #include "cpu/kv_cache.cc"
 #include "cpu/linear.cc"
 #include "cpu/logprob.cc"
@@ -12,3 +11,5 @@
 #include "cpu/rotary.cc"
 #include "cpu/sampling.cc"
 #include "cpu/swiglu.cc"
+// last: it calls the launchers above (prl_cpu::PackedLinear of linear.cc among them)
+#include "cpu/decode_layer.cc"

@@ -65,9 +65,6 @@ void Sample(const float* logits, const float* seen, const float* uniforms, const
             int64_t n_stop, int64_t* tokens, float* logprob, int64_t b, int64_t v, float temperature, int top_k,
             float top_p, float penalty);
 
-// x [rows, k_dim] times W [k_dim, n] packed in float32 panels [ceil(n / 32), k_dim, 32] (csrc/cpu/linear.cc) ->
-// out [rows, n]; each row's sums run over k in order whatever the other rows are.
-void PackedLinear(const float* x, const float* packed, float* out, int64_t rows, int64_t k_dim, int64_t n);
 // w [k_dim, n] (or [n, k_dim] transposed) -> packed (prl::LowpPackedBytes(format, k_dim, n) bytes) and scales
 // (prl::LowpScaleCount floats), the layouts csrc/cpu/linear.cc describes. CPU only: the GPU reads this pack.
 void PackWeightLowp(const float* w, LowpFormat format, void* packed, float* scales, int64_t k_dim, int64_t n,

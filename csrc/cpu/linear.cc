@@ -104,12 +104,17 @@ inline void PanelOf(const float* w, int64_t k_dim, int64_t n, bool transposed, i
 
 }  // namespace
 
-void prl_cpu::PackedLinear(const float* x, const float* packed, float* out, int64_t rows, int64_t k_dim, int64_t n) {
+namespace prl_cpu {
+// x [rows, k_dim] times W [k_dim, n] packed in float32 panels [ceil(n / 32), k_dim, 32] -> out [rows, n]. For the
+// ops of this translation unit (prl_packed_linear, prl_decode_layer); not among kernels.h's launchers: a GPU
+// multiplies by the weights themselves, so the standalone CUDA check has nothing to compare it with.
+void PackedLinear(const float* x, const float* packed, float* out, int64_t rows, int64_t k_dim, int64_t n) {
   const int64_t panels = (n + kPanel - 1) / kPanel;
   prl::ParallelFor(panels, rows * k_dim * kPanel, [&](int, int64_t begin, int64_t end) {
     Panels(x, packed, out, rows, k_dim, n, begin, end);
   });
 }
+}  // namespace prl_cpu
 
 #ifndef PRL_NO_PADDLE
 // W [K, N] (or [N, K] with transposed) -> [P, K, 32], P = ceil(N / 32), the last panel zero-padded
