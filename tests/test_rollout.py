@@ -8,7 +8,8 @@ import pytest
 
 from paddle_rl import ops
 from paddle_rl.models import CausalLM, LayerCache, ModelConfig
-from paddle_rl.rollout import RolloutEngine, SamplingParams, sample_key
+from paddle_rl.models.decoder import MLP
+from paddle_rl.rollout import EngineSettings, RolloutEngine, SamplingParams, sample_key
 from paddle_rl.batch import StepBatch, object_column
 from paddle_rl.layouts import build_layout
 from paddle_rl.trainer.logprobs import reuses_rollout_logprobs
@@ -122,7 +123,6 @@ def test_fused_decode_layer_is_the_layers_bit_for_bit(monkeypatch, kind, rollout
     """A rollout whose dense layers each decode in one kernel call (ops.decode_layer) samples the same tokens with
     the same log-probs, bit for bit, as the layers' own modules (PADDLE_RL_FUSED_DECODE_LAYER=0), in every packed
     format; the kernel ran once per dense layer and decode step (an MoE layer keeps its modules)."""
-    from paddle_rl.rollout import EngineSettings
     model = make_model(kind, vocab=300, std=0.3)
     ops.configure("on")
     calls = []
@@ -141,7 +141,6 @@ def test_fused_decode_layer_is_the_layers_bit_for_bit(monkeypatch, kind, rollout
         ops.configure("auto")
     np.testing.assert_array_equal(outs["1"].response_ids, outs["0"].response_ids)
     np.testing.assert_array_equal(outs["1"].rollout_logp, outs["0"].rollout_logp)
-    from paddle_rl.models.decoder import MLP
     dense = sum(isinstance(layer.mlp, MLP) for layer in model.layers)
     assert len(calls) == dense * 11    # 12 tokens: the first from the prefill's logits, then 11 decode steps
 
