@@ -5,8 +5,8 @@
 //   out = x1 + SwiGLU(RMSNorm(x1) Wgate_up) Wdown
 // models/decoder.py runs the same layer as ten kernel calls (ops/decode_layer.py decode_layer_reference); here
 // the same launchers run back to back in the same order on the same numbers, so the output, q and the caches are
-// the same bits, with one dispatch instead of ten (~20-80 us each in a decode step: most of a small model's
-// step). The weights are the rollout's packed copies: float32 panels, or a low-precision pack (bfloat16,
+// the same bits, with one dispatch instead of ten (~16-35 us each alone, 50-300 us in a decode step: most of a
+// small model's step). The weights are the rollout's packed copies: float32 panels, or a low-precision pack (bfloat16,
 // weight_only_int8 / int4) with its scales. The row-wise steps (norms, bias and residual adds, rotary, SwiGLU)
 // split their rows over the threads from 16K elements on; a row's numbers never depend on the split.
 #ifndef PRL_NO_PADDLE
@@ -36,25 +36,17 @@ void Product(const float* x, int64_t rows, int64_t k_dim, const paddle::Tensor& 
     prl_cpu::PackedLinear(x, w.data<float>(), out, rows, k_dim, n);
     return;
   }
-  prl::LowpFormat format;
-  const void* data = nullptr;
-  int64_t bytes = w.numel();
-  switch (w.dtype()) {
-    case paddle::DataType::BFLOAT16:
-      format = prl::LowpFormat::kBF16, data = w.data<phi::dtype::bfloat16>(), bytes *= 2;
-      PD_CHECK(bf16_act, op, ": ", name, ": bfloat16 weights multiply bfloat16 activations (bf16_act)");
-      break;
-    case paddle::DataType::INT8: format = prl::LowpFormat::kInt8, data = w.data<int8_t>(); break;
-    case paddle::DataType::UINT8: format = prl::LowpFormat::kInt4, data = w.data<uint8_t>(); break;
-    default: PD_THROW(op, ": ", name, " must be float32, bfloat16, int8 or uint8 (a packed weight)");
-  }
+  const prl::LowpFormat format = FormatOf(w, op);   // linear.cc's: the format its dtype names
+  const int64_t bytes = w.numel() * (format == prl::LowpFormat::kBF16 ? 2 : 1);
+  PD_CHECK(format != prl::LowpFormat::kBF16 || bf16_act, op, ": ", name,
+           ": bfloat16 weights multiply bfloat16 activations (bf16_act)");
   PD_CHECK(bytes == prl::LowpPackedBytes(format, k_dim, n), op, ": ", name, " holds ", bytes, " bytes; a ",
            prl::LowpFormatName(format), " pack of [", k_dim, ", ", n, "] holds ", prl::LowpPackedBytes(format, k_dim, n));
   PD_CHECK(scales && scales->is_cpu() && scales->dtype() == paddle::DataType::FLOAT32 &&
                scales->numel() == prl::LowpScaleCount(format, k_dim, n),
            op, ": ", name, ": a ", prl::LowpFormatName(format), " pack needs its ",
            prl::LowpScaleCount(format, k_dim, n), " float32 scales on the CPU");
-  prl_cpu::PackedLinearLowp(x, data, scales->data<float>(), format, out, rows, k_dim, n, bf16_act);
+  prl_cpu::PackedLinearLowp(x, w.data(), scales->data<float>(), format, out, rows, k_dim, n, bf16_act);
 }
 
 void CheckVector(const paddle::optional<paddle::Tensor>& t, int64_t size, const char* name) {

@@ -465,8 +465,7 @@ class DecoderLayer(nn.Layer):
         it runs: sandwich norms, an MoE block, a GeGLU MLP, tensor parallelism, an unmerged LoRA adapter, weights
         without the rollout's packed copies (CausalLM.packed_weights), or PADDLE_RL_FUSED_DECODE_LAYER=0."""
         attn, mlp = self.self_attn, self.mlp
-        if self.sandwich or not isinstance(mlp, MLP) or mlp.activation != "silu" or not ops.decode_layer_enabled() \
-                or self.input_layernorm.eps != self.post_attention_layernorm.eps:
+        if self.sandwich or not isinstance(mlp, MLP) or mlp.activation != "silu" or not ops.decode_layer_enabled():
             return None
         linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
         if any(m.packed is None or m.group is not None

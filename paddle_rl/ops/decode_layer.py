@@ -4,10 +4,10 @@ the Llama / Qwen2 / Qwen3 families (SwiGLU MLP, optional q/k/v and output biases
 The reference is the layer as ten op calls (RMSNorm, the packed q/k/v product and its bias, rotary with the
 cache write, decode attention, the output product, the residual add, RMSNorm, the gate/up product, SwiGLU, the
 down product and the residual add); the kernel (csrc/cpu/decode_layer.cc) runs the same kernels in the same order
-in one call, the same bits, without the nine other dispatches (~20-80 us each on a CPU in a decode step). The
-weights are the rollout's packed copies (`pack_weight`'s float32 panels or a `LowpPacked`). The model uses it for
-every layer that has this shape (models/decoder.py DecoderLayer.decode_weights); PADDLE_RL_FUSED_DECODE_LAYER=0
-runs the layers' own modules instead (for comparisons)."""
+in one call, the same bits, without the nine other dispatches (~16-35 us each alone on a CPU, 50-300 us in a
+decode step). The weights are the rollout's packed copies (`pack_weight`'s float32 panels or a `LowpPacked`). The
+model uses it for every layer that has this shape (models/decoder.py DecoderLayer.decode_weights);
+PADDLE_RL_FUSED_DECODE_LAYER=0 runs the layers' own modules instead (for comparisons)."""
 import os
 from dataclasses import dataclass
 from typing import Optional, Union
