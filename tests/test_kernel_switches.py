@@ -180,7 +180,8 @@ CASES = [
     ("attention", ("padded", "shared"), (ops, "blocked_attention")),
     ("attention", ("packed",), (ops, "packed_attention_fused")),
     ("rms_norm", ("padded", "packed"), (norm_module, "rms_norm_fused")),
-    ("rope", ("padded", "packed"), (rope_module, "rotary_fused")),
+    ("rope", ("padded", "shared"), (rope_module, "qkv_rotary_fused")),
+    ("rope", ("packed",), (rope_module, "rotary_fused")),
     ("head", ("padded", "packed"), (ops, "lm_head_logprobs")),
     ("linear", ("padded",), (linear_bias, "affine_fused")),
 ]
@@ -206,9 +207,32 @@ def test_a_training_step_with_the_switch_on_equals_it_off(monkeypatch, switch, l
             _same(_step(model, layout), off, f"{switch} {layout} off, fused perturbed")
 
 
+@pytest.mark.parametrize("layout", ["padded", "shared"])
+def test_the_fused_qkv_kernel_is_the_composed_ops_bit_for_bit(monkeypatch, layout):
+    """The padded layout's bias + split + rotary + head-major q/k/v in one kernel (ops.qkv_rotary): log-probs, loss,
+    every gradient and the step are the bits of the composed ops (PADDLE_RL_FUSED_QKV=0), and the kernel ran once
+    per layer and pass (two passes with the shared prompt prefix)."""
+    model = _model()
+    calls = []
+    fused = rope_module.qkv_rotary_fused
+    monkeypatch.setattr(rope_module, "qkv_rotary_fused", lambda *a: calls.append(1) or fused(*a))
+    monkeypatch.setenv("PADDLE_RL_FUSED_QKV", "0")
+    off = _step(model, layout)
+    assert not calls
+    monkeypatch.setenv("PADDLE_RL_FUSED_QKV", "1")
+    on = _step(model, layout)
+    assert len(calls) == len(model.layers) * (2 if layout == "shared" else 1)
+    np.testing.assert_array_equal(on[0], off[0])
+    assert on[1] == off[1]
+    for name in off[2]:
+        np.testing.assert_array_equal(on[2][name], off[2][name], err_msg=f"grad {name}")
+        np.testing.assert_array_equal(on[3][name], off[3][name], err_msg=f"step {name}")
+
+
 def test_unset_switches_take_the_paths_of_earlier_builds(monkeypatch):
-    """Unset: the kernels where they run (RMSNorm, rotary), the chunked head, Paddle's linear op, the packed kernel
-    for packed rows and the materialized softmax for padded ones."""
+    """Unset: the kernels where they run (RMSNorm, rotary: on a padded batch the q/k/v kernel, on a packed one the
+    rotary alone), the chunked head, Paddle's linear op, the packed kernel for packed rows and the materialized
+    softmax for padded ones."""
     calls = {}
 
     def count(target, name):
@@ -220,14 +244,16 @@ def test_unset_switches_take_the_paths_of_earlier_builds(monkeypatch):
         monkeypatch.setattr(target, name, counted)
     for target, name in ((norm_module, "rms_norm_fused"), (rope_module, "rotary_fused"), (ops, "lm_head_logprobs"),
                          (ops, "blocked_attention"), (ops, "masked_softmax"), (ops, "packed_attention_fused"),
-                         (linear_bias, "affine_fused"), (linear_bias, "affine_reference")):
+                         (linear_bias, "affine_fused"), (linear_bias, "affine_reference"),
+                         (rope_module, "qkv_rotary_fused")):
         count(target, name)
     model = _model()
     _step(model, "padded")
     padded = dict(calls)
     calls.clear()
     _step(model, "packed")
-    assert padded["rms_norm_fused"] and padded["rotary_fused"] and padded["lm_head_logprobs"] == 1
+    assert padded["rms_norm_fused"] and padded["qkv_rotary_fused"] and padded["lm_head_logprobs"] == 1
+    assert "rotary_fused" not in padded and calls["rotary_fused"] and "qkv_rotary_fused" not in calls
     assert padded["masked_softmax"] and padded["affine_fused"], padded
     assert "blocked_attention" not in padded and "affine_reference" not in padded, padded
     assert calls["packed_attention_fused"] and "masked_softmax" not in calls, calls

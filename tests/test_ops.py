@@ -82,6 +82,47 @@ def test_rotary_and_gradient(rng, batch, length, heads, d, table_batch):
     close(paddle.grad(fused, x, g)[0].numpy(), paddle.grad(ref, x, g)[0].numpy(), what="rotary dx")
 
 
+def _qkv_rotary_pass(fn, qkv, bias, cos, sin, heads, kv, grads):
+    """q, k, v and the gradients of qkv (and of the bias, when there is one) for the output gradients `grads`."""
+    q, k, v = fn(qkv, bias, cos, sin, heads, kv)
+    inputs = [qkv] + ([bias] if bias is not None else [])
+    return [o.numpy() for o in (q, k, v)] + [g.numpy() for g in paddle.grad([q, k, v], inputs, grads)]
+
+
+# (batch, length, heads, kv heads, d, table batch, bias); the last two cases' rows are split over the threads, and
+# so are the bias gradient's columns
+@pytest.mark.parametrize("batch,length,heads,kv,d,table_batch,bias", [
+    (2, 9, 4, 2, 32, 2, True), (1, 1, 2, 2, 64, 1, True), (3, 5, 2, 1, 16, 1, False), (64, 48, 4, 2, 32, 64, True),
+    (4, 300, 6, 2, 64, 1, False)])
+def test_qkv_rotary_is_its_ops_bit_for_bit(rng, batch, length, heads, kv, d, table_batch, bias):
+    """The training passes' bias + split + rotary + head-major layout in one kernel: the same bits as the composed
+    ops (Paddle's add, split and transposes around the rotary kernel), forward and backward, the bias's gradient
+    (Paddle's row-order sum) too."""
+    width = (heads + 2 * kv) * d
+    qkv = t(rng.standard_normal((batch, length, width)), grad=True)
+    b = t(rng.standard_normal(width), grad=True) if bias else None
+    cos, sin = ops.rotary_tables(paddle.to_tensor(rng.integers(0, 4000, (table_batch, length))), _inv_freq(d))
+    grads = [t(rng.standard_normal(shape)) for shape in
+             ((batch, heads, length, d), (batch, kv, length, d), (batch, kv, length, d))]
+    fused = _qkv_rotary_pass(ops.qkv_rotary_fused, qkv, b, cos, sin, heads, kv, grads)
+    ref = _qkv_rotary_pass(ops.qkv_rotary_reference, qkv, b, cos, sin, heads, kv, grads)
+    for name, a, r in zip(("q", "k", "v", "dqkv", "dbias"), fused, ref):
+        assert a.shape == r.shape, name
+        np.testing.assert_array_equal(a, r, err_msg=name)
+
+
+def test_qkv_rotary_checks_its_inputs(rng):
+    qkv = t(rng.standard_normal((2, 3, 8 * 16)))
+    cos, sin = ops.rotary_tables(paddle.to_tensor(rng.integers(0, 9, (1, 3))), _inv_freq(16))
+    with pytest.raises(Exception, match="not a multiple of H \\+ 2 KV"):
+        ops.qkv_rotary_fused(qkv, None, cos, sin, 3, 1)
+    with pytest.raises(Exception, match="bias must have the qkv width's 128 elements"):
+        ops.qkv_rotary_fused(qkv, t(np.ones(100)), cos, sin, 4, 2)
+    short = ops.rotary_tables(paddle.to_tensor(rng.integers(0, 9, (1, 2))), _inv_freq(16))
+    with pytest.raises(Exception, match="cos/sin must be"):
+        ops.qkv_rotary_fused(qkv, None, *short, 4, 2)
+
+
 @pytest.mark.parametrize("qk_norm", [False, True])
 @pytest.mark.parametrize("batch,length,slot", [(4, 1, 7), (1, 1, 0), (2, 3, 5), (40, 1, 2)])   # 40 rows: split
 def test_rotary_qkv_cache_write(rng, qk_norm, batch, length, slot):

@@ -6,10 +6,29 @@
 //                         k by position * inv_freq, return q [B, L, H, D] and write k, v into the preallocated
 //                         caches [B, KV, C, D] at slots slot .. slot + L - 1 (in place). The caches are float32,
 //                         bfloat16 or float16 (written rounded to nearest even, as Paddle's cast).
+//   prl_qkv_rotary:       the training passes' attention input in one pass (with its backward): the fused qkv
+//                         projection [B, L, (H + 2 KV) * D] plus its bias (or an empty tensor: none), split, q and k
+//                         rotated by cos/sin [B or 1, L, 1, D], each written head-major: q [B, H, L, D], k and v
+//                         [B, KV, L, D]. The backward rotates back into the projection's gradient and sums that over
+//                         the rows for the bias's (row by row in order, as Paddle's add backward: the same bits).
 #include "../prl_common.h"
 #include "kernels.h"
 
 namespace {
+
+// One head's rotate-half rotation (o and x distinct), the one expression every rotary kernel here uses, so their
+// products and sums are the same bits. inverse = false: o_i = x_i c_i - x_{i+h} s_i (i < h), x_i c_i + x_{i-h} s_i
+// (i >= h); inverse = true (the backward): o_i = x_i c_i + x_{i+h} s_{i+h} (i < h), x_i c_i - x_{i-h} s_{i-h} (i >= h).
+inline void RotateHead(const float* xi, const float* c, const float* sn, float* o, int64_t d, bool inverse) {
+  const int64_t half = d / 2;
+  if (!inverse) {
+    for (int64_t i = 0; i < half; ++i) o[i] = xi[i] * c[i] + (-xi[i + half]) * sn[i];
+    for (int64_t i = half; i < d; ++i) o[i] = xi[i] * c[i] + xi[i - half] * sn[i];
+  } else {
+    for (int64_t i = 0; i < half; ++i) o[i] = xi[i] * c[i] + xi[i + half] * sn[i + half];
+    for (int64_t i = half; i < d; ++i) o[i] = xi[i] * c[i] - xi[i - half] * sn[i - half];
+  }
+}
 
 inline void NormRotate(const float* src, float* dst, const float* norm_w, float eps, const float* c, const float* s,
                        int64_t d, float* tmp) {
@@ -29,30 +48,87 @@ inline void NormRotate(const float* src, float* dst, const float* norm_w, float 
 
 }  // namespace
 
-// inverse = false: out_i = x_i c_i - x_{i+h} s_i (i < h), x_i c_i + x_{i-h} s_i (i >= h)
-// inverse = true (the backward): out_i = x_i c_i + x_{i+h} s_{i+h} (i < h), x_i c_i - x_{i-h} s_{i-h} (i >= h)
 void prl_cpu::Rotary(const float* xp, const float* cp, const float* sp, float* op, int64_t b, int64_t l,
                      int64_t heads, int64_t d, int64_t cb, bool inverse) {
-  const int64_t half = d / 2;
   prl::ParallelFor(b * l, heads * d, [&](int, int64_t first, int64_t last) {
     for (int64_t row = first; row < last; ++row) {
       const int64_t bi = row / l, li = row % l;
       const float* c = cp + ((cb == 1 ? 0 : bi) * l + li) * d;
       const float* sn = sp + ((cb == 1 ? 0 : bi) * l + li) * d;
-      for (int64_t h = 0; h < heads; ++h) {
-        const float* xi = xp + (row * heads + h) * d;
-        float* o = op + (row * heads + h) * d;
-        if (!inverse) {
-          for (int64_t i = 0; i < half; ++i) o[i] = xi[i] * c[i] + (-xi[i + half]) * sn[i];
-          for (int64_t i = half; i < d; ++i) o[i] = xi[i] * c[i] + xi[i - half] * sn[i];
-        } else {
-          for (int64_t i = 0; i < half; ++i) o[i] = xi[i] * c[i] + xi[i + half] * sn[i + half];
-          for (int64_t i = half; i < d; ++i) o[i] = xi[i] * c[i] - xi[i - half] * sn[i - half];
+      for (int64_t h = 0; h < heads; ++h)
+        RotateHead(xp + (row * heads + h) * d, c, sn, op + (row * heads + h) * d, d, inverse);
+    }
+  });
+}
+
+namespace {
+
+// prl_qkv_rotary's forward: x [b, l, (nh + 2 nkv) d] (+ bias [(nh + 2 nkv) d] or null) -> q [b, nh, l, d], k, v
+// [b, nkv, l, d], q and k rotated by the tables [cb (1 or b), l, d]. Rows in parallel (each row's numbers are its
+// own). Not a kernels.h launcher: the CUDA check covers those, and this one has no CUDA counterpart.
+void QkvRotaryForward(const float* xp, const float* bias, const float* cp, const float* sp, float* qp, float* kp,
+                      float* vp, int64_t b, int64_t l, int64_t nh, int64_t nkv, int64_t d, int64_t cb) {
+  const int64_t width = (nh + 2 * nkv) * d;
+  prl::ParallelFor(b * l, width, [&](int, int64_t first, int64_t last) {
+    std::vector<float> tmp(d);
+    for (int64_t row = first; row < last; ++row) {
+      const int64_t bi = row / l, li = row % l;
+      const float* c = cp + ((cb == 1 ? 0 : bi) * l + li) * d;
+      const float* sn = sp + ((cb == 1 ? 0 : bi) * l + li) * d;
+      const float* in = xp + row * width;
+      for (int64_t h = 0; h < nh + 2 * nkv; ++h) {
+        const float* src = in + h * d;
+        float* dst = h < nh ? qp + ((bi * nh + h) * l + li) * d
+                   : h < nh + nkv ? kp + ((bi * nkv + h - nh) * l + li) * d
+                                  : vp + ((bi * nkv + h - nh - nkv) * l + li) * d;
+        if (bias != nullptr) {   // the product's sum plus the bias, one float32 addition (Paddle's add)
+          const float* bh = bias + h * d;
+          float* t = h < nh + nkv ? tmp.data() : dst;
+          for (int64_t i = 0; i < d; ++i) t[i] = src[i] + bh[i];
+          src = t;
         }
+        if (h < nh + nkv)
+          RotateHead(src, c, sn, dst, d, false);
+        else if (src != dst)
+          std::memcpy(dst, src, d * sizeof(float));
       }
     }
   });
 }
+
+// The backward: gq, gk, gv (the outputs' layouts) -> gx [b, l, width] rotated back; gbias [width] (or null) the sum
+// of gx over the rows, each column's in row order from zero (Paddle's add backward reduces so: the same bits),
+// columns in parallel.
+void QkvRotaryBackward(const float* gq, const float* gk, const float* gv, const float* cp, const float* sp,
+                       float* gx, float* gbias, int64_t b, int64_t l, int64_t nh, int64_t nkv, int64_t d, int64_t cb) {
+  const int64_t width = (nh + 2 * nkv) * d, rows = b * l;
+  prl::ParallelFor(rows, width, [&](int, int64_t first, int64_t last) {
+    for (int64_t row = first; row < last; ++row) {
+      const int64_t bi = row / l, li = row % l;
+      const float* c = cp + ((cb == 1 ? 0 : bi) * l + li) * d;
+      const float* sn = sp + ((cb == 1 ? 0 : bi) * l + li) * d;
+      float* out = gx + row * width;
+      for (int64_t h = 0; h < nh; ++h) RotateHead(gq + ((bi * nh + h) * l + li) * d, c, sn, out + h * d, d, true);
+      for (int64_t g = 0; g < nkv; ++g) {
+        RotateHead(gk + ((bi * nkv + g) * l + li) * d, c, sn, out + (nh + g) * d, d, true);
+        std::memcpy(out + (nh + nkv + g) * d, gv + ((bi * nkv + g) * l + li) * d, d * sizeof(float));
+      }
+    }
+  });
+  if (gbias == nullptr) return;
+  prl::ParallelFor(width, rows, [&](int, int64_t first, int64_t last) {
+    float* acc = gbias + first;
+    const int64_t n = last - first;
+    std::fill(acc, acc + n, 0.0f);
+    for (int64_t row = 0; row < rows; ++row) {
+      const float* src = gx + row * width + first;
+#pragma omp simd
+      for (int64_t i = 0; i < n; ++i) acc[i] += src[i];
+    }
+  });
+}
+
+}  // namespace
 
 void prl_cpu::RotaryQkvCache(const float* src, const int64_t* pos, const float* freq, float* qp, void* cache_k,
                              void* cache_v, KvDtype cache, const float* qn, const float* kn, int64_t b, int64_t l,
@@ -215,4 +291,89 @@ PD_BUILD_OP(prl_rotary_qkv_cache)
     .SetKernelFn(PD_KERNEL(RotaryQkvCache))
     .SetInferShapeFn(PD_INFER_SHAPE(RotaryQkvCacheInferShape))
     .SetInferDtypeFn(PD_INFER_DTYPE(RotaryQkvCacheInferDtype));
+
+namespace {
+
+// The sizes prl_qkv_rotary's forward and backward share, checked: (b, l, d, table batch).
+std::vector<int64_t> QkvRotaryShape(const std::vector<int64_t>& x, const paddle::Tensor& bias, const paddle::Tensor& cos,
+                                    const paddle::Tensor& sin, int num_heads, int num_kv_heads) {
+  const char* op = "prl_qkv_rotary";
+  prl::CheckCpuFloat(cos, op, "cos");
+  prl::CheckCpuFloat(sin, op, "sin");
+  PD_CHECK(x.size() == 3, op, ": qkv must be [B, L, (H + 2 KV) * D]");
+  PD_CHECK(num_heads > 0 && num_kv_heads > 0 && x[2] % (num_heads + 2 * num_kv_heads) == 0, op, ": qkv width ",
+           x[2], " is not a multiple of H + 2 KV = ", num_heads + 2 * num_kv_heads);
+  const int64_t b = x[0], l = x[1], d = x[2] / (num_heads + 2 * num_kv_heads);
+  PD_CHECK(d % 2 == 0, op, ": head_dim must be even");
+  PD_CHECK(bias.numel() == 0 || bias.numel() == x[2], op, ": bias must have the qkv width's ", x[2],
+           " elements (or none)");
+  if (bias.numel() > 0) prl::CheckCpuFloat(bias, op, "bias");
+  const int64_t cb = l * d > 0 ? cos.numel() / (l * d) : 1;
+  PD_CHECK(cos.numel() == cb * l * d && (cb == 1 || cb == b) && sin.numel() == cos.numel(), op,
+           ": cos/sin must be [B or 1, L, 1, D]");
+  return {b, l, d, cb};
+}
+
+}  // namespace
+
+std::vector<paddle::Tensor> QkvRotary(const paddle::Tensor& qkv, const paddle::Tensor& bias, const paddle::Tensor& cos,
+                                      const paddle::Tensor& sin, int num_heads, int num_kv_heads) {
+  prl::CheckCpuFloat(qkv, "prl_qkv_rotary", "qkv");
+  const auto n = QkvRotaryShape(qkv.shape(), bias, cos, sin, num_heads, num_kv_heads);
+  const int64_t b = n[0], l = n[1], d = n[2];
+  auto q = paddle::empty({b, num_heads, l, d}, qkv.dtype(), qkv.place());
+  auto k = paddle::empty({b, num_kv_heads, l, d}, qkv.dtype(), qkv.place());
+  auto v = paddle::empty({b, num_kv_heads, l, d}, qkv.dtype(), qkv.place());
+  QkvRotaryForward(qkv.data<float>(), bias.numel() > 0 ? bias.data<float>() : nullptr, cos.data<float>(),
+                   sin.data<float>(), q.data<float>(), k.data<float>(), v.data<float>(), b, l, num_heads,
+                   num_kv_heads, d, n[3]);
+  return {q, k, v};
+}
+
+std::vector<paddle::Tensor> QkvRotaryGrad(const paddle::Tensor& bias, const paddle::Tensor& cos,
+                                          const paddle::Tensor& sin, const paddle::Tensor& grad_q,
+                                          const paddle::Tensor& grad_k, const paddle::Tensor& grad_v, int num_heads,
+                                          int num_kv_heads) {
+  const char* op = "prl_qkv_rotary_grad";
+  for (const auto* g : {&grad_q, &grad_k, &grad_v}) prl::CheckCpuFloat(*g, op, "grad");
+  const auto& gs = grad_q.shape();
+  PD_CHECK(gs.size() == 4 && gs[1] == num_heads, op, ": grad of q must be [B, H, L, D]");
+  const int64_t b = gs[0], l = gs[2], d = gs[3];
+  const std::vector<int64_t> kv{b, num_kv_heads, l, d};
+  PD_CHECK(grad_k.shape() == kv && grad_v.shape() == kv, op, ": grads of k, v must be [B, KV, L, D]");
+  const auto n = QkvRotaryShape({b, l, (num_heads + 2 * num_kv_heads) * d}, bias, cos, sin, num_heads, num_kv_heads);
+  auto gx = paddle::empty({b, l, (num_heads + 2 * num_kv_heads) * d}, grad_q.dtype(), grad_q.place());
+  auto gbias = paddle::empty({bias.numel()}, grad_q.dtype(), grad_q.place());
+  QkvRotaryBackward(grad_q.data<float>(), grad_k.data<float>(), grad_v.data<float>(), cos.data<float>(),
+                    sin.data<float>(), gx.data<float>(), bias.numel() > 0 ? gbias.data<float>() : nullptr, b, l,
+                    num_heads, num_kv_heads, d, n[3]);
+  return {gx, gbias};
+}
+
+std::vector<std::vector<int64_t>> QkvRotaryInferShape(const std::vector<int64_t>& qkv, const std::vector<int64_t>& bias,
+                                                      const std::vector<int64_t>& cos,
+                                                      const std::vector<int64_t>& sin, int num_heads,
+                                                      int num_kv_heads) {
+  const int64_t d = qkv[2] / (num_heads + 2 * num_kv_heads);
+  return {{qkv[0], num_heads, qkv[1], d}, {qkv[0], num_kv_heads, qkv[1], d}, {qkv[0], num_kv_heads, qkv[1], d}};
+}
+
+std::vector<paddle::DataType> QkvRotaryInferDtype(paddle::DataType qkv, paddle::DataType bias, paddle::DataType cos,
+                                                  paddle::DataType sin) {
+  return {qkv, qkv, qkv};
+}
+
+PD_BUILD_OP(prl_qkv_rotary)
+    .Inputs({"Qkv", "Bias", "Cos", "Sin"})
+    .Outputs({"Q", "K", "V"})
+    .Attrs({"num_heads: int", "num_kv_heads: int"})
+    .SetKernelFn(PD_KERNEL(QkvRotary))
+    .SetInferShapeFn(PD_INFER_SHAPE(QkvRotaryInferShape))
+    .SetInferDtypeFn(PD_INFER_DTYPE(QkvRotaryInferDtype));
+
+PD_BUILD_GRAD_OP(prl_qkv_rotary)
+    .Inputs({"Bias", "Cos", "Sin", paddle::Grad("Q"), paddle::Grad("K"), paddle::Grad("V")})
+    .Outputs({paddle::Grad("Qkv"), paddle::Grad("Bias")})
+    .Attrs({"num_heads: int", "num_kv_heads: int"})
+    .SetKernelFn(PD_KERNEL(QkvRotaryGrad));
 #endif  // PRL_NO_PADDLE

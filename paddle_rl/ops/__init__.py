@@ -8,6 +8,8 @@ when it is in use, else the reference). `configure("auto" | "on" | "off")` selec
 - residual_add: the residual stream's sum, its backward passing one gradient tensor to both inputs (no copies)
 - swiglu: silu(gate) * up of a fused [gate | up] projection, with its backward
 - rotary: rotate-half rotary embedding with its backward
+- qkv_rotary: the training passes' q/k/v from the fused projection: bias add, split, q/k rotary and the head-major
+  layout in one op, with its backward (the bias's gradient summed in it)
 - rotary_qkv_cache: the decode step's qkv split + q/k norm + rotary + in-place KV-cache write
 - packed_linear: the rollout's x @ W from a copy of W packed in 32-column panels (pack_weight), or from a copy in
   bfloat16 / int8 / int4 (pack_weight_lowp: rollout_dtype, rollout_quant_type)
@@ -57,8 +59,8 @@ from .logprob import lm_head_logprobs, lm_head_logprobs_reference, logprobs_from
 from .norm import rms_norm, rms_norm_fused, rms_norm_reference
 from .residual import residual_add, residual_add_reference
 from .rollout_state import StepState, step_update, step_update_fused, step_update_reference
-from .rope import (rotary, rotary_fused, rotary_qkv_cache, rotary_qkv_cache_fused, rotary_qkv_cache_reference,
-                     rotary_reference, rotary_tables)
+from .rope import (qkv_rotary, qkv_rotary_fused, qkv_rotary_reference, rotary, rotary_fused, rotary_qkv_cache,
+                   rotary_qkv_cache_fused, rotary_qkv_cache_reference, rotary_reference, rotary_tables)
 from .sampling import sample, sample_fused, sample_reference
 from .switches import SwitchError, current as kernel_switches, select as select_kernels, selected as kernels_selected, \
     switch as kernel_switch

@@ -3,6 +3,8 @@
 `fusable` runs before every kernel call (some 60 times in a decode step of a small model), so it reads only what can
 differ between calls: the tensors' dtypes, and their places only where a tensor can live elsewhere than on the CPU
 (a build for accelerators); whether Paddle is such a build is read once."""
+import os
+
 import paddle
 
 from . import build
@@ -39,3 +41,8 @@ def fusable(*tensors, dtypes=FLOAT32) -> bool:
             if not (place.is_cpu_place() or place.is_gpu_place()):
                 return False
     return build.available()
+
+
+def env_on(name: str) -> bool:
+    """An on/off environment switch of a fused path, on unless set to 0, false, off or no (read at each call)."""
+    return os.environ.get(name, "1").strip().lower() not in ("0", "false", "off", "no")

@@ -8,14 +8,13 @@ in one call, the same bits, without the nine other dispatches (~16-35 us each al
 decode step). The weights are the rollout's packed copies (`pack_weight`'s float32 panels or a `LowpPacked`). The
 model uses it for every layer that has this shape (models/decoder.py DecoderLayer.decode_weights);
 PADDLE_RL_FUSED_DECODE_LAYER=0 runs the layers' own modules instead (for comparisons)."""
-import os
 from dataclasses import dataclass
 from typing import Optional, Union
 
 import paddle
 
 from . import build
-from ._util import contiguous, cpu_build, fusable
+from ._util import contiguous, cpu_build, env_on, fusable
 from .activation import swiglu
 from .attention import decode_attention
 from .kv_cache import caches_fusable
@@ -54,7 +53,7 @@ class DecodeLayerWeights:
 
 def enabled() -> bool:
     """Whether the model runs its decode layers through `decode_layer` (PADDLE_RL_FUSED_DECODE_LAYER, default on)."""
-    return os.environ.get("PADDLE_RL_FUSED_DECODE_LAYER", "1").strip().lower() not in ("0", "false", "off", "no")
+    return env_on("PADDLE_RL_FUSED_DECODE_LAYER")
 
 
 def decode_layer_reference(x, w: DecodeLayerWeights, positions, inv_freq, cache_k, cache_v, start, slot: int):

@@ -1,10 +1,11 @@
-"""Rotate-half rotary embedding, and the decode step's fused split + (q/k norm) + rotary + KV-cache write."""
+"""Rotate-half rotary embedding; the training passes' fused bias + split + rotary + head-major layout of q/k/v
+(qkv_rotary); the decode step's fused split + (q/k norm) + rotary + KV-cache write."""
 from typing import Optional
 
 import paddle
 
 from . import build
-from ._util import contiguous, fusable
+from ._util import contiguous, env_on, fusable
 from .kv_cache import caches_fusable
 from .norm import rms_norm_reference
 from .switches import switch, unusable
@@ -37,6 +38,52 @@ def rotary(x, cos, sin):
         raise unusable("rope", f"x {x.shape} {x.dtype}, tables {cos.shape}: the kernel takes float32 x [B, L, H, D] "
                                "and tables [B or 1, L, 1, D]")
     return rotary_reference(x, cos, sin)
+
+
+def qkv_rotary_reference(qkv, bias, cos, sin, num_heads: int, num_kv_heads: int):
+    """The training passes' attention input: the fused projection qkv [B, L, (H + 2 KV) * D] plus its bias (or None),
+    split, q and k rotated (`rotary`: tables [B or 1, L, 1, D]), each head-major: q [B, H, L, D], k, v [B, KV, L, D]."""
+    if bias is not None:
+        qkv = qkv + bias
+    batch, length = qkv.shape[0], qkv.shape[1]
+    d = qkv.shape[2] // (num_heads + 2 * num_kv_heads)
+    q, k, v = paddle.split(qkv, [num_heads * d, num_kv_heads * d, num_kv_heads * d], axis=-1)
+    q = rotary(q.reshape([batch, length, num_heads, d]), cos, sin)
+    k = rotary(k.reshape([batch, length, num_kv_heads, d]), cos, sin)
+    v = v.reshape([batch, length, num_kv_heads, d])
+    return q.transpose([0, 2, 1, 3]), k.transpose([0, 2, 1, 3]), v.transpose([0, 2, 1, 3])
+
+
+_NO_BIAS = {}   # the empty float32 tensor prl_qkv_rotary takes for "no bias", made once
+
+
+def qkv_rotary_fused(qkv, bias, cos, sin, num_heads: int, num_kv_heads: int):
+    """The kernel: one pass over the projection, and one back (the bias's gradient summed in it); the same bits as
+    the reference, forward and backward."""
+    if bias is None:
+        bias = _NO_BIAS.get("t")
+        if bias is None:
+            bias = _NO_BIAS["t"] = paddle.zeros([0], "float32")
+    out = build.run("prl_qkv_rotary", contiguous(qkv), bias, contiguous(cos), contiguous(sin), int(num_heads),
+                    int(num_kv_heads))
+    return out[0], out[1], out[2]
+
+
+def qkv_rotary(qkv, bias, cos, sin, num_heads: int, num_kv_heads: int):
+    """The kernel where use_fused_rope and use_fused_linear leave it (the kernel adds the bias: the product and the
+    bias add stay separate ops under use_fused_linear: false) and it runs on these tensors, else the composed ops;
+    PADDLE_RL_FUSED_QKV=0 keeps the composed ops (for comparisons)."""
+    use = switch("rope")
+    if use is False or switch("linear") is False or not env_on("PADDLE_RL_FUSED_QKV"):
+        return qkv_rotary_reference(qkv, bias, cos, sin, num_heads, num_kv_heads)
+    layout = qkv.ndim == 3 and cos.ndim == 4 and cos.shape[2] == 1 and cos.shape[0] in (1, qkv.shape[0]) \
+        and cos.shape[1] == qkv.shape[1]
+    if layout and fusable(qkv, bias, cos, sin):
+        return qkv_rotary_fused(qkv, bias, cos, sin, num_heads, num_kv_heads)
+    if use:
+        raise unusable("rope", f"qkv {qkv.shape} {qkv.dtype}, tables {cos.shape}: the kernel takes float32 qkv "
+                               "[B, L, (H + 2 KV) * D] and tables [B or 1, L, 1, D]")
+    return qkv_rotary_reference(qkv, bias, cos, sin, num_heads, num_kv_heads)
 
 
 def rotary_tables(positions, inv_freq):
