@@ -287,14 +287,15 @@ class Attention(nn.Layer):
     def forward(self, x, p: Pass, cache=None):
         if p.decode:
             return self.o_proj(self._decode(x, p, cache))
-        proj = self.qkv_proj
+        proj, (cos, sin) = self.qkv_proj, self._tables(p)
         if (p.tokens is None and p.context is None and p.packing is None and not self.qk_norm and proj.group is None
-                and proj.packed is None and proj.lora is None and not proj.bf16):
-            # the product, then bias, split, rotary and the head-major layout in one op (ops.qkv_rotary: the same
-            # bits as the linear layer and the ops below)
-            q, k, v = ops.qkv_rotary(paddle.matmul(x, proj.weight), proj.bias, *self._tables(p), self.num_heads,
+                and proj.packed is None and proj.lora is None and not proj.bf16
+                and ops.qkv_rotary_runs(cos, x, proj.weight, proj.bias)):
+            # the product, then bias, split, rotary and the head-major layout in one kernel (ops.qkv_rotary: the
+            # same bits as the linear layer and the ops below)
+            q, k, v = ops.qkv_rotary(paddle.matmul(x, proj.weight), proj.bias, cos, sin, self.num_heads,
                                      self.num_kv_heads)
-            return self._heads_core(q, k, v, p, cache, lambda out: self.o_proj(out))
+            return self._heads_core(q, k, v, p, cache, self.o_proj)
         qkv = proj(x, p.tokens)  # under sequence parallelism x holds this rank's tokens, qkv all of them
         batch, length = qkv.shape[0], qkv.shape[1]
         q, k, v = paddle.split(qkv, self.split_sizes, axis=-1)

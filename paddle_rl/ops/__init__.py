@@ -59,7 +59,7 @@ from .logprob import lm_head_logprobs, lm_head_logprobs_reference, logprobs_from
 from .norm import rms_norm, rms_norm_fused, rms_norm_reference
 from .residual import residual_add, residual_add_reference
 from .rollout_state import StepState, step_update, step_update_fused, step_update_reference
-from .rope import (qkv_rotary, qkv_rotary_fused, qkv_rotary_reference, rotary, rotary_fused, rotary_qkv_cache,
+from .rope import (qkv_rotary, qkv_rotary_fused, qkv_rotary_reference, qkv_rotary_runs, rotary, rotary_fused, rotary_qkv_cache,
                    rotary_qkv_cache_fused, rotary_qkv_cache_reference, rotary_reference, rotary_tables)
 from .sampling import sample, sample_fused, sample_reference
 from .switches import SwitchError, current as kernel_switches, select as select_kernels, selected as kernels_selected, \

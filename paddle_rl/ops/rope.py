@@ -5,7 +5,7 @@ from typing import Optional
 import paddle
 
 from . import build
-from ._util import contiguous, env_on, fusable
+from ._util import contiguous, cpu_build, env_on, fusable
 from .kv_cache import caches_fusable
 from .norm import rms_norm_reference
 from .switches import switch, unusable
@@ -69,20 +69,27 @@ def qkv_rotary_fused(qkv, bias, cos, sin, num_heads: int, num_kv_heads: int):
     return out[0], out[1], out[2]
 
 
+def qkv_rotary_runs(cos, *tensors) -> bool:
+    """Whether prl_qkv_rotary takes these tensors (the projection's input, weight and bias, or its output and bias,
+    and the tables): neither use_fused_rope nor use_fused_linear false (the kernel adds the bias: under
+    use_fused_linear: false the product and the bias add stay separate ops), PADDLE_RL_FUSED_QKV not 0 (for
+    comparisons), no autocast, tables [., ., 1, D], float32 tensors on the CPU (the kernel has no CUDA counterpart)
+    and the kernels in use."""
+    if switch("rope") is False or switch("linear") is False or not env_on("PADDLE_RL_FUSED_QKV"):
+        return False
+    if paddle.amp.is_autocast_enabled() or cos.ndim != 4 or cos.shape[2] != 1:
+        return False
+    if not cpu_build() and not all(t.place.is_cpu_place() for t in (cos, *tensors) if t is not None):
+        return False
+    return fusable(cos, *tensors)
+
+
 def qkv_rotary(qkv, bias, cos, sin, num_heads: int, num_kv_heads: int):
-    """The kernel where use_fused_rope and use_fused_linear leave it (the kernel adds the bias: the product and the
-    bias add stay separate ops under use_fused_linear: false) and it runs on these tensors, else the composed ops;
-    PADDLE_RL_FUSED_QKV=0 keeps the composed ops (for comparisons)."""
-    use = switch("rope")
-    if use is False or switch("linear") is False or not env_on("PADDLE_RL_FUSED_QKV"):
-        return qkv_rotary_reference(qkv, bias, cos, sin, num_heads, num_kv_heads)
-    layout = qkv.ndim == 3 and cos.ndim == 4 and cos.shape[2] == 1 and cos.shape[0] in (1, qkv.shape[0]) \
-        and cos.shape[1] == qkv.shape[1]
-    if layout and fusable(qkv, bias, cos, sin):
+    """The kernel where qkv_rotary_runs says it runs on these tensors (and the tables fit them), else the composed
+    ops (whose rotary raises with use_fused_rope: true where its kernel cannot run)."""
+    fits = qkv.ndim == 3 and cos.shape[0] in (1, qkv.shape[0]) and cos.shape[1] == qkv.shape[1]
+    if fits and qkv_rotary_runs(cos, qkv, bias, sin):
         return qkv_rotary_fused(qkv, bias, cos, sin, num_heads, num_kv_heads)
-    if use:
-        raise unusable("rope", f"qkv {qkv.shape} {qkv.dtype}, tables {cos.shape}: the kernel takes float32 qkv "
-                               "[B, L, (H + 2 KV) * D] and tables [B or 1, L, 1, D]")
     return qkv_rotary_reference(qkv, bias, cos, sin, num_heads, num_kv_heads)
 
 
