@@ -145,6 +145,33 @@ def test_fused_decode_layer_is_the_layers_bit_for_bit(monkeypatch, kind, rollout
     assert len(calls) == dense * 11    # 12 tokens: the first from the prefill's logits, then 11 decode steps
 
 
+@pytest.mark.parametrize("kind,rollout_dtype,quant", [("qwen2", "float32", ""), ("llama", "float32", "weight_only_int8"),
+                                                     ("qwen2", "bfloat16", "")])
+def test_prefill_q_k_v_kernel_is_the_composed_ops_bit_for_bit(monkeypatch, kind, rollout_dtype, quant):
+    """The prefill's q/k/v through prl_qkv_rotary (from the packed copies' product) samples the same tokens with the
+    same log-probs, bit for bit, as the linear layer and the composed ops (PADDLE_RL_FUSED_QKV=0); the kernel ran in
+    every layer of every prefill pass (one per distinct prompt length)."""
+    model = make_model(kind, vocab=300, std=0.3)
+    ops.configure("on")
+    calls = []
+    module = importlib.import_module("paddle_rl.ops.rope")
+    fused = module.qkv_rotary_fused
+    monkeypatch.setattr(module, "qkv_rotary_fused", lambda *a: calls.append(1) or fused(*a))
+    settings = EngineSettings(0, (1,), rollout_dtype=rollout_dtype, quant_type=quant)
+    params = SamplingParams(max_dec_len=8, temperature=1.0)
+    keys = [sample_key(3, 1, i // 3, i % 3) for i in range(9)]
+    outs = {}
+    try:
+        for switch in ("0", "1"):
+            monkeypatch.setenv("PADDLE_RL_FUSED_QKV", switch)
+            outs[switch] = RolloutEngine(model, settings=settings).generate(PROMPTS, 3, params, keys)
+            assert len(calls) == (0 if switch == "0" else len(model.layers) * len({len(p) for p in PROMPTS}))
+    finally:
+        ops.configure("auto")
+    np.testing.assert_array_equal(outs["1"].response_ids, outs["0"].response_ids)
+    np.testing.assert_array_equal(outs["1"].rollout_logp, outs["0"].rollout_logp)
+
+
 def test_single_row_and_single_token_prompt(op_mode):
     model = make_model("qwen2")
     params = SamplingParams(max_dec_len=5, temperature=0.7)

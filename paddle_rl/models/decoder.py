@@ -289,11 +289,10 @@ class Attention(nn.Layer):
             return self.o_proj(self._decode(x, p, cache))
         proj, (cos, sin) = self.qkv_proj, self._tables(p)
         if (p.tokens is None and p.context is None and p.packing is None and not self.qk_norm and proj.group is None
-                and proj.packed is None and proj.lora is None and not proj.bf16
-                and ops.qkv_rotary_runs(cos, x, proj.weight, proj.bias)):
-            # the product, then bias, split, rotary and the head-major layout in one kernel (ops.qkv_rotary: the
-            # same bits as the linear layer and the ops below)
-            q, k, v = ops.qkv_rotary(paddle.matmul(x, proj.weight), proj.bias, cos, sin, self.num_heads,
+                and proj.lora is None and not proj.bf16 and ops.qkv_rotary_runs(cos, x, proj.weight, proj.bias)):
+            # the product (from the rollout's packed copy in a prefill), then bias, split, rotary and the head-major
+            # layout in one kernel (ops.qkv_rotary: the same bits as the linear layer and the ops below)
+            q, k, v = ops.qkv_rotary(proj.project(x, proj.weight), proj.bias, cos, sin, self.num_heads,
                                      self.num_kv_heads)
             return self._heads_core(q, k, v, p, cache, self.o_proj)
         qkv = proj(x, p.tokens)  # under sequence parallelism x holds this rank's tokens, qkv all of them
