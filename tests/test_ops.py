@@ -641,7 +641,7 @@ def test_swiglu_and_gradient(rng, shape):
                                       (9, 1100, 40)])
 def test_packed_linear(rng, rows, k, n):
     """x @ W from the packed copy: every row-tile size (6, 3 or fewer rows; half panels and whole ones, K past
-    1024 in whole panels), a last panel cut short, and a row's result bit for bit the same alone (a 1-row tile of
+    1024 in half panels too), a last panel cut short, and a row's result bit for bit the same alone (a 1-row tile of
     the whole panel) as in any batch (each row sums over k in order, whichever tile)."""
     x = t(rng.standard_normal((rows, k)))
     w = t(rng.standard_normal((k, n)))

@@ -14,17 +14,17 @@ namespace {
 
 constexpr int64_t kPanel = 32;  // columns per panel: four 8-float vectors
 // Register tiles: MR rows x NV 8-float vectors of accumulators, NV weight vectors and a broadcast. AVX-512 (32
-// vector registers): 6 rows x the whole panel (24 + 4 + 1). AVX2 (16): 6 rows x half a panel (12 + 2 + 1), the panel
-// in two halves, where 6 rows of x fit the L1 cache (K <= 1024; 1.1-1.9x the 3 x 32 tile at the decode's shapes on
-// a Zen 3, whose 12 + 4 + 1 registers spilled); else 3 rows x the whole panel, as for 1-3 rows, whose 4 accumulator
-// chains a row keep the FMA units busy. Every tile sums each output over k in order: the same bits whichever tile.
+// vector registers): 6 rows x the whole panel (24 + 4 + 1). AVX2 (16): from 4 rows, 6 rows x half a panel (12 + 2 +
+// 1), the panel in two halves (1.1-1.9x the 3 x 32 tile at the decode's shapes on a Zen 3, whose 12 + 4 + 1 registers
+// spilled; at K 1536 too, where 6 rows of x no longer fit the L1 cache: 1.25-1.4x at W3's down projection, 66 rows);
+// 1-3 rows, 3 rows x the whole panel, whose 4 accumulator chains a row keep the FMA units busy. Every tile sums each
+// output over k in order: the same bits whichever tile.
 #ifdef __AVX512F__
 constexpr int kRows = 6, kVecs = 4;
 #else
 constexpr int kRows = 6, kVecs = 2;
 #endif
 constexpr int kRowsWhole = kVecs == 4 ? kRows : 3;   // rows of a whole-panel tile
-constexpr int64_t kHalfPanelMaxK = 1024;
 
 // out[m, 0 : cols] = sum_k x[m, k] w[k, 0 : cols] for the MR rows of a tile; w: the tile's first column of a
 // panel (rows of kPanel floats), cols <= 8 NV
@@ -72,7 +72,7 @@ inline void Column(const float* x, int64_t rows, int64_t k_dim, const float* w, 
 
 void Panels(const float* x, const float* packed, float* out, int64_t rows, int64_t k_dim, int64_t n, int64_t begin,
             int64_t end) {
-  const bool whole = kVecs == 4 || rows <= 3 || k_dim > kHalfPanelMaxK;
+  const bool whole = kVecs == 4 || rows <= 3;
   for (int64_t p = begin; p < end; ++p) {
     const float* panel = packed + p * k_dim * kPanel;
     const int64_t col = p * kPanel, cols = std::min(kPanel, n - col);
