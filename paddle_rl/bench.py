@@ -57,6 +57,7 @@ import json
 import logging
 import math
 import os
+import resource
 import sys
 import tempfile
 import time
@@ -575,6 +576,10 @@ def run(args) -> dict:
         "prompts": args.prompts, "rollout_n": args.rollout_n, "prompt_len": mean("prompt_length/mean"),
         "response_len": spec["response_len"], "exact_length": spec["exact"], "steps_timed": len(timed),
         "step_s": step_s, **{f"{s}_s": mean(f"time/{s}") for s in STAGES},
+        # every step's seconds and stages', the untimed first ones too (a run's first steps grow its memory)
+        "steps": [{"step_s": r.get("time/step", 0.0), **{f"{s}_s": r.get(f"time/{s}", 0.0) for s in STAGES},
+                   "update_page_faults": r.get("memory/update_page_faults", 0.0), "timed": i >= args.warmup}
+                  for i, r in enumerate(records)],
         "generated_tokens": mean("perf/generated_tokens"), "trained_tokens": mean("perf/trained_tokens"),
         "decode_row_steps": mean("perf/decode_row_steps"),
         "response_length_mean": mean("response_length/mean"), "clipped_share": mean("response_length/clipped_share"),
@@ -592,6 +597,9 @@ def run(args) -> dict:
                                      for k in timed[-1] if k.startswith("memory/") and k.endswith(f"_peak_{kind}_mb")}
            for kind in ("rss", "tensor")},
         "per_stage_rss": memory.per_stage(),
+        # the page faults taken in each stage (first touches of memory the process got), mean of the timed steps
+        "stage_page_faults": {k[len("memory/"):-len("_page_faults")]: mean(k) for k in timed[-1]
+                              if k.startswith("memory/") and k.endswith("_page_faults")},
         "worker_peak_rss_mb": max([r.get("async/worker_peak_rss_mb", 0.0) for r in records] + [0.0]),
         "weights_push_s": mean("time/weights_push"), "worker_weights_load_s": mean("async/worker_weights_load_s"),
         "optimizer_state_mb": optimizer_bytes / 2**20, "trainable_params": trainable,
@@ -1079,7 +1087,7 @@ def report(result: dict) -> str:
              f"{result['custom_ops']}, malloc {result['malloc']}, load average {result['load_avg'][0]:.1f} -> "
              f"{result['load_avg'][1]:.1f}, rollout {result['rollout_dtype']}{' ' + result['rollout_quant_type'] if result['rollout_quant_type'] else ''}",
              *config_lines(result),
-             f"  step          {result['step_s']:8.3f} s"]
+             f"  step          {result['step_s']:8.3f} s" + every_step(result)]
     for stage in STAGES + tuple(s for s in CRITIC_STAGES if f"{s}_s" in result):
         fused = stage == "values" and result[f"{stage}_s"] == 0  # one update pass: its forward gave the values
         lines.append(f"  {stage:<13} {result[f'{stage}_s']:8.3f} s" +
@@ -1103,6 +1111,7 @@ def report(result: dict) -> str:
               f"  peak RSS      {result['peak_rss_mb']:8.0f} MB{worker} (optimizer state "
               f"{result['optimizer_state_mb']:.1f} MB, {result['trainable_params']:,} trained parameters)",
               f"  peak by stage {stage_peaks(result)} (RSS, Paddle's tensors)",
+              f"  page faults   {stage_faults(result)}",
               f"  process CPU   {result['cpu_s_per_step']:8.3f} s per step (all threads)",
               f"  reward        {result['reward_mean']:8.3f} mean, accuracy {result['accuracy']:.3f} "
               f"({'LoRA' if result['lora'] else 'full'} training, {'bf16' if result['bf16'] else 'float32'})"]
@@ -1172,6 +1181,30 @@ def stage_peaks(result: dict) -> str:
     rss, tensors = result.get("stage_peak_rss_mb") or {}, result.get("stage_peak_tensor_mb") or {}
     text = ", ".join(f"{name} {mb:.0f} ({tensors.get(name, 0.0):.0f})" for name, mb in rss.items()) + " MB"
     return text if result.get("per_stage_rss", True) else text + " (cumulative: /proc/self/clear_refs not writable)"
+
+
+def every_step(result: dict) -> str:
+    """With untimed steps before the timed ones: each step's seconds (rollout / reference / update) and the update's
+    page faults, in order."""
+    steps = result.get("steps") or []
+    if len(steps) < 2:
+        return ""
+    def sec(value):
+        return f"{value:.1f}" if value >= 10 else f"{value:.2f}"
+    return "; each step: " + ", ".join(
+        f"{sec(s['step_s'])} ({sec(s['rollout_s'])} / {sec(s['ref_logprob_s'])} / {sec(s['update_s'])}, "
+        f"{s['update_page_faults']:,.0f} faults){'' if s['timed'] else ' untimed'}" for s in steps) + \
+        " (rollout / reference / update s, the update's page faults)"
+
+
+def stage_faults(result: dict) -> str:
+    """The page faults each stage took per timed step, with the memory they touched (pages of the OS's size)."""
+    page = resource.getpagesize()
+    faults = {k: v for k, v in (result.get("stage_page_faults") or {}).items() if v >= 1}
+    if not faults:
+        return "none"
+    return ", ".join(f"{name} {count:,.0f} ({count * page / 2**30:.2f} GB)" for name, count in faults.items()) \
+        + " per step"
 
 
 def peak_lines(result: dict) -> list:

@@ -47,6 +47,9 @@ def test_w2_generates_the_schedule_and_decodes_live_rows_only(bench_rule):
                   "update_optimizer_step"):
         assert 0 < rss[stage] <= result["peak_rss_mb"] and tensors[stage] > 0, stage
     assert max(rss.values()) <= result["peak_rss_mb"] and "peak by stage" in bench.report(result)
+    # the page faults of each stage (the first update grows the heap: it takes some), and every step's record
+    assert result["stage_page_faults"]["update"] > 0 and "page faults   " in bench.report(result)
+    assert [s["timed"] for s in result["steps"]] == [True] and result["steps"][0]["step_s"] == result["step_s"]
 
 
 def test_ppo_reports_the_critic_stages(bench_rule):

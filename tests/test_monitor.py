@@ -1,6 +1,7 @@
 """report_to: each named dashboard writes, or the run stops naming report_to and the missing package."""
 import glob
 import os
+import resource
 import sys
 import types
 
@@ -121,7 +122,8 @@ def test_report_to_none_writes_no_dashboard(tmp_path):
 def test_stage_timer_records_each_stage_s_own_memory_peaks():
     """StageTimer's memory peaks belong to their stage: a stage that held 256 MB of tensors reports them (RSS and
     Paddle's live tensors), the next stage, which held 32 MB, does not inherit them (the high-water marks are
-    reset between stages), a part reports its own, and the process's peak survives the resets."""
+    reset between stages), a part reports its own, and the process's peak survives the resets. The page faults too
+    are each stage's own."""
     import paddle
 
     from paddle_rl.monitor import StageTimer, memory
@@ -145,6 +147,10 @@ def test_stage_timer_records_each_stage_s_own_memory_peaks():
     assert 16 <= m["memory/small_part_peak_tensor_mb"] <= m["memory/small_peak_tensor_mb"]
     assert m["memory/small_peak_rss_mb"] < m["memory/big_peak_rss_mb"] - 150
     assert memory.process_peak_mb() >= m["memory/big_peak_rss_mb"]
+    # the page faults each stage took: the 256 MB first touched in `big`, fewer in `small` and its part
+    pages = (256 << 20) // resource.getpagesize()
+    assert 0.9 * pages <= m["memory/big_page_faults"] < 3 * pages
+    assert m["memory/small_part_page_faults"] <= m["memory/small_page_faults"] < m["memory/big_page_faults"] / 2
 
 
 def test_wandb_gets_the_completions_as_a_table(tmp_path, monkeypatch):

@@ -9,6 +9,11 @@ stage reads the process's peak so far, and `per_stage()` says so.
 A reset lowers what getrusage(RUSAGE_SELF).ru_maxrss reports afterwards: read the process's peak from
 `process_peak_mb()`, which is never below it.
 
+Beside them, the page faults taken in each stage (`page_faults`, getrusage's minor faults): each is a page of memory
+touched for the first time since the process got it, which the kernel zeroes on the spot. A stage that grows the heap
+pays them (the first update of a run; later ones where freed memory no longer fits the next step's blocks); on a
+virtual machine one can cost several microseconds of system time.
+
 Beside the RSS, the peak of the bytes Paddle's CPU allocator has handed out to live tensors (its host memory
 statistic "Allocated", reset at the same boundaries): the RSS minus it is the rest (the Python heap, libraries,
 memory the allocator or malloc holds but no tensor uses).
@@ -75,6 +80,11 @@ def checkpoint() -> tuple:
     _state["peak_mb"] = max(_state["peak_mb"], hwm)
     _reset()
     return hwm, _tensor_peak_mb(reset=True)
+
+
+def page_faults() -> int:
+    """The process's minor page faults so far (getrusage: every thread's)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
 def process_peak_mb() -> float:
