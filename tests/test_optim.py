@@ -1,5 +1,5 @@
-"""optim.build_optimizer: AdamW whose state is made with it (not in its first step), with the same updates as
-Paddle's own AdamW and a state that a fresh optimizer takes back (resume)."""
+"""optim.build_optimizer and make_state: AdamW whose state is made before its first step (Paddle makes it in it), with
+the same updates as Paddle's own AdamW and a state that a fresh optimizer takes back (resume); the trainer's."""
 import types
 
 import numpy as np
@@ -23,7 +23,9 @@ def model(seed=0):
 def fresh_optimizer(net):
     """build_optimizer, its state's tensors named as a fresh process would name them."""
     with paddle.utils.unique_name.guard():
-        return optim.build_optimizer(net, CONFIG, 10)
+        optimizer, scheduler = optim.build_optimizer(net, CONFIG, 10)
+        optim.make_state(optimizer)
+    return optimizer, scheduler
 
 
 def steps(net, optimizer, count, seed=1):
@@ -39,11 +41,11 @@ def weights(net):
     return [p.numpy().copy() for p in net.parameters()]
 
 
-def test_the_state_is_made_with_the_optimizer():
+def test_the_state_is_made_before_the_first_step():
     """Both moments of every trained parameter exist before the first step (Paddle makes them in it), so they sit
     beside the parameters rather than in the heap the first update's activations freed."""
     net = model()
-    optimizer, _ = optim.build_optimizer(net, CONFIG, 10)
+    optimizer, _ = fresh_optimizer(net)
     param_bytes = sum(int(np.prod(p.shape)) * 4 for p in net.parameters())
     assert optimizer_state_bytes(optimizer)["moments"] == 2 * param_bytes
     lazy = paddle.optimizer.AdamW(learning_rate=1e-2, parameters=model().parameters())
@@ -73,3 +75,19 @@ def test_the_updates_are_paddles_and_the_state_resumes():
     steps(resumed, again, 1, seed=2)
     for a, b in zip(weights(net), weights(resumed)):
         np.testing.assert_array_equal(a, b)
+
+
+def test_the_trainer_makes_its_optimizers_state_before_its_first_step(micro, tmp_path):
+    """The RL trainer's actor optimizer and a PPO critic's hold their moments before any step (make_state)."""
+    from micro_model import micro_overrides
+
+    from paddle_rl.config import load_config
+    from paddle_rl.trainer import RLTrainer
+
+    trainer = RLTrainer(load_config(None, micro_overrides(micro, str(tmp_path / "out"), rl_algorithm="ppo")))
+    try:
+        for net, optimizer in ((trainer.actor, trainer.optimizer), (trainer.critic.model, trainer.critic.optimizer)):
+            trained = sum(int(np.prod(p.shape)) * 4 for p in net.parameters() if not p.stop_gradient)
+            assert optimizer_state_bytes(optimizer)["moments"] == 2 * trained
+    finally:
+        trainer.close()

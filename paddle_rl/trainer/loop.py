@@ -36,6 +36,7 @@ from ..monitor import MetricsLog, StageTimer, run_summary
 from ..monitor.completions import one_line
 from ..monitor.run_info import write_run_info
 from ..monitor.progress import progress_bar
+from ..optim import make_state as make_optimizer_state
 from ..parallel import watchdog
 from ..parallel.device import select_device
 from ..parallel.topology import topology_from_config, world_size_from_env
@@ -125,6 +126,7 @@ class StepLoop:
         cfg = self.config
         optimizer, self.scheduler = self.layout.build_optimizer(self.actor, cfg, self.total_updates)
         self.actor, self.optimizer = self.precision.prepare_training(self.actor, optimizer)
+        make_optimizer_state(self.optimizer)
         self.nonfinite = NonFiniteGuard(cfg.max_nonfinite_skips)
         self.log = MetricsLog(cfg.output_dir, cfg.logging_dir or os.path.join(cfg.output_dir, "logs"),
                               cfg.report_to, cfg.logging_steps, cfg.run_name, enabled=self.layout.is_logging_rank,

@@ -20,6 +20,7 @@ from ..config import ConfigError
 from ..data.loader import load_prompt_dataset
 from ..models import adapters_off
 from ..monitor import StageTimer
+from ..optim import make_state as make_optimizer_state
 from ..parallel import watchdog
 from ..rollout import SamplingParams, sample_key
 from . import faults
@@ -83,6 +84,7 @@ class RLTrainer:
             self.precision.prepare_model(self.critic.model)
             self.critic.model, self.critic.optimizer = self.precision.prepare_training(self.critic.model,
                                                                                        self.critic.optimizer)
+            make_optimizer_state(self.critic.optimizer)
         self.old_logp_from_update = old_logprobs_from_update(config, self.mini_batches_per_step,
                                                              self.objective.uses_critic)
         # the update's own log-probs of the step's rows and their argmax (old_logp_from_update)
