@@ -4,9 +4,12 @@ import types
 
 import numpy as np
 import paddle
+from micro_model import micro_overrides
 
 from paddle_rl import optim
+from paddle_rl.config import load_config
 from paddle_rl.parallel.sharding import optimizer_state_bytes
+from paddle_rl.trainer import RLTrainer
 
 CONFIG = types.SimpleNamespace(learning_rate=1e-2, lr_scheduler_type="constant", min_lr_ratio=0.0, lr_decay_steps=0,
                                warmup_steps=0, warmup_ratio=0.0, weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.99,
@@ -79,11 +82,6 @@ def test_the_updates_are_paddles_and_the_state_resumes():
 
 def test_the_trainer_makes_its_optimizers_state_before_its_first_step(micro, tmp_path):
     """The RL trainer's actor optimizer and a PPO critic's hold their moments before any step (make_state)."""
-    from micro_model import micro_overrides
-
-    from paddle_rl.config import load_config
-    from paddle_rl.trainer import RLTrainer
-
     trainer = RLTrainer(load_config(None, micro_overrides(micro, str(tmp_path / "out"), rl_algorithm="ppo")))
     try:
         for net, optimizer in ((trainer.actor, trainer.optimizer), (trainer.critic.model, trainer.critic.optimizer)):
