@@ -46,12 +46,12 @@ def build_optimizer(model, config, total_optimizer_steps: int, parameters=None):
 
 def make_state(optimizer) -> None:
     """An AdamW's state (its moments, the betas' powers, and the float32 master weights of parameters AMP O2 made
-    half) made now, beside the parameters, not in its first step() as Paddle would; after the precision has prepared
-    the optimizer (AMP's decorate decides the master weights). Made in the first step, the state takes the heap's
-    pieces the first update's activations freed, and the second update's activations no longer fit them (W3 float32:
-    that update took 435K page faults, 1.7 GB of the heap touched afresh, and ~8 s more; with the state made here, 47K,
-    and a peak RSS of 6.8 GB against 7.0-7.1 from the second step on, though a one-step run now peaks at 6.5 GB
-    against 5.3: the state is resident before the first update's peak). The same values. `optimizer`: an AdamW or a sharded optimizer around one."""
+    half) made now, beside the parameters, not in its first step() as Paddle would; call it after the precision has
+    prepared the optimizer (AMP's decorate decides the master weights). `optimizer`: an AdamW or a sharded optimizer
+    around one. The same values. Made in the first step, the state takes the heap's pieces the first update's
+    activations freed and the second update's no longer fit them: W3 float32 on the EPYC Zen 3, that update took 435K
+    page faults and ~8 s more (47K with the state made here). The cost: a one-step run peaks higher (6.5 GB against
+    5.3; from the second step on 6.8 against 7.0-7.1)."""
     inner = getattr(optimizer, "inner", optimizer)
     trained = [p for p in inner._parameter_list if not p.stop_gradient]
     inner._create_accumulators(paddle.static.default_main_program().global_block(), trained)
