@@ -12,6 +12,9 @@
 //   the OS's tile state in XCR0 and the process's permission (arch_prctl(ARCH_REQ_XCOMP_PERM, XTILEDATA), asked
 //   once); each thread loads the tile configuration before its part.
 // - AVX512-BF16 (vdpbf16ps): 8 rows x 32 columns in 16 zmm accumulators, a k-pair per step.
+// - AVX2 with FMA, on CPUs without a bfloat16 instruction: 4 rows x 16 columns in 8 ymm accumulators; each pair
+//   word is split into its two bfloat16 values as float32 (the low half shifted up, the high half masked), and two
+//   FMAs add their products, k in order.
 // Both flush bfloat16 subnormal inputs and float32 subnormal results to zero (their hardware does; the reference
 // does not): the only difference beyond the order of the sums, and only below 1.2e-38.
 // The rollout's packed products (PackedLinearBF16Amx: bfloat16 weights; PackedLinearInt8Amx: int8 weights widened to
@@ -145,12 +148,13 @@ inline void Transpose16x16(const uint32_t* src, uint32_t* dst) {
 inline int64_t AIndex(int64_t i, int64_t kk) { return ((kk >> 4) << 8) + (i << 4) + (kk & 15); }
 inline int64_t BIndex(int64_t i, int64_t kk) { return kk * kRowBlock + i; }
 
-// A grow-only buffer per calling thread and role (0: A's pack, 1: B's) that every product's packs reuse, so that
+// A grow-only buffer per calling thread and role (0: A's pack, 1: B's; 2, 3: the AVX2 kernel's widened A and B) that
+// every product's packs reuse, so that
 // their pages are not faulted in (and zeroed) again on each call (~2 us a 4 KB page here: a quarter of packing
 // 25 MB); it keeps the largest pack asked for on that thread until the thread ends
 uint32_t* Workspace(int role, int64_t words) {
-  thread_local std::unique_ptr<uint32_t[], FreeDeleter> buffers[2];
-  thread_local int64_t sizes[2] = {0, 0};
+  thread_local std::unique_ptr<uint32_t[], FreeDeleter> buffers[4];
+  thread_local int64_t sizes[4] = {0, 0, 0, 0};
   if (sizes[role] < words) {
     buffers[role].reset();
     buffers[role].reset(static_cast<uint32_t*>(std::aligned_alloc(64, RoundUp(words * 4, 64))));
@@ -559,10 +563,137 @@ void Avx512Product(const Packed& a, const Packed& b, float* c, int64_t m, int64_
 }
 #endif
 
+bool Avx2Usable() {
+#if defined(__AVX2__) && defined(__FMA__)
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+#else
+  return false;
+#endif
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+// Without a bfloat16 instruction the values are widened: a bfloat16 is the high half of a float32, so a pair word w
+// holds the float32s w << 16 (its even k) and w & 0xffff0000 (its odd k). Each thread widens a chunk of A's rows
+// (kAvx2Rows rows x kAvx2Pairs pairs, row-major, ~192 KB for the L2 cache) and, per column block, that stretch of
+// B (kAvx2Pairs x 2 k x 16 columns, 32 KB for the L1 cache), then runs float32 FMA tiles of 6 rows x 16 columns
+// over them. A product of two bfloat16 values is exact in float32 and each sum takes k in order, the partial sums
+// of one stretch of k kept in C (float32) for the next: the bits do not depend on the blocking or the threads.
+constexpr int64_t kAvx2Pairs = 128, kAvx2Rows = 192;
+constexpr int kAvx2TileRows = 6;
+
+// out[r, 0 : 32) = the 16 words of A's row r at pair step `step` widened (r: the row within its 16-row block)
+inline void WidenRowStep(const uint32_t* block, int64_t r, int64_t step, float* out) {
+  const uint32_t* w = block + (step << 8) + (r << 4);
+  const __m256i zero = _mm256_setzero_si256();
+  for (int h = 0; h < 2; ++h) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 8 * h));
+    // per 128-bit lane: unpacklo gives words 0-1 as k 0-3, unpackhi words 2-3 as k 4-7
+    const __m256i lo = _mm256_unpacklo_epi16(zero, v), hi = _mm256_unpackhi_epi16(zero, v);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 16 * h), _mm256_permute2x128_si256(lo, hi, 0x20));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 16 * h + 8), _mm256_permute2x128_si256(lo, hi, 0x31));
+  }
+}
+
+// out[2 kk + e, 0 : 16) = column block b's pair kk widened (e = 0 even, 1 odd), kk in [0, pairs)
+inline void WidenColumnBlock(const uint32_t* b, int64_t pairs, float* out) {
+  const __m256i high = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
+  for (int64_t kk = 0; kk < pairs; ++kk) {
+    for (int h = 0; h < 2; ++h) {
+      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + kk * kRowBlock + 8 * h));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 32 * kk + 8 * h), _mm256_slli_epi32(w, 16));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 32 * kk + 16 + 8 * h), _mm256_and_si256(w, high));
+    }
+  }
+}
+
+// C[MR x cols] (cols <= 16) = x [MR rows, ld] times wb [kn, 16] over k < kn; `from_c`: the sums start from C.
+// The accumulators stay in registers (12 + 2 weights + 1 broadcast of the 16 ymm registers at 6 rows).
+template <int MR>
+inline void Avx2Tile(const float* x, int64_t ld, const float* wb, int64_t kn, float* out, int64_t ldo, int64_t cols,
+                     bool from_c) {
+  prl::V8 acc[MR][2] = {};
+  const bool whole = cols == 16;
+  if (from_c) {
+    for (int r = 0; r < MR; ++r) {
+      float start[16] = {};
+      const float* c = whole ? out + r * ldo : start;
+      if (!whole) std::memcpy(start, out + r * ldo, cols * sizeof(float));
+      acc[r][0] = prl::Load8(c);
+      acc[r][1] = prl::Load8(c + 8);
+    }
+  }
+  for (int64_t k = 0; k < kn; ++k) {
+    const prl::V8 w0 = prl::Load8(wb + 16 * k), w1 = prl::Load8(wb + 16 * k + 8);
+    for (int r = 0; r < MR; ++r) {
+      const float xv = x[r * ld + k];
+      acc[r][0] += xv * w0;   // one FMA: the product of two bfloat16 values is exact, so the same bits as * then +
+      acc[r][1] += xv * w1;
+    }
+  }
+  for (int r = 0; r < MR; ++r) {
+    if (whole) {
+      prl::Store8(out + r * ldo, acc[r][0]);
+      prl::Store8(out + r * ldo + 8, acc[r][1]);
+    } else {
+      float sums[16];
+      std::memcpy(sums, acc[r], sizeof(sums));
+      std::memcpy(out + r * ldo, sums, cols * sizeof(float));
+    }
+  }
+}
+
+// rows [0, rows) of the widened chunk in tiles of 6 rows, the last rows < 6 in one tile of their size
+inline void Avx2Rows(const float* x, int64_t ld, int64_t rows, const float* wb, int64_t kn, float* out, int64_t ldo,
+                     int64_t cols, bool from_c) {
+  int64_t r = 0;
+  for (; r + kAvx2TileRows <= rows; r += kAvx2TileRows) {
+    Avx2Tile<kAvx2TileRows>(x + r * ld, ld, wb, kn, out + r * ldo, ldo, cols, from_c);
+  }
+  const float* xr = x + r * ld;
+  float* o = out + r * ldo;
+  switch (rows - r) {
+    case 5: return Avx2Tile<5>(xr, ld, wb, kn, o, ldo, cols, from_c);
+    case 4: return Avx2Tile<4>(xr, ld, wb, kn, o, ldo, cols, from_c);
+    case 3: return Avx2Tile<3>(xr, ld, wb, kn, o, ldo, cols, from_c);
+    case 2: return Avx2Tile<2>(xr, ld, wb, kn, o, ldo, cols, from_c);
+    case 1: return Avx2Tile<1>(xr, ld, wb, kn, o, ldo, cols, from_c);
+    default: return;
+  }
+}
+
+void Avx2Product(const Packed& a, const Packed& b, float* c, int64_t m, int64_t n, int64_t k, bool accumulate) {
+  const int64_t mb = a.rows_p / kRowBlock, nb = b.rows_p / kRowBlock;
+  const int64_t k2 = (k + 1) / 2;  // the pairs that hold data (the rest of k2p is zeros)
+  OverParts(mb, nb, 32 * 32 * a.k2p, [&](int, int64_t m0, int64_t m1, int64_t n0, int64_t n1) {
+    float* xw = reinterpret_cast<float*>(Workspace(2, kAvx2Rows * 2 * kAvx2Pairs));
+    float* wb = reinterpret_cast<float*>(Workspace(3, 2 * kAvx2Pairs * kRowBlock));
+    const int64_t row_end = std::min(m, m1 * kRowBlock);
+    for (int64_t row0 = m0 * kRowBlock; row0 < row_end; row0 += kAvx2Rows) {
+      const int64_t rows = std::min(kAvx2Rows, row_end - row0);
+      for (int64_t p0 = 0; p0 < k2; p0 += kAvx2Pairs) {
+        const int64_t pairs = std::min(kAvx2Pairs, k2 - p0), steps = (pairs + 15) / 16;
+        const int64_t ld = 32 * steps;   // the widened chunk's row stride: whole 16-pair steps (zeros past k2)
+        for (int64_t r = 0; r < rows; ++r) {
+          const int64_t row = row0 + r;
+          for (int64_t s = 0; s < steps; ++s) {
+            WidenRowStep(a.Block(row / kRowBlock), row % kRowBlock, p0 / 16 + s, xw + r * ld + 32 * s);
+          }
+        }
+        for (int64_t cb = n0; cb < n1; ++cb) {
+          const int64_t col = cb * kRowBlock, cols = std::min<int64_t>(kRowBlock, n - col);
+          WidenColumnBlock(b.Block(cb) + p0 * kRowBlock, pairs, wb);
+          Avx2Rows(xw, ld, rows, wb, 2 * pairs, c + row0 * n + col, n, cols, accumulate || p0 > 0);
+        }
+      }
+    }
+  });
+}
+#endif
+
 }  // namespace
 
 int prl_cpu::Bf16MatmulKernels() {
-  return (AmxUsable() ? 1 : 0) | (Avx512Bf16Usable() ? 2 : 0);
+  return (AmxUsable() ? 1 : 0) | (Avx512Bf16Usable() ? 2 : 0) | (Avx2Usable() ? 4 : 0);
 }
 
 bool prl_cpu::Bf16Matmul(const void* a, bool a_bf16, const void* b, bool b_bf16, float* c, int64_t m, int64_t n,
@@ -592,8 +723,11 @@ int64_t prl_cpu::Bf16PackB(const void* b, bool b_bf16, uint32_t* packed, int64_t
 
 bool prl_cpu::Bf16MatmulPacked(const void* a, bool a_bf16, const uint32_t* packed_b, float* c, int64_t m, int64_t n,
                                int64_t k, bool trans_a, Bf16Kernel kernel, bool accumulate) {
-  if (kernel == Bf16Kernel::kAuto) kernel = AmxUsable() ? Bf16Kernel::kAmx : Bf16Kernel::kAvx512Bf16;
-  if ((kernel == Bf16Kernel::kAmx && !AmxUsable()) || (kernel == Bf16Kernel::kAvx512Bf16 && !Avx512Bf16Usable())) {
+  if (kernel == Bf16Kernel::kAuto) {
+    kernel = AmxUsable() ? Bf16Kernel::kAmx : Avx512Bf16Usable() ? Bf16Kernel::kAvx512Bf16 : Bf16Kernel::kAvx2;
+  }
+  if ((kernel == Bf16Kernel::kAmx && !AmxUsable()) || (kernel == Bf16Kernel::kAvx512Bf16 && !Avx512Bf16Usable()) ||
+      (kernel == Bf16Kernel::kAvx2 && !Avx2Usable())) {
     return false;
   }
   if (m == 0 || n == 0) return true;
@@ -617,6 +751,12 @@ bool prl_cpu::Bf16MatmulPacked(const void* a, bool a_bf16, const uint32_t* packe
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
   if (kernel == Bf16Kernel::kAvx512Bf16) {
     Avx512Product(pa, pb, c, m, n, k, accumulate);
+    return true;
+  }
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+  if (kernel == Bf16Kernel::kAvx2) {
+    Avx2Product(pa, pb, c, m, n, k, accumulate);
     return true;
   }
 #endif
@@ -659,13 +799,14 @@ std::pair<const void*, bool> Bf16Operand(const paddle::Tensor& t, const char* op
 }
 
 void CheckKernelCode(int64_t kernel, const char* op) {
-  PD_CHECK(kernel >= 0 && kernel <= 2, op, ": kernel must be 0 (auto), 1 (amx) or 2 (avx512_bf16), got ", kernel);
+  PD_CHECK(kernel >= 0 && kernel <= 3, op, ": kernel must be 0 (auto), 1 (amx), 2 (avx512_bf16) or 3 (avx2), got ",
+           kernel);
 }
 
 // `done`: whether the launcher ran the kernel asked for
 void CheckKernelRan(bool done, int64_t kernel, const char* op) {
-  PD_CHECK(done, op, ": the ", kernel == 1 ? "AMX-BF16" : kernel == 2 ? "AVX512-BF16" : "AMX-BF16 and AVX512-BF16",
-           " kernel is not usable here (CPU, OS or build: see prl_bf16_kernels)");
+  const char* names[] = {"AMX-BF16, AVX512-BF16 and AVX2", "AMX-BF16", "AVX512-BF16", "AVX2"};
+  PD_CHECK(done, op, ": the ", names[kernel], " kernel is not usable here (CPU, OS or build: see prl_bf16_kernels)");
 }
 
 // op(A) op(B)'s operands (float32 or bfloat16 CPU tensors, 2-D) and sizes, checked
@@ -843,16 +984,16 @@ PD_BUILD_OP(prl_to_bf16)
     .SetInferShapeFn(PD_INFER_SHAPE(ToBf16InferShape))
     .SetInferDtypeFn(PD_INFER_DTYPE(ToBf16InferDtype));
 
-// [2] int32: whether the AMX-BF16 and the AVX512-BF16 kernels are usable (CPU, OS and build); x is not read
+// [3] int32: whether the AMX-BF16, the AVX512-BF16 and the AVX2 kernels are usable (CPU, OS and build); x is not
+// read
 std::vector<paddle::Tensor> Bf16KernelsOp(const paddle::Tensor& x) {
-  auto out = paddle::empty({2}, paddle::DataType::INT32, paddle::CPUPlace());
+  auto out = paddle::empty({3}, paddle::DataType::INT32, paddle::CPUPlace());
   const int kernels = prl_cpu::Bf16MatmulKernels();
-  out.data<int32_t>()[0] = kernels & 1;
-  out.data<int32_t>()[1] = (kernels >> 1) & 1;
+  for (int i = 0; i < 3; ++i) out.data<int32_t>()[i] = (kernels >> i) & 1;
   return {out};
 }
 
-std::vector<std::vector<int64_t>> Bf16KernelsInferShape(const std::vector<int64_t>& x) { return {{2}}; }
+std::vector<std::vector<int64_t>> Bf16KernelsInferShape(const std::vector<int64_t>& x) { return {{3}}; }
 
 std::vector<paddle::DataType> Bf16KernelsInferDtype(paddle::DataType x) { return {paddle::DataType::INT32}; }
 

@@ -77,8 +77,8 @@ void PackedLinearLowp(const float* x, const void* packed, const float* scales, L
 // bfloat16 (nearest even), float32 sums; A and B float32, or bfloat16 bits with a_bf16 / b_bf16 (prl_to_bf16's: the
 // same product).
 // kernel kAuto: the best usable; false when the kernel asked for (or any, for kAuto) is not usable on this CPU, OS
-// and build. Bf16MatmulKernels: bit 0 AMX-BF16, bit 1 AVX512-BF16.
-enum class Bf16Kernel : int { kAuto = 0, kAmx = 1, kAvx512Bf16 = 2 };
+// and build. Bf16MatmulKernels: bit 0 AMX-BF16, bit 1 AVX512-BF16, bit 2 AVX2 (FMA on the values widened to float32).
+enum class Bf16Kernel : int { kAuto = 0, kAmx = 1, kAvx512Bf16 = 2, kAvx2 = 3 };
 int Bf16MatmulKernels();
 // accumulate: C += op(A) op(B) (each sum starts from C's value).
 bool Bf16Matmul(const void* a, bool a_bf16, const void* b, bool b_bf16, float* c, int64_t m, int64_t n, int64_t k,

@@ -183,11 +183,12 @@ def packed_linear_lowp(x, packed: LowpPacked):
 # `bf16: true` on a CPU: a linear layer's three products (y = x W, dx = dy W^T, dW = x^T dy) take operands rounded
 # to bfloat16 (nearest even) and sum in float32, the parameters staying float32 (the master weights). A bf16 x bf16
 # product is exact in float32, so this is a bf16 matmul with float32 accumulation up to the order of the sums.
-# bf16_matmul runs csrc/cpu/bf16_matmul.cc where the CPU has AMX-BF16 (TDPBF16PS tiles) or AVX512-BF16
-# (vdpbf16ps); elsewhere, or with PADDLE_RL_BF16_EMULATE set (non-empty, not 0), the reference rounds copies of the
-# operands and multiplies them with Paddle's float32 matmul (one warning says it emulates).
-BF16_KERNELS = ("amx", "avx512_bf16")
-_KERNEL_CODES = {"auto": 0, "amx": 1, "avx512_bf16": 2}
+# bf16_matmul runs csrc/cpu/bf16_matmul.cc where the CPU has AMX-BF16 (TDPBF16PS tiles), AVX512-BF16 (vdpbf16ps) or
+# AVX2 with FMA (the bfloat16 values widened to float32 in registers, FMAs in k order); elsewhere, or with
+# PADDLE_RL_BF16_EMULATE set (non-empty, not 0), the reference rounds copies of the operands and multiplies them
+# with Paddle's float32 matmul (one warning says it emulates).
+BF16_KERNELS = ("amx", "avx512_bf16", "avx2")
+_KERNEL_CODES = {"auto": 0, "amx": 1, "avx512_bf16": 2, "avx2": 3}
 
 
 def bf16_matmul_reference(a, b, trans_a: bool = False, trans_b: bool = False):
@@ -197,8 +198,8 @@ def bf16_matmul_reference(a, b, trans_a: bool = False, trans_b: bool = False):
 
 def bf16_matmul_fused(a, b, trans_a: bool = False, trans_b: bool = False, kernel: str = "auto"):
     """The kernel's op(a) @ op(b); `a` and `b` each float32 or bfloat16 (to_bf16's copy: the same product, its
-    packing reading half the bytes and no cast); `kernel`: auto (the best usable) | amx | avx512_bf16 (an error where
-    the CPU, OS or build cannot run it)."""
+    packing reading half the bytes and no cast); `kernel`: auto (the best usable) | amx | avx512_bf16 | avx2 (an error
+    where the CPU, OS or build cannot run it)."""
     if kernel not in _KERNEL_CODES:
         raise ValueError(f"bf16_matmul kernel: must be one of {', '.join(_KERNEL_CODES)}, got {kernel!r}")
     return build.run("prl_bf16_matmul", contiguous(a), contiguous(b), bool(trans_a), bool(trans_b),
@@ -277,8 +278,9 @@ _warned_emulation = []
 
 
 def bf16_kernel(*tensors) -> str:
-    """What bf16_matmul runs for these tensors: the first of bf16_kernels() (amx | avx512_bf16), or "emulated"
-    (PADDLE_RL_BF16_EMULATE, no such kernel, the custom ops off, not float32 CPU tensors), which warns once."""
+    """What bf16_matmul runs for these tensors: the first of bf16_kernels() (amx | avx512_bf16 | avx2), or
+    "emulated" (PADDLE_RL_BF16_EMULATE, no such kernel, the custom ops off, not float32 CPU tensors), which warns
+    once."""
     kernels = () if emulation_forced() or not fusable(*tensors) or not all(t.place.is_cpu_place() for t in tensors) \
         else bf16_kernels()
     if kernels:
@@ -287,7 +289,7 @@ def bf16_kernel(*tensors) -> str:
         _warned_emulation.append(True)
         why = ("PADDLE_RL_BF16_EMULATE is set" if emulation_forced() else
                "the custom ops are not in use" if not build.available() else
-               "this CPU / OS / build has neither AMX-BF16 nor AVX512-BF16" if not bf16_kernels() else
+               "this CPU / OS / build has none of AMX-BF16, AVX512-BF16 and AVX2" if not bf16_kernels() else
                "the operands are not float32 CPU tensors")
         logger.warning("bf16: the linear layers' bfloat16 products are emulated (operands rounded to bfloat16, "
                        "multiplied by Paddle's float32 matmul: %s): the numbers of bf16 training, not its speed", why)

@@ -243,7 +243,7 @@ def _has_head(model) -> bool:
 
 
 def _cpu_bf16_kernel() -> str:
-    """The bf16 matmul kernel the CPU strategy's products run (amx | avx512_bf16), or "the emulation"."""
+    """The bf16 matmul kernel the CPU strategy's products run (amx | avx512_bf16 | avx2), or "the emulation"."""
     if ops.emulation_forced() or not ops.bf16_kernels():
         return "the emulation (PADDLE_RL_BF16_EMULATE set)" if ops.emulation_forced() else "the emulation"
     return f"the {ops.bf16_kernels()[0]} kernel"
