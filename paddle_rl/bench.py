@@ -1279,8 +1279,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="any configuration override (repeatable)")
     p.add_argument("--peaks", default=None, metavar="LIST",
                    help="the matmul peaks to time before and after the run (default all: " + ", ".join(PEAK_KINDS) +
-                        "; fp32 always); where a kind is emulated (bf16 on a CPU without AVX512-BF16 / AMX, torch's "
-                        "bf16 there too) its timing takes a minute; a kind left out reads n/a and rates no stage")
+                        "; fp32 always); where a kind is emulated (bf16 with the custom ops off or "
+                        "PADDLE_RL_BF16_EMULATE, torch's bf16 without AVX512-BF16 / AMX) its timing takes a "
+                        "minute; a kind left out reads n/a and rates no stage")
     p.add_argument("--switches", nargs="?", const="all", default=None, metavar="LIST",
                    help="time the fused-kernel switches instead: the workload with the config's switches and with "
                         "each switch flipped (all, or a comma-separated list such as use_fused_rope,"

@@ -206,8 +206,9 @@ PD_BUILD_OP(prl_packed_linear)
 //     y = sum_k x[k] w[k, j] over k in order.
 // int8 / int4 take float32 activations, or activations rounded to bfloat16 (bf16_act). Each format has an AVX-512
 // tile (12 rows x 32 columns in registers, a k-step's weights converted once per tile) and a portable 8-wide one
-// with the same arithmetic and bits; bfloat16 runs the portable one where the build lacks AVX-512 or
-// PADDLE_RL_BF16_EMULATE is set (non-empty, not 0), and says so once on stderr.
+// with the same arithmetic and bits; bfloat16 also has an AVX2 tile (6 rows x 16 columns) for builds without AVX-512,
+// and runs the portable one where the build has neither or PADDLE_RL_BF16_EMULATE is set (non-empty, not 0), and
+// says so once on stderr.
 
 namespace {
 
@@ -239,14 +240,15 @@ bool AmxAllowed() {
 // 24 bits, ran up to 1.5x faster per product at SmolLM2-135M's shapes, with errors of 7-50 u against <= 0.8 u)
 constexpr int kInt8AmxParts = 3;
 
-// Whether this call runs the AVX-512 bfloat16 tile; the first call that runs the portable one says why, once.
+// Whether this call runs the AVX-512 (or, built without AVX-512, the AVX2) bfloat16 tile; the first call that runs
+// the portable one says why, once.
 bool WideBF16() {
   const bool forced = EmulationForced();
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
   if (!forced) return true;
   const char* why = "PADDLE_RL_BF16_EMULATE is set";
 #else
-  const char* why = forced ? "PADDLE_RL_BF16_EMULATE is set" : "the kernels were built without AVX-512";
+  const char* why = forced ? "PADDLE_RL_BF16_EMULATE is set" : "the kernels were built without AVX2 and FMA";
 #endif
   static bool warned = false;
   if (!warned) {
@@ -325,6 +327,46 @@ inline void TileBF16Avx512(const float* xf, int64_t k2, const uint16_t* panel, f
   for (int m = 0; m < MR; ++m) {
     _mm512_mask_storeu_ps(out + m * ldo, lo, acc[m][0]);
     _mm512_mask_storeu_ps(out + m * ldo + 16, hi, acc[m][1]);
+  }
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+// The AVX2 tile (16 vector registers): TileBF16Avx512's arithmetic and order on half a panel (16 columns; half: the
+// pair-row words of those columns) for 6 rows: 12 accumulators, the two weight vectors of the odd k, then of the even
+// k, widened from words loaded again (L1) rather than kept, and the broadcast.
+constexpr int kRowsBF16Avx2 = 6;
+
+template <int MR>
+inline void TileBF16Avx2(const float* xf, int64_t k2, const uint16_t* half, float* out, int64_t ldo, int64_t cols) {
+  prl::V8 acc[MR][2] = {};
+  for (int64_t kk = 0; kk < k2; ++kk) {
+    const uint16_t* w = half + kk * 2 * kPanel;
+    prl::U8 u0, u1;
+    std::memcpy(&u0, w, sizeof(u0));
+    std::memcpy(&u1, w + 16, sizeof(u1));
+    const prl::V8 o0 = prl::BitCast<prl::V8>(u0 & 0xffff0000u), o1 = prl::BitCast<prl::V8>(u1 & 0xffff0000u);
+    for (int m = 0; m < MR; ++m) {
+      const float xo = xf[m * 2 * k2 + 2 * kk + 1];
+      acc[m][0] += xo * o0;
+      acc[m][1] += xo * o1;
+    }
+    std::memcpy(&u0, w, sizeof(u0));
+    std::memcpy(&u1, w + 16, sizeof(u1));
+    const prl::V8 e0 = prl::BitCast<prl::V8>(u0 << 16), e1 = prl::BitCast<prl::V8>(u1 << 16);
+    for (int m = 0; m < MR; ++m) {
+      const float xe = xf[m * 2 * k2 + 2 * kk];
+      acc[m][0] += xe * e0;
+      acc[m][1] += xe * e1;
+    }
+  }
+  for (int m = 0; m < MR; ++m) {
+    if (cols == 16) {
+      prl::Store8(out + m * ldo, acc[m][0]);
+      prl::Store8(out + m * ldo + 8, acc[m][1]);
+    } else {
+      float tmp[16];
+      std::memcpy(tmp, acc[m], sizeof(tmp));
+      std::memcpy(out + m * ldo, tmp, cols * sizeof(float));
+    }
   }
 }
 #endif
@@ -594,8 +636,8 @@ void prl_cpu::PackedLinearLowp(const float* xs, const void* packed, const float*
     const uint16_t* pw = static_cast<const uint16_t*>(packed);
     if (!EmulationForced() && AmxAllowed() && PackedLinearBF16Amx(xp.data(), pw, o, rows, k2, n)) return;
     const bool wide = WideBF16();
-#ifdef __AVX512F__
-    std::vector<float> xf;  // the pairs as float32: what the AVX-512 tile broadcasts
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+    std::vector<float> xf;  // the pairs as float32: what the AVX-512 and AVX2 tiles broadcast
     if (wide) {
       xf.resize(rows * 2 * k2);
       for (int64_t i = 0; i < rows * k2; ++i) {
@@ -613,6 +655,16 @@ void prl_cpu::PackedLinearLowp(const float* xs, const void* packed, const float*
           OverRows<kRowsWide>(rows, [&](auto mr, int64_t m) {
             TileBF16Avx512<decltype(mr)::value>(xf.data() + m * 2 * k2, k2, panel, o + m * n + col, n, cols);
           });
+          continue;
+        }
+#elif defined(__AVX2__) && defined(__FMA__)
+        if (wide) {
+          for (int64_t h = 0; h < 2 && 16 * h < cols; ++h) {
+            OverRows<kRowsBF16Avx2>(rows, [&](auto mr, int64_t m) {
+              TileBF16Avx2<decltype(mr)::value>(xf.data() + m * 2 * k2, k2, panel + 32 * h, o + m * n + col + 16 * h,
+                                                n, std::min<int64_t>(16, cols - 16 * h));
+            });
+          }
           continue;
         }
 #endif

@@ -25,9 +25,9 @@ class ModelArgs:
                             "experts; forward and both gradients) takes bfloat16-rounded operands with float32 sums, "
                             "the parameters stay float32 master weights (optimizer moments float32); norms, softmax, "
                             "log-probs and losses float32, and the attention core (q k^T, p v) float32 on a CPU "
-                            "(one warning says so). On a CPU the products run an AMX-BF16 or AVX512-BF16 "
-                            "kernel where the CPU has one, else they are emulated (the numbers of bf16 training, "
-                            "not its speed; one warning); on a GPU, Paddle's AMP O2 with master weights. The rollout follows "
+                            "(one warning says so). On a CPU the products run an AMX-BF16, AVX512-BF16 or "
+                            "AVX2 kernel where the CPU has one, else they are emulated (the numbers of bf16 "
+                            "training, not its speed; one warning); on a GPU, Paddle's AMP O2 with master weights. The rollout follows "
                             "(rollout_dtype auto), checkpoints are written in save_dtype (docs/performance.md, bf16).")
     # fp16, fp16_opt_level, amp_master_grad, amp_custom_*_list and the loss scaling: precision_args.py
     # the fused-kernel switches of the model's passes (ops/switches.py): true the fused path (an error naming the key

@@ -14,8 +14,8 @@ when it is in use, else the reference). `configure("auto" | "on" | "off")` selec
 - packed_linear: the rollout's x @ W from a copy of W packed in 32-column panels (pack_weight), or from a copy in
   bfloat16 / int8 / int4 (pack_weight_lowp: rollout_dtype, rollout_quant_type)
 - bf16_linear: x W with bfloat16-rounded operands and float32 sums in the forward and both gradients (`bf16: true`
-  training on a CPU), its products by bf16_matmul: AMX-BF16 or AVX512-BF16 kernels where the CPU has them, else
-  emulated (rounded copies, float32 matmul)
+  training on a CPU), its products by bf16_matmul: AMX-BF16, AVX512-BF16 or AVX2 kernels where the CPU has them,
+  else emulated (rounded copies, float32 matmul)
 - half_linear: x W as a float16 (IEEE half) or bfloat16 matmul with float32 sums, forward and both gradients, the
   outputs rounded too under AMP O2 (`fp16: true`, `fp16_opt_level`; half.py); float16 always emulated
 - kv_place: the rollout's KV-cache relayout (rows' windows copied into another buffer, in place)

@@ -8,8 +8,8 @@ values is exact in float32, so the result is the half matmul's up to the order o
 - half_linear_reference(x, weight, dtype, round_outputs): y = x W with its two gradients (dx = dy W^T, dW = x^T dy)
   each from rounded operands; with `round_outputs` (AMP O2, where the ops pass half tensors to each other) y, dx and
   dW are rounded to `dtype` too, as the half matmul writes them.
-- half_linear: the same numbers; for bfloat16 the products run ops.bf16_linear (the AMX / AVX512-BF16 kernel where
-  the CPU has one) and the rounding of the outputs is added around it. There is no float16 kernel (no CPU this
+- half_linear: the same numbers; for bfloat16 the products run ops.bf16_linear (the AMX / AVX512-BF16 / AVX2 kernel
+  where the CPU has one) and the rounding of the outputs is added around it. There is no float16 kernel (no CPU this
   project runs on multiplies float16 natively): float16 always runs the reference.
 - round_half(x, dtype): float32 rounded to `dtype` and back. round_value / round_grad: that rounding applied to a
   tensor in the forward only (its gradient passed as it is) or to its gradient in the backward only.

@@ -10,7 +10,7 @@ scaling (`LossScale`).
   float32); norms, softmax, log-probs, advantages and losses stay float32. The head (the LM head, or a critic's
   value head) too unless use_fp32_compute. The attention core's q k^T and p v stay float32: one warning at the
   start says so (FP32_UNDER_BF16). Paddle's CPU build has no bfloat16 matmul: the products
-  run the project's AMX-BF16 / AVX512-BF16 kernel where the CPU has one (ops.bf16_matmul), else they are emulated
+  run the project's AMX-BF16 / AVX512-BF16 / AVX2 kernel where the CPU has one (ops.bf16_matmul), else emulated
   (rounded copies, float32 matmuls: the numbers of bf16 training, not its speed; one warning says so). A frozen
   model (the reference) keeps its linear layers' weights in bfloat16 (the same products, half their bytes).
 - EmulatedFp16 (fp16: true on a CPU build): the same products as float16 (IEEE half) matmuls with float32 sums
