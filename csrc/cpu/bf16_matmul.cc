@@ -574,23 +574,21 @@ bool Avx2Usable() {
 #if defined(__AVX2__) && defined(__FMA__)
 // Without a bfloat16 instruction the values are widened: a bfloat16 is the high half of a float32, so a pair word w
 // holds the float32s w << 16 (its even k) and w & 0xffff0000 (its odd k). Each thread widens a chunk of A's rows
-// (kAvx2Rows rows x kAvx2Pairs pairs, row-major, ~192 KB for the L2 cache) and, per column block, that stretch of
-// B (kAvx2Pairs x 2 k x 16 columns, 32 KB for the L1 cache), then runs float32 FMA tiles of 6 rows x 16 columns
-// over them. A product of two bfloat16 values is exact in float32 and each sum takes k in order, the partial sums
-// of one stretch of k kept in C (float32) for the next: the bits do not depend on the blocking or the threads.
+// (kAvx2Rows rows x kAvx2Pairs pairs, ~192 KB for the L2 cache) into micro-panels of 6 rows, k-major (a k-step's 6
+// values adjacent, one stream for the tile to broadcast from), and, per column block, that stretch of B (kAvx2Pairs
+// x 2 k x 16 columns, 16 KB for the L1 cache), then runs float32 FMA tiles of 6 rows x 16 columns over them. A
+// product of two bfloat16 values is exact in float32 and each sum takes k in order, the partial sums of one stretch
+// of k kept in C (float32) for the next: the bits do not depend on the blocking or the threads.
 constexpr int64_t kAvx2Pairs = 128, kAvx2Rows = 192;
 constexpr int kAvx2TileRows = 6;
 
-// out[r, 0 : 32) = the 16 words of A's row r at pair step `step` widened (r: the row within its 16-row block)
-inline void WidenRowStep(const uint32_t* block, int64_t r, int64_t step, float* out) {
+// the 16 words of A's row r (within its 16-row block) at pair step `step`, widened into k-steps 0 .. 31 of a
+// micro-panel (out: the panel's first k-step of the step, then column rr of each k-step)
+inline void WidenRowStep(const uint32_t* block, int64_t r, int64_t step, int64_t rr, float* out) {
   const uint32_t* w = block + (step << 8) + (r << 4);
-  const __m256i zero = _mm256_setzero_si256();
-  for (int h = 0; h < 2; ++h) {
-    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 8 * h));
-    // per 128-bit lane: unpacklo gives words 0-1 as k 0-3, unpackhi words 2-3 as k 4-7
-    const __m256i lo = _mm256_unpacklo_epi16(zero, v), hi = _mm256_unpackhi_epi16(zero, v);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 16 * h), _mm256_permute2x128_si256(lo, hi, 0x20));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 16 * h + 8), _mm256_permute2x128_si256(lo, hi, 0x31));
+  for (int j = 0; j < 16; ++j) {
+    out[(2 * j) * kAvx2TileRows + rr] = prl::BitCast<float>(w[j] << 16);
+    out[(2 * j + 1) * kAvx2TileRows + rr] = prl::BitCast<float>(w[j] & 0xffff0000u);
   }
 }
 
@@ -606,11 +604,11 @@ inline void WidenColumnBlock(const uint32_t* b, int64_t pairs, float* out) {
   }
 }
 
-// C[MR x cols] (cols <= 16) = x [MR rows, ld] times wb [kn, 16] over k < kn; `from_c`: the sums start from C.
-// The accumulators stay in registers (12 + 2 weights + 1 broadcast of the 16 ymm registers at 6 rows).
+// C[MR x cols] (cols <= 16) = a micro-panel's first MR rows (x [kn][6]) times wb [kn, 16] over k < kn; `from_c`:
+// the sums start from C. The accumulators stay in registers (12 + 2 weights + 1 broadcast of the 16 ymm registers
+// at 6 rows).
 template <int MR>
-inline void Avx2Tile(const float* x, int64_t ld, const float* wb, int64_t kn, float* out, int64_t ldo, int64_t cols,
-                     bool from_c) {
+inline void Avx2Tile(const float* x, const float* wb, int64_t kn, float* out, int64_t ldo, int64_t cols, bool from_c) {
   prl::V8 acc[MR][2] = {};
   const bool whole = cols == 16;
   if (from_c) {
@@ -625,7 +623,7 @@ inline void Avx2Tile(const float* x, int64_t ld, const float* wb, int64_t kn, fl
   for (int64_t k = 0; k < kn; ++k) {
     const prl::V8 w0 = prl::Load8(wb + 16 * k), w1 = prl::Load8(wb + 16 * k + 8);
     for (int r = 0; r < MR; ++r) {
-      const float xv = x[r * ld + k];
+      const float xv = x[k * kAvx2TileRows + r];
       acc[r][0] += xv * w0;   // one FMA: the product of two bfloat16 values is exact, so the same bits as * then +
       acc[r][1] += xv * w1;
     }
@@ -642,21 +640,22 @@ inline void Avx2Tile(const float* x, int64_t ld, const float* wb, int64_t kn, fl
   }
 }
 
-// rows [0, rows) of the widened chunk in tiles of 6 rows, the last rows < 6 in one tile of their size
+// rows [0, rows) of the widened chunk (micro-panels of ld k-steps x 6 rows: row r's panel at r / 6 * 6 ld) in tiles
+// of 6 rows, the last rows < 6 in one tile of their size
 inline void Avx2Rows(const float* x, int64_t ld, int64_t rows, const float* wb, int64_t kn, float* out, int64_t ldo,
                      int64_t cols, bool from_c) {
   int64_t r = 0;
   for (; r + kAvx2TileRows <= rows; r += kAvx2TileRows) {
-    Avx2Tile<kAvx2TileRows>(x + r * ld, ld, wb, kn, out + r * ldo, ldo, cols, from_c);
+    Avx2Tile<kAvx2TileRows>(x + r * ld, wb, kn, out + r * ldo, ldo, cols, from_c);
   }
   const float* xr = x + r * ld;
   float* o = out + r * ldo;
   switch (rows - r) {
-    case 5: return Avx2Tile<5>(xr, ld, wb, kn, o, ldo, cols, from_c);
-    case 4: return Avx2Tile<4>(xr, ld, wb, kn, o, ldo, cols, from_c);
-    case 3: return Avx2Tile<3>(xr, ld, wb, kn, o, ldo, cols, from_c);
-    case 2: return Avx2Tile<2>(xr, ld, wb, kn, o, ldo, cols, from_c);
-    case 1: return Avx2Tile<1>(xr, ld, wb, kn, o, ldo, cols, from_c);
+    case 5: return Avx2Tile<5>(xr, wb, kn, o, ldo, cols, from_c);
+    case 4: return Avx2Tile<4>(xr, wb, kn, o, ldo, cols, from_c);
+    case 3: return Avx2Tile<3>(xr, wb, kn, o, ldo, cols, from_c);
+    case 2: return Avx2Tile<2>(xr, wb, kn, o, ldo, cols, from_c);
+    case 1: return Avx2Tile<1>(xr, wb, kn, o, ldo, cols, from_c);
     default: return;
   }
 }
@@ -672,11 +671,13 @@ void Avx2Product(const Packed& a, const Packed& b, float* c, int64_t m, int64_t 
       const int64_t rows = std::min(kAvx2Rows, row_end - row0);
       for (int64_t p0 = 0; p0 < k2; p0 += kAvx2Pairs) {
         const int64_t pairs = std::min(kAvx2Pairs, k2 - p0), steps = (pairs + 15) / 16;
-        const int64_t ld = 32 * steps;   // the widened chunk's row stride: whole 16-pair steps (zeros past k2)
+        const int64_t ld = 32 * steps;   // k-steps per micro-panel: whole 16-pair steps (zeros past k2)
         for (int64_t r = 0; r < rows; ++r) {
           const int64_t row = row0 + r;
+          float* panel = xw + (r / kAvx2TileRows) * ld * kAvx2TileRows;
           for (int64_t s = 0; s < steps; ++s) {
-            WidenRowStep(a.Block(row / kRowBlock), row % kRowBlock, p0 / 16 + s, xw + r * ld + 32 * s);
+            WidenRowStep(a.Block(row / kRowBlock), row % kRowBlock, p0 / 16 + s, r % kAvx2TileRows,
+                         panel + 32 * s * kAvx2TileRows);
           }
         }
         for (int64_t cb = n0; cb < n1; ++cb) {
