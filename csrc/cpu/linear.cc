@@ -206,9 +206,9 @@ PD_BUILD_OP(prl_packed_linear)
 //     y = sum_k x[k] w[k, j] over k in order.
 // int8 / int4 take float32 activations, or activations rounded to bfloat16 (bf16_act). Each format has an AVX-512
 // tile (12 rows x 32 columns in registers, a k-step's weights converted once per tile) and a portable 8-wide one
-// with the same arithmetic and bits; bfloat16 also has an AVX2 tile (6 rows x 16 columns) for builds without AVX-512,
-// and runs the portable one where the build has neither or PADDLE_RL_BF16_EMULATE is set (non-empty, not 0), and
-// says so once on stderr.
+// with the same arithmetic and bits, and an AVX2 one (6 rows x 16 columns) for builds without AVX-512; bfloat16 runs
+// the portable one where the build has neither or PADDLE_RL_BF16_EMULATE is set (non-empty, not 0), and says so once
+// on stderr.
 
 namespace {
 
@@ -333,7 +333,7 @@ inline void TileBF16Avx512(const float* xf, int64_t k2, const uint16_t* panel, f
 // The AVX2 tile (16 vector registers): TileBF16Avx512's arithmetic and order on half a panel (16 columns; half: the
 // pair-row words of those columns) for 6 rows: 12 accumulators, the two weight vectors of the odd k, then of the even
 // k, widened from words loaded again (L1) rather than kept, and the broadcast.
-constexpr int kRowsBF16Avx2 = 6;
+constexpr int kRowsAvx2 = 6;
 
 template <int MR>
 inline void TileBF16Avx2(const float* xf, int64_t k2, const uint16_t* half, float* out, int64_t ldo, int64_t cols) {
@@ -447,6 +447,75 @@ inline void TileInt4(const float* x, int64_t k_dim, const uint8_t* panel, const 
     std::memcpy(out + m * ldo, tmp, cols * sizeof(float));
   }
 }
+
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+// The AVX2 tiles (16 vector registers): TileInt8's and TileInt4's arithmetic and order on half a panel (16 columns;
+// half: those columns' first weight) for 6 rows: 12 accumulators, two weight vectors and the broadcast, where the
+// tiles above keep 24 accumulators and 4-8 weight vectors and spill.
+template <int MR>
+inline void TileInt8Avx2(const float* x, int64_t k_dim, const int8_t* half, const float* scale, float* out,
+                         int64_t ldo, int64_t cols) {
+  prl::V8 acc[MR][2] = {};
+  for (int64_t k = 0; k < k_dim; ++k) {
+    const prl::V8 w0 = LoadInt8(half + k * kPanel), w1 = LoadInt8(half + k * kPanel + 8);
+    for (int m = 0; m < MR; ++m) {
+      const float xv = x[m * k_dim + k];
+      acc[m][0] += xv * w0;
+      acc[m][1] += xv * w1;
+    }
+  }
+  const prl::V8 s0 = prl::Load8(scale), s1 = prl::Load8(scale + 8);
+  for (int m = 0; m < MR; ++m) {
+    float tmp[16];
+    prl::Store8(tmp, acc[m][0] * s0);
+    prl::Store8(tmp + 8, acc[m][1] * s1);
+    std::memcpy(out + m * ldo, tmp, cols * sizeof(float));
+  }
+}
+
+// the even (odd) k of a byte row's 8 columns: the low (high) nibble sign-extended, times the group's scales (the
+// bytes sign-extended to int32 by vpmovsxbd: the generic conversion compiles to scalar code)
+template <bool kOdd>
+inline prl::V8 Int4Weights(const uint8_t* b, prl::V8 s) {
+  const __m256i x = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b)));
+  const __m256i q = kOdd ? _mm256_srai_epi32(x, 4) : _mm256_srai_epi32(_mm256_slli_epi32(x, 28), 28);
+  return prl::BitCast<prl::V8>(_mm256_cvtepi32_ps(q)) * s;
+}
+
+template <int MR>
+inline void TileInt4Avx2(const float* x, int64_t k_dim, const uint8_t* half, const float* scales, float* out,
+                         int64_t ldo, int64_t cols) {
+  prl::V8 acc[MR][2] = {};
+  for (int64_t k0 = 0; k0 < k_dim; k0 += kQuantGroup) {
+    const float* sg = scales + (k0 / kQuantGroup) * kPanel;
+    const prl::V8 s0 = prl::Load8(sg), s1 = prl::Load8(sg + 8);
+    const int64_t k1 = std::min(k_dim, k0 + kQuantGroup);
+    for (int64_t k = k0; k < k1; k += 2) {
+      const uint8_t* b = half + (k / 2) * kPanel;
+      const prl::V8 we0 = Int4Weights<false>(b, s0), we1 = Int4Weights<false>(b + 8, s1);
+      for (int m = 0; m < MR; ++m) {
+        const float xe = x[m * k_dim + k];
+        acc[m][0] += xe * we0;
+        acc[m][1] += xe * we1;
+      }
+      if (k + 1 < k1) {
+        const prl::V8 wo0 = Int4Weights<true>(b, s0), wo1 = Int4Weights<true>(b + 8, s1);
+        for (int m = 0; m < MR; ++m) {
+          const float xo = x[m * k_dim + k + 1];
+          acc[m][0] += xo * wo0;
+          acc[m][1] += xo * wo1;
+        }
+      }
+    }
+  }
+  for (int m = 0; m < MR; ++m) {
+    float tmp[16];
+    prl::Store8(tmp, acc[m][0]);
+    prl::Store8(tmp + 8, acc[m][1]);
+    std::memcpy(out + m * ldo, tmp, cols * sizeof(float));
+  }
+}
+#endif
 
 #ifdef __AVX512F__
 // The AVX-512 tiles: a k-step's 32 weights are loaded and converted to float32 once (two 16-float registers) and
@@ -660,7 +729,7 @@ void prl_cpu::PackedLinearLowp(const float* xs, const void* packed, const float*
 #elif defined(__AVX2__) && defined(__FMA__)
         if (wide) {
           for (int64_t h = 0; h < 2 && 16 * h < cols; ++h) {
-            OverRows<kRowsBF16Avx2>(rows, [&](auto mr, int64_t m) {
+            OverRows<kRowsAvx2>(rows, [&](auto mr, int64_t m) {
               TileBF16Avx2<decltype(mr)::value>(xf.data() + m * 2 * k2, k2, panel + 32 * h, o + m * n + col + 16 * h,
                                                 n, std::min<int64_t>(16, cols - 16 * h));
             });
@@ -697,6 +766,14 @@ void prl_cpu::PackedLinearLowp(const float* xs, const void* packed, const float*
           TileInt8Avx512<decltype(mr)::value>(xs + m * k_dim, k_dim, pw + p * k_dim * kPanel, sc + col,
                                               o + m * n + col, n, cols);
         });
+#elif defined(__AVX2__) && defined(__FMA__)
+        for (int64_t h = 0; h < 2 && 16 * h < cols; ++h) {
+          OverRows<kRowsAvx2>(rows, [&](auto mr, int64_t m) {
+            TileInt8Avx2<decltype(mr)::value>(xs + m * k_dim, k_dim, pw + p * k_dim * kPanel + 16 * h,
+                                              sc + col + 16 * h, o + m * n + col + 16 * h, n,
+                                              std::min<int64_t>(16, cols - 16 * h));
+          });
+        }
 #else
         OverRows<kRows>(rows, [&](auto mr, int64_t m) {
           TileInt8<decltype(mr)::value>(xs + m * k_dim, k_dim, pw + p * k_dim * kPanel, sc + col, o + m * n + col,
@@ -715,6 +792,14 @@ void prl_cpu::PackedLinearLowp(const float* xs, const void* packed, const float*
           TileInt4Avx512<decltype(mr)::value>(xs + m * k_dim, k_dim, pw + p * k2 * kPanel, sc + p * groups * kPanel,
                                               o + m * n + col, n, cols);
         });
+#elif defined(__AVX2__) && defined(__FMA__)
+        for (int64_t h = 0; h < 2 && 16 * h < cols; ++h) {
+          OverRows<kRowsAvx2>(rows, [&](auto mr, int64_t m) {
+            TileInt4Avx2<decltype(mr)::value>(xs + m * k_dim, k_dim, pw + p * k2 * kPanel + 16 * h,
+                                              sc + p * groups * kPanel + 16 * h, o + m * n + col + 16 * h, n,
+                                              std::min<int64_t>(16, cols - 16 * h));
+          });
+        }
 #else
         OverRows<kRows>(rows, [&](auto mr, int64_t m) {
           TileInt4<decltype(mr)::value>(xs + m * k_dim, k_dim, pw + p * k2 * kPanel, sc + p * groups * kPanel,
