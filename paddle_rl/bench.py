@@ -1064,7 +1064,9 @@ def rollout_precisions(args, spec, precisions) -> dict:
             "response_len": spec["response_len"], "mean_length": float(np.mean(lengths)), "runs": runs,
             **machine(), "threads": os.environ.get("OMP_NUM_THREADS"),
             "load_avg": os.getloadavg()[0], "custom_ops": _custom_ops_status(),
-            "bf16_portable": bool(os.environ.get("PADDLE_RL_BF16_EMULATE")) or "avx512f" not in cpu_flags()}
+            # the bfloat16 rollout's portable tile: forced, or neither the AVX-512 nor the AVX2 tile built
+            "bf16_portable": bool(os.environ.get("PADDLE_RL_BF16_EMULATE")) or not (
+                "avx512f" in cpu_flags() or {"avx2", "fma"} <= set(cpu_flags()))}
 
 
 def _custom_ops_status() -> str:
