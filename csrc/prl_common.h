@@ -161,6 +161,19 @@ inline V8 Load8(const float* p) {
 
 inline void Store8(float* p, V8 x) { std::memcpy(p, &x, sizeof(x)); }
 
+// p[0 : cols) = the first cols of lo's and hi's 16 floats (cols <= 16): two stores for a whole row, else staged
+inline void StoreCols16(float* p, V8 lo, V8 hi, int64_t cols) {
+  if (cols == 16) {
+    Store8(p, lo);
+    Store8(p + 8, hi);
+    return;
+  }
+  float row[16];
+  Store8(row, lo);
+  Store8(row + 8, hi);
+  std::memcpy(p, row, cols * sizeof(float));
+}
+
 inline V8 Splat8(float v) { return V8{v, v, v, v, v, v, v, v}; }
 
 inline float HSum8(V8 a) { return ((a[0] + a[4]) + (a[1] + a[5])) + ((a[2] + a[6]) + (a[3] + a[7])); }

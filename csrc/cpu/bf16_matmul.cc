@@ -628,16 +628,7 @@ inline void Avx2Tile(const float* x, const float* wb, int64_t kn, float* out, in
       acc[r][1] += xv * w1;
     }
   }
-  for (int r = 0; r < MR; ++r) {
-    if (whole) {
-      prl::Store8(out + r * ldo, acc[r][0]);
-      prl::Store8(out + r * ldo + 8, acc[r][1]);
-    } else {
-      float sums[16];
-      std::memcpy(sums, acc[r], sizeof(sums));
-      std::memcpy(out + r * ldo, sums, cols * sizeof(float));
-    }
-  }
+  for (int r = 0; r < MR; ++r) prl::StoreCols16(out + r * ldo, acc[r][0], acc[r][1], cols);
 }
 
 // rows [0, rows) of the widened chunk (micro-panels of ld k-steps x 6 rows: row r's panel at r / 6 * 6 ld) in tiles

@@ -358,16 +358,7 @@ inline void TileBF16Avx2(const float* xf, int64_t k2, const uint16_t* half, floa
       acc[m][1] += xe * e1;
     }
   }
-  for (int m = 0; m < MR; ++m) {
-    if (cols == 16) {
-      prl::Store8(out + m * ldo, acc[m][0]);
-      prl::Store8(out + m * ldo + 8, acc[m][1]);
-    } else {
-      float tmp[16];
-      std::memcpy(tmp, acc[m], sizeof(tmp));
-      std::memcpy(out + m * ldo, tmp, cols * sizeof(float));
-    }
-  }
+  for (int m = 0; m < MR; ++m) prl::StoreCols16(out + m * ldo, acc[m][0], acc[m][1], cols);
 }
 #endif
 
@@ -465,12 +456,7 @@ inline void TileInt8Avx2(const float* x, int64_t k_dim, const int8_t* half, cons
     }
   }
   const prl::V8 s0 = prl::Load8(scale), s1 = prl::Load8(scale + 8);
-  for (int m = 0; m < MR; ++m) {
-    float tmp[16];
-    prl::Store8(tmp, acc[m][0] * s0);
-    prl::Store8(tmp + 8, acc[m][1] * s1);
-    std::memcpy(out + m * ldo, tmp, cols * sizeof(float));
-  }
+  for (int m = 0; m < MR; ++m) prl::StoreCols16(out + m * ldo, acc[m][0] * s0, acc[m][1] * s1, cols);
 }
 
 // the even (odd) k of a byte row's 8 columns: the low (high) nibble sign-extended, times the group's scales (the
@@ -508,12 +494,7 @@ inline void TileInt4Avx2(const float* x, int64_t k_dim, const uint8_t* half, con
       }
     }
   }
-  for (int m = 0; m < MR; ++m) {
-    float tmp[16];
-    prl::Store8(tmp, acc[m][0]);
-    prl::Store8(tmp + 8, acc[m][1]);
-    std::memcpy(out + m * ldo, tmp, cols * sizeof(float));
-  }
+  for (int m = 0; m < MR; ++m) prl::StoreCols16(out + m * ldo, acc[m][0], acc[m][1], cols);
 }
 #endif
 
