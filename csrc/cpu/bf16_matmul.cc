@@ -12,9 +12,8 @@
 //   the OS's tile state in XCR0 and the process's permission (arch_prctl(ARCH_REQ_XCOMP_PERM, XTILEDATA), asked
 //   once); each thread loads the tile configuration before its part.
 // - AVX512-BF16 (vdpbf16ps): 8 rows x 32 columns in 16 zmm accumulators, a k-pair per step.
-// - AVX2 with FMA, on CPUs without a bfloat16 instruction: 4 rows x 16 columns in 8 ymm accumulators; each pair
-//   word is split into its two bfloat16 values as float32 (the low half shifted up, the high half masked), and two
-//   FMAs add their products, k in order.
+// - AVX2 with FMA, on CPUs without a bfloat16 instruction: the packs' values widened to float32 (exact), then float32
+//   FMA tiles of 6 rows x 16 columns in 12 ymm accumulators, k in order (Avx2Product).
 // Both flush bfloat16 subnormal inputs and float32 subnormal results to zero (their hardware does; the reference
 // does not): the only difference beyond the order of the sums, and only below 1.2e-38.
 // The rollout's packed products (PackedLinearBF16Amx: bfloat16 weights; PackedLinearInt8Amx: int8 weights widened to

@@ -335,6 +335,12 @@ inline void TileBF16Avx512(const float* xf, int64_t k2, const uint16_t* panel, f
 // k, widened from words loaded again (L1) rather than kept, and the broadcast.
 constexpr int kRowsAvx2 = 6;
 
+// fn(first, width) for each 16-column half of a panel's `cols` columns that holds any: the AVX2 tiles' width
+template <typename Fn>
+inline void OverHalves(int64_t cols, Fn&& fn) {
+  for (int64_t first = 0; first < cols; first += 16) fn(first, std::min<int64_t>(16, cols - first));
+}
+
 template <int MR>
 inline void TileBF16Avx2(const float* xf, int64_t k2, const uint16_t* half, float* out, int64_t ldo, int64_t cols) {
   prl::V8 acc[MR][2] = {};
@@ -709,12 +715,12 @@ void prl_cpu::PackedLinearLowp(const float* xs, const void* packed, const float*
         }
 #elif defined(__AVX2__) && defined(__FMA__)
         if (wide) {
-          for (int64_t h = 0; h < 2 && 16 * h < cols; ++h) {
+          OverHalves(cols, [&](int64_t first, int64_t width) {
             OverRows<kRowsAvx2>(rows, [&](auto mr, int64_t m) {
-              TileBF16Avx2<decltype(mr)::value>(xf.data() + m * 2 * k2, k2, panel + 32 * h, o + m * n + col + 16 * h,
-                                                n, std::min<int64_t>(16, cols - 16 * h));
+              TileBF16Avx2<decltype(mr)::value>(xf.data() + m * 2 * k2, k2, panel + 2 * first, o + m * n + col + first,
+                                                n, width);
             });
-          }
+          });
           continue;
         }
 #endif
@@ -748,13 +754,12 @@ void prl_cpu::PackedLinearLowp(const float* xs, const void* packed, const float*
                                               o + m * n + col, n, cols);
         });
 #elif defined(__AVX2__) && defined(__FMA__)
-        for (int64_t h = 0; h < 2 && 16 * h < cols; ++h) {
+        OverHalves(cols, [&](int64_t first, int64_t width) {
           OverRows<kRowsAvx2>(rows, [&](auto mr, int64_t m) {
-            TileInt8Avx2<decltype(mr)::value>(xs + m * k_dim, k_dim, pw + p * k_dim * kPanel + 16 * h,
-                                              sc + col + 16 * h, o + m * n + col + 16 * h, n,
-                                              std::min<int64_t>(16, cols - 16 * h));
+            TileInt8Avx2<decltype(mr)::value>(xs + m * k_dim, k_dim, pw + p * k_dim * kPanel + first, sc + col + first,
+                                              o + m * n + col + first, n, width);
           });
-        }
+        });
 #else
         OverRows<kRows>(rows, [&](auto mr, int64_t m) {
           TileInt8<decltype(mr)::value>(xs + m * k_dim, k_dim, pw + p * k_dim * kPanel, sc + col, o + m * n + col,
@@ -774,13 +779,12 @@ void prl_cpu::PackedLinearLowp(const float* xs, const void* packed, const float*
                                               o + m * n + col, n, cols);
         });
 #elif defined(__AVX2__) && defined(__FMA__)
-        for (int64_t h = 0; h < 2 && 16 * h < cols; ++h) {
+        OverHalves(cols, [&](int64_t first, int64_t width) {
           OverRows<kRowsAvx2>(rows, [&](auto mr, int64_t m) {
-            TileInt4Avx2<decltype(mr)::value>(xs + m * k_dim, k_dim, pw + p * k2 * kPanel + 16 * h,
-                                              sc + p * groups * kPanel + 16 * h, o + m * n + col + 16 * h, n,
-                                              std::min<int64_t>(16, cols - 16 * h));
+            TileInt4Avx2<decltype(mr)::value>(xs + m * k_dim, k_dim, pw + p * k2 * kPanel + first,
+                                              sc + p * groups * kPanel + first, o + m * n + col + first, n, width);
           });
-        }
+        });
 #else
         OverRows<kRows>(rows, [&](auto mr, int64_t m) {
           TileInt4<decltype(mr)::value>(xs + m * k_dim, k_dim, pw + p * k2 * kPanel, sc + p * groups * kPanel,
