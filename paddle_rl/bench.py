@@ -21,7 +21,8 @@ Workloads (docs/performance.md):
   the `code` rule in its sandbox; full training by default, `--set lora=true` for LoRA, `--set bf16=true`.
 W2-W5 train packed (use_remove_padding: true) in micro-batches of at most 8192 tokens (max_tokens_per_micro_batch),
 with the attention core and the MLP blocks recomputed in the backward (recompute: true, recompute_granularity:
-core_attn_mlp; the gradients are core_attn's bit for bit, W3's peak RSS 11.4 -> 6.7 GB).
+core_attn_mlp; the gradients are core_attn's bit for bit, W3's peak RSS 11.4 -> 6.7 GB; the MLP's down projection
+is not run again, only its gradients taken).
 
 `--rollout-precisions float32,bfloat16,weight_only_int8` times the workload's rollout alone (no training) in
 --steps rounds that run each rollout precision in turn (the best round of each counts: a shared machine's load
@@ -374,15 +375,17 @@ def linear_gflops(shape: dict, tokens: int, repeat: int = 2) -> dict:
 def step_flops(shape: dict, prompt_tokens: float, response_tokens: float, rows: int, reference: bool,
                old_pass: bool, groups: int = 1, shared_prompts: bool = False, shared_update: bool = None,
                critic: bool = False, value_pass: bool = True, recompute: Optional[str] = None,
-               recomputed_layers: Optional[int] = None) -> dict:
+               recomputed_layers: Optional[int] = None, down_rerun: bool = False) -> dict:
     """Matmul FLOPs per stage (weights and attention; norms and element-wise work left out). `rows` sequences
     in `groups` prompt groups; the rollout prefills each distinct prompt once, and so do the log-prob passes
     with `shared_prompts` and the update with `shared_update` (default: as `shared_prompts`). `critic`: the
     critic's update and, with `value_pass`, its value pass (the same decoder, a one-column head instead of the
     vocabulary's). The update counts its forward and backward (three forwards); `update_recompute` is what the
     actor's backward runs again under `recompute` (a recompute_granularity) in `recomputed_layers` of its layers
-    (default: all): full the whole layer, full_attn the attention block, core_attn_mlp the MLP's products (the
-    attention core of core_attn / core_attn_mlp is left out: the packed and blocked kernels do not run it twice)."""
+    (default: all): full the whole layer, full_attn the attention block, core_attn_mlp the MLP's gate and up
+    products (the down projection's gradients are taken without its forward), or all three with `down_rerun` (LoRA
+    or tensor parallelism, where Paddle's recompute reruns the whole block); the attention core of core_attn /
+    core_attn_mlp is left out: the packed and blocked kernels do not run it twice."""
     h, f, layers = shape["hidden_size"], shape["intermediate_size"], shape["num_hidden_layers"]
     heads, kv, vocab = shape["num_attention_heads"], shape["num_key_value_heads"], shape["vocab_size"]
     head_dim = h // heads
@@ -402,7 +405,7 @@ def step_flops(shape: dict, prompt_tokens: float, response_tokens: float, rows: 
     out = {"rollout": rollout, "ref_logprob": forward(shared_prompts) if reference else 0.0,
            "old_logprob": forward(shared_prompts) if old_pass else 0.0, "update": 3 * forward(shared_update)}
     rerun = {"full": per_token / layers + attention / layers, "full_attn": 2 * projections + attention / layers,
-             "core_attn_mlp": 2 * 3 * h * f}.get(recompute, 0.0)   # per token and recomputed layer
+             "core_attn_mlp": 2 * (3 if down_rerun else 2) * h * f}.get(recompute, 0.0)   # per token and layer
     update_tokens = (distinct_prompt_tokens if shared_update else prompt_tokens) + response_tokens
     update_recompute = update_tokens * rerun * (layers if recomputed_layers is None else recomputed_layers)
     if critic:
@@ -570,7 +573,8 @@ def run(args) -> dict:
                        shared_update=config.share_prompt_prefix and args.rollout_n > 1
                        and config.recompute_what not in ("full", "full_attn"), critic=critic,
                        value_pass=mean("time/values") > 0, recompute=config.recompute_what,
-                       recomputed_layers=shape["num_hidden_layers"] - len(config.no_recompute_layers))
+                       recomputed_layers=shape["num_hidden_layers"] - len(config.no_recompute_layers),
+                       down_rerun=config.lora or config.tensor_parallel_degree > 1)
     result = {
         "workload": args.workload, "model": spec["model"] if spec["model"] != "path" else args.model_path,
         "prompts": args.prompts, "rollout_n": args.rollout_n, "prompt_len": mean("prompt_length/mean"),

@@ -205,13 +205,18 @@ def test_stage_peak_kinds_follow_each_stages_precision():
 
 def test_update_rerun_counts_what_the_recompute_runs_again():
     """The update's FLOPs are three forwards; `update_recompute` adds the blocks its backward runs again: the MLP's
-    products (core_attn_mlp), the whole layer (full), in the layers not in no_recompute_layers; rated apart."""
+    gate / up products (core_attn_mlp), the whole layer (full), in the layers not in no_recompute_layers; rated
+    apart."""
     shape = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
                  num_key_value_heads=2, vocab_size=100)
     args = (shape, 40.0, 160.0, 8, False, False)
     plain, mlp = bench.step_flops(*args), bench.step_flops(*args, recompute="core_attn_mlp")
     assert plain["update_recompute"] == 0.0 and mlp["update"] == plain["update"] and mlp["step"] == plain["step"]
-    assert mlp["update_recompute"] == 200.0 * 4 * 2 * 3 * 64 * 128   # tokens x layers x the MLP's products
+    # tokens x layers x the MLP's gate and up products (the down projection's forward is not run again), all three
+    # where Paddle's recompute reruns the block (LoRA, tensor parallelism)
+    assert mlp["update_recompute"] == 200.0 * 4 * 2 * 2 * 64 * 128
+    assert bench.step_flops(*args, recompute="core_attn_mlp", down_rerun=True)["update_recompute"] == \
+        200.0 * 4 * 2 * 3 * 64 * 128
     assert bench.step_flops(*args, recompute="core_attn_mlp", recomputed_layers=1)["update_recompute"] == \
         mlp["update_recompute"] / 4
     full = bench.step_flops(*args, recompute="full")["update_recompute"]

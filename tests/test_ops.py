@@ -577,7 +577,8 @@ def test_model_gradients_with_kernels_and_recompute(rng, monkeypatch):
     """A decoder's log-prob gradients are the same with the fused kernels or the references, and with each
     recompute_granularity (paddle.distributed.fleet.utils.recompute on CPU): full reruns every layer in the
     backward, full_attn every self-attention block, core_attn every attention core (softmax(QK^T)V) and nothing
-    else, core_attn_mlp every attention core and MLP block."""
+    else, core_attn_mlp every attention core and the MLP block up to its down projection (whose gradients are
+    taken without its forward)."""
     from paddle_rl.models.decoder import MLP, Attention, DecoderLayer
     from paddle_rl.models.logprobs import token_logprobs
     model = _training_decoder(seed=1, vocab=120, layers=2)
@@ -586,7 +587,7 @@ def test_model_gradients_with_kernels_and_recompute(rng, monkeypatch):
     mask = paddle.to_tensor(np.array([[1] * 10, [0] * 3 + [1] * 7, [0] + [1] * 9]))
     # calls of each part, counted apart in the forward pass and in the backward
     parts = {"layer": (DecoderLayer, "forward"), "attention": (Attention, "forward"), "core": (Attention, "_core"),
-             "mlp": (MLP, "forward")}
+             "mlp": (MLP, "forward"), "mlp_inner": (MLP, "inner")}
     calls = {}
     phase = ["forward"]
 
@@ -617,13 +618,63 @@ def test_model_gradients_with_kernels_and_recompute(rng, monkeypatch):
     model.recompute = None
     n = cfg.num_hidden_layers
     # without recompute the backward reuses the saved activations; with it the recomputed part runs again
-    rerun = {None: (0, 0, 0, 0), "full": (n, n, n, n), "full_attn": (0, n, n, 0), "core_attn": (0, 0, n, 0),
-             "core_attn_mlp": (0, 0, n, n)}
+    rerun = {None: (0, 0, 0, 0, 0), "full": (n, n, n, n, n), "full_attn": (0, n, n, 0, 0),
+             "core_attn": (0, 0, n, 0, 0), "core_attn_mlp": (0, 0, n, 0, n)}
     for (mode, recompute), got in counts.items():
         assert tuple(got[name] for name in parts) == rerun[recompute], (mode, recompute, got)
     for key in grads:
         for name, ref in grads["on", None].items():
             close(grads[key][name], ref, rel=1e-4, what=f"{key} {name}")
+
+
+@pytest.mark.parametrize("bf16", [False, True])
+def test_mlp_recompute_takes_the_down_projections_gradients_without_its_forward(rng, monkeypatch, bf16):
+    """core_attn_mlp keeps each MLP block's input only; its backward makes the down projection's input again and
+    takes that projection's gradients from it (ops.product_gradients) without running its forward: the gradients of
+    every parameter are those of core_attn (the block's activations kept), bit for bit, in float32 and with bf16
+    products, and of Paddle's recompute of the whole block; the down projection's forward runs once per layer
+    (Paddle's recompute: twice). With the stand-in's backward perturbed the gradients differ."""
+    from paddle_rl.models.decoder import _MlpRecompute
+    from paddle_rl.models.layers import RowLinear
+    from paddle_rl.models.logprobs import token_logprobs
+    model = _training_decoder(seed=4, vocab=100, layers=3)
+    if bf16:
+        model.set_bf16(True, True)
+    ids = paddle.to_tensor(rng.integers(0, 100, (3, 11)))
+    mask = paddle.to_tensor(np.array([[1] * 11, [0] * 3 + [1] * 8, [0] + [1] * 10]))
+    downs = []
+    forward = RowLinear.forward
+    monkeypatch.setattr(RowLinear, "forward",
+                        lambda self, *a, **k: downs.append(self.module_names[0]) or forward(self, *a, **k))
+
+    def grads(recompute):
+        model.recompute = recompute
+        downs.clear()
+        logp, entropy = token_logprobs(model, ids, mask, 4, ids[:, 4:], 0.9, with_entropy=True)
+        (logp.sum() - 0.1 * entropy.sum()).backward()
+        out = {n: p.grad.numpy().copy() for n, p in model.named_parameters()}
+        model.clear_gradients()
+        model.recompute = None
+        return out, sum("down_proj" in name for name in downs)
+
+    kept, kept_downs = grads("core_attn")
+    ours, our_downs = grads("core_attn_mlp")
+    with monkeypatch.context() as m:
+        m.setattr(_MlpRecompute, "applies", staticmethod(lambda *a: False))   # Paddle's recompute of the block
+        paddle_rc, paddle_downs = grads("core_attn_mlp")
+    layers = model.config.num_hidden_layers
+    assert (kept_downs, our_downs, paddle_downs) == (layers, layers, 2 * layers)
+    assert kept.keys() == ours.keys() == paddle_rc.keys()
+    for name, ref in kept.items():
+        np.testing.assert_array_equal(ours[name], ref, err_msg=name)
+        np.testing.assert_array_equal(paddle_rc[name], ref, err_msg=name)
+    with monkeypatch.context() as m:
+        backward = ops.linear._ProductGradients.backward
+        m.setattr(ops.linear._ProductGradients, "backward",
+                  staticmethod(lambda ctx, dy: backward(ctx, dy * 1.001)))
+        perturbed, _ = grads("core_attn_mlp")
+    changed = [n for n in kept if not np.array_equal(perturbed[n], kept[n])]
+    assert any("down_proj" in n for n in changed) and any("gate_up" in n for n in changed), changed
 
 
 @pytest.mark.parametrize("shape", [(3, 5, 2 * 48), (1, 1, 2 * 688), (7, 2), (4, 40, 2 * 1376)])

@@ -109,6 +109,43 @@ def recompute_from_bf16(fn, h):
     return _RecomputeFromBf16.apply(h, fn)
 
 
+class _MlpRecompute(PyLayer):
+    # A dense MLP block (its norm, gate / up, the gated activation, down) keeping only its input. The forward runs
+    # the block without autograd; the backward runs it again with autograd up to the down projection's input and
+    # takes the down projection's gradients from that input (ops.product_gradients) without its forward, whose
+    # output the backward does not need: Paddle's recompute runs the whole block again, a third more products.
+    # The same gradients, bit for bit (tests/test_ops.py).
+    @staticmethod
+    def applies(layer, x, p) -> bool:
+        """The block is the pre-norm dense MLP, its down projection a plain product (no LoRA, bias, tensor or
+        sequence parallelism, packed copy or half products) and its input takes a gradient (else the parameters
+        inside would not get theirs through a PyLayer); otherwise Paddle's recompute runs it."""
+        mlp = layer.mlp
+        down, gate_up = mlp.down_proj, mlp.gate_up_proj
+        return (not layer.sandwich and p.tokens is None and not x.stop_gradient and paddle.is_grad_enabled()
+                and down.lora is None and gate_up.lora is None and down.bias is None and down.group is None
+                and down.packed is None and down.half is None and down.weight.dtype == paddle.float32)
+
+    @staticmethod
+    def forward(ctx, x, layer, p):
+        ctx.layer, ctx.p = layer, p
+        ctx.save_for_backward(x)
+        return layer._mlp_block(x, p)
+
+    @staticmethod
+    def backward(ctx, dy):
+        (x,) = ctx.saved_tensor()
+        layer = ctx.layer
+        down = layer.mlp.down_proj
+        x = x.detach()
+        x.stop_gradient = False
+        with paddle.set_grad_enabled(True):
+            inner = layer.mlp.inner(layer.post_attention_layernorm(x))
+            y = ops.product_gradients(inner, down.weight, bf16=down.bf16)
+        paddle.autograd.backward([y], [dy])
+        return x.grad
+
+
 class LayerCache:
     """Keys and values of one layer: buffers k, v [B, kv_heads, capacity, head_dim] allocated once and written
     in place; slots [0, length) hold the tokens seen so far. Without a capacity the buffers grow by doubling.
@@ -423,10 +460,14 @@ class MLP(nn.Layer):
 
     def forward(self, x, p: Optional[Pass] = None):
         tokens = None if p is None else p.tokens  # sequence parallelism: x and the output hold this rank's tokens
+        return self.down_proj(self.inner(x, tokens), tokens)
+
+    def inner(self, x, tokens=None):
+        """The down projection's input: the gated activation of the gate / up projection."""
         if self.activation == "silu":
-            return self.down_proj(ops.swiglu(self.gate_up_proj(x, tokens)), tokens)
+            return ops.swiglu(self.gate_up_proj(x, tokens))
         gate, up = paddle.split(self.gate_up_proj(x, tokens), 2, axis=-1)  # a rank's shard is [gate shard, up shard]
-        return self.down_proj(F.gelu(gate, approximate=True) * up, tokens)
+        return F.gelu(gate, approximate=True) * up
 
 
 class DecoderLayer(nn.Layer):
@@ -474,7 +515,10 @@ class DecoderLayer(nn.Layer):
         else:
             x = ops.residual_add(x, self._attn_block(h, p, cache))
         if p.recompute == "core_attn_mlp" and isinstance(self.mlp, MLP):
-            # only the block's input is kept: the norm's output, gate/up and SwiGLU outputs are made again
+            # only the block's input is kept: the norm's output, gate/up and SwiGLU outputs are made again, and the
+            # down projection's gradients taken without its forward where _MlpRecompute applies
+            if _MlpRecompute.applies(self, x, p):
+                return ops.residual_add(x, _MlpRecompute.apply(x, self, p))
             return ops.residual_add(x, _recompute(self._mlp_block, x, p, reentrant=p.reentrant))
         return ops.residual_add(x, self._mlp_block(x, p))
 

@@ -16,6 +16,9 @@ when it is in use, else the reference). `configure("auto" | "on" | "off")` selec
 - bf16_linear: x W with bfloat16-rounded operands and float32 sums in the forward and both gradients (`bf16: true`
   training on a CPU), its products by bf16_matmul: AMX-BF16, AVX512-BF16 or AVX2 kernels where the CPU has them,
   else emulated (rounded copies, float32 matmul)
+- product_gradients: a stand-in for x W (float32 or bf16_linear's) whose forward computes nothing and whose backward
+  is the product's: a recomputed block's last product, whose output the backward does not need (no reference /
+  fused pair: it runs no kernel of its own)
 - half_linear: x W as a float16 (IEEE half) or bfloat16 matmul with float32 sums, forward and both gradients, the
   outputs rounded too under AMP O2 (`fp16: true`, `fp16_opt_level`; half.py); float16 always emulated
 - kv_place: the rollout's KV-cache relayout (rows' windows copied into another buffer, in place)
@@ -53,7 +56,8 @@ from .linear import (ROLLOUT_DTYPES, BF16_KERNELS, bf16_kernel, bf16_kernels, bf
                      pack_weight_fused,
                      pack_weight_lowp, pack_weight_lowp_fused, pack_weight_lowp_reference, pack_weight_reference,
                      packed_linear, packed_linear_fused, packed_linear_lowp, packed_linear_lowp_fused,
-                     packed_linear_lowp_reference, packed_linear_reference, packing_helps, rollout_weight_format,
+                     packed_linear_lowp_reference, packed_linear_reference, packing_helps, product_gradients,
+                     rollout_weight_format,
                      to_bf16, to_bf16_fused, to_bf16_reference)
 from .logprob import lm_head_logprobs, lm_head_logprobs_reference, logprobs_from_logits, row_argmax
 from .norm import rms_norm, rms_norm_fused, rms_norm_reference
@@ -74,7 +78,7 @@ __all__ = ["configure", "available", "mode", "status", "CustomOpsError",
            "rotary_qkv_cache", "rotary_qkv_cache_fused", "rotary_qkv_cache_reference",
            "kv_place", "kv_place_fused", "kv_place_reference",
            "pack_weight", "pack_weight_fused", "pack_weight_reference",
-           "packed_linear", "packed_linear_fused", "packed_linear_reference", "packing_helps",
+           "packed_linear", "packed_linear_fused", "packed_linear_reference", "packing_helps", "product_gradients",
            "bf16_linear", "bf16_linear_reference", "round_bf16", "BF16_KERNELS", "bf16_kernel", "bf16_kernels",
            "bf16_matmul", "bf16_matmul_accumulate", "bf16_matmul_fused", "bf16_matmul_packed", "bf16_pack_b",
            "Bf16PackedB",

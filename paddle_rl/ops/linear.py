@@ -327,17 +327,56 @@ class _Bf16Linear(PyLayer):
     def backward(ctx, dy):
         saved = ctx.saved_tensor()
         x, w = (saved[0], saved[1]) if ctx.needs[1] else (None, saved[0])
-        k, n = w.shape
-        dy2 = dy.reshape([-1, n])
-        if ctx.fused:
-            dx = bf16_matmul_fused(dy2, w, trans_b=True).reshape(ctx.x_shape) if ctx.needs[0] else None
-            dw = bf16_matmul_fused(x.reshape([-1, k]), dy2, trans_a=True) if ctx.needs[1] else None
-            return dx, dw
-        x = x.astype("float32").reshape([-1, k]) if x is not None else None
-        dyr = round_bf16(dy2)
-        dx = paddle.matmul(dyr, round_bf16(w), transpose_y=True).reshape(ctx.x_shape) if ctx.needs[0] else None
-        dw = paddle.matmul(x, dyr, transpose_x=True) if ctx.needs[1] else None
+        return _bf16_linear_grads(x, w, dy, ctx.fused, ctx.needs, ctx.x_shape)
+
+
+def _bf16_linear_grads(x, w, dy, fused: bool, needs, x_shape):
+    """(dx, dW) of x @ w with bfloat16 products (None where needs says no): x is the input's bfloat16 rounding
+    (to_bf16_fused's with `fused`, a Paddle bfloat16 tensor without) or None when W takes no gradient."""
+    k, n = w.shape
+    dy2 = dy.reshape([-1, n])
+    if fused:
+        dx = bf16_matmul_fused(dy2, w, trans_b=True).reshape(x_shape) if needs[0] else None
+        dw = bf16_matmul_fused(x.reshape([-1, k]), dy2, trans_a=True) if needs[1] else None
         return dx, dw
+    x = x.astype("float32").reshape([-1, k]) if x is not None else None
+    dyr = round_bf16(dy2)
+    dx = paddle.matmul(dyr, round_bf16(w), transpose_y=True).reshape(x_shape) if needs[0] else None
+    dw = paddle.matmul(x, dyr, transpose_x=True) if needs[1] else None
+    return dx, dw
+
+
+class _ProductGradients(PyLayer):
+    # The forward computes nothing (its output is uninitialized memory); the backward is the product's: Paddle's
+    # matmul gradients (dx = dy W^T, dW = x^T dy, as one product each over the flattened rows: the calls Paddle's
+    # own matmul backward makes, so the same bits), or bf16_linear's (`bf16`; `fused`: by the bf16 kernel)
+    @staticmethod
+    def forward(ctx, x, weight, bf16: bool, fused: bool):
+        ctx.needs = (not x.stop_gradient, not weight.stop_gradient)
+        ctx.bf16, ctx.fused, ctx.x_shape = bf16, fused, x.shape
+        ctx.save_for_backward(x, weight)
+        return paddle.empty(x.shape[:-1] + [weight.shape[1]], x.dtype)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, w = ctx.saved_tensor()
+        if ctx.bf16:
+            if ctx.needs[1]:
+                x = to_bf16_fused(x) if ctx.fused else x.astype("bfloat16")
+            return _bf16_linear_grads(x if ctx.needs[1] else None, w, dy, ctx.fused, ctx.needs, ctx.x_shape)
+        k, n = w.shape
+        dx = paddle.matmul(dy, w, transpose_y=True) if ctx.needs[0] else None
+        dw = paddle.matmul(x.reshape([-1, k]), dy.reshape([-1, n]), transpose_x=True) if ctx.needs[1] else None
+        return dx, dw
+
+
+def product_gradients(x, weight, bf16: bool = False):
+    """A stand-in for x @ weight (or bf16_linear(x, weight) with `bf16`) in a block recomputed in the backward
+    whose output is not needed again: nothing is computed forward (the result is uninitialized) and backpropagating
+    dy through it gives the product's gradients, the same bits. Used for the MLP's down projection under
+    recompute_granularity core_attn_mlp (models/decoder.py): its input is made again, its output is not."""
+    fused = bf16 and bf16_kernel(x, weight) != "emulated"
+    return _ProductGradients.apply(x, weight, bool(bf16), fused)
 
 
 def bf16_linear_reference(x, weight):
