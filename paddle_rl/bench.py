@@ -383,8 +383,8 @@ def step_flops(shape: dict, prompt_tokens: float, response_tokens: float, rows: 
     vocabulary's). The update counts its forward and backward (three forwards); `update_recompute` is what the
     actor's backward runs again under `recompute` (a recompute_granularity) in `recomputed_layers` of its layers
     (default: all): full the whole layer, full_attn the attention block, core_attn_mlp the MLP's gate and up
-    products (the down projection's gradients are taken without its forward), or all three with `down_rerun` (LoRA
-    or tensor parallelism, where Paddle's recompute reruns the whole block); the attention core of core_attn /
+    products (the down projection's gradients are taken without its forward), or all three with `down_rerun` (LoRA,
+    tensor parallelism, sandwich norms: where Paddle's recompute reruns the whole block); the attention core of core_attn /
     core_attn_mlp is left out: the packed and blocked kernels do not run it twice."""
     h, f, layers = shape["hidden_size"], shape["intermediate_size"], shape["num_hidden_layers"]
     heads, kv, vocab = shape["num_attention_heads"], shape["num_key_value_heads"], shape["vocab_size"]
@@ -511,6 +511,7 @@ def run(args) -> dict:
     import numpy as np
 
     # deferred: the trainer loads Paddle, only when a workload runs (after configure_threads)
+    from .models.decoder import mlp_recompute_reruns_down
     from .trainer import RLTrainer
     from .trainer.logprobs import reuses_rollout_logprobs
 
@@ -555,6 +556,7 @@ def run(args) -> dict:
         switches = kernel_switches(config, trainer.actor)
         # the old-log-prob stage runs a forward unless it takes the rollout's own log-probs (reuse_rollout_logprobs)
         old_pass = not reuses_rollout_logprobs(config, trainer.mini_batches_per_step)
+        down_rerun = mlp_recompute_reruns_down(trainer.actor) or config.sequence_parallel
         del trainer
     timed = records[args.warmup:] or records[-1:]
 
@@ -574,7 +576,7 @@ def run(args) -> dict:
                        and config.recompute_what not in ("full", "full_attn"), critic=critic,
                        value_pass=mean("time/values") > 0, recompute=config.recompute_what,
                        recomputed_layers=shape["num_hidden_layers"] - len(config.no_recompute_layers),
-                       down_rerun=config.lora or config.tensor_parallel_degree > 1)
+                       down_rerun=down_rerun)
     result = {
         "workload": args.workload, "model": spec["model"] if spec["model"] != "path" else args.model_path,
         "prompts": args.prompts, "rollout_n": args.rollout_n, "prompt_len": mean("prompt_length/mean"),

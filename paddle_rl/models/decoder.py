@@ -116,15 +116,22 @@ class _MlpRecompute(PyLayer):
     # output the backward does not need: Paddle's recompute runs the whole block again, a third more products.
     # The same gradients, bit for bit (tests/test_ops.py).
     @staticmethod
-    def applies(layer, x, p) -> bool:
-        """The block is the pre-norm dense MLP, its down projection a plain product (no LoRA, bias, tensor or
-        sequence parallelism, packed copy or half products) and its input takes a gradient (else the parameters
-        inside would not get theirs through a PyLayer); otherwise Paddle's recompute runs it."""
+    def fits(layer) -> bool:
+        """The layer's block is the pre-norm dense MLP and its down projection a plain product (no LoRA, bias,
+        tensor parallelism, packed copy or half products)."""
         mlp = layer.mlp
+        if not isinstance(mlp, MLP) or layer.sandwich:
+            return False
         down, gate_up = mlp.down_proj, mlp.gate_up_proj
-        return (not layer.sandwich and p.tokens is None and not x.stop_gradient and paddle.is_grad_enabled()
-                and down.lora is None and gate_up.lora is None and down.bias is None and down.group is None
+        return (down.lora is None and gate_up.lora is None and down.bias is None and down.group is None
                 and down.packed is None and down.half is None and down.weight.dtype == paddle.float32)
+
+    @staticmethod
+    def applies(layer, x, p) -> bool:
+        """The block fits, without sequence parallelism, and its input takes a gradient (else the parameters inside
+        would not get theirs through a PyLayer); otherwise Paddle's recompute runs it."""
+        return (p.tokens is None and not x.stop_gradient and paddle.is_grad_enabled()
+                and _MlpRecompute.fits(layer))
 
     @staticmethod
     def forward(ctx, x, layer, p):
@@ -144,6 +151,13 @@ class _MlpRecompute(PyLayer):
             y = ops.product_gradients(inner, down.weight, bf16=down.bf16)
         paddle.autograd.backward([y], [dy])
         return x.grad
+
+
+def mlp_recompute_reruns_down(model) -> bool:
+    """Whether recompute_granularity core_attn_mlp reruns some dense MLP block whole, its down projection's forward
+    included (a block _MlpRecompute does not fit; sequence parallelism, decided per pass, is not seen here)."""
+    return any(isinstance(m, DecoderLayer) and isinstance(m.mlp, MLP) and not _MlpRecompute.fits(m)
+               for m in model.sublayers())
 
 
 class LayerCache:
