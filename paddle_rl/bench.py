@@ -384,8 +384,8 @@ def step_flops(shape: dict, prompt_tokens: float, response_tokens: float, rows: 
     actor's backward runs again under `recompute` (a recompute_granularity) in `recomputed_layers` of its layers
     (default: all): full the whole layer, full_attn the attention block, core_attn_mlp the MLP's gate and up
     products (the down projection's gradients are taken without its forward), or all three with `down_rerun` (LoRA,
-    tensor parallelism, sandwich norms: where Paddle's recompute reruns the whole block); the attention core of core_attn /
-    core_attn_mlp is left out: the packed and blocked kernels do not run it twice."""
+    tensor parallelism, sandwich norms: where Paddle's recompute reruns the whole block); the attention core of
+    core_attn / core_attn_mlp is left out: the packed and blocked kernels do not run it twice."""
     h, f, layers = shape["hidden_size"], shape["intermediate_size"], shape["num_hidden_layers"]
     heads, kv, vocab = shape["num_attention_heads"], shape["num_key_value_heads"], shape["vocab_size"]
     head_dim = h // heads

@@ -88,7 +88,8 @@ class ModelArgs:
                                              "sequence length, are not kept; the packed CPU kernel keeps none "
                                              "anyway and is not run twice) | core_attn_mlp (this suite's: the "
                                              "attention core and each dense MLP block with its norm, the down "
-                                             "projection's forward not run again; sparse MoE blocks are kept). With bf16 on a CPU, full_attn and core_attn_mlp "
+                                             "projection's forward not run again; sparse MoE blocks are kept). "
+                                             "With bf16 on a CPU, full_attn and core_attn_mlp "
                                              "recompute each attention block from its input's bfloat16 rounding "
                                              "(what its q/k/v product reads), the one tensor it keeps.")
     no_recompute_layers: list = arg([], "PaddleNLP's: decoder layers (indices from 0 over the whole model, as in "
