@@ -418,8 +418,11 @@ def test_reward_server_200_hostile_programs_from_16_clients(code_server):
 
 
 @isolated
+@pytest.mark.slow
 def test_reward_server_500_programs_from_16_clients(code_server):
-    """500 programs, each echoing its own number, from 16 concurrent clients: none lost or mixed up."""
+    """500 programs, each echoing its own number, from 16 concurrent clients: none lost or mixed up (the scale
+    check; test_reward_server_200_hostile_programs_from_16_clients checks the same with hostile programs by
+    default)."""
     from concurrent.futures import ThreadPoolExecutor
 
     import httpx

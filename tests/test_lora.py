@@ -252,8 +252,10 @@ def single(micro, tmp_path_factory):
     return root
 
 
-@pytest.mark.parametrize("degrees", [dict(tensor_parallel_degree=2), dict(data_parallel_degree=2),
-                                     dict(sharding_parallel_degree=2, sharding="stage2"),
+@pytest.mark.parametrize("degrees", [dict(tensor_parallel_degree=2),
+                                     pytest.param(dict(data_parallel_degree=2), marks=pytest.mark.slow),
+                                     pytest.param(dict(sharding_parallel_degree=2, sharding="stage2"),
+                                                  marks=pytest.mark.slow),
                                      dict(pipeline_parallel_degree=2)],
                          ids=["tp2", "dp2", "sharding2", "pp2"])
 def test_parallel_layouts_equal_one_process(micro, single, degrees):

@@ -287,7 +287,8 @@ def test_data_parallel_ppo_with_a_critic(setup, ppo_single):
     assert memory == [alone, alone]  # replicated: each rank holds the whole critic's moments
 
 
-@pytest.mark.parametrize("degrees", [dict(sharding_parallel_degree=2, sharding="stage1"),
+@pytest.mark.parametrize("degrees", [pytest.param(dict(sharding_parallel_degree=2, sharding="stage1"),
+                                                  marks=pytest.mark.slow),
                                      dict(sharding_parallel_degree=2, sharding="stage2"),
                                      dict(tensor_parallel_degree=2),
                                      pytest.param(dict(tensor_parallel_degree=2, sequence_parallel=True),

@@ -243,7 +243,7 @@ def test_the_gap_is_reported_without_any_correction_key(micro, parity_plugin, tm
         assert runs[2][step]["rollout_corr/k3_kl"] > 2 * runs[1][step]["rollout_corr/k3_kl"]
 
 
-@pytest.mark.parametrize("staleness", [1, 2])
+@pytest.mark.parametrize("staleness", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_correction_changes_the_update_of_a_stale_rollout(micro, parity_plugin, tmp_path, tmp_path_factory,
                                                           staleness):
     """rollout_is: token and rollout_rs: token on a batch lagging by `staleness` versions: the same gap measured,
