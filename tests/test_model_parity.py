@@ -135,6 +135,40 @@ def test_bf16_checkpoint_loads(tmp_path):
     assert np.array_equal(ours.embed_tokens.weight.numpy(), expected)
 
 
+@pytest.mark.parametrize("tie", [False, True])
+def test_models_are_built_unfilled_and_loaded_to_the_same_bits(tmp_path, tie):
+    """load_model builds the model unfilled (no initializer runs, no memory until a value is set): every parameter
+    then holds the checkpoint's bits, as in a model built with its initializers and loaded over them. A load that
+    leaves a parameter of an unfilled model without a value stops, naming it (here: a LoRA adapter, which holds the
+    adapters only, loaded onto an unfilled base)."""
+    from paddle_rl.models import ModelConfig, load_weights, unfilled
+    from paddle_rl.models.decoder import CausalLM
+    from paddle_rl.models.lora import LoraSettings, add_adapters
+    hf = _hf_model("qwen2", tie)
+    hf.save_pretrained(tmp_path / "hf", safe_serialization=True)
+    folder = str(tmp_path / "hf")
+    config = ModelConfig.from_pretrained(folder)
+    empty = unfilled(config)
+    assert [p._is_initialized() for p in empty.parameters()] == [False] * len(empty.parameters())
+    filled = CausalLM(config)
+    assert all(p._is_initialized() for p in filled.parameters())
+    load_weights(filled, folder)
+    ours = load_model(folder)
+    names = [n for n, _ in filled.named_parameters()]
+    assert names == [n for n, _ in ours.named_parameters()] and len(names) == (16 if tie else 17)
+    for (name, a), b in zip(filled.named_parameters(), ours.parameters()):
+        assert np.array_equal(a.numpy(), b.numpy()), name
+    ids, mask = _inputs()
+    assert np.array_equal(ours(paddle.to_tensor(ids), paddle.to_tensor(mask)).numpy(),
+                          filled(paddle.to_tensor(ids), paddle.to_tensor(mask)).numpy())
+    lora = LoraSettings(rank=2, alpha=4.0, target_modules=("q_proj",))
+    save_model(load_model(folder, lora=lora), str(tmp_path / "adapter"))
+    base = unfilled(config)
+    add_adapters(base, lora)
+    with pytest.raises(ValueError, match=r"adapter.*: parameters left without a value: embed_tokens.weight, "):
+        load_weights(base, str(tmp_path / "adapter"))
+
+
 def test_missing_checkpoint_file_is_named(tmp_path):
     hf = _hf_model("qwen2", False)
     hf.save_pretrained(tmp_path / "hf", safe_serialization=True)

@@ -7,7 +7,7 @@ import numpy as np
 import paddle
 
 from ..batch import StepBatch
-from ..models import CausalLM, load_weights
+from ..models import load_weights, unfilled
 from ..models.lora import merge_state
 from ..parallel import collectives as C
 
@@ -28,7 +28,7 @@ class Rollout:
         state = merge_state(self._layout.full_state(model), model.lora)  # LoRA: the merged weights
         if self._copy is None:
             with paddle.utils.unique_name.guard("rollout_"):
-                self._copy = CausalLM(model.config, self._topo.group("rollout"))
+                self._copy = unfilled(model.config, self._topo.group("rollout"))
             self._copy.eval()
             for p in self._copy.parameters():
                 p.stop_gradient = True

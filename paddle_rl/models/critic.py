@@ -15,7 +15,7 @@ from .config import ModelConfig
 from .decoder import CausalLM
 from .logprobs import context_head, response_head
 from .lora import LoraSettings, add_adapters
-from .pretrained import load_model, load_weights
+from .pretrained import load_model, load_weights, unfilled
 
 SEQUENCE_CLASSIFIER = "ForSequenceClassification"
 
@@ -47,7 +47,7 @@ def load_critic(folder: str, tp_group=None, lora: Optional[LoraSettings] = None,
     if ModelConfig.from_pretrained(folder).sequence_classifier:
         model = load_model(folder, config, tp_group=tp_group, stage=stage)
     else:
-        model = CausalLM(config, tp_group, stage)
+        model = unfilled(config, tp_group, stage)
         state = load_state(folder)
         state["score.weight"] = np.zeros([1, config.hidden_size], dtype=np.float32)  # HF orientation [labels, hidden]
         load_weights(model, state)

@@ -32,7 +32,7 @@ def load_model(folder: str, config: Optional[ModelConfig] = None, tp_group=None,
         raise AdapterError(f"{folder} holds a LoRA adapter, not a model: load the base model with "
                            f"adapter={folder!r} (lora_path in a config)")
     config = config or ModelConfig.from_pretrained(folder)
-    model = CausalLM(config, tp_group, stage)
+    model = unfilled(config, tp_group, stage)
     load_weights(model, folder)
     if adapter is not None:
         add_adapters(model, lora or LoraSettings.from_peft(adapter))
@@ -41,6 +41,14 @@ def load_model(folder: str, config: Optional[ModelConfig] = None, tp_group=None,
         add_adapters(model, lora)
     model.base_folder = folder
     return model
+
+
+def unfilled(config: ModelConfig, tp_group=None, stage=(0, 1)) -> CausalLM:
+    """A model whose parameters hold no values yet, for load_weights to fill (paddle.LazyGuard: neither memory nor
+    the initializers' random numbers until a value is set). Building SmolLM2-135M with its initializers took
+    ~2.1 s that loading then overwrote; unfilled it takes 0.07 s, and the loaded weights are the same bits."""
+    with paddle.LazyGuard():
+        return CausalLM(config, tp_group, stage)
 
 
 def load_weights(model: CausalLM, source) -> None:
@@ -64,6 +72,11 @@ def load_weights(model: CausalLM, source) -> None:
             raise ValueError(f"{where}: {', '.join(param.spec.hf_names)} gives shape {list(value.shape)} for "
                              f"{name}, model expects {list(param.shape)}")
         param.set_value(paddle.to_tensor(np.ascontiguousarray(value), dtype=param.dtype))
+    # an unfilled model (`unfilled`) must not reach a pass with a parameter that holds nothing
+    empty = [name for name, param in model.named_parameters() if not param._is_initialized()]
+    if empty:
+        raise ValueError(f"{where}: parameters left without a value: {', '.join(empty[:5])}"
+                         + (f" and {len(empty) - 5} more" if len(empty) > 5 else ""))
 
 
 def state_problem(model: CausalLM, tensors, exact: bool = True) -> Optional[str]:
