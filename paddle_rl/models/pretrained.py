@@ -7,6 +7,7 @@ from typing import Optional
 import numpy as np
 import paddle
 
+from ..env import training_heap
 from ..model_files.safetensors_io import load_state, save_state
 from .config import ModelConfig
 from .decoder import CausalLM
@@ -54,7 +55,14 @@ def unfilled(config: ModelConfig, tp_group=None, stage=(0, 1)) -> CausalLM:
 def load_weights(model: CausalLM, source) -> None:
     """Overwrite a model's parameters from a Hugging Face folder or a {HF name: array} state (each rank takes
     its own shard through the parameters' specs). A model with LoRA adapters reads only its adapters from a
-    folder holding one (a PEFT adapter, or a LoRA run's checkpoint): the base stays the one it was built on."""
+    folder holding one (a PEFT adapter, or a LoRA run's checkpoint): the base stays the one it was built on.
+    The arrays read and their contiguous copies come from glibc's heap and go back to it (env.training_heap), so
+    each parameter's copy reuses the memory of the one before instead of faulting in fresh pages."""
+    with training_heap():
+        _load_weights(model, source)
+
+
+def _load_weights(model: CausalLM, source) -> None:
     params = specs_of(model)
     if isinstance(source, str) and model.lora is not None and has_adapter(source):
         tensors, where = read_adapter(source), os.path.join(source, ADAPTER_WEIGHTS)
@@ -71,7 +79,10 @@ def load_weights(model: CausalLM, source) -> None:
         if tuple(value.shape) != tuple(param.shape):
             raise ValueError(f"{where}: {', '.join(param.spec.hf_names)} gives shape {list(value.shape)} for "
                              f"{name}, model expects {list(param.shape)}")
-        param.set_value(paddle.to_tensor(np.ascontiguousarray(value), dtype=param.dtype))
+        value = np.ascontiguousarray(value)
+        # float32 into a float32 parameter: one copy (set_value of the array), not two (a tensor of it first)
+        param.set_value(value if value.dtype == np.float32 and param.dtype == paddle.float32 else
+                        paddle.to_tensor(value, dtype=param.dtype))
     # an unfilled model (`unfilled`) must not reach a pass with a parameter that holds nothing
     empty = [name for name, param in model.named_parameters() if not param._is_initialized()]
     if empty:
