@@ -8,12 +8,12 @@ Paddle's CPU tensors come straight from malloc, and glibc serves blocks over 32 
 is unmapped on free, so every large activation pays its page faults again (a 64 MB element-wise op: 27 ms
 instead of 17; a fresh [5100, 576] float32 sum 4.4 ms against 1.4 from the heap). PADDLE_RL_MALLOC says what
 glibc does:
-- `train` (the default): while a training run's steps go on (`training_heap`, entered by the step loop) and while
-  a model's weights load (`models.load_weights`), every block comes from the heap and freed memory stays there, as
-  a caching allocator would keep it; when the run ends glibc's mapping is back and the freed heap goes back to the
-  system (malloc_trim). Costs: the peak RSS can grow by what the heap's free pieces hold (W3 float32: 6.1 -> 6.6
-  GB; with `heap` 6.5 -> 7.1 GB, and a 0.5B model with recompute off 9.3 -> 11.2 GB); the time saved is the page
-  faults (W3's bf16 step: median 66.4 -> 59.4 s in one sitting; docs/performance.md).
+- `train` (the default): while a training run's steps go on (`training_heap`, entered by the step loop), every
+  block comes from the heap and freed memory stays there, as a caching allocator would keep it; when the run
+  ends glibc's mapping is back and the freed heap goes back to the system (malloc_trim). Costs: the peak RSS
+  can grow by what the heap's free pieces hold (W3 float32: 6.1 -> 6.6 GB; with `heap` 6.5 -> 7.1 GB, and a 0.5B
+  model with recompute off 9.3 -> 11.2 GB); the time saved is the page faults (W3's bf16 step: median 66.4 ->
+  59.4 s in one sitting; docs/performance.md).
 - `heap`: the same for the whole process from its start (`configure_allocator`, before Paddle is imported).
 - `system`: glibc's own behaviour throughout.
 
@@ -92,32 +92,18 @@ def configure_allocator() -> bool:
     return libc is not None and _keep_in_heap(libc)
 
 
-_heap_depth = 0   # training_heap contexts open (the outermost applies and restores)
-
-
 @contextlib.contextmanager
 def training_heap():
     """Within: every block from the heap and freed memory kept there (PADDLE_RL_MALLOC=train, the default; glibc
     only); after: glibc's mmap for large blocks again and the heap's free memory returned (malloc_trim). Yields
-    whether it applied (not under heap, which already holds for the whole process, nor system). Nested contexts
-    (a model loaded within a run's steps) leave it to the outermost."""
-    global _heap_depth
-    if _heap_depth:
-        _heap_depth += 1
-        try:
-            yield True
-        finally:
-            _heap_depth -= 1
-        return
+    whether it applied (not under heap, which already holds for the whole process, nor system)."""
     libc = _glibc() if malloc_mode() == "train" else None
     if libc is None or not _keep_in_heap(libc):
         yield False
         return
-    _heap_depth = 1
     try:
         yield True
     finally:
-        _heap_depth = 0
         libc.mallopt(_M_MMAP_MAX, _GLIBC_MMAP_MAX)
         libc.mallopt(_M_TRIM_THRESHOLD, _TRIM_AFTER)
         libc.malloc_trim(0)

@@ -7,7 +7,6 @@ from typing import Optional
 import numpy as np
 import paddle
 
-from ..env import training_heap
 from ..model_files.safetensors_io import load_state, save_state
 from .config import ModelConfig
 from .decoder import CausalLM
@@ -55,14 +54,7 @@ def unfilled(config: ModelConfig, tp_group=None, stage=(0, 1)) -> CausalLM:
 def load_weights(model: CausalLM, source) -> None:
     """Overwrite a model's parameters from a Hugging Face folder or a {HF name: array} state (each rank takes
     its own shard through the parameters' specs). A model with LoRA adapters reads only its adapters from a
-    folder holding one (a PEFT adapter, or a LoRA run's checkpoint): the base stays the one it was built on.
-    The arrays read and their contiguous copies come from glibc's heap and go back to it (env.training_heap), so
-    each parameter's copy reuses the memory of the one before instead of faulting in fresh pages."""
-    with training_heap():
-        _load_weights(model, source)
-
-
-def _load_weights(model: CausalLM, source) -> None:
+    folder holding one (a PEFT adapter, or a LoRA run's checkpoint): the base stays the one it was built on."""
     params = specs_of(model)
     if isinstance(source, str) and model.lora is not None and has_adapter(source):
         tensors, where = read_adapter(source), os.path.join(source, ADAPTER_WEIGHTS)
