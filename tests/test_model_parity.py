@@ -7,7 +7,9 @@ from extras import extra  # noqa: E402
 torch = extra("torch")
 transformers = extra("transformers")
 
-from paddle_rl.models import load_model, save_model  # noqa: E402
+from paddle_rl.models import ModelConfig, load_model, load_weights, save_model, unfilled  # noqa: E402
+from paddle_rl.models.decoder import CausalLM  # noqa: E402
+from paddle_rl.models.lora import LoraSettings, add_adapters  # noqa: E402
 import paddle  # noqa: E402
 
 COMMON = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -141,9 +143,6 @@ def test_models_are_built_unfilled_and_loaded_to_the_same_bits(tmp_path, tie):
     then holds the checkpoint's bits, as in a model built with its initializers and loaded over them. A load that
     leaves a parameter of an unfilled model without a value stops, naming it (here: a LoRA adapter, which holds the
     adapters only, loaded onto an unfilled base)."""
-    from paddle_rl.models import ModelConfig, load_weights, unfilled
-    from paddle_rl.models.decoder import CausalLM
-    from paddle_rl.models.lora import LoraSettings, add_adapters
     hf = _hf_model("qwen2", tie)
     hf.save_pretrained(tmp_path / "hf", safe_serialization=True)
     folder = str(tmp_path / "hf")
@@ -180,7 +179,6 @@ def test_missing_checkpoint_file_is_named(tmp_path):
 # --------------------------------------------------------------------------------------------- rope scaling
 
 def _config(**extra):
-    from paddle_rl.models import ModelConfig
     return ModelConfig.from_dict(dict(COMMON, model_type="llama", **extra))
 
 
