@@ -113,6 +113,11 @@ def browser(dashboard):
             b.close()
 
 
+def _tag(response) -> str:
+    """The tag a `/api/scalar/list?run=..&tag=..` request asked for."""
+    return parse_qs(urlparse(response.url).query)["tag"][0]
+
+
 def test_scalar_page_draws_the_runs_reward_and_accuracy(dashboard, browser):
     out, url, _ = dashboard
     rows = {r["step"]: r for r in read_metrics(str(out / "metrics.jsonl"))}
@@ -130,6 +135,11 @@ def test_scalar_page_draws_the_runs_reward_and_accuracy(dashboard, browser):
     # filter to the three charts: exactly their canvases, each drawn
     page.get_by_placeholder("Search tags in RegExp").fill("^(" + "|".join(TAGS) + ")$")
     page.wait_for_function("() => document.querySelectorAll('canvas').length === 3", timeout=30000)
+    # a chart's canvas (axes, labels) is there before its data: wait for the three tags' answers themselves, which
+    # come ~2.5 s after the filter here and later on a loaded machine
+    deadline = time.time() + 30
+    while not set(TAGS) <= {_tag(r) for r in requested if r.status == 200} and time.time() < deadline:
+        page.wait_for_timeout(200)  # Playwright delivers the page's events while it waits
     page.wait_for_timeout(1500)  # echarts' entry animation
     shot = out / "visualdl_scalars.png"
     page.screenshot(path=str(shot), full_page=True)
@@ -139,9 +149,8 @@ def test_scalar_page_draws_the_runs_reward_and_accuracy(dashboard, browser):
     # the charts' data: each tag fetched by the page, holding the run's values at the run's steps
     fetched = {}
     for response in requested:
-        tag = parse_qs(urlparse(response.url).query)["tag"][0]
-        if tag in TAGS and response.status == 200:
-            fetched[tag] = response.json()["data"]
+        if _tag(response) in TAGS and response.status == 200:
+            fetched[_tag(response)] = response.json()["data"]
     assert sorted(fetched) == sorted(TAGS), sorted(fetched)
     for tag, points in fetched.items():
         # VisualDL's list: [wall time ms, step, value] per point
