@@ -382,9 +382,11 @@ def test_reward_server_survives_hostile_programs(code_server):
 
 @isolated
 def test_reward_server_200_hostile_programs_from_16_clients(code_server):
-    """200 samples from 16 concurrent clients, seven in eight hostile (early exits, an exec of another binary, a
+    """200 samples from 16 concurrent clients, most of them hostile (early exits, an exec of another binary, a
     lying __eq__, a sleeper past the worker's time limit, whose worker is killed, a child left behind by its parent,
-    files in /tmp and /dev/shm), each right one echoing its own number: every score is right and nothing is left."""
+    files in /tmp and /dev/shm), each right one echoing its own number: every score is right and nothing is left.
+    The sleeper comes once in 24 samples (9 workers killed; each holds one of the 2 workers for the 2-s limit), the
+    others once in 8."""
     from concurrent.futures import ThreadPoolExecutor
 
     import httpx
@@ -401,8 +403,11 @@ def test_reward_server_200_hostile_programs_from_16_clients(code_server):
              "class Y(str):\n    def __eq__(s, o):\n        return True\nprint(Y(''))",
              "import os\nos.execv('/bin/sh', ['sh', '-c', 'exit 0'])"]
     with httpx.Client(timeout=120.0, limits=httpx.Limits(max_connections=16)) as client:
+        def kind(k):  # the sleeper (kinds[3]) in one sample of 24, the right program in its other two places
+            return 0 if k % len(kinds) == 3 and k % 24 != 3 else k % len(kinds)
+
         def call(k):
-            r = client.post(url, json={"samples": [_program_sample(kinds[k % len(kinds)], k)]})
+            r = client.post(url, json={"samples": [_program_sample(kinds[kind(k)], k)]})
             return k, r.status_code, r.json()["score"][0]
         start = time.monotonic()
         with ThreadPoolExecutor(max_workers=16) as pool:
@@ -410,7 +415,7 @@ def test_reward_server_200_hostile_programs_from_16_clients(code_server):
         elapsed = time.monotonic() - start
     assert sorted(k for k, _, _ in results) == list(range(200))
     for k, status, score in results:
-        assert status == 200 and score == (1.0 if k % len(kinds) == 0 else 0.0), (k, kinds[k % len(kinds)], score)
+        assert status == 200 and score == (1.0 if kind(k) == 0 else 0.0), (k, kinds[kind(k)], score)
     # the next run sweeps the cgroups its killed predecessors could not remove
     assert post(url, {"samples": [_program_sample("print(input())", 9)]}).json()["score"] == [1.0]
     assert code_server.proc.poll() is None and nothing_left(before, timeout=20)

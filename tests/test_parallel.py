@@ -337,9 +337,11 @@ def critic_adapter_parity(single: str, out_dir: str, label: str) -> None:
     assert errors[worst] <= REL_TOL, (worst, errors[worst])
 
 
+@pytest.mark.slow
 def test_lora_critic_tensor_parallel(setup):
     """A LoRA critic (adapters + whole value head) under TP=2 equals one process: its adapters and head (read back
-    from checkpoint-3/critic, a PEFT adapter) and the actor's merged weights."""
+    from checkpoint-3/critic, a PEFT adapter) and the actor's merged weights. Slow (20 s): by default LoRA under
+    TP=2 (tests/test_lora.py) and the critic under TP=2 (test_ppo_critic_sharded_and_tensor_parallel) run apart."""
     lora = dict(PPO_CRITIC, lora_rank=4, lora_alpha=8, merge_lora="true")
     single = str(setup["root"] / "single-ppo-lora")
     os.makedirs(single, exist_ok=True)
@@ -453,11 +455,14 @@ def test_tensor_parallel_sequence_parallel(setup, reference, packed):
         assert "tensor 2 (sequence parallel)" in f.read()
 
 
+@pytest.mark.slow
 def test_tensor_parallel_bf16_with_recomputed_attention(setup):
     """bf16 under core_attn_mlp recomputes each attention block from its input's bfloat16 rounding, a second
     forward and a nested backward through the column and row layers' collectives: under tensor parallelism the run
     is the run that keeps the blocks' activations, bit for bit (bf16 against one process differs at bf16's rounding,
-    a sum's order moving an operand across a rounding boundary)."""
+    a sum's order moving an operand across a rounding boundary). Slow (27 s): by default the same recompute runs in
+    one process (tests/test_lengths_training.py::test_bf16_recomputes_attention_from_its_bfloat16_operand) and bf16
+    under TP=2 without it (tests/test_bf16.py::test_tensor_parallel_layers_take_the_bf16_products)."""
     keys = dict(bf16=True, recompute=True, use_remove_padding=True, tensor_parallel_degree=2)
     kept, _ = run_layout(setup, "tp-bf16-kept", recompute_granularity="core_attn", **keys)
     recomputed, _ = run_layout(setup, "tp-bf16-recompute", recompute_granularity="core_attn_mlp", **keys)
