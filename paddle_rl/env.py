@@ -2,7 +2,10 @@
 
 Paddle's CPU fp32 matmul runs ~5x faster with one OpenMP thread per core and MKL told to use
 its AVX2 path on AMD CPUs (MKL_DEBUG_CPU_TYPE=5; ignored by Intel CPUs); stride kernels off makes
-transposes contiguous copies (W1 step 5.2 s -> 4.4 s). Values already in the environment win.
+transposes contiguous copies (W1 step 5.2 s -> 4.4 s). Values already in the environment win. Where Paddle was
+imported first, `configure_threads` makes them through Paddle's API instead, except MKL's AMD path, which holds
+only if MKL has not run yet: a warning says so on AMD CPUs (an update of the tiny default took 3.0-4.2 s a step
+with none of them, 2.0 s with all but MKL's, 0.6-0.9 s with all; EPYC Zen 3, 2 cores).
 
 Paddle's CPU tensors come straight from malloc, and glibc serves blocks over 32 MB with a fresh mmap that
 is unmapped on free, so every large activation pays its page faults again (a 64 MB element-wise op: 27 ms
@@ -109,16 +112,84 @@ def training_heap():
         libc.malloc_trim(0)
 
 
+# the settings configure_threads makes (values already in the environment win)
+THREAD_SETTINGS = ("OMP_NUM_THREADS", "MKL_DEBUG_CPU_TYPE", "GLOG_minloglevel", "FLAGS_use_stride_kernel")
+_applied_before_paddle = False
+
+
 def configure_threads(processes_per_node: int = 1) -> None:
-    if "paddle" in sys.modules:
+    """The module docstring's settings, before Paddle is imported. Where Paddle was imported first (`import
+    paddle` before `import paddle_rl`, as a notebook or a script of one's own would), the settings still go into
+    the environment, which Paddle's OpenMP and MKL read when they first run, and the two Paddle reads at import
+    are made through its API: its thread count (`core.set_num_threads`) and the stride-kernel flag. MKL's AMD
+    path is the one setting that cannot be made once MKL has run a product: `warn_if_mkl_may_be_set` says so."""
+    global _applied_before_paddle
+    imported = "paddle" in sys.modules
+    if imported and _applied_before_paddle:
         return
-    configure_allocator()
+    # what the user set: the environment now, or, where Paddle was imported first (its import sets OMP_NUM_THREADS
+    # to 1 where it is unset), the one the process started with
+    given = {name for name in THREAD_SETTINGS if name in (_start_environment() if imported else os.environ)}
+    if not imported:
+        configure_allocator()
+        _applied_before_paddle = True
     local = int(os.environ.get("PADDLE_LOCAL_SIZE", os.environ.get("PADDLE_TRAINERS_NUM", processes_per_node)) or 1)
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, cpu_count() // max(1, local))))
     os.environ.setdefault("MKL_DEBUG_CPU_TYPE", "5")
     os.environ.setdefault("GLOG_minloglevel", "2")
     # transposes as real copies: Paddle's CPU strided-copy kernels are several times slower
     os.environ.setdefault("FLAGS_use_stride_kernel", "0")
+    if imported:
+        if "OMP_NUM_THREADS" not in given:
+            os.environ["OMP_NUM_THREADS"] = str(max(1, cpu_count() // max(1, local)))
+        _configure_imported_paddle(given)
+
+
+def _start_environment() -> set:
+    """The names of the environment this process started with (/proc/self/environ; os.environ's where that cannot
+    be read)."""
+    try:
+        with open("/proc/self/environ", "rb") as f:
+            return {entry.split(b"=", 1)[0].decode(errors="replace") for entry in f.read().split(b"\0") if entry}
+    except OSError:
+        return set(os.environ)
+
+
+def _configure_imported_paddle(given: set) -> None:
+    """Paddle was imported before configure_threads: its thread count and stride-kernel flag set through its API
+    (where the environment did not already set them), and the MKL notice (`warn_if_mkl_may_be_set`)."""
+    global _applied_before_paddle
+    _applied_before_paddle = True   # once: later calls (the CLI's, the trainer's) change nothing more
+    paddle = sys.modules["paddle"]
+    if "OMP_NUM_THREADS" not in given and hasattr(paddle, "base"):
+        paddle.base.core.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    if "FLAGS_use_stride_kernel" not in given and hasattr(paddle, "set_flags"):
+        paddle.set_flags({"FLAGS_use_stride_kernel": False})
+    if "MKL_DEBUG_CPU_TYPE" not in given:
+        warn_if_mkl_may_be_set()
+
+
+def warn_if_mkl_may_be_set() -> None:
+    """On an AMD CPU: a warning that MKL_DEBUG_CPU_TYPE=5 (MKL's AVX2 path) was set after Paddle's import, so it
+    holds only if Paddle has not run a matrix product yet (the training products ran 2.5x slower without it on an
+    EPYC Zen 3 when Paddle had run one before `import paddle_rl`)."""
+    if _cpu_vendor() != "AuthenticAMD":
+        return
+    warnings.warn("paddle was imported before paddle_rl: MKL_DEBUG_CPU_TYPE=5 (MKL's AVX2 path on AMD CPUs) holds "
+                  "only if Paddle has run no matrix product yet; otherwise this process's training products run "
+                  "~2.5x slower. Import paddle_rl before paddle, or start Python with MKL_DEBUG_CPU_TYPE=5 set",
+                  RuntimeWarning, stacklevel=3)
+
+
+def _cpu_vendor() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("vendor_id"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
 
 
 class _DropLines(io.TextIOBase):
