@@ -4,8 +4,8 @@ Paddle's CPU fp32 matmul runs ~5x faster with one OpenMP thread per core and MKL
 its AVX2 path on AMD CPUs (MKL_DEBUG_CPU_TYPE=5; ignored by Intel CPUs); stride kernels off makes
 transposes contiguous copies (W1 step 5.2 s -> 4.4 s). Values already in the environment win. Where Paddle was
 imported first, `configure_threads` makes them through Paddle's API instead, except MKL's AMD path, which holds
-only if MKL has not run yet: a warning says so on AMD CPUs (an update of the tiny default took 3.0-4.2 s a step
-with none of them, 2.0 s with all but MKL's, 0.6-0.9 s with all; EPYC Zen 3, 2 cores).
+only if MKL has not run yet: a warning says so on AMD CPUs (an update of the tiny default took 2.8-4.2 s a step
+with none of them, 2.0-2.5 s with all but MKL's, 0.7-1.1 s with all; EPYC Zen 3, 2 cores).
 
 Paddle's CPU tensors come straight from malloc, and glibc serves blocks over 32 MB with a fresh mmap that
 is unmapped on free, so every large activation pays its page faults again (a 64 MB element-wise op: 27 ms
@@ -178,7 +178,7 @@ def warn_if_mkl_may_be_set() -> None:
     warnings.warn("paddle was imported before paddle_rl: MKL_DEBUG_CPU_TYPE=5 (MKL's AVX2 path on AMD CPUs) holds "
                   "only if Paddle has run no matrix product yet; otherwise this process's training products run "
                   "~2.5x slower. Import paddle_rl before paddle, or start Python with MKL_DEBUG_CPU_TYPE=5 set",
-                  RuntimeWarning, stacklevel=3)
+                  RuntimeWarning, stacklevel=4)   # the line of paddle_rl/__init__.py that calls configure_threads
 
 
 def _cpu_vendor() -> str:

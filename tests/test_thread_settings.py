@@ -1,7 +1,7 @@
 """env.configure_threads in real processes: the thread count, MKL's AMD path and the stride-kernel flag that Paddle
 reads, whether paddle_rl is imported before Paddle (the CLI, run_rl.py) or after it (`import paddle` first, as a
 notebook or a script of one's own would). Paddle's import sets OMP_NUM_THREADS=1 where it is unset, so without
-these settings such a process trains on one core (a step of the tiny default's update: 3.0-4.2 s against 0.6-0.9 s
+these settings such a process trains on one core (a step of the tiny default's update: 2.8-4.2 s against 0.7-1.1 s
 on a 2-core EPYC)."""
 import json
 import os
