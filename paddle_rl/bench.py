@@ -70,7 +70,7 @@ from .config import load_config
 from .env import configure_threads, malloc_mode
 from .model_files.hub import fetch_benchmark, resolve_model
 from .monitor import memory
-from .monitor.run_info import cpu_info
+from .env import cpu_info
 from .soak import soak_main
 
 MODELS = {

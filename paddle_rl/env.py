@@ -37,6 +37,7 @@ import importlib.abc
 import importlib.util
 import io
 import os
+import platform
 import sys
 import warnings
 
@@ -114,7 +115,7 @@ def training_heap():
 
 # the settings configure_threads makes (values already in the environment win)
 THREAD_SETTINGS = ("OMP_NUM_THREADS", "MKL_DEBUG_CPU_TYPE", "GLOG_minloglevel", "FLAGS_use_stride_kernel")
-_applied_before_paddle = False
+_configured = False   # set once the settings are made; after Paddle's import nothing is made twice
 
 
 def configure_threads(processes_per_node: int = 1) -> None:
@@ -123,26 +124,27 @@ def configure_threads(processes_per_node: int = 1) -> None:
     the environment, which Paddle's OpenMP and MKL read when they first run, and the two Paddle reads at import
     are made through its API: its thread count (`core.set_num_threads`) and the stride-kernel flag. MKL's AMD
     path is the one setting that cannot be made once MKL has run a product: `warn_if_mkl_may_be_set` says so."""
-    global _applied_before_paddle
+    global _configured
     imported = "paddle" in sys.modules
-    if imported and _applied_before_paddle:
+    if imported and _configured:
         return
-    # what the user set: the environment now, or, where Paddle was imported first (its import sets OMP_NUM_THREADS
-    # to 1 where it is unset), the one the process started with
-    given = {name for name in THREAD_SETTINGS if name in (_start_environment() if imported else os.environ)}
     if not imported:
         configure_allocator()
-        _applied_before_paddle = True
     local = int(os.environ.get("PADDLE_LOCAL_SIZE", os.environ.get("PADDLE_TRAINERS_NUM", processes_per_node)) or 1)
-    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, cpu_count() // max(1, local))))
+    threads = str(max(1, cpu_count() // max(1, local)))
+    os.environ.setdefault("OMP_NUM_THREADS", threads)
     os.environ.setdefault("MKL_DEBUG_CPU_TYPE", "5")
     os.environ.setdefault("GLOG_minloglevel", "2")
     # transposes as real copies: Paddle's CPU strided-copy kernels are several times slower
     os.environ.setdefault("FLAGS_use_stride_kernel", "0")
     if imported:
+        # what the user set: Paddle's import wrote OMP_NUM_THREADS=1 where it was unset, so the environment the
+        # process started with tells
+        given = {name for name in THREAD_SETTINGS if name in _start_environment()}
         if "OMP_NUM_THREADS" not in given:
-            os.environ["OMP_NUM_THREADS"] = str(max(1, cpu_count() // max(1, local)))
+            os.environ["OMP_NUM_THREADS"] = threads
         _configure_imported_paddle(given)
+    _configured = True
 
 
 def _start_environment() -> set:
@@ -158,8 +160,6 @@ def _start_environment() -> set:
 def _configure_imported_paddle(given: set) -> None:
     """Paddle was imported before configure_threads: its thread count and stride-kernel flag set through its API
     (where the environment did not already set them), and the MKL notice (`warn_if_mkl_may_be_set`)."""
-    global _applied_before_paddle
-    _applied_before_paddle = True   # once: later calls (the CLI's, the trainer's) change nothing more
     paddle = sys.modules["paddle"]
     if "OMP_NUM_THREADS" not in given and hasattr(paddle, "base"):
         paddle.base.core.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
@@ -173,7 +173,7 @@ def warn_if_mkl_may_be_set() -> None:
     """On an AMD CPU: a warning that MKL_DEBUG_CPU_TYPE=5 (MKL's AVX2 path) was set after Paddle's import, so it
     holds only if Paddle has not run a matrix product yet (the training products ran 2.5x slower without it on an
     EPYC Zen 3 when Paddle had run one before `import paddle_rl`)."""
-    if _cpu_vendor() != "AuthenticAMD":
+    if cpu_info()["vendor"] != "AuthenticAMD":
         return
     warnings.warn("paddle was imported before paddle_rl: MKL_DEBUG_CPU_TYPE=5 (MKL's AVX2 path on AMD CPUs) holds "
                   "only if Paddle has run no matrix product yet; otherwise this process's training products run "
@@ -181,15 +181,26 @@ def warn_if_mkl_may_be_set() -> None:
                   RuntimeWarning, stacklevel=4)   # the line of paddle_rl/__init__.py that calls configure_threads
 
 
-def _cpu_vendor() -> str:
+def cpu_info(path: str = "/proc/cpuinfo") -> dict:
+    """{"model": the first processor's model name, "flags": its flags, "vendor": its vendor_id} (None / [] / ""
+    where the file says nothing)."""
+    model, flags, vendor = None, [], ""
     try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
+        with open(path, encoding="utf-8", errors="replace") as f:
             for line in f:
-                if line.startswith("vendor_id"):
-                    return line.split(":", 1)[1].strip()
+                key, _, value = line.partition(":")
+                key = key.strip()
+                if key == "model name" and model is None:
+                    model = value.strip()
+                elif key in ("flags", "Features") and not flags:
+                    flags = value.split()
+                elif key == "vendor_id" and not vendor:
+                    vendor = value.strip()
+                if model is not None and flags and vendor:
+                    break
     except OSError:
         pass
-    return ""
+    return {"model": model or platform.processor() or None, "flags": flags, "vendor": vendor}
 
 
 class _DropLines(io.TextIOBase):

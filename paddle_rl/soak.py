@@ -37,7 +37,7 @@ from typing import Dict, List, Optional
 import httpx
 import yaml
 
-from .monitor.run_info import cpu_info
+from .env import cpu_info
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY_CONFIG = os.path.join(ROOT, "configs", "tiny_arith_grpo.yaml")

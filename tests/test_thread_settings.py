@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from paddle_rl.env import THREAD_SETTINGS, cpu_count
+from paddle_rl.env import THREAD_SETTINGS, cpu_count, cpu_info
 
 SCRIPT = r'''
 import ctypes, json, os, sys, warnings
@@ -26,11 +26,6 @@ print(json.dumps({"env": {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "MKL
                   "omp_threads": omp.omp_get_max_threads(),
                   "stride_kernel": paddle.get_flags(["FLAGS_use_stride_kernel"])["FLAGS_use_stride_kernel"]}))
 '''
-
-
-def vendor() -> str:
-    with open("/proc/cpuinfo", encoding="utf-8") as f:
-        return next((line.split(":", 1)[1].strip() for line in f if line.startswith("vendor_id")), "")
 
 
 def run(first: str, **given):
@@ -55,7 +50,7 @@ def test_paddle_gets_the_settings_whichever_is_imported_first(first):
     # MKL reads its CPU path when it first runs: set after Paddle's import it holds only if no product ran yet,
     # which the process is told on the CPUs where that path matters
     said = "MKL_DEBUG_CPU_TYPE=5 (MKL's AVX2 path on AMD CPUs) holds only if" in stderr
-    assert said == (first == "paddle" and vendor() == "AuthenticAMD")
+    assert said == (first == "paddle" and cpu_info()["vendor"] == "AuthenticAMD")
 
 
 def test_settings_the_process_started_with_win_after_paddle_was_imported():

@@ -12,31 +12,13 @@ import sys
 from typing import Optional
 
 from ..config import config_to_dict
+from ..env import cpu_info
 
 RUN_INFO_FILE = "run_info.json"
 # keys that say where a run writes, not what it computes: left out of the config's hash, so one config run into
 # two folders hashes the same
 WHERE_KEYS = ("output_dir", "logging_dir", "run_name", "resume_from_checkpoint")
 SOURCE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def cpu_info(path: str = "/proc/cpuinfo") -> dict:
-    """{"model": the first processor's model name, "flags": its flags} (None / [] where the file says nothing)."""
-    model, flags = None, []
-    try:
-        with open(path, encoding="utf-8", errors="replace") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                key = key.strip()
-                if key == "model name" and model is None:
-                    model = value.strip()
-                elif key in ("flags", "Features") and not flags:
-                    flags = value.split()
-                if model is not None and flags:
-                    break
-    except OSError:
-        pass
-    return {"model": model or platform.processor() or None, "flags": flags}
 
 
 def _version(distribution: str) -> Optional[str]:
