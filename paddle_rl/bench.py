@@ -67,10 +67,9 @@ from typing import Optional
 import yaml
 
 from .config import load_config
-from .env import configure_threads, malloc_mode
+from .env import configure_threads, cpu_info, malloc_mode
 from .model_files.hub import fetch_benchmark, resolve_model
 from .monitor import memory
-from .env import cpu_info
 from .soak import soak_main
 
 MODELS = {
