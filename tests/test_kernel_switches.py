@@ -180,8 +180,7 @@ CASES = [
     ("attention", ("padded", "shared"), (ops, "blocked_attention")),
     ("attention", ("packed",), (ops, "packed_attention_fused")),
     ("rms_norm", ("padded", "packed"), (norm_module, "rms_norm_fused")),
-    ("rope", ("padded", "shared"), (rope_module, "qkv_rotary_fused")),
-    ("rope", ("packed",), (rope_module, "rotary_fused")),
+    ("rope", ("padded", "shared", "packed"), (rope_module, "qkv_rotary_fused")),
     ("head", ("padded", "packed"), (ops, "lm_head_logprobs")),
     ("linear", ("padded",), (linear_bias, "affine_fused")),
 ]
@@ -207,11 +206,11 @@ def test_a_training_step_with_the_switch_on_equals_it_off(monkeypatch, switch, l
             _same(_step(model, layout), off, f"{switch} {layout} off, fused perturbed")
 
 
-@pytest.mark.parametrize("layout", ["padded", "shared"])
+@pytest.mark.parametrize("layout", ["padded", "shared", "packed"])
 def test_the_fused_qkv_kernel_is_the_composed_ops_bit_for_bit(monkeypatch, layout):
-    """The padded layout's bias + split + rotary + head-major q/k/v in one kernel (ops.qkv_rotary): log-probs, loss,
-    every gradient and the step are the bits of the composed ops (PADDLE_RL_FUSED_QKV=0), and the kernel ran once
-    per layer and pass (two passes with the shared prompt prefix)."""
+    """Bias + split + rotary + head-major q/k/v in one kernel (ops.qkv_rotary; a packed row as rows of one token, so
+    token-major): log-probs, loss, every gradient and the step are the bits of the composed ops
+    (PADDLE_RL_FUSED_QKV=0), and the kernel ran once per layer and pass (two passes with the shared prompt prefix)."""
     model = _model()
     calls = []
     fused = rope_module.qkv_rotary_fused
@@ -230,8 +229,8 @@ def test_the_fused_qkv_kernel_is_the_composed_ops_bit_for_bit(monkeypatch, layou
 
 
 def test_unset_switches_take_the_paths_of_earlier_builds(monkeypatch):
-    """Unset: the kernels where they run (RMSNorm, rotary: on a padded batch the q/k/v kernel, on a packed one the
-    rotary alone), the chunked head, Paddle's linear op, the packed kernel for packed rows and the materialized
+    """Unset: the kernels where they run (RMSNorm, rotary: the q/k/v kernel on padded and packed batches), the
+    chunked head, Paddle's linear op, the packed kernel for packed rows and the materialized
     softmax for padded ones."""
     calls = {}
 
@@ -253,7 +252,7 @@ def test_unset_switches_take_the_paths_of_earlier_builds(monkeypatch):
     calls.clear()
     _step(model, "packed")
     assert padded["rms_norm_fused"] and padded["qkv_rotary_fused"] and padded["lm_head_logprobs"] == 1
-    assert "rotary_fused" not in padded and calls["rotary_fused"] and "qkv_rotary_fused" not in calls
+    assert "rotary_fused" not in padded and "rotary_fused" not in calls and calls["qkv_rotary_fused"]
     assert padded["masked_softmax"] and padded["affine_fused"], padded
     assert "blocked_attention" not in padded and "affine_reference" not in padded, padded
     assert calls["packed_attention_fused"] and "masked_softmax" not in calls, calls

@@ -293,27 +293,31 @@ def test_masked_softmax_and_gradient(rng, batch, kv, groups, length, keys, bias_
     assert ops.masked_softmax(scores, bias, 0.125).shape == out.shape
 
 
-def packing_spans(rng, groups_of):
+def packing_spans(rng, groups_of, width=24, longest_prompt=19):
     """A models.packing.Packing for prompts of random lengths with `groups_of[u]` responses each (some empty)."""
     from paddle_rl.models.packing import Packing
-    prompts = [list(rng.integers(0, 50, int(rng.integers(1, 20)))) for _ in groups_of]
+    prompts = [list(rng.integers(0, 50, int(rng.integers(1, longest_prompt + 1)))) for _ in groups_of]
     rows = np.repeat(np.arange(len(groups_of)), groups_of)
-    width = 24
     lengths = rng.integers(0, width + 1, len(rows))
     return Packing(prompts, rows, rng.integers(0, 50, (len(rows), width)), lengths)
 
 
-@pytest.mark.parametrize("groups_of,heads,kv,d", [([3, 1, 2], 6, 2, 32), ([8], 9, 3, 64), ([1, 1], 4, 4, 16),
-                                                  ([2, 4, 1, 3], 8, 1, 128)])
-def test_packed_attention_and_gradients(rng, groups_of, heads, kv, d):
+@pytest.mark.parametrize("groups_of,heads,kv,d,width", [([3, 1, 2], 6, 2, 32, 24), ([8], 9, 3, 64, 24),
+                                                        ([1, 1], 4, 4, 16, 24), ([2, 4, 1, 3], 8, 1, 128, 24),
+                                                        ([14, 6, 2], 4, 2, 32, 90)])
+def test_packed_attention_and_gradients(rng, groups_of, heads, kv, d, width):
     """The packed row's attention (prompts causal, each response on its prompt and causally on itself) against
-    the dense masked reference, with q, k and v's gradients; every key's readers are the range its spans name."""
-    packing = packing_spans(rng, groups_of)
+    the dense masked reference, with q, k and v's gradients; every key's readers are the range its spans name. The
+    last case has keys read by over 512 and over 192 queries (the backward's wider key blocks)."""
+    packing = packing_spans(rng, groups_of, width, longest_prompt=150 if width > 24 else 19)
     n, spans = packing.tokens, packing.spans
     mask = ops.packed_key_mask(spans).numpy()
     query_end = spans.numpy()[:, 3]
     for j in range(n):  # the kernel's contract: key j is read by the queries [j, query_end[j]) and no other
         assert np.array_equal(np.flatnonzero(mask[:, j]), np.arange(j, query_end[j])), j
+    readers = query_end - np.arange(n)
+    if width > 24:
+        assert readers.max() >= 512 and ((readers >= 192) & (readers < 512)).any()
     q = t(rng.standard_normal((n, heads, d)), grad=True)
     k, v = t(rng.standard_normal((n, kv, d)), grad=True), t(rng.standard_normal((n, kv, d)), grad=True)
     out = ops.packed_attention_fused(q, k, v, spans, d ** -0.5)

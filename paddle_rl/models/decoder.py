@@ -339,12 +339,20 @@ class Attention(nn.Layer):
         if p.decode:
             return self.o_proj(self._decode(x, p, cache))
         proj, (cos, sin) = self.qkv_proj, self._tables(p)
-        if (p.tokens is None and p.context is None and p.packing is None and not self.qk_norm and proj.group is None
-                and proj.lora is None and not proj.bf16 and ops.qkv_rotary_runs(cos, x, proj.weight, proj.bias)):
+        if (p.tokens is None and p.context is None and not self.qk_norm and proj.group is None and proj.lora is None
+                and not proj.bf16 and ops.qkv_rotary_runs(cos, x, proj.weight, proj.bias)):
             # the product (from the rollout's packed copy in a prefill), then bias, split, rotary and the head-major
             # layout in one kernel (ops.qkv_rotary: the same bits as the linear layer and the ops below)
-            q, k, v = ops.qkv_rotary(proj.project(x, proj.weight), proj.bias, cos, sin, self.num_heads,
-                                     self.num_kv_heads)
+            qkv = proj.project(x, proj.weight)
+            if p.packing is not None:
+                # a packed row [1, N] as N rows of one token: the kernel's head-major [N, H, 1, d] is the packed
+                # attention's token-major [N, H, d], so no transpose, and the bias's add and gradient are its own
+                n, d = qkv.shape[1], cos.shape[-1]
+                q, k, v = ops.qkv_rotary(qkv.reshape([n, 1, qkv.shape[2]]), proj.bias, cos.reshape([n, 1, 1, d]),
+                                         sin.reshape([n, 1, 1, d]), self.num_heads, self.num_kv_heads)
+                return self._packed_core(q.reshape([1, n, self.num_heads, d]), k.reshape([1, n, self.num_kv_heads, d]),
+                                         v.reshape([1, n, self.num_kv_heads, d]), p, self.o_proj)
+            q, k, v = ops.qkv_rotary(qkv, proj.bias, cos, sin, self.num_heads, self.num_kv_heads)
             return self._heads_core(q, k, v, p, cache, self.o_proj)
         qkv = proj(x, p.tokens)  # under sequence parallelism x holds this rank's tokens, qkv all of them
         batch, length = qkv.shape[0], qkv.shape[1]
@@ -386,7 +394,11 @@ class Attention(nn.Layer):
         if p.packing is None:
             return self._heads_core(q.transpose([0, 2, 1, 3]), k.transpose([0, 2, 1, 3]), v.transpose([0, 2, 1, 3]),
                                     p, cache, finish)
-        # several sequences in one row: attention on the packing's blocks
+        return self._packed_core(q, k, v, p, finish)
+
+    def _packed_core(self, q, k, v, p: Pass, finish):
+        """The attention core of a packed row (several sequences in one row: the packing's kernel or blocks) of
+        rotated q [1, N, H, d], k, v [1, N, KV, d], through `finish`."""
         if self.window is not None:
             raise ValueError("use_remove_padding: packed micro-batches do not implement sliding-window attention "
                              f"(this model's layers have sliding_window {self.window}); set it to false")
