@@ -30,16 +30,20 @@ import numpy as np  # noqa: E402
 import paddle  # noqa: E402
 
 from paddle_rl import ops  # noqa: E402
+from paddle_rl.models.packing import Packing  # noqa: E402
 from paddle_rl.ops import build  # noqa: E402
 
 SHAPES = {
     "quickstart": dict(rows=256, hidden=128, ffn=344, vocab=300, heads=4, kv=2, head_dim=32, seqs=8, seq_len=32,
-                       batch=64, packed_seqs=8),
+                       batch=64, packed_seqs=8, groups=(8, 23, 34)),
     # (the attention cases take 16 sequences of 512 tokens, 8192 in all; the packed one 4 of them: the same cost per
     # token, a quarter of the seconds)
     "w3": dict(rows=8192, hidden=576, ffn=1536, vocab=49152, heads=9, kv=3, head_dim=64, seqs=16, seq_len=512,
-               batch=16, packed_seqs=4),
+               batch=16, packed_seqs=4, groups=(8, 32, 128)),
 }
+# groups: (prompts, prompt tokens, response tokens) of a packed micro-batch as GRPO makes it (models/packing.py):
+# each prompt once, then its 8 responses (the quickstart's micro-batch: 64 rows of 23-token prompts and responses of
+# ~34 tokens; W3's step: 8 prompts of ~32 and 64 responses of 128)
 
 
 def timed(fn, min_seconds: float, batches: int = 5) -> float:
@@ -134,6 +138,22 @@ def cases(shape: dict):
         for z in (pq, pk, pv):
             z.clear_gradient()
     yield "packed_attention+bwd", elements, packed_backward
+    # a packed micro-batch of prompts shared by 8 responses each
+    prompts, prompt_len, response_len = shape["groups"]
+    group = Packing([list(range(1, prompt_len + 1))] * prompts, np.repeat(np.arange(prompts), 8),
+                    np.ones((prompts * 8, response_len + 1), dtype="int64"), np.full(prompts * 8, response_len))
+    n = group.tokens
+    gq, gk, gv = t(n, heads, d, grad=True), t(n, kv, d, grad=True), t(n, kv, d, grad=True)
+    elements = prompts * heads * (prompt_len * (prompt_len + 1) // 2
+                                  + 8 * (response_len * prompt_len + response_len * (response_len + 1) // 2))
+    yield "packed_groups", elements, no_grad(ops.packed_attention_fused, gq, gk, gv, group.spans, d ** -0.5)
+
+    def group_backward():
+        y = ops.packed_attention_fused(gq, gk, gv, group.spans, d ** -0.5)
+        y.backward(paddle.ones_like(y))
+        for z in (gq, gk, gv):
+            z.clear_gradient()
+    yield "packed_groups+bwd", elements, group_backward
     # one row: the per-call overhead
     x1, g1 = t(1, hidden, grad=True), t(1, 2 * ffn, grad=True)
     yield "rms_norm[1]", hidden, no_grad(ops.rms_norm_fused, x1, w, 1e-6)
