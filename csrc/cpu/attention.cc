@@ -280,7 +280,6 @@ inline void St16(float* p, V16 x) {
 
 inline int64_t Pad16(int64_t v) { return (v + 15) / 16 * 16; }
 
-
 // Transposed operands are kept in panels of 16 columns: column c, element k at (c / 16) * 16 d + 16 k + c % 16, so
 // a panel's rows are consecutive cache lines.
 // s[r * lds + c] = scale * sum_k a[r][k] bt(k, c) for r < R, c < cols (cols % 16 == 0), bt the panel of column 0
