@@ -72,11 +72,13 @@ def cases(shape: dict):
         x.stop_gradient = not grad
         return x
 
-    def with_backward(op, x, *rest):
+    def with_backward(op, *args):
         def fn():
-            y = op(x, *rest)
+            y = op(*args)
             y.backward(paddle.ones_like(y))
-            x.clear_gradient()
+            for a in args:   # every input that took a gradient, so none accumulates over the calls
+                if isinstance(a, paddle.Tensor) and not a.stop_gradient:
+                    a.clear_gradient()
         return fn
 
     def no_grad(op, *args):
@@ -131,13 +133,7 @@ def cases(shape: dict):
     pq, pk, pv = t(n, heads, d, grad=True), t(n, kv, d, grad=True), t(n, kv, d, grad=True)
     elements = n * heads * seq_len
     yield "packed_attention", elements, no_grad(ops.packed_attention_fused, pq, pk, pv, spans, d ** -0.5)
-
-    def packed_backward():
-        y = ops.packed_attention_fused(pq, pk, pv, spans, d ** -0.5)
-        y.backward(paddle.ones_like(y))
-        for z in (pq, pk, pv):
-            z.clear_gradient()
-    yield "packed_attention+bwd", elements, packed_backward
+    yield "packed_attention+bwd", elements, with_backward(ops.packed_attention_fused, pq, pk, pv, spans, d ** -0.5)
     # a packed micro-batch of prompts shared by 8 responses each
     prompts, prompt_len, response_len = shape["groups"]
     group = Packing([list(range(1, prompt_len + 1))] * prompts, np.repeat(np.arange(prompts), 8),
@@ -147,13 +143,8 @@ def cases(shape: dict):
     elements = prompts * heads * (prompt_len * (prompt_len + 1) // 2
                                   + 8 * (response_len * prompt_len + response_len * (response_len + 1) // 2))
     yield "packed_groups", elements, no_grad(ops.packed_attention_fused, gq, gk, gv, group.spans, d ** -0.5)
-
-    def group_backward():
-        y = ops.packed_attention_fused(gq, gk, gv, group.spans, d ** -0.5)
-        y.backward(paddle.ones_like(y))
-        for z in (gq, gk, gv):
-            z.clear_gradient()
-    yield "packed_groups+bwd", elements, group_backward
+    yield "packed_groups+bwd", elements, with_backward(ops.packed_attention_fused, gq, gk, gv, group.spans,
+                                                       d ** -0.5)
     # one row: the per-call overhead
     x1, g1 = t(1, hidden, grad=True), t(1, 2 * ffn, grad=True)
     yield "rms_norm[1]", hidden, no_grad(ops.rms_norm_fused, x1, w, 1e-6)

@@ -361,6 +361,12 @@ inline void Dot(const float* const* a, int64_t rows, const float* bt, int64_t d,
   });
 }
 
+// column c of transposed panels of 16 columns (the layout above) set to x[0 : d]
+inline void SetPanelColumn(float* panels, int64_t c, const float* x, int64_t d) {
+  float* dst = panels + (c / 16) * 16 * d + c % 16;
+  for (int64_t i = 0; i < d; ++i) dst[16 * i] = x[i];
+}
+
 // o rows (+)= scale * w x (w [rows, ldw], x: n row pointers)
 inline void Mix(const float* w, int64_t ldw, int64_t rows, const float* const* x, int64_t n, int64_t d, float scale,
                 float* const* o, bool add) {
@@ -489,8 +495,7 @@ void prl_cpu::PackedAttentionForward(const float* q, const float* k, const float
         const int64_t key = c < prefix ? r.begin[0] + c : r.begin[1] + c - prefix;
         const float* kc = c < count ? k + (key * kv + g) * d : zero.data();
         x[c] = c < count ? v + (key * kv + g) * d : zero.data();
-        float* dst = panel.data() + (c / 16) * 16 * d + c % 16;
-        for (int64_t i = 0; i < d; ++i) dst[16 * i] = kc[i];
+        SetPanelColumn(panel.data(), c, kc, d);
       }
       for (int64_t i = 0; i < rows; ++i) {
         const int64_t h = (t0 + i / groups) * heads + g * groups + i % groups;
@@ -558,7 +563,6 @@ void prl_cpu::PackedAttentionBackward(const float* q, const float* k, const floa
     std::vector<float> kpanel(kKeyBlock * d), vpanel(kKeyBlock * d), row_lse(max_rows), row_delta(max_rows);
     std::vector<const float*> qrow(max_rows), grow(max_rows), krow(kKeyBlock);
     std::vector<float*> dqrow(max_rows);
-    std::vector<int64_t> row_token(max_rows);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t r = item / kv, g = item % kv;
       for (int64_t t = regions[r]; t < regions[r + 1]; ++t) {
@@ -571,11 +575,8 @@ void prl_cpu::PackedAttentionBackward(const float* q, const float* k, const floa
           const float* kc = c < keys ? k + ((j0 + c) * kv + g) * d : zero.data();
           const float* vc = c < keys ? v + ((j0 + c) * kv + g) * d : zero.data();
           krow[c] = kc;
-          const int64_t at = (c / 16) * 16 * d + c % 16;   // panels of 16 columns
-          for (int64_t i = 0; i < d; ++i) {
-            kpanel[at + 16 * i] = kc[i];
-            vpanel[at + 16 * i] = vc[i];
-          }
+          SetPanelColumn(kpanel.data(), c, kc, d);
+          SetPanelColumn(vpanel.data(), c, vc, d);
         }
         std::fill(kacc.begin(), kacc.end(), 0.0f);
         std::fill(vacc.begin(), vacc.end(), 0.0f);
@@ -588,7 +589,6 @@ void prl_cpu::PackedAttentionBackward(const float* q, const float* k, const floa
             dqrow[i] = dq + h * d;
             row_lse[i] = lse[h];
             row_delta[i] = delta[h];
-            row_token[i] = t;
           }
           // s = scale q k^T, dp = d out v^T: [rows, cols]
           Dot(qrow.data(), rows, kpanel.data(), d, cols, scale, s.data(), cols);
@@ -603,7 +603,8 @@ void prl_cpu::PackedAttentionBackward(const float* q, const float* k, const floa
               prl::Store8(pr + c, p);
               prl::Store8(dsr + c, p * (prl::Load8(dsr + c) - dl));
             }
-            for (int64_t c = std::min(keys, row_token[i] - j0 + 1); c < cols; ++c) pr[c] = dsr[c] = 0.0f;
+            const int64_t t = ta + i / groups;
+            for (int64_t c = std::min(keys, t - j0 + 1); c < cols; ++c) pr[c] = dsr[c] = 0.0f;
           }
           // d v += p^T d out, d k += d s^T q (scaled when written), d q += scale d s k
           MixT(s.data(), cols, rows, grow.data(), keys, d, vacc.data());

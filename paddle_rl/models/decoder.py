@@ -347,7 +347,7 @@ class Attention(nn.Layer):
             if p.packing is not None:
                 # a packed row [1, N] as N rows of one token: the kernel's head-major [N, H, 1, d] is the packed
                 # attention's token-major [N, H, d], so no transpose, and the bias's add and gradient are its own
-                n, d = qkv.shape[1], cos.shape[-1]
+                n, d = qkv.shape[1], self.head_dim
                 q, k, v = ops.qkv_rotary(qkv.reshape([n, 1, qkv.shape[2]]), proj.bias, cos.reshape([n, 1, 1, d]),
                                          sin.reshape([n, 1, 1, d]), self.num_heads, self.num_kv_heads)
                 return self._packed_core(q.reshape([1, n, self.num_heads, d]), k.reshape([1, n, self.num_kv_heads, d]),
