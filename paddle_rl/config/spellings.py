@@ -15,6 +15,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
+from .rl_config import RLConfig
+
 # the roots of verl's config tree; a nested mapping under one of them is flattened into dotted keys
 VERL_ROOTS = ("data", "actor_rollout_ref", "algorithm", "trainer", "critic", "reward_model", "custom_reward_function")
 
@@ -468,7 +470,6 @@ VERL_DEFAULTS = (    # verl's ppo_trainer.yaml
 
 
 def _default(key: str):
-    from .rl_config import RLConfig  # deferred: rl_config imports the groups, which need nothing from here
     return RLConfig.__dataclass_fields__[key].default
 
 
