@@ -293,12 +293,13 @@ def test_masked_softmax_and_gradient(rng, batch, kv, groups, length, keys, bias_
     assert ops.masked_softmax(scores, bias, 0.125).shape == out.shape
 
 
-def packing_spans(rng, groups_of, width=24, longest_prompt=19):
-    """A models.packing.Packing for prompts of random lengths with `groups_of[u]` responses each (some empty)."""
+def packing_spans(rng, groups_of, width=24, longest_prompt=19, shortest_prompt=1, shortest_response=0):
+    """A models.packing.Packing for prompts of random lengths with `groups_of[u]` responses each (some empty
+    unless shortest_response > 0)."""
     from paddle_rl.models.packing import Packing
-    prompts = [list(rng.integers(0, 50, int(rng.integers(1, longest_prompt + 1)))) for _ in groups_of]
+    prompts = [list(rng.integers(0, 50, int(rng.integers(shortest_prompt, longest_prompt + 1)))) for _ in groups_of]
     rows = np.repeat(np.arange(len(groups_of)), groups_of)
-    lengths = rng.integers(0, width + 1, len(rows))
+    lengths = rng.integers(shortest_response, width + 1, len(rows))
     return Packing(prompts, rows, rng.integers(0, 50, (len(rows), width)), lengths)
 
 
@@ -308,15 +309,19 @@ def packing_spans(rng, groups_of, width=24, longest_prompt=19):
 def test_packed_attention_and_gradients(rng, groups_of, heads, kv, d, width):
     """The packed row's attention (prompts causal, each response on its prompt and causally on itself) against
     the dense masked reference, with q, k and v's gradients; every key's readers are the range its spans name. The
-    last case has keys read by over 512 and over 192 queries (the backward's wider key blocks)."""
-    packing = packing_spans(rng, groups_of, width, longest_prompt=150 if width > 24 else 19)
+    last case has keys read by over 512 and over 192 queries (the backward's wider key blocks) whatever the seed:
+    its prompts of 120-150 tokens and responses of 40-90 give the 14-response prompt's first key >= 680 readers
+    and the 2-response prompt's first key 200-330."""
+    wide = width > 24
+    packing = packing_spans(rng, groups_of, width, longest_prompt=150 if wide else 19,
+                            shortest_prompt=120 if wide else 1, shortest_response=40 if wide else 0)
     n, spans = packing.tokens, packing.spans
     mask = ops.packed_key_mask(spans).numpy()
     query_end = spans.numpy()[:, 3]
     for j in range(n):  # the kernel's contract: key j is read by the queries [j, query_end[j]) and no other
         assert np.array_equal(np.flatnonzero(mask[:, j]), np.arange(j, query_end[j])), j
     readers = query_end - np.arange(n)
-    if width > 24:
+    if wide:
         assert readers.max() >= 512 and ((readers >= 192) & (readers < 512)).any()
     q = t(rng.standard_normal((n, heads, d)), grad=True)
     k, v = t(rng.standard_normal((n, kv, d)), grad=True), t(rng.standard_normal((n, kv, d)), grad=True)
