@@ -472,3 +472,74 @@ def test_a_killed_trainers_proxy_folder_goes_at_the_next_start():
         proxy.shutdown()
         os.rmdir(live)
     assert not os.path.exists(proxy.folder)
+
+
+def test_the_relay_delivers_an_answer_sent_before_the_request_was_read(tmp_path):
+    """A proxy refusal (401 / 403) is answered before the request's body is read, and the proxy then closes its end
+    with that body unread: the relay's next read from it fails (ECONNRESET) and its writes to it fail (EPIPE). The
+    answer it already holds still reaches the program, whole (it was lost with the connection: a hostile program's
+    urllib raised IncompleteRead and the episode failed)."""
+    from paddle_rl.rollout import agent_relay
+    path = str(tmp_path / "proxy.sock")
+    server = socket.socket(socket.AF_UNIX)
+    server.bind(path)
+    server.listen(1)
+    answer_body = b'{"error": "refused"}' * 400
+
+    def refuse():   # reads the request line and headers only, answers in two writes, closes
+        conn, _ = server.accept()
+        seen = b""
+        while b"\r\n\r\n" not in seen:
+            seen += conn.recv(1 << 16)
+        conn.sendall(b"HTTP/1.1 403 Forbidden\r\nContent-Length: %d\r\n\r\n" % len(answer_body))
+        time.sleep(0.2)   # the program's body keeps coming into this socket meanwhile, unread
+        conn.sendall(answer_body)
+        conn.close()
+
+    refuser = threading.Thread(target=refuse, daemon=True)
+    refuser.start()
+    poll = agent_relay.select.epoll()
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(4)
+    listener.setblocking(False)
+    poll.register(listener.fileno(), agent_relay.IN)
+    relay = agent_relay.Relay(poll, path, 4)
+    stop = threading.Event()
+
+    def run():
+        while not stop.is_set():
+            for fd, mask in poll.poll(0.05):
+                if fd == listener.fileno():
+                    relay.accept(listener)
+                else:
+                    relay.event(fd, mask)
+
+    relaying = threading.Thread(target=run, daemon=True)
+    relaying.start()
+    program = socket.create_connection(listener.getsockname(), timeout=10)
+    body = b"x" * (4 << 20)   # more than the sockets between them hold
+    program.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nContent-Length: %d\r\n\r\n" % len(body))
+    sender = threading.Thread(target=lambda: _send_quietly(program, body), daemon=True)
+    sender.start()
+    received = b""
+    try:
+        while True:
+            chunk = program.recv(1 << 16)
+            if not chunk:
+                break
+            received += chunk
+    finally:
+        stop.set()
+        relaying.join(5)
+        program.close()
+        server.close()
+    head, _, got = received.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 403") and got == answer_body, (head, len(got), len(answer_body))
+
+
+def _send_quietly(sock, data):
+    try:
+        sock.sendall(data)
+    except OSError:   # the relay stops taking the body once the proxy is gone
+        pass

@@ -39,6 +39,10 @@ class Relay:
     def __init__(self, poll, socket_path: str, limit: int):
         self.poll, self.socket_path, self.limit = poll, socket_path, limit
         self.socks, self.peer, self.out, self.eof, self.shut, self.masks = {}, {}, {}, set(), set(), {}
+        # ends that take no more bytes (their reader closed): what comes for them is read and dropped, so that the
+        # other direction still delivers what it holds (a proxy answers a refusal before reading the request's body
+        # and closes: its answer must reach the program whole, and the program must not be reset while reading it)
+        self.gone = set()
 
     def accept(self, listener) -> None:
         try:
@@ -94,6 +98,7 @@ class Relay:
             self.out.pop(end)
             self.eof.discard(end)
             self.shut.discard(end)
+            self.gone.discard(end)
             end.close()
 
     def event(self, fd: int, mask: int) -> None:
@@ -103,12 +108,21 @@ class Relay:
             return
         try:
             if mask & OUT and self.out[s]:
-                sent = s.send(self.out[s])
-                del self.out[s][:sent]
+                try:
+                    sent = s.send(self.out[s])
+                    del self.out[s][:sent]
+                except (BrokenPipeError, ConnectionResetError):   # its reader is gone
+                    self.out[s].clear()
+                    self.gone.add(s)
+                    self.shut.add(s)
             if mask & (IN | select.EPOLLHUP | select.EPOLLERR):
-                data = s.recv(1 << 16)
+                try:
+                    data = s.recv(1 << 16)
+                except ConnectionResetError:   # closed with our bytes unread: an end, after what it sent
+                    data = b""
                 if data:
-                    self.out[peer] += data
+                    if peer not in self.gone:
+                        self.out[peer] += data
                 else:
                     self.eof.add(s)
             if s in self.eof and not self.out[peer] and peer not in self.shut:
