@@ -6,6 +6,7 @@ refused, the well-behaved episodes beside them are recorded as usual, nothing is
 reaches another episode's conversation; as root and as uid 65534 (as the code rule's tests)."""
 import json
 import os
+import select
 import shutil
 import socket
 import subprocess
@@ -17,7 +18,7 @@ import time
 import pytest
 
 from paddle_rl.rewards.sandbox import isolation, isolation_problem
-from paddle_rl.rollout import agents
+from paddle_rl.rollout import agent_relay, agents
 from paddle_rl.rollout.agents import AgentEnvironment, AgentProxy, AgentSettings, _Episode
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -479,7 +480,6 @@ def test_the_relay_delivers_an_answer_sent_before_the_request_was_read(tmp_path)
     with that body unread: the relay's next read from it fails (ECONNRESET) and its writes to it fail (EPIPE). The
     answer it already holds still reaches the program, whole (it was lost with the connection: a hostile program's
     urllib raised IncompleteRead and the episode failed)."""
-    from paddle_rl.rollout import agent_relay
     path = str(tmp_path / "proxy.sock")
     server = socket.socket(socket.AF_UNIX)
     server.bind(path)
@@ -498,7 +498,7 @@ def test_the_relay_delivers_an_answer_sent_before_the_request_was_read(tmp_path)
 
     refuser = threading.Thread(target=refuse, daemon=True)
     refuser.start()
-    poll = agent_relay.select.epoll()
+    poll = select.epoll()
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
     listener.listen(4)

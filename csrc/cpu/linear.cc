@@ -104,9 +104,9 @@ void Panels(const float* x, const float* packed, float* out, int64_t rows, int64
     }
     // each half's column fetches its half of the next panel's lines
     for (int64_t first = 0, half = 0; first < cols; first += 8 * kVecs, ++half) {
+      const float* fetch = next ? next + half * k_dim * kLineFloats : nullptr;
       Column<kRows, kVecs>(x, rows, k_dim, panel + first, out + col + first, n,
-                           std::min<int64_t>(8 * kVecs, cols - first), next ? next + half * k_dim * kLineFloats : nullptr,
-                           next ? panel_lines / 2 : 0);
+                           std::min<int64_t>(8 * kVecs, cols - first), fetch, next ? panel_lines / 2 : 0);
     }
   }
 }

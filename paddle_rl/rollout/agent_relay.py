@@ -38,11 +38,10 @@ class Relay:
 
     def __init__(self, poll, socket_path: str, limit: int):
         self.poll, self.socket_path, self.limit = poll, socket_path, limit
+        # shut: the ends this relay writes no more to (their peer ended, or their reader is gone); what still comes
+        # for one is read and dropped, so the other direction delivers what it holds (a proxy answers a refusal
+        # before reading the request's body and closes: the answer reaches the program whole, not reset)
         self.socks, self.peer, self.out, self.eof, self.shut, self.masks = {}, {}, {}, set(), set(), {}
-        # ends that take no more bytes (their reader closed): what comes for them is read and dropped, so that the
-        # other direction still delivers what it holds (a proxy answers a refusal before reading the request's body
-        # and closes: its answer must reach the program whole, and the program must not be reset while reading it)
-        self.gone = set()
 
     def accept(self, listener) -> None:
         try:
@@ -98,7 +97,6 @@ class Relay:
             self.out.pop(end)
             self.eof.discard(end)
             self.shut.discard(end)
-            self.gone.discard(end)
             end.close()
 
     def event(self, fd: int, mask: int) -> None:
@@ -113,7 +111,6 @@ class Relay:
                     del self.out[s][:sent]
                 except (BrokenPipeError, ConnectionResetError):   # its reader is gone
                     self.out[s].clear()
-                    self.gone.add(s)
                     self.shut.add(s)
             if mask & (IN | select.EPOLLHUP | select.EPOLLERR):
                 try:
@@ -121,7 +118,7 @@ class Relay:
                 except ConnectionResetError:   # closed with our bytes unread: an end, after what it sent
                     data = b""
                 if data:
-                    if peer not in self.gone:
+                    if peer not in self.shut:
                         self.out[peer] += data
                 else:
                     self.eof.add(s)
