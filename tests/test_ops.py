@@ -17,6 +17,12 @@ import paddle
 import pytest
 
 from paddle_rl import ops
+from paddle_rl.models import CausalLM, ModelConfig
+from paddle_rl.models.decoder import (MLP, Attention, DecoderLayer, _MlpRecompute, attention_bias_from_mask,
+                                     mlp_recompute_reruns_down)
+from paddle_rl.models.layers import RowLinear
+from paddle_rl.models.logprobs import token_logprobs
+from paddle_rl.models.packing import Packing
 from paddle_rl.ops import build, kv_cache
 from paddle_rl.ops import logprob as logprob_module
 
@@ -277,7 +283,6 @@ def test_rotary_qkv_cache_writes_a_16_bit_cache(rng, dtype):
 def test_masked_softmax_and_gradient(rng, batch, kv, groups, length, keys, bias_batch):
     """softmax(scale * scores + bias) with a padding + causal bias shared by the heads; rows whose keys are all
     masked (left padding) stay finite, as in the reference."""
-    from paddle_rl.models.decoder import attention_bias_from_mask
     mask = np.ones((bias_batch, keys), np.int64)
     mask[0, :3] = 0                                     # left padding on the first row
     bias = attention_bias_from_mask(paddle.to_tensor(mask), length, causal=True)
@@ -296,7 +301,6 @@ def test_masked_softmax_and_gradient(rng, batch, kv, groups, length, keys, bias_
 def packing_spans(rng, groups_of, width=24, longest_prompt=19, shortest_prompt=1, shortest_response=0):
     """A models.packing.Packing for prompts of random lengths with `groups_of[u]` responses each (some empty
     unless shortest_response > 0)."""
-    from paddle_rl.models.packing import Packing
     prompts = [list(rng.integers(0, 50, int(rng.integers(shortest_prompt, longest_prompt + 1)))) for _ in groups_of]
     rows = np.repeat(np.arange(len(groups_of)), groups_of)
     lengths = rng.integers(shortest_response, width + 1, len(rows))
@@ -573,7 +577,6 @@ def test_modes(monkeypatch, caplog):
 
 def _training_decoder(seed: int, vocab: int, layers: int):
     """A small qwen3-shaped decoder (hidden 32, GQA 4 / 2 heads) at random init, in training mode."""
-    from paddle_rl.models import CausalLM, ModelConfig
     paddle.seed(seed)
     model = CausalLM(ModelConfig(model_type="qwen3", vocab_size=vocab, hidden_size=32, intermediate_size=48,
                                  num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2))
@@ -588,8 +591,6 @@ def test_model_gradients_with_kernels_and_recompute(rng, monkeypatch):
     backward, full_attn every self-attention block, core_attn every attention core (softmax(QK^T)V) and nothing
     else, core_attn_mlp every attention core and the MLP block up to its down projection (whose gradients are
     taken without its forward)."""
-    from paddle_rl.models.decoder import MLP, Attention, DecoderLayer
-    from paddle_rl.models.logprobs import token_logprobs
     model = _training_decoder(seed=1, vocab=120, layers=2)
     cfg = model.config
     ids = paddle.to_tensor(rng.integers(0, 120, (3, 10)))
@@ -643,10 +644,6 @@ def test_mlp_recompute_takes_the_down_projections_gradients_without_its_forward(
     every parameter are those of core_attn (the block's activations kept), bit for bit, in float32 and with bf16
     products, and of Paddle's recompute of the whole block; the down projection's forward runs once per layer
     (Paddle's recompute: twice). With the stand-in's backward perturbed the gradients differ."""
-    from paddle_rl.models import CausalLM, ModelConfig
-    from paddle_rl.models.decoder import _MlpRecompute, mlp_recompute_reruns_down
-    from paddle_rl.models.layers import RowLinear
-    from paddle_rl.models.logprobs import token_logprobs
     model = _training_decoder(seed=4, vocab=100, layers=3)
     if bf16:
         model.set_bf16(True, True)
@@ -986,7 +983,6 @@ def test_residual_add_shares_its_gradient(rng):
 def test_model_gradients_with_residual_add(rng, monkeypatch, recompute):
     """The decoder's gradients with the shared-gradient residual add equal those with Paddle's add, bit for bit,
     under each recompute setting (the recomputed blocks read the residual stream's tensors again)."""
-    from paddle_rl.models.logprobs import token_logprobs
     model = _training_decoder(seed=3, vocab=90, layers=3)
     model.recompute = recompute
     ids = paddle.to_tensor(rng.integers(0, 90, (2, 9)))
