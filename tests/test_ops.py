@@ -775,13 +775,13 @@ LOWP_CASES = [("bfloat16", True), ("weight_only_int8", False), ("weight_only_int
 
 
 @pytest.mark.parametrize("fmt,bf16_act", LOWP_CASES)
-@pytest.mark.parametrize("rows,k,n", [(1, 64, 40), (13, 130, 64), (7, 301, 33)])
+@pytest.mark.parametrize("rows,k,n", [(1, 64, 40), (13, 130, 64), (7, 301, 33), (50, 160, 70)])
 def test_packed_linear_low_precision(rng, monkeypatch, fmt, bf16_act, rows, k, n):
     """rollout_dtype bfloat16 / rollout_quant_type: the kernel's packed bytes equal the pure-Paddle packing's, its
     products equal NumPy's of the same arithmetic (bit for bit where every product is exact in float32: bfloat16
     activations times bfloat16 or int8 weights; else to 2e-6 relative, the fused multiply-add's one rounding), the
     AVX-512 tiles equal the portable ones (PADDLE_RL_BF16_EMULATE, for bfloat16) bit for bit, and the result is not
-    float32's."""
+    float32's. 50 rows: enough tiles that the bfloat16 ones fetch the next panel a line every 8 k steps."""
     x = rng.standard_normal((rows, k)).astype(np.float32)
     w = (rng.standard_normal((k, n)) * 0.1).astype(np.float32)
     w[:, 3] = 0.0    # a zero column: scale 0, no division by it

@@ -26,32 +26,76 @@ constexpr int kRows = 6, kVecs = 2;
 #endif
 constexpr int kRowsWhole = kVecs == 4 ? kRows : 3;   // rows of a whole-panel tile
 
-// The next panel is fetched into the L2 cache while this one is multiplied, one 64-byte line per k step of a
-// column's first tiles, where a panel takes at most kFetchPanelBytes (with the current one beside it, half of a Zen 3's
-// 512 KB L2). A rollout's weights stream from memory once per decode step (W3: 425 MB), too far apart for the
-// hardware's prefetchers, which stop at page boundaries: W3's float32 rollout took 39.3-39.4 s with the fetch
-// against 45.9-46.8 s without (EPYC Zen 3, alternated). A fetch changes no number.
+// The next panel is fetched into the L2 cache while this one is multiplied, its 64-byte lines spread over the k steps
+// of a column's tiles (FetchPlan: a line every 8 k steps at W3's 64 rows), where a panel takes at most
+// kFetchPanelBytes (with the current one beside it, half of a Zen 3's 512 KB L2). A rollout's weights stream from
+// memory once per decode step (W3: 425 MB in float32), too far apart for the hardware's prefetchers, which stop at page
+// boundaries: W3's float32 rollout took 39.3-39.4 s with the fetch against 45.9-46.8 s without (EPYC Zen 3,
+// alternated). The float32 and bfloat16 panels fetch; the int8 / int4 ones do not (their tiles wait on widening the
+// weights, not on memory). A fetch changes no number.
 constexpr int64_t kFetchPanelBytes = 256 << 10;
-constexpr int64_t kLineFloats = 16;
+constexpr int64_t kLine = 64;   // bytes
+constexpr int64_t kLineFloats = kLine / 4;
+
+// How the `tiles` tiles of a column, `steps` k steps each, fetch `lines` lines: per_k lines every `every` k steps,
+// tile_lines a tile, tile after tile. `every` is kSparse where the tiles still fetch every line at that rate (W3's 64
+// rows, the quickstart's 256), else 1 (per_k 2 where even that is too sparse: a single tile).
+constexpr int kSparse = 8;
+
+struct FetchPlan {
+  int every = 1, per_k = 1;
+  int64_t lines, tile_lines;
+
+  FetchPlan(int64_t lines, int64_t tiles, int64_t steps) : lines(lines) {
+    const int64_t share = (lines + tiles - 1) / std::max<int64_t>(1, tiles);   // lines a tile
+    if (steps / kSparse >= share) every = kSparse;
+    if (steps / every < share) per_k = 2;
+    tile_lines = per_k * (steps / every);
+  }
+
+  // where tile t fetches from (null once the tiles before it have fetched every line)
+  const char* For(const void* from, int64_t t) const {
+    return from && t * tile_lines < lines ? static_cast<const char*>(from) + t * tile_lines * kLine : nullptr;
+  }
+};
+
+// fn(std::integral_constant<int, E>) for E = every (1 or kSparse): the tiles' unrolling between fetches
+template <typename Fn>
+inline void WithEvery(int every, Fn&& fn) {
+  if (every == kSparse) return fn(std::integral_constant<int, kSparse>{});
+  fn(std::integral_constant<int, 1>{});
+}
+
+// step(k) for k in [0, steps), with per_k lines from `fetch` (unless null) every EVERY steps, those unrolled. A
+// prefetch and its address at every step cost the float32 tile (12 FMAs, 6 cycles a step) up to ~20%.
+template <int EVERY, typename Step>
+inline void FetchingSteps(int64_t steps, const char* fetch, int per_k, Step&& step) {
+  int64_t k = 0;
+  if (fetch) {
+    for (; k + EVERY <= steps; k += EVERY, fetch += per_k * kLine) {
+      for (int i = 0; i < per_k; ++i) __builtin_prefetch(fetch + i * kLine, 0, 1);
+#pragma GCC unroll 8
+      for (int e = 0; e < EVERY; ++e) step(k + e);
+    }
+  }
+  for (; k < steps; ++k) step(k);
+}
 
 // out[m, 0 : cols] = sum_k x[m, k] w[k, 0 : cols] for the MR rows of a tile; w: the tile's first column of a
-// panel (rows of kPanel floats), cols <= 8 NV; fetch (or null): per_k k_dim lines from there into the L2 cache
-template <int MR, int NV>
+// panel (rows of kPanel floats), cols <= 8 NV; fetch (or null): lines into the L2 cache, per_k every EVERY k steps
+template <int MR, int NV, int EVERY = 1>
 inline void Tile(const float* x, int64_t k_dim, const float* w0p, float* out, int64_t ldo, int64_t cols,
-                 const float* fetch = nullptr, int per_k = 0) {
+                 const char* fetch = nullptr, int per_k = 1) {
   prl::V8 acc[MR][NV] = {};
-  for (int64_t k = 0; k < k_dim; ++k) {
+  FetchingSteps<EVERY>(k_dim, fetch, per_k, [&](int64_t k) {
     const float* w = w0p + k * kPanel;
-    if (fetch) {
-      for (int i = 0; i < per_k; ++i) __builtin_prefetch(fetch + (k * per_k + i) * kLineFloats, 0, 1);
-    }
     prl::V8 wv[NV];
     for (int v = 0; v < NV; ++v) wv[v] = prl::Load8(w + 8 * v);
     for (int m = 0; m < MR; ++m) {
       const float xv = x[m * k_dim + k];
       for (int v = 0; v < NV; ++v) acc[m][v] += xv * wv[v];
     }
-  }
+  });
   for (int m = 0; m < MR; ++m) {
     if (cols == 8 * NV) {
       std::memcpy(out + m * ldo, acc[m], sizeof(acc[m]));
@@ -64,29 +108,32 @@ inline void Tile(const float* x, int64_t k_dim, const float* w0p, float* out, in
 }
 
 // the last r < MR rows in one tile of their size
-template <int R, int NV>
+template <int R, int NV, int EVERY>
 inline void LastTile(int64_t r, const float* x, int64_t k_dim, const float* w, float* out, int64_t ldo,
-                     int64_t cols, const float* fetch, int per_k) {
+                     int64_t cols, const char* fetch, int per_k) {
   if constexpr (R >= 1) {
-    if (r == R) return Tile<R, NV>(x, k_dim, w, out, ldo, cols, fetch, per_k);
-    LastTile<R - 1, NV>(r, x, k_dim, w, out, ldo, cols, fetch, per_k);
+    if (r == R) return Tile<R, NV, EVERY>(x, k_dim, w, out, ldo, cols, fetch, per_k);
+    LastTile<R - 1, NV, EVERY>(r, x, k_dim, w, out, ldo, cols, fetch, per_k);
   }
 }
 
 // rows [0, rows) of one panel's columns (w: the first of them, cols of them) in tiles of MR rows and NV vectors;
-// the first tiles fetch `fetch_lines` lines from `fetch` (k_dim each, 2 k_dim a tile where the tiles are fewer)
+// the tiles fetch `fetch_lines` lines from `fetch` (or none where it is null) as FetchPlan spreads them
 template <int MR, int NV>
 inline void Column(const float* x, int64_t rows, int64_t k_dim, const float* w, float* out, int64_t ldo,
                    int64_t cols, const float* fetch, int64_t fetch_lines) {
-  const int per_k = (rows + MR - 1) / MR * k_dim >= fetch_lines ? 1 : 2;
-  int64_t m = 0;
-  for (; m + MR <= rows; m += MR, fetch_lines -= per_k * k_dim, fetch += per_k * k_dim * kLineFloats) {
-    Tile<MR, NV>(x + m * k_dim, k_dim, w, out + m * ldo, ldo, cols, fetch_lines > 0 ? fetch : nullptr, per_k);
-  }
-  if (m < rows) {
-    LastTile<MR - 1, NV>(rows - m, x + m * k_dim, k_dim, w, out + m * ldo, ldo, cols,
-                         fetch_lines > 0 ? fetch : nullptr, per_k);
-  }
+  const FetchPlan plan(fetch ? fetch_lines : 0, (rows + MR - 1) / MR, k_dim);
+  WithEvery(plan.every, [&](auto every) {
+    constexpr int E = decltype(every)::value;
+    int64_t m = 0;
+    for (; m + MR <= rows; m += MR) {
+      Tile<MR, NV, E>(x + m * k_dim, k_dim, w, out + m * ldo, ldo, cols, plan.For(fetch, m / MR), plan.per_k);
+    }
+    if (m < rows) {
+      LastTile<MR - 1, NV, E>(rows - m, x + m * k_dim, k_dim, w, out + m * ldo, ldo, cols, plan.For(fetch, m / MR),
+                              plan.per_k);
+    }
+  });
 }
 
 void Panels(const float* x, const float* packed, float* out, int64_t rows, int64_t k_dim, int64_t n, int64_t begin,
@@ -328,12 +375,13 @@ inline void TileBF16Portable(const uint32_t* xp, int64_t k2, const uint16_t* pan
 // weights widen to float32 in registers (the even k: the low half shifted up, the odd k: the high half masked) and
 // each row sums acc += x[2 kk + 1] w[2 kk + 1], then acc += x[2 kk] w[2 kk]: exact products, so a fused
 // multiply-add rounds as vdpbf16ps's separate add does, the same bits.
-template <int MR>
-inline void TileBF16Avx512(const float* xf, int64_t k2, const uint16_t* panel, float* out, int64_t ldo, int64_t cols) {
+template <int MR, int EVERY>
+inline void TileBF16Avx512(const float* xf, int64_t k2, const uint16_t* panel, float* out, int64_t ldo, int64_t cols,
+                           const char* fetch, int per_k) {
   __m512 acc[MR][2];
   for (int m = 0; m < MR; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
   const __m512i high = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
-  for (int64_t kk = 0; kk < k2; ++kk) {
+  FetchingSteps<EVERY>(k2, fetch, per_k, [&](int64_t kk) {
     const __m512i u0 = _mm512_loadu_si512(panel + kk * 2 * kPanel);
     const __m512i u1 = _mm512_loadu_si512(panel + kk * 2 * kPanel + 32);
     const __m512 e0 = _mm512_castsi512_ps(_mm512_slli_epi32(u0, 16));
@@ -346,7 +394,7 @@ inline void TileBF16Avx512(const float* xf, int64_t k2, const uint16_t* panel, f
       acc[m][0] = _mm512_fmadd_ps(xe, e0, _mm512_fmadd_ps(xo, o0, acc[m][0]));
       acc[m][1] = _mm512_fmadd_ps(xe, e1, _mm512_fmadd_ps(xo, o1, acc[m][1]));
     }
-  }
+  });
   const __mmask16 lo = HalfMask(cols, 0), hi = HalfMask(cols, 1);
   for (int m = 0; m < MR; ++m) {
     _mm512_mask_storeu_ps(out + m * ldo, lo, acc[m][0]);
@@ -365,10 +413,11 @@ inline void OverHalves(int64_t cols, Fn&& fn) {
   for (int64_t first = 0; first < cols; first += 16) fn(first, std::min<int64_t>(16, cols - first));
 }
 
-template <int MR>
-inline void TileBF16Avx2(const float* xf, int64_t k2, const uint16_t* half, float* out, int64_t ldo, int64_t cols) {
+template <int MR, int EVERY>
+inline void TileBF16Avx2(const float* xf, int64_t k2, const uint16_t* half, float* out, int64_t ldo, int64_t cols,
+                         const char* fetch, int per_k) {
   prl::V8 acc[MR][2] = {};
-  for (int64_t kk = 0; kk < k2; ++kk) {
+  FetchingSteps<EVERY>(k2, fetch, per_k, [&](int64_t kk) {
     const uint16_t* w = half + kk * 2 * kPanel;
     prl::U8 u0, u1;
     std::memcpy(&u0, w, sizeof(u0));
@@ -387,7 +436,7 @@ inline void TileBF16Avx2(const float* xf, int64_t k2, const uint16_t* half, floa
       acc[m][0] += xe * e0;
       acc[m][1] += xe * e1;
     }
-  }
+  });
   for (int m = 0; m < MR; ++m) prl::StoreCols16(out + m * ldo, acc[m][0], acc[m][1], cols);
 }
 #endif
@@ -726,23 +775,38 @@ void prl_cpu::PackedLinearLowp(const float* xs, const void* packed, const float*
       }
     }
 #endif
+    // a panel: k2 pair-rows of 128 bytes; the wide tiles fetch the part's next one as the float32 tiles do
+    const int64_t panel_bytes = k2 * 2 * kPanel * static_cast<int64_t>(sizeof(uint16_t));
     prl::ParallelFor(panels, work, [&](int, int64_t begin, int64_t end) {
       for (int64_t p = begin; p < end; ++p) {
         const uint16_t* panel = pw + p * k2 * 2 * kPanel;
         const int64_t col = p * kPanel, cols = std::min(kPanel, n - col);
+        [[maybe_unused]] const uint16_t* next =
+            p + 1 < end && panel_bytes <= kFetchPanelBytes ? panel + k2 * 2 * kPanel : nullptr;
 #ifdef __AVX512F__
         if (wide) {
-          OverRows<kRowsWide>(rows, [&](auto mr, int64_t m) {
-            TileBF16Avx512<decltype(mr)::value>(xf.data() + m * 2 * k2, k2, panel, o + m * n + col, n, cols);
+          const FetchPlan plan(next ? panel_bytes / kLine : 0, (rows + kRowsWide - 1) / kRowsWide, k2);
+          WithEvery(plan.every, [&](auto every) {
+            OverRows<kRowsWide>(rows, [&](auto mr, int64_t m) {
+              TileBF16Avx512<decltype(mr)::value, decltype(every)::value>(
+                  xf.data() + m * 2 * k2, k2, panel, o + m * n + col, n, cols, plan.For(next, m / kRowsWide),
+                  plan.per_k);
+            });
           });
           continue;
         }
 #elif defined(__AVX2__) && defined(__FMA__)
         if (wide) {
+          // each half's column fetches its half of the next panel's bytes
+          const FetchPlan plan(next ? panel_bytes / 2 / kLine : 0, (rows + kRowsAvx2 - 1) / kRowsAvx2, k2);
           OverHalves(cols, [&](int64_t first, int64_t width) {
-            OverRows<kRowsAvx2>(rows, [&](auto mr, int64_t m) {
-              TileBF16Avx2<decltype(mr)::value>(xf.data() + m * 2 * k2, k2, panel + 2 * first, o + m * n + col + first,
-                                                n, width);
+            const char* from = next ? reinterpret_cast<const char*>(next) + first / 16 * (panel_bytes / 2) : nullptr;
+            WithEvery(plan.every, [&](auto every) {
+              OverRows<kRowsAvx2>(rows, [&](auto mr, int64_t m) {
+                TileBF16Avx2<decltype(mr)::value, decltype(every)::value>(
+                    xf.data() + m * 2 * k2, k2, panel + 2 * first, o + m * n + col + first, n, width,
+                    plan.For(from, m / kRowsAvx2), plan.per_k);
+              });
             });
           });
           continue;
