@@ -66,7 +66,7 @@ from typing import Optional
 
 import yaml
 
-from .config import load_config
+from .config import ConfigError, load_config
 from .env import configure_threads, cpu_info, malloc_mode
 from .model_files.hub import fetch_benchmark, resolve_model
 from .monitor import memory
@@ -802,7 +802,6 @@ def flipped_configs(overrides: dict, names: list, baseline: dict, model) -> dict
     config's refusal, ops' SwitchError, or the head's reason on a model that reads whole logits)."""
     # deferred: ops/ loads Paddle, only when a workload runs
     from . import ops
-    from .config import ConfigError
     runs, refused = [], {}
     for name in names:
         key = ops.switches.KEYS[name]
