@@ -118,7 +118,7 @@ inline void LastTile(int64_t r, const float* x, int64_t k_dim, const float* w, f
 }
 
 // rows [0, rows) of one panel's columns (w: the first of them, cols of them) in tiles of MR rows and NV vectors;
-// the tiles fetch `fetch_lines` lines from `fetch` (or none where it is null) as FetchPlan spreads them
+// the tiles fetch `fetch_lines` lines from `fetch` as FetchPlan spreads them (none where fetch is null)
 template <int MR, int NV>
 inline void Column(const float* x, int64_t rows, int64_t k_dim, const float* w, float* out, int64_t ldo,
                    int64_t cols, const float* fetch, int64_t fetch_lines) {
@@ -143,14 +143,14 @@ void OnePanel(const float* x, const float* panel, float* out, int64_t rows, int6
   const int64_t col = p * kPanel, cols = std::min(kPanel, n - col);
   const int64_t panel_lines = k_dim * kPanel / kLineFloats;   // 2 k_dim
   if (kVecs == 4 || rows <= 3) {
-    Column<kRowsWhole, 4>(x, rows, k_dim, panel, out + col, n, cols, next, next ? panel_lines : 0);
+    Column<kRowsWhole, 4>(x, rows, k_dim, panel, out + col, n, cols, next, panel_lines);
     return;
   }
   // each half's column fetches its half of the next panel's lines
   for (int64_t first = 0, half = 0; first < cols; first += 8 * kVecs, ++half) {
     const float* fetch = next ? next + half * k_dim * kLineFloats : nullptr;
     Column<kRows, kVecs>(x, rows, k_dim, panel + first, out + col + first, n,
-                         std::min<int64_t>(8 * kVecs, cols - first), fetch, next ? panel_lines / 2 : 0);
+                         std::min<int64_t>(8 * kVecs, cols - first), fetch, panel_lines / 2);
   }
 }
 
