@@ -16,28 +16,56 @@ namespace {
 
 constexpr double kDropped = -1e9;  // what the reference writes for filtered tokens (probability exactly 0)
 
-inline double MaxOf(const double* v, int64_t n) {
-  double m = v[0];
+// A row's values as float64, read from an array of them (`Doubles`) or made on the fly from float32 logits times
+// 1 / temperature (`Scaled`: the same products a float64 copy would hold, without writing and reading it again).
+struct Doubles {
+  const double* p;
+  double At(int64_t i) const { return p[i]; }
+  prl::V4D At4(int64_t i) const { return prl::Load4(p + i); }
+};
+
+struct Scaled {
+  const float* x;
+  double inv_t;
+  double At(int64_t i) const { return static_cast<double>(x[i]) * inv_t; }
+  prl::V4D At4(int64_t i) const {
+    return prl::V4D{static_cast<double>(x[i]), static_cast<double>(x[i + 1]), static_cast<double>(x[i + 2]),
+                    static_cast<double>(x[i + 3])} * inv_t;
+  }
+};
+
+template <typename Row>
+inline double MaxOf(const Row& z, int64_t n) {
+  double m = z.At(0);
 #pragma omp simd reduction(max : m)
-  for (int64_t i = 0; i < n; ++i) m = std::max(m, v[i]);
+  for (int64_t i = 0; i < n; ++i) m = std::max(m, z.At(i));
   return m;
 }
 
 // e[i] = exp(z[i] - m) (ExpD4 4 lanes at a time, the rest by ExpD: equal bit for bit); returns the sum.
-inline double ExpShifted(const double* z, double m, double* e, int64_t n) {
+template <typename Row>
+inline double ExpShifted(const Row& z, double m, double* e, int64_t n) {
   prl::V4D acc = {0, 0, 0, 0};
   int64_t i = 0;
   for (; i + 4 <= n; i += 4) {
-    const prl::V4D x = prl::ExpD4(prl::Load4(z + i) - m);
+    const prl::V4D x = prl::ExpD4(z.At4(i) - m);
     prl::Store4(e + i, x);
     acc += x;
   }
   double total = prl::HSum4(acc);
   for (; i < n; ++i) {
-    e[i] = prl::ExpD(z[i] - m);
+    e[i] = prl::ExpD(z.At(i) - m);
     total += e[i];
   }
   return total;
+}
+
+// A thread's scratch array of at least n elements, kept between calls (no allocation or zeroing per decode step).
+template <typename T, int kSlot>
+T* Scratch(int64_t n) {
+  thread_local std::vector<T> buffer;
+  if (static_cast<int64_t>(buffer.size()) < n) buffer.resize(n);
+  return buffer.data();
 }
 
 // First index whose cumulative probability e[0..i] / total exceeds u * (total mass); v - 1 if none.
@@ -81,23 +109,34 @@ void prl_cpu::Sample(const float* xp, const float* sp, const float* up, const bo
   const double inv_t = 1.0 / t;
   // rows in parallel, each part with its own scratch
   prl::ParallelFor(b, 4 * v, [&](int, int64_t begin, int64_t end) {
-    std::vector<float> proc(v);
-    std::vector<double> z(v), e(v), scaled(v), sorted;
+    float* proc = Scratch<float, 0>(v);
+    double* z = Scratch<double, 1>(v);
+    double* e = Scratch<double, 2>(v);
+    std::vector<double> sorted;
     for (int64_t r = begin; r < end; ++r) {
       const float* x = xp + r * v;
-      std::memcpy(proc.data(), x, sizeof(float) * v);
+      const bool banned = bp != nullptr && bp[r];
+      const Scaled raw{x, inv_t};   // logits / temperature: the policy's distribution, whatever filters the draw
+      if (!greedy && !penalize && !banned && !use_top_k && !use_top_p) {
+        // nothing filters the row: the draw and the log-prob read the same distribution, made from the logits as
+        // they are read (the numbers of the general path below, which would copy and widen the row first)
+        const double m = MaxOf(raw, v);
+        const double total = ExpShifted(raw, m, e, v);
+        const int64_t token = InverseCdf(e, total, static_cast<double>(up[r]), v);
+        tp[r] = token;
+        lp[r] = static_cast<float>(raw.At(token) - (m + std::log(total)));
+        continue;
+      }
+      std::memcpy(proc, x, sizeof(float) * v);
       if (penalize) {
         const float* s = sp + r * v;
         for (int64_t i = 0; i < v; ++i)
           if (s[i] > 0.0f) proc[i] = proc[i] > 0.0f ? proc[i] / penalty : proc[i] * penalty;
       }
-      const bool banned = bp != nullptr && bp[r];
       if (banned)
         for (int64_t k = 0; k < n_stop; ++k)
           if (stop[k] >= 0 && stop[k] < v) proc[stop[k]] = prl::kNegInf;
       int64_t token = 0;
-      double z_max = 0.0, z_sum = 0.0;
-      bool z_is_scaled = false;
       if (greedy) {
         float best = proc[0];
         for (int64_t i = 1; i < v; ++i)
@@ -105,18 +144,18 @@ void prl_cpu::Sample(const float* xp, const float* sp, const float* up, const bo
       } else {
         for (int64_t i = 0; i < v; ++i) z[i] = static_cast<double>(proc[i]) * inv_t;
         if (use_top_k) {
-          sorted.assign(z.begin(), z.end());
+          sorted.assign(z, z + v);
           std::nth_element(sorted.begin(), sorted.begin() + (top_k - 1), sorted.end(), std::greater<double>());
           const double kth = sorted[top_k - 1];
           for (int64_t i = 0; i < v; ++i)
             if (z[i] < kth) z[i] = kDropped;
         }
-        double m = MaxOf(z.data(), v);
-        double total = ExpShifted(z.data(), m, e.data(), v);
+        double m = MaxOf(Doubles{z}, v);
+        double total = ExpShifted(Doubles{z}, m, e, v);
         if (use_top_p) {
           // values in descending order until the mass before a token reaches top_p; tokens tied with the last
           // kept one stay as well
-          sorted.assign(z.begin(), z.end());
+          sorted.assign(z, z + v);
           int64_t done = 0, kept = 0, width = std::min<int64_t>(v, 64);
           double cum = 0.0;
           bool stopped = false;
@@ -139,23 +178,16 @@ void prl_cpu::Sample(const float* xp, const float* sp, const float* up, const bo
           const double cut = sorted[kept - 1];
           for (int64_t i = 0; i < v; ++i)
             if (z[i] < cut) z[i] = kDropped;
-          m = MaxOf(z.data(), v);
-          total = ExpShifted(z.data(), m, e.data(), v);
+          m = MaxOf(Doubles{z}, v);
+          total = ExpShifted(Doubles{z}, m, e, v);
         }
-        z_max = m;
-        z_sum = total;
-        z_is_scaled = !penalize && !banned && !use_top_k && !use_top_p;
-        token = InverseCdf(e.data(), total, static_cast<double>(up[r]), v);
+        token = InverseCdf(e, total, static_cast<double>(up[r]), v);
       }
       tp[r] = token;
-      if (z_is_scaled) {
-        lp[r] = static_cast<float>(z[token] - (z_max + std::log(z_sum)));
-      } else {
-        for (int64_t i = 0; i < v; ++i) scaled[i] = static_cast<double>(x[i]) * inv_t;
-        const double m = MaxOf(scaled.data(), v);
-        const double total = ExpShifted(scaled.data(), m, e.data(), v);
-        lp[r] = static_cast<float>(scaled[token] - (m + std::log(total)));
-      }
+      // the log-prob from the raw logits (the draw's e is reused as scratch: the token is drawn)
+      const double m = MaxOf(raw, v);
+      const double total = ExpShifted(raw, m, e, v);
+      lp[r] = static_cast<float>(raw.At(token) - (m + std::log(total)));
     }
   });
 }
