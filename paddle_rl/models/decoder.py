@@ -551,9 +551,21 @@ class DecoderLayer(nn.Layer):
     def decode_weights(self) -> Optional[ops.DecodeLayerWeights]:
         """What ops.decode_layer reads of this layer in a rollout decode step, or None where the layer is not the one
         it runs: sandwich norms, an MoE block, a GeGLU MLP, tensor parallelism, an unmerged LoRA adapter, weights
-        without the rollout's packed copies (CausalLM.packed_weights), or PADDLE_RL_FUSED_DECODE_LAYER=0."""
+        without the rollout's packed copies (CausalLM.packed_weights), or PADDLE_RL_FUSED_DECODE_LAYER=0. Made once
+        per packing (the packed copies, the norms' scales: CausalLM.packed_weights keeps it until it packs again or
+        ends), not at every decode step."""
+        if not ops.decode_layer_enabled():
+            return None
+        held = self.__dict__.get("_decode_weights")
+        if held is None:
+            held = (self._make_decode_weights(),)
+            if held[0] is not None:   # (only while packed copies exist: without them it is not cached)
+                _hold(self, "_decode_weights", held)
+        return held[0]
+
+    def _make_decode_weights(self) -> Optional[ops.DecodeLayerWeights]:
         attn, mlp = self.self_attn, self.mlp
-        if self.sandwich or not isinstance(mlp, MLP) or mlp.activation != "silu" or not ops.decode_layer_enabled():
+        if self.sandwich or not isinstance(mlp, MLP) or mlp.activation != "silu":
             return None
         linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
         if any(m.packed is None or m.group is not None
@@ -1006,7 +1018,12 @@ class CausalLM(nn.Layer):
                 return ops.pack_weight_lowp(weight, transposed, fmt, bf16_act)
             return ops.pack_weight(weight, transposed) if ops.packing_helps(weight) else None
 
+        def forget_decode_weights():   # what DecoderLayer.decode_weights made from the packed copies
+            for layer in self.layers:
+                _hold(layer, "_decode_weights", None)
+
         def repack():
+            forget_decode_weights()
             for m in linears:
                 _hold(m, "packed", pack(m.effective_weight))
             if transposed:
@@ -1018,6 +1035,7 @@ class CausalLM(nn.Layer):
             repack()
             yield repack
         finally:
+            forget_decode_weights()
             for m in linears:
                 _hold(m, "packed", None)
                 _hold(m, "packed_bias", None)   # ColumnLinear's bias expanded to a decode step's rows
