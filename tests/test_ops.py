@@ -930,6 +930,48 @@ def test_decode_layer_is_its_ops_bit_for_bit(rng, fmt, rows, hidden, heads, kv, 
     np.testing.assert_array_equal(alone.numpy(), out.numpy()[-1:])
 
 
+@pytest.mark.parametrize("cache_dtype,d", [("float32", 64), ("bfloat16", 16), ("float32", 12)])
+def test_decode_layer_reads_a_shared_prompt_from_its_row(rng, cache_dtype, d):
+    """Rows that share a prompt (`shared`: its samples) read its slots from the row named: the same bits as each row
+    reading its own copy, and a row whose own copy differs there is computed from the named row's (so the kernel
+    reads them there). The windows start at different slots and the shared spans end inside a block of keys (d 64:
+    the vector paths, 12: the scalar ones)."""
+    rows, cap, slot, prompt_end = 6, 40, 33, 13
+    x, w, positions, caches, start = _decode_layer_case(rng, rows, 64, 4, 2, d, 40, "float32", True, False, False,
+                                                        cache_dtype, cap, slot)
+    start = paddle.to_tensor(np.array([2, 2, 2, 5, 5, 0], dtype=np.int64))
+    source = np.array([0, 0, 0, 3, 3, 5])   # rows 0-2 share one prompt, rows 3-4 another, row 5 its own
+    ends = np.array([prompt_end, prompt_end, prompt_end, prompt_end + 7, prompt_end + 7, 9])
+    for c in caches:   # each row's prompt slots copied from its source row (as a prefill fans a prompt out)
+        data = c.astype("float32").numpy()
+        for r in range(rows):
+            data[r, :, :ends[r]] = data[source[r], :, :ends[r]]
+        c.set_value(paddle.to_tensor(data).astype(cache_dtype))
+    shared = paddle.to_tensor(np.stack([source, ends], axis=1).astype(np.int64))
+    inv_freq = _inv_freq(d)
+    own = ops.decode_layer_fused(x, w, positions, inv_freq, *[c.clone() for c in caches], start, slot)
+    read = ops.decode_layer_fused(x, w, positions, inv_freq, *[c.clone() for c in caches], start, slot, shared)
+    np.testing.assert_array_equal(read.numpy(), own.numpy())
+    np.testing.assert_array_equal(ops.decode_layer_reference(x, w, positions, inv_freq, *[c.clone() for c in caches],
+                                                             start, slot, shared).numpy(), own.numpy())
+    # rows 1 and 4 hold other numbers in the first 8 slots of their windows (whole blocks of keys read from the
+    # source row: a block that straddles the end of the shared span reads the row's own copy, the same numbers)
+    spoiled = [c.clone() for c in caches]
+    for c in spoiled:
+        data = c.astype("float32").numpy()
+        for r in (1, 4):
+            data[r, :, int(start[r]):int(start[r]) + 8] += 1.0
+        c.set_value(paddle.to_tensor(data).astype(cache_dtype))
+    got = ops.decode_layer_fused(x, w, positions, inv_freq, *[c.clone() for c in spoiled], start, slot, shared)
+    np.testing.assert_array_equal(got.numpy(), own.numpy())
+    alone = ops.decode_layer_fused(x, w, positions, inv_freq, *[c.clone() for c in spoiled], start, slot)
+    assert not np.array_equal(alone.numpy()[[1, 4]], own.numpy()[[1, 4]])
+    np.testing.assert_array_equal(alone.numpy()[[0, 2, 3, 5]], own.numpy()[[0, 2, 3, 5]])
+    with pytest.raises(Exception, match="prl_decode_layer: shared row out of range"):
+        ops.decode_layer_fused(x, w, positions, inv_freq, *caches, start, slot,
+                               paddle.to_tensor(np.array([[0, 1]] * (rows - 1) + [[rows, 1]], dtype=np.int64)))
+
+
 def test_decode_layer_checks_its_inputs(rng):
     x, w, positions, caches, start = _decode_layer_case(rng, 3, 32, 4, 2, 8, 40, "weight_only_int8", True, False,
                                                         False, "float32", 6, 2)

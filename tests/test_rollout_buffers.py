@@ -162,3 +162,33 @@ def test_layer_cache_growth_keeps_written_slots(monkeypatch):
     assert keys.shape == [2, 1, 8, 4] and cache.k.shape[2] == 8
     np.testing.assert_array_equal(keys.numpy(), np.concatenate([first.numpy(), more.numpy()], axis=2))
     np.testing.assert_array_equal(values.numpy(), 2 * np.concatenate([first.numpy(), more.numpy()], axis=2))
+
+
+@pytest.mark.parametrize("limits", [{}, {"max_num_seqs": 9}])   # all prompts at once; two at a time, joining later
+def test_the_samples_of_a_prompt_read_its_slots_from_one_row(model, kernels, monkeypatch, limits):
+    """Each decode step names, for every row, the first row placed from the same prefill row (a prompt's samples,
+    not another group with the same prompt) and where its prompt ends; the tokens and log-probs are those of every
+    row reading its own copy."""
+    made = []
+    shared_tensor = RunningBatch.shared_tensor
+
+    def record(batch):
+        out = shared_tensor(batch)
+        made.append((list(batch.seqs), batch.start.copy(), None if out is None else out.numpy().copy()))
+        return out
+    monkeypatch.setattr(RunningBatch, "shared_tensor", record)
+    out, _ = rollout(model, **limits)
+    assert made
+    for seqs, start, shared in made:
+        groups = [s.group for s in seqs]
+        if shared is None:   # no two rows of a prompt left
+            assert len(set(groups)) == len(groups)
+            continue
+        for r, (source, end) in enumerate(shared):
+            assert source == groups.index(groups[r])
+            assert end == start[r] + len(seqs[r].prompt)
+    assert any(shared is not None and (shared[:, 0] != np.arange(len(shared))).any() for _, _, shared in made)
+    monkeypatch.setattr(RunningBatch, "shared_tensor", lambda batch: None)
+    alone, _ = rollout(model, **limits)
+    np.testing.assert_array_equal(out["response_ids"], alone["response_ids"])
+    np.testing.assert_array_equal(out["rollout_logp"], alone["rollout_logp"])

@@ -61,20 +61,61 @@ inline void Score(const float* q, const T* k, int64_t d, float scale, float* out
   for (int j = 0; j < M; ++j) prl::HSums<NK>(a[j], scale, out + j * stride);
 }
 
+// The value (or key) rows of a window: slot s of it (counted from the window's first slot) is row s of `shared` for
+// s < `ns` (the same prompt's rows in the cache of the row that shares them with this one: the same numbers, read
+// from memory once for all the rows of a prompt), else row s of `own`.
+template <typename T>
+struct Rows {
+  const T* own;
+  const T* shared;
+  int64_t ns;
+  int64_t d;
+  const T* At(int64_t s) const { return (s < ns ? shared : own) + s * d; }
+  Rows Offset(int64_t c) const { return Rows{own + c, shared + c, ns, d}; }
+  // The window's n slots as two runs in order: slots bound[r] .. bound[r + 1] - 1 are rows of base[r] (the shared
+  // ones, then the own). Loops over them are plain loops (a lambda per run could keep a tile's accumulators out of
+  // the registers).
+  struct Split {
+    const T* base[2];
+    int64_t bound[3];
+  };
+  Split Runs(int64_t n) const {
+    const int64_t split = std::min(ns, n);
+    return Split{{shared, own}, {0, split, n}};
+  }
+};
+
+// The rows of the next window to fetch while this one is read: rows from..n - 1 of `rows` (its shared rows are
+// not fetched: the row that owns them reads them first, and they stay in the cache for the others).
+template <typename T>
+struct Fetch {
+  const T* rows;
+  int64_t from, n;
+  // always inlined: GCC takes a function whose only effect is a prefetch for one without effects, and drops calls
+  // to it that it has not inlined yet (no prefetch would be left)
+  __attribute__((always_inline)) void At(int64_t s, int64_t d) const {
+    if (s >= from && s < n) Prefetch(rows + s * d, d);
+  }
+};
+
 // acc_j[0 : 8 NV] = sum_s p[j * stride + s] * v_s[0 : 8 NV] over a window's n slots for the M heads of a block
-// (v: rows of d elements, offset to the tile's first column; acc: M rows of d floats, offset alike). The M x NV
-// accumulators stay in registers over all the slots; fetches the first next_n rows of next (the next window) along.
+// (v: the window's rows, offset to the tile's first column; acc: M rows of d floats, offset alike). The M x NV
+// accumulators stay in registers over all the slots; fetches the next window's rows along.
 template <int M, int NV, typename T>
-inline void AccumulateTile(const T* v, const float* p, int64_t stride, int64_t d, int64_t n, float* acc,
-                           const T* next, int64_t next_n) {
+inline void AccumulateTile(const Rows<T>& v, const float* p, int64_t stride, int64_t d, int64_t n, float* acc,
+                           const Fetch<T>& next) {
   prl::V8 a[M][NV] = {};
-  for (int64_t s = 0; s < n; ++s) {
-    if (s < next_n) Prefetch(next + s * d, d);
-    prl::V8 x[NV];
-    for (int i = 0; i < NV; ++i) x[i] = prl::Load8(v + s * d + 8 * i);
-    for (int j = 0; j < M; ++j) {
-      const float w = p[j * stride + s];
-      for (int i = 0; i < NV; ++i) a[j][i] += w * x[i];
+  const auto runs = v.Runs(n);
+  for (int r = 0; r < 2; ++r) {
+    const T* base = runs.base[r];
+    for (int64_t s = runs.bound[r]; s < runs.bound[r + 1]; ++s) {
+      next.At(s, d);
+      prl::V8 x[NV];
+      for (int i = 0; i < NV; ++i) x[i] = prl::Load8(base + s * d + 8 * i);
+      for (int j = 0; j < M; ++j) {
+        const float w = p[j * stride + s];
+        for (int i = 0; i < NV; ++i) a[j][i] += w * x[i];
+      }
     }
   }
   for (int j = 0; j < M; ++j) std::memcpy(acc + j * d, a[j], sizeof(a[j]));
@@ -83,16 +124,20 @@ inline void AccumulateTile(const T* v, const float* p, int64_t stride, int64_t d
 // The same over whole rows for any d % 8 == 0, the accumulators in memory (L1): each value row is read once, in
 // order, which keeps a window too wide for the registers streaming at the memory's rate.
 template <int M, typename T>
-inline void AccumulateInMemory(const T* v, const float* p, int64_t stride, int64_t d, int64_t n, float* acc,
-                               const T* next, int64_t next_n) {
+inline void AccumulateInMemory(const Rows<T>& v, const float* p, int64_t stride, int64_t d, int64_t n, float* acc,
+                               const Fetch<T>& next) {
   std::fill(acc, acc + M * d, 0.0f);
-  for (int64_t s = 0; s < n; ++s) {
-    if (s < next_n) Prefetch(next + s * d, d);
-    for (int64_t c = 0; c < d; c += 8) {
-      const prl::V8 x = prl::Load8(v + s * d + c);
-      for (int j = 0; j < M; ++j) {
-        const prl::V8 r = prl::Load8(acc + j * d + c) + p[j * stride + s] * x;
-        std::memcpy(acc + j * d + c, &r, sizeof(r));
+  const auto runs = v.Runs(n);
+  for (int run = 0; run < 2; ++run) {
+    const T* base = runs.base[run];
+    for (int64_t s = runs.bound[run]; s < runs.bound[run + 1]; ++s) {
+      next.At(s, d);
+      for (int64_t c = 0; c < d; c += 8) {
+        const prl::V8 x = prl::Load8(base + s * d + c);
+        for (int j = 0; j < M; ++j) {
+          const prl::V8 r = prl::Load8(acc + j * d + c) + p[j * stride + s] * x;
+          std::memcpy(acc + j * d + c, &r, sizeof(r));
+        }
       }
     }
   }
@@ -102,21 +147,22 @@ inline void AccumulateInMemory(const T* v, const float* p, int64_t stride, int64
 constexpr int64_t kTiledBytes = 256 << 10;
 
 template <int M, typename T>
-inline void Accumulate(const T* v, const float* p, int64_t stride, int64_t d, int64_t n, float* acc, const T* next,
-                       int64_t next_n) {
+inline void Accumulate(const Rows<T>& v, const float* p, int64_t stride, int64_t d, int64_t n, float* acc,
+                       const Fetch<T>& next) {
   // a whole row in one tile where its accumulators fit in the registers
   if constexpr (M * 8 <= kValueAccumulators) {
-    if (d == 64) return AccumulateTile<M, 8>(v, p, stride, d, n, acc, next, next_n);
+    if (d == 64) return AccumulateTile<M, 8>(v, p, stride, d, n, acc, next);
   }
   if constexpr (M * 4 <= kValueAccumulators) {
-    if (d == 32) return AccumulateTile<M, 4>(v, p, stride, d, n, acc, next, next_n);
+    if (d == 32) return AccumulateTile<M, 4>(v, p, stride, d, n, acc, next);
   }
   constexpr int NV = M * 4 <= kValueAccumulators ? 4 : 2;
   if (d % (8 * NV) != 0 || n * d * static_cast<int64_t>(sizeof(T)) > kTiledBytes) {
-    return AccumulateInMemory<M>(v, p, stride, d, n, acc, next, next_n);
+    return AccumulateInMemory<M>(v, p, stride, d, n, acc, next);
   }
+  const Fetch<T> none{next.rows, 0, 0};
   for (int64_t c = 0; c < d; c += 8 * NV) {
-    AccumulateTile<M, NV>(v + c, p, stride, d, n, acc + c, next, c == 0 ? next_n : 0);
+    AccumulateTile<M, NV>(v.Offset(c), p, stride, d, n, acc + c, c == 0 ? next : none);
   }
 }
 
@@ -131,11 +177,12 @@ inline void ScoreScalar(const float* q, const T* k, int64_t d, float scale, floa
 }
 
 template <int M, typename T>
-inline void AccumulateScalar(const T* v, const float* p, int64_t stride, int64_t d, int64_t n, float* acc) {
+inline void AccumulateScalar(const Rows<T>& v, const float* p, int64_t stride, int64_t d, int64_t n, float* acc) {
   std::fill(acc, acc + M * d, 0.0f);
   for (int64_t s = 0; s < n; ++s) {
+    const T* row = v.At(s);
     for (int64_t i = 0; i < d; ++i) {
-      const float x = prl::ToFloat(v[s * d + i]);
+      const float x = prl::ToFloat(row[i]);
       for (int j = 0; j < M; ++j) acc[j * d + i] += p[j * stride + s] * x;
     }
   }
@@ -152,31 +199,44 @@ inline void ForBlock(int64_t groups, int64_t j0, Fn&& fn) {
   }
 }
 
-// The (row, kv head) items [begin, end); T: the cache's element type.
+// The (row, kv head) items [begin, end); T: the cache's element type. shared [B, 2] (or null): row b's first
+// shared[b][1] slots are the same numbers as those of row shared[b][0]'s (the same prompt, fanned out to its
+// samples), and are read from there (the result is the same bits; the rows of a prompt come one after another, so
+// the shared rows are still in the cache after the first of them read them from memory).
 template <typename T>
-void Attend(const float* qp, const T* kp, const T* vp, const int64_t* st, float* out, int64_t begin, int64_t end,
-            int64_t heads, int64_t kv, int64_t cap, int64_t d, int64_t length, float scale) {
+void Attend(const float* qp, const T* kp, const T* vp, const int64_t* st, const int64_t* shared, float* out,
+            int64_t begin, int64_t end, int64_t heads, int64_t kv, int64_t cap, int64_t d, int64_t length,
+            float scale) {
   const int64_t groups = heads / kv;
   const bool wide = d % 8 == 0;
   std::vector<float> scores(static_cast<size_t>(groups) * cap), acc(static_cast<size_t>(groups) * d), inv(groups);
-  // the window of item (row, kv head): its first slot's offset in the caches and its number of slots
+  struct Window {
+    int64_t at, n;       // its first slot's offset in the caches, its number of slots
+    int64_t shared_at;   // the offset of the same slot in the cache of the row it shares its first ns slots with
+    int64_t ns;
+  };
+  // the window of item (row, kv head): slots are counted from the row's first one, so a row's result does not
+  // depend on where its window sits in the cache or on the rows beside it
   auto window = [&](int64_t item) {
     const int64_t bi = item / kv, g = item % kv;
     const int64_t first = std::min<int64_t>(std::max<int64_t>(st[bi], 0), length - 1);
-    return std::make_pair(((bi * kv + g) * cap + first) * d, length - first);
+    const int64_t at = ((bi * kv + g) * cap + first) * d, n = length - first;
+    const int64_t src = shared != nullptr ? shared[2 * bi] : bi;
+    if (src == bi) return Window{at, n, at, 0};
+    const int64_t ns = std::clamp<int64_t>(shared[2 * bi + 1] - first, 0, n);
+    return Window{at, n, ((src * kv + g) * cap + first) * d, ns};
   };
   for (int64_t item = begin; item < end; ++item) {
     const int64_t bi = item / kv, g = item % kv;
-    // slots are counted from the row's first one, so a row's result does not depend on where its window sits in
-    // the cache or on the rows beside it
-    const auto [at, n] = window(item);
-    const T* keys = kp + at;
-    const T* values = vp + at;
+    const Window w = window(item);
+    const int64_t n = w.n;
+    const Rows<T> keys{kp + w.at, kp + w.shared_at, w.ns, d};
+    const Rows<T> values{vp + w.at, vp + w.shared_at, w.ns, d};
     const float* q0 = qp + (bi * heads + g * groups) * d;  // the group's query heads are adjacent
-    // the next item's window is a new stream: fetch its rows while this item's are read
-    const auto [next_at, next_n] = item + 1 < end ? window(item + 1) : std::make_pair(int64_t{0}, int64_t{0});
-    const T* next_keys = kp + next_at;
-    const T* next_values = vp + next_at;
+    // the next item's window is a new stream: fetch its own rows while this item's are read
+    const Window nw = item + 1 < end ? window(item + 1) : Window{0, 0, 0, 0};
+    const Fetch<T> next_keys{kp + nw.at, nw.ns, nw.n};
+    const Fetch<T> next_values{vp + nw.at, nw.ns, nw.n};
     for (int64_t j0 = 0; j0 < groups; j0 += kHeadBlock) {
       ForBlock(groups, j0, [&](auto m) {
         constexpr int M = decltype(m)::value;
@@ -185,15 +245,19 @@ void Attend(const float* qp, const T* kp, const T* vp, const int64_t* st, float*
         float* o = scores.data() + j0 * cap;
         int64_t s = 0;
         if (wide) {
-          for (; s + NK <= n; s += NK) {
-            if (j0 == 0) {
-              for (int64_t i = s; i < std::min(s + NK, next_n); ++i) Prefetch(next_keys + i * d, d);
+          // blocks of keys wholly among the shared rows read them there, the others (one may straddle) their own
+          const auto runs = keys.Runs(n);
+          for (int r = 0; r < 2; ++r) {
+            for (; s + NK <= runs.bound[r + 1]; s += NK) {
+              if (j0 == 0) {
+                for (int64_t i = s; i < s + NK; ++i) next_keys.At(i, d);
+              }
+              Score<M, NK>(q, runs.base[r] + s * d, d, scale, o + s, cap);
             }
-            Score<M, NK>(q, keys + s * d, d, scale, o + s, cap);
           }
-          for (; s < n; ++s) Score<M, 1>(q, keys + s * d, d, scale, o + s, cap);
+          for (; s < n; ++s) Score<M, 1>(q, keys.At(s), d, scale, o + s, cap);
         } else {
-          for (; s < n; ++s) ScoreScalar<M>(q, keys + s * d, d, scale, o + s, cap);
+          for (; s < n; ++s) ScoreScalar<M>(q, keys.At(s), d, scale, o + s, cap);
         }
       });
     }
@@ -204,11 +268,12 @@ void Attend(const float* qp, const T* kp, const T* vp, const int64_t* st, float*
       for (int64_t s = 0; s < n; ++s) mx = std::max(mx, sc[s]);
       inv[j] = 1.0f / prl::ExpShiftSum(sc, mx, n);
     }
+    const Fetch<T> none{vp, 0, 0};
     for (int64_t j0 = 0; j0 < groups; j0 += kHeadBlock) {
       ForBlock(groups, j0, [&](auto m) {
         constexpr int M = decltype(m)::value;
         const float* p = scores.data() + j0 * cap;
-        if (wide) Accumulate<M>(values, p, cap, d, n, acc.data() + j0 * d, next_values, j0 == 0 ? next_n : 0);
+        if (wide) Accumulate<M>(values, p, cap, d, n, acc.data() + j0 * d, j0 == 0 ? next_values : none);
         else AccumulateScalar<M>(values, p, cap, d, n, acc.data() + j0 * d);
       });
     }
@@ -626,14 +691,14 @@ void prl_cpu::PackedAttentionBackward(const float* q, const float* k, const floa
 
 void prl_cpu::DecodeAttention(const float* qp, const void* cache_k, const void* cache_v, KvDtype cache,
                               const int64_t* st, float* o, int64_t b, int64_t heads, int64_t kv, int64_t cap,
-                              int64_t d, int64_t length, float scale) {
+                              int64_t d, int64_t length, float scale, const int64_t* shared) {
   // (row, kv head) items in parallel, each part with its own scratch
   prl::ForKvDtype(cache, [&](auto zero) {
     using T = decltype(zero);
     const T* kp = static_cast<const T*>(cache_k);
     const T* vp = static_cast<const T*>(cache_v);
     prl::ParallelFor(b * kv, 2 * heads / kv * length * d, [&](int, int64_t begin, int64_t end) {
-      Attend(qp, kp, vp, st, o, begin, end, heads, kv, cap, d, length, scale);
+      Attend(qp, kp, vp, st, shared, o, begin, end, heads, kv, cap, d, length, scale);
     });
   });
 }

@@ -8,7 +8,9 @@
 // the same bits, with one dispatch instead of ten (~16-35 us each alone, 50-300 us in a decode step: most of a
 // small model's step). The weights are the rollout's packed copies: float32 panels, or a low-precision pack (bfloat16,
 // weight_only_int8 / int4) with its scales. The row-wise steps (norms, bias and residual adds, rotary, SwiGLU)
-// split their rows over the threads from 16K elements on; a row's numbers never depend on the split.
+// split their rows over the threads from 16K elements on; a row's numbers never depend on the split. `shared` [B, 2]
+// (optional): row b's slots start[b] .. shared[b][1] - 1 hold the same keys and values as row shared[b][0]'s (a
+// prompt's samples) and the attention reads them there (cpu/kernels.h DecodeAttention: the same bits).
 #ifndef PRL_NO_PADDLE
 #include "../prl_common.h"
 #include "../prl_lowp.h"
@@ -75,8 +77,9 @@ std::vector<paddle::Tensor> DecodeLayer(
     const paddle::optional<paddle::Tensor>& o_scales, const paddle::optional<paddle::Tensor>& o_bias,
     const paddle::Tensor& post_norm, const paddle::Tensor& gate_up_w,
     const paddle::optional<paddle::Tensor>& gate_up_scales, const paddle::Tensor& down_w,
-    const paddle::optional<paddle::Tensor>& down_scales, int num_heads, int num_kv_heads, int64_t intermediate,
-    int64_t slot, int64_t length, float eps, float qk_eps, float scale, bool bf16_act) {
+    const paddle::optional<paddle::Tensor>& down_scales, const paddle::optional<paddle::Tensor>& shared,
+    int num_heads, int num_kv_heads, int64_t intermediate, int64_t slot, int64_t length, float eps, float qk_eps,
+    float scale, bool bf16_act) {
   const char* op = "prl_decode_layer";
   prl::CheckCpuFloat(x, op, "x");
   prl::CheckCpuFloat(inv_freq, op, "inv_freq");
@@ -102,6 +105,12 @@ std::vector<paddle::Tensor> DecodeLayer(
   CheckVector(q_norm, d, "q_norm");
   CheckVector(k_norm, d, "k_norm");
   PD_CHECK(q_norm.is_initialized() == k_norm.is_initialized(), op, ": q_norm and k_norm come together");
+  if (shared) {
+    PD_CHECK(shared->is_cpu() && shared->dtype() == paddle::DataType::INT64 && shared->numel() == 2 * rows, op,
+             ": shared must be int64 [B, 2] on the CPU");
+    const int64_t* sh = shared->data<int64_t>();
+    for (int64_t b = 0; b < rows; ++b) PD_CHECK(sh[2 * b] >= 0 && sh[2 * b] < rows, op, ": shared row out of range");
+  }
   const prl::KvDtype kv_dtype = prl::CpuCacheDtype(cache_k, cache_v, op);
   const int64_t kv_bytes = kv_dtype == prl::KvDtype::kFloat32 ? 4 : 2;
 
@@ -138,7 +147,7 @@ std::vector<paddle::Tensor> DecodeLayer(
                             qk_eps);
   });
   prl_cpu::DecodeAttention(q, kp, vp, kv_dtype, start.data<int64_t>(), attn, rows, num_heads, num_kv_heads, cap, d,
-                           length, scale);
+                           length, scale, shared ? shared->data<int64_t>() : nullptr);
   Product(attn, rows, q_width, o_w, o_scales, hidden, bf16_act, x1, "o");
   OverRowRanges(rows, hidden, [&](int64_t b, int64_t e) {
     if (o_bias) AddRows(x1, o_bias->data<float>(), hidden, false, b, e);
@@ -169,9 +178,9 @@ std::vector<std::vector<int64_t>> DecodeLayerInferShape(
     const std::vector<int64_t>& o_w, const paddle::optional<std::vector<int64_t>>& o_scales,
     const paddle::optional<std::vector<int64_t>>& o_bias, const std::vector<int64_t>& post_norm,
     const std::vector<int64_t>& gate_up_w, const paddle::optional<std::vector<int64_t>>& gate_up_scales,
-    const std::vector<int64_t>& down_w, const paddle::optional<std::vector<int64_t>>& down_scales, int num_heads,
-    int num_kv_heads, int64_t intermediate, int64_t slot, int64_t length, float eps, float qk_eps, float scale,
-    bool bf16_act) {
+    const std::vector<int64_t>& down_w, const paddle::optional<std::vector<int64_t>>& down_scales,
+    const paddle::optional<std::vector<int64_t>>& shared, int num_heads, int num_kv_heads, int64_t intermediate,
+    int64_t slot, int64_t length, float eps, float qk_eps, float scale, bool bf16_act) {
   return {x, cache_k, cache_v};
 }
 
@@ -183,7 +192,8 @@ std::vector<paddle::DataType> DecodeLayerInferDtype(
     const paddle::optional<paddle::DataType>& k_norm, paddle::DataType o_w,
     const paddle::optional<paddle::DataType>& o_scales, const paddle::optional<paddle::DataType>& o_bias,
     paddle::DataType post_norm, paddle::DataType gate_up_w, const paddle::optional<paddle::DataType>& gate_up_scales,
-    paddle::DataType down_w, const paddle::optional<paddle::DataType>& down_scales) {
+    paddle::DataType down_w, const paddle::optional<paddle::DataType>& down_scales,
+    const paddle::optional<paddle::DataType>& shared) {
   return {x, cache_k, cache_v};
 }
 
@@ -191,7 +201,7 @@ PD_BUILD_OP(prl_decode_layer)
     .Inputs({"X", "InNorm", "QkvW", paddle::Optional("QkvScales"), paddle::Optional("QkvBias"), "Positions",
              "InvFreq", "CacheK", "CacheV", "Start", paddle::Optional("QNorm"), paddle::Optional("KNorm"), "OW",
              paddle::Optional("OScales"), paddle::Optional("OBias"), "PostNorm", "GateUpW",
-             paddle::Optional("GateUpScales"), "DownW", paddle::Optional("DownScales")})
+             paddle::Optional("GateUpScales"), "DownW", paddle::Optional("DownScales"), paddle::Optional("Shared")})
     .Outputs({"Out", "CacheKOut", "CacheVOut"})
     .Attrs({"num_heads: int", "num_kv_heads: int", "intermediate: int64_t", "slot: int64_t", "length: int64_t",
             "eps: float", "qk_eps: float", "scale: float", "bf16_act: bool"})

@@ -35,10 +35,12 @@ void RotaryQkvCache(const float* qkv, const int64_t* positions, const float* inv
                     void* cache_v, KvDtype cache, const float* q_norm, const float* k_norm, int64_t b, int64_t l,
                     int num_heads, int num_kv_heads, int64_t d, int64_t cap, int64_t slot, float eps);
 
-// q [b, heads, d]; caches [b, kv, cap, d] of `cache` dtype; start [b]; out [b, heads, d].
+// q [b, heads, d]; caches [b, kv, cap, d] of `cache` dtype; start [b]; out [b, heads, d]. shared [b, 2] or null:
+// row r's slots start[r] .. shared[r][1] - 1 hold the same numbers as row shared[r][0]'s (a prompt fanned out to
+// its samples) and are read from that row (the same result, the prompt read from memory once).
 void DecodeAttention(const float* q, const void* cache_k, const void* cache_v, KvDtype cache, const int64_t* start,
                      float* out, int64_t b, int64_t heads, int64_t kv, int64_t cap, int64_t d, int64_t length,
-                     float scale);
+                     float scale, const int64_t* shared = nullptr);
 
 // dst [*, heads, dst_cap, d], src [*, heads, src_cap, d] of elements of elem_bytes bytes; rows [n] in range.
 void KvPlace(void* dst, const void* src, const int64_t* rows, int64_t n, int64_t heads, int64_t d,

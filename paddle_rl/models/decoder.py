@@ -256,7 +256,7 @@ class Pass:
     sequence) or "core_attn_mlp" (that and each dense MLP block with its norm)."""
 
     def __init__(self, rotary, position_ids, attention_bias=None, caches=None, decode_start=None, token_weight=None,
-                 router=None, packing=None):
+                 router=None, packing=None, decode_shared=None):
         self.position_ids = position_ids
         self.packing = packing
         self.recompute = None
@@ -267,6 +267,7 @@ class Pass:
         self.attention_bias = attention_bias
         self.caches = caches
         self.decode_start = decode_start
+        self.decode_shared = decode_shared   # a decode step's rows that share their prompt's slots (ops.decode_layer)
         self._token_weight, self._flat_weight = token_weight, None   # flattened when an MoE block reads it
         self.router = None if decode_start is not None else router if router is not None else RouterStats()
         self.inv_freq = rotary.inv_freq
@@ -525,7 +526,8 @@ class DecoderLayer(nn.Layer):
             weights = self.decode_weights()
             if weights is not None:   # the whole layer in one kernel call (ops.decode_layer: the same bits)
                 slot, inv_freq, start = self.self_attn.decode_slot(x, p, cache)
-                out = ops.decode_layer(x, weights, p.position_ids, inv_freq, cache.k, cache.v, start, slot)
+                out = ops.decode_layer(x, weights, p.position_ids, inv_freq, cache.k, cache.v, start, slot,
+                                       p.decode_shared)
                 cache.length = slot + 1
                 return out
         h = self.input_layernorm(x)
@@ -917,10 +919,12 @@ class CausalLM(nn.Layer):
         output_router_logits is true (as transformers' MoE models add it to their loss), else 0."""
         return self.moe.aux_loss_coef if self.moe is not None and self.moe.aux_loss_in_training else 0.0
 
-    def decode_step(self, tokens, positions, cache, start):
+    def decode_step(self, tokens, positions, cache, start, shared=None):
         """Logits [B, V] of the next token after `tokens` [B] at `positions` [B, 1]; appends to `cache`.
-        `start` [B] int64: the first cache slot each row attends to (its prompt's first real token)."""
-        hidden = self.run(tokens.unsqueeze(-1), Pass(self.rotary, positions, caches=cache, decode_start=start))
+        `start` [B] int64: the first cache slot each row attends to (its prompt's first real token). `shared` [B, 2]
+        int64 or None: rows whose first slots are the same numbers as another row's (ops.decode_layer)."""
+        hidden = self.run(tokens.unsqueeze(-1), Pass(self.rotary, positions, caches=cache, decode_start=start,
+                                                     decode_shared=shared))
         return self.logits(hidden).reshape([tokens.shape[0], -1])
 
     def shared_prompt_hidden_states(self, input_ids, attention_mask, prompt_width: int, prompt_first, prompt_rows):

@@ -56,9 +56,13 @@ def enabled() -> bool:
     return env_on("PADDLE_RL_FUSED_DECODE_LAYER")
 
 
-def decode_layer_reference(x, w: DecodeLayerWeights, positions, inv_freq, cache_k, cache_v, start, slot: int):
+def decode_layer_reference(x, w: DecodeLayerWeights, positions, inv_freq, cache_k, cache_v, start, slot: int,
+                           shared=None):
     """x [B, 1, hidden] -> the layer's output [B, 1, hidden]; keys and values written into the caches
-    [B, KV, C, D] at `slot`; row b attends to slots start[b] .. slot. positions [B, 1], start [B] int64."""
+    [B, KV, C, D] at `slot`; row b attends to slots start[b] .. slot. positions [B, 1], start [B] int64.
+    `shared` [B, 2] int64 (or None): row b's slots start[b] .. shared[b, 1] - 1 hold the same keys and values as
+    row shared[b, 0]'s (the samples of one prompt); the kernel reads them from there, once from memory for all the
+    rows that share them (the same numbers, so the same result); the reference reads every row's own."""
     qkv = packed_linear(rms_norm(x, w.in_norm, w.eps), w.qkv, (w.num_heads + 2 * w.num_kv_heads) * w.head_dim)
     if w.qkv_bias is not None:
         qkv = qkv + w.qkv_bias
@@ -81,10 +85,11 @@ def _bf16_act(w: DecodeLayerWeights) -> bool:
     return any(isinstance(p, LowpPacked) and p.bf16_act for p in (w.qkv, w.o, w.gate_up, w.down))
 
 
-def decode_layer_fused(x, w: DecodeLayerWeights, positions, inv_freq, cache_k, cache_v, start, slot: int):
+def decode_layer_fused(x, w: DecodeLayerWeights, positions, inv_freq, cache_k, cache_v, start, slot: int,
+                       shared=None):
     return build.run("prl_decode_layer", contiguous(x), w.in_norm, *_pack_args(w.qkv), w.qkv_bias, positions,
                      inv_freq, cache_k, cache_v, start, w.q_norm, w.k_norm, *_pack_args(w.o), w.o_bias, w.post_norm,
-                     *_pack_args(w.gate_up), *_pack_args(w.down), int(w.num_heads), int(w.num_kv_heads),
+                     *_pack_args(w.gate_up), *_pack_args(w.down), shared, int(w.num_heads), int(w.num_kv_heads),
                      int(w.intermediate), int(slot), int(slot) + 1, float(w.eps), float(w.qk_eps), float(w.scale),
                      _bf16_act(w))[0]
 
@@ -105,7 +110,7 @@ def fused_runs(x, w: DecodeLayerWeights, cache_k, cache_v) -> bool:
     return all(t.place.is_cpu_place() for t in (x, cache_k, *(_pack_args(p)[0] for p in packs)))
 
 
-def decode_layer(x, w: DecodeLayerWeights, positions, inv_freq, cache_k, cache_v, start, slot: int):
+def decode_layer(x, w: DecodeLayerWeights, positions, inv_freq, cache_k, cache_v, start, slot: int, shared=None):
     """The kernel where it runs (fused_runs), else the reference."""
     fn = decode_layer_fused if fused_runs(x, w, cache_k, cache_v) else decode_layer_reference
-    return fn(x, w, positions, inv_freq, cache_k, cache_v, start, slot)
+    return fn(x, w, positions, inv_freq, cache_k, cache_v, start, slot, shared)

@@ -144,7 +144,7 @@ class RolloutEngine:
                 repack()  # the packed copies follow the new weights
             last = paddle.to_tensor(batch.last)
             positions = paddle.to_tensor(batch.positions().reshape(-1, 1))
-            batch.logits = model.decode_step(last, positions, batch.layers, batch.start_tensor())
+            batch.logits = model.decode_step(last, positions, batch.layers, batch.start_tensor(), batch.shared_tensor())
             stats["decode_steps"] += 1
         if was_training:
             model.train()

@@ -22,7 +22,8 @@ from .sequence import Sequence
 
 GROWTH = 128   # slots added past the widest window when a buffer is (re)built (bounded by prompt + max_dec_len)
 ROW_STATE = ("logits", "seen")   # the per-row tensors, aligned with seqs
-ROW_ARRAYS = ("uniforms", "prompt_lengths", "generated", "last")   # the per-row numpy arrays, aligned with seqs
+# the per-row numpy arrays, aligned with seqs
+ROW_ARRAYS = ("uniforms", "prompt_lengths", "generated", "last", "origin")
 
 
 class RunningBatch:
@@ -45,6 +46,11 @@ class RunningBatch:
         self.prompt_lengths = np.zeros(0, dtype=np.int64)
         self.generated = np.zeros(0, dtype=np.int64)   # tokens so far (len(seq.tokens))
         self.last = np.zeros(0, dtype=np.int64)        # each row's last token (the next decode step's input)
+        # the prefill row each row's prompt was placed from (rows with the same origin hold the same keys and values
+        # in their prompt's slots: a prompt's samples), numbered afresh by each prefill
+        self.origin = None
+        self._origins = 0      # origins given so far
+        self._shared_t = None  # shared_tensor(), made after each change of rows (False: no row shares)
         self.relayouts = 0
         self.copied_slots = 0      # row-slots copied by relayouts (per layer, keys and values each)
         self.peak_slots = 0        # the most row-slots the buffers held (rows x capacity)
@@ -118,7 +124,7 @@ class RunningBatch:
         starts = [self.start[keep] - origin + (width - old_width)] + \
                  [np.array([width - len(s.prompt) for s in new_seqs], dtype=np.int64)]
         self.start = np.concatenate(starts).astype(np.int64)
-        self._start_t = None
+        self._start_t = self._shared_t = None
         for s in new_seqs:
             s.joined_at = decode_count
         whole = len(keep) == len(self.seqs) and (keep == np.arange(len(keep))).all()
@@ -133,7 +139,10 @@ class RunningBatch:
         joining = {"uniforms": None if new_rows is None else new_rows.get("uniforms"),
                    "prompt_lengths": np.array([len(s.prompt) for s in new_seqs], dtype=np.int64),
                    "generated": np.array([len(s.tokens) for s in new_seqs], dtype=np.int64),
-                   "last": np.array([s.tokens[-1] if s.tokens else 0 for s in new_seqs], dtype=np.int64)}
+                   "last": np.array([s.tokens[-1] if s.tokens else 0 for s in new_seqs], dtype=np.int64),
+                   "origin": self._origins + (np.asarray(fan, dtype=np.int64) if fan is not None
+                                              else np.arange(len(new_seqs), dtype=np.int64))}
+        self._origins = int(joining["origin"].max()) + 1 if new_seqs else self._origins
         for name in ROW_ARRAYS:
             old, parts = getattr(self, name), []
             if old is not None and len(keep):
@@ -179,7 +188,7 @@ class RunningBatch:
         for layer in self.layers:
             layer.k, layer.v = layer.k._slice(0, n), layer.v._slice(0, n)   # views: no copy
         self.start = self.start[order]
-        self._start_t = None
+        self._start_t = self._shared_t = None
         self.seqs = [self.seqs[i] for i in order]
         order_t = paddle.to_tensor(order)
         for name in ROW_STATE:
@@ -197,3 +206,18 @@ class RunningBatch:
         if self._start_t is None:
             self._start_t = paddle.to_tensor(self.start)
         return self._start_t
+
+    def shared_tensor(self):
+        """[R, 2] int64 for the decode step (ops.decode_layer's `shared`): per row, the first row placed from the
+        same prefill row (itself for the first) and the slot its prompt ends at, so the samples of a prompt read its
+        keys and values from one row; None when no two rows share a prompt. Rebuilt only after the rows change."""
+        if self._shared_t is None:
+            if self.origin is None or len(self.origin) != len(self.seqs):   # (rows not placed by `relayout`)
+                return None
+            first, which = np.unique(self.origin, return_index=True, return_inverse=True)[1:]
+            if len(first) == len(self.origin):
+                self._shared_t = False
+            else:
+                rows = np.stack([first[which], self.start + self.prompt_lengths], axis=1)
+                self._shared_t = paddle.to_tensor(rows.astype(np.int64))
+        return self._shared_t if self._shared_t is not False else None
