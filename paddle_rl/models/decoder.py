@@ -558,12 +558,11 @@ class DecoderLayer(nn.Layer):
         ends), not at every decode step."""
         if not ops.decode_layer_enabled():
             return None
-        held = self.__dict__.get("_decode_weights")
-        if held is None:
-            held = (self._make_decode_weights(),)
-            if held[0] is not None:   # (only while packed copies exist: without them it is not cached)
-                _hold(self, "_decode_weights", held)
-        return held[0]
+        weights = self.__dict__.get("_decode_weights")
+        if weights is None:   # (a layer the kernel does not take makes None again at each call: a few checks)
+            weights = self._make_decode_weights()
+            _hold(self, "_decode_weights", weights)
+        return weights
 
     def _make_decode_weights(self) -> Optional[ops.DecodeLayerWeights]:
         attn, mlp = self.self_attn, self.mlp
