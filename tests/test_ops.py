@@ -701,11 +701,12 @@ def test_swiglu_and_gradient(rng, shape):
 # ------------------------------------------------------------------------------------------------ packed linear
 
 @pytest.mark.parametrize("rows,k,n", [(1, 64, 96), (5, 64, 70), (13, 40, 33), (64, 96, 256), (7, 24, 1),
-                                      (9, 1100, 40)])
+                                      (9, 1100, 40), (66, 576, 70), (2, 257, 48)])
 def test_packed_linear(rng, rows, k, n):
     """x @ W from the packed copy: every row-tile size (6, 3 or fewer rows; half panels and whole ones, K past
     1024 in half panels too), a last panel cut short, and a row's result bit for bit the same alone (a 1-row tile of
-    the whole panel) as in any batch (each row sums over k in order, whichever tile)."""
+    the whole panel) as in any batch (each row sums over k in order, whichever tile). Past K = 256 a panel's halves
+    lie one after the other (the packing equals the reference's, which reads them so)."""
     x = t(rng.standard_normal((rows, k)))
     w = t(rng.standard_normal((k, n)))
     packed = ops.pack_weight_fused(w)

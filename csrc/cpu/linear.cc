@@ -1,6 +1,7 @@
 // y = x W for the rollout's few rows, W read from a packed copy (see paddle_rl/ops/linear.py).
-//   x [..., K] float32; packed [P, K, 32] float32: column panel p holds W[:, 32 p : 32 p + 32], each k's 32
-//   weights adjacent (the last panel zero-padded); n: W's columns (<= 32 P); out [..., n] float32.
+//   x [..., K] float32; packed [P, K, 32] float32: column panel p holds W[:, 32 p : 32 p + 32] (the last panel
+//   zero-padded), each k's 32 weights adjacent up to K = 256; past that, as its two 16-column halves one after the
+//   other ([K, 16] each: HalvesApart); n: W's columns (<= 32 P); out [..., n] float32.
 // A panel is one contiguous stream, read from memory once per call and then from the L2 cache by each block of
 // rows; each row's sums run over k in order, so a row's result does not depend on the other rows.
 #include <cstdio>
@@ -25,6 +26,16 @@ constexpr int kRows = 6, kVecs = 4;
 constexpr int kRows = 6, kVecs = 2;
 #endif
 constexpr int kRowsWhole = kVecs == 4 ? kRows : 3;   // rows of a whole-panel tile
+constexpr int64_t kHalf = kPanel / 2;
+
+// A half-panel tile reads 64 bytes a k step. Interleaved, those lie 128 bytes apart, in half of the L1 cache's sets
+// and beside lines the tile does not read, which the hardware fetches with them; a half stored whole is one dense
+// stream. W3's decode shapes (K 576 and 1536, weights from memory, 2 threads) multiplied 1.06-1.10x faster with the
+// halves apart, W5's 1.12x (EPYC Zen 3, the layouts alternating in one process); at K 128 (the tiny defaults), where
+// an interleaved half (8 KB) stays in the L1 cache, 0.96-1.0x: so apart past K = 256, where an interleaved half no
+// longer fits its half of a 32 KB L1 (docs/kernels.md).
+constexpr int64_t kInterleavedMaxK = 256;
+inline bool HalvesApart(int64_t k_dim) { return k_dim > kInterleavedMaxK; }
 
 // The next panel is fetched into the L2 cache while this one is multiplied, its 64-byte lines spread over the k steps
 // of a column's tiles (FetchPlan: a line every 8 k steps at W3's 64 rows), where a panel takes at most
@@ -81,16 +92,23 @@ inline void FetchingSteps(int64_t steps, const char* fetch, int per_k, Step&& st
   for (; k < steps; ++k) step(k);
 }
 
-// out[m, 0 : cols] = sum_k x[m, k] w[k, 0 : cols] for the MR rows of a tile; w: the tile's first column of a
-// panel (rows of kPanel floats), cols <= 8 NV; fetch (or null): lines into the L2 cache, per_k every EVERY k steps
+// Where a tile reads its weights: from `w`, k step after k step `ld` floats apart, its first two vectors adjacent
+// and the next two (a whole-panel tile's) `hi` floats further (16 interleaved; K 16 with the halves apart)
+struct Weights {
+  const float* w;
+  int64_t ld, hi;
+};
+
+// out[m, 0 : cols] = sum_k x[m, k] w[k, 0 : cols] for the MR rows of a tile; wt: the tile's first column of a
+// panel, cols <= 8 NV; fetch (or null): lines into the L2 cache, per_k every EVERY k steps
 template <int MR, int NV, int EVERY = 1>
-inline void Tile(const float* x, int64_t k_dim, const float* w0p, float* out, int64_t ldo, int64_t cols,
+inline void Tile(const float* x, int64_t k_dim, Weights wt, float* out, int64_t ldo, int64_t cols,
                  const char* fetch = nullptr, int per_k = 1) {
   prl::V8 acc[MR][NV] = {};
   FetchingSteps<EVERY>(k_dim, fetch, per_k, [&](int64_t k) {
-    const float* w = w0p + k * kPanel;
+    const float* w = wt.w + k * wt.ld;
     prl::V8 wv[NV];
-    for (int v = 0; v < NV; ++v) wv[v] = prl::Load8(w + 8 * v);
+    for (int v = 0; v < NV; ++v) wv[v] = prl::Load8(w + (v < 2 ? 8 * v : wt.hi + 8 * (v - 2)));
     for (int m = 0; m < MR; ++m) {
       const float xv = x[m * k_dim + k];
       for (int v = 0; v < NV; ++v) acc[m][v] += xv * wv[v];
@@ -109,7 +127,7 @@ inline void Tile(const float* x, int64_t k_dim, const float* w0p, float* out, in
 
 // the last r < MR rows in one tile of their size
 template <int R, int NV, int EVERY>
-inline void LastTile(int64_t r, const float* x, int64_t k_dim, const float* w, float* out, int64_t ldo,
+inline void LastTile(int64_t r, const float* x, int64_t k_dim, Weights w, float* out, int64_t ldo,
                      int64_t cols, const char* fetch, int per_k) {
   if constexpr (R >= 1) {
     if (r == R) return Tile<R, NV, EVERY>(x, k_dim, w, out, ldo, cols, fetch, per_k);
@@ -120,7 +138,7 @@ inline void LastTile(int64_t r, const float* x, int64_t k_dim, const float* w, f
 // rows [0, rows) of one panel's columns (w: the first of them, cols of them) in tiles of MR rows and NV vectors;
 // the tiles fetch `fetch_lines` lines from `fetch` as FetchPlan spreads them (none where fetch is null)
 template <int MR, int NV>
-inline void Column(const float* x, int64_t rows, int64_t k_dim, const float* w, float* out, int64_t ldo,
+inline void Column(const float* x, int64_t rows, int64_t k_dim, Weights w, float* out, int64_t ldo,
                    int64_t cols, const float* fetch, int64_t fetch_lines) {
   const FetchPlan plan(fetch ? fetch_lines : 0, (rows + MR - 1) / MR, k_dim);
   WithEvery(plan.every, [&](auto every) {
@@ -136,20 +154,21 @@ inline void Column(const float* x, int64_t rows, int64_t k_dim, const float* w, 
   });
 }
 
-// out[:, 32 p : 32 p + 32] (its first n - 32 p where fewer) from panel p ([k_dim, 32] float32), fetching `next` (the
-// part's next panel, or null) as its columns' tiles run
+// out[:, 32 p : 32 p + 32] (its first n - 32 p where fewer) from panel p (float32, its halves interleaved or `apart`),
+// fetching `next` (the part's next panel, or null) as its columns' tiles run
 void OnePanel(const float* x, const float* panel, float* out, int64_t rows, int64_t k_dim, int64_t n, int64_t p,
-              const float* next) {
+              const float* next, bool apart) {
   const int64_t col = p * kPanel, cols = std::min(kPanel, n - col);
   const int64_t panel_lines = k_dim * kPanel / kLineFloats;   // 2 k_dim
+  const int64_t ld = apart ? kHalf : kPanel, hi = apart ? k_dim * kHalf : kHalf;
   if (kVecs == 4 || rows <= 3) {
-    Column<kRowsWhole, 4>(x, rows, k_dim, panel, out + col, n, cols, next, panel_lines);
+    Column<kRowsWhole, 4>(x, rows, k_dim, {panel, ld, hi}, out + col, n, cols, next, panel_lines);
     return;
   }
   // each half's column fetches its half of the next panel's lines
   for (int64_t first = 0, half = 0; first < cols; first += 8 * kVecs, ++half) {
     const float* fetch = next ? next + half * k_dim * kLineFloats : nullptr;
-    Column<kRows, kVecs>(x, rows, k_dim, panel + first, out + col + first, n,
+    Column<kRows, kVecs>(x, rows, k_dim, {apart ? panel + half * hi : panel + first, ld, hi}, out + col + first, n,
                          std::min<int64_t>(8 * kVecs, cols - first), fetch, panel_lines / 2);
   }
 }
@@ -159,23 +178,34 @@ void Panels(const float* x, const float* packed, float* out, int64_t rows, int64
   const bool fetches = k_dim * kPanel * static_cast<int64_t>(sizeof(float)) <= kFetchPanelBytes;
   for (int64_t p = begin; p < end; ++p) {
     const float* panel = packed + p * k_dim * kPanel;
-    OnePanel(x, panel, out, rows, k_dim, n, p, fetches && p + 1 < end ? panel + k_dim * kPanel : nullptr);
+    OnePanel(x, panel, out, rows, k_dim, n, p, fetches && p + 1 < end ? panel + k_dim * kPanel : nullptr,
+             HalvesApart(k_dim));
   }
 }
 
-// panel[k, j] = W[k, 32 p + j] (0 past n) for k < k_dim: W [K, N], or [N, K] with transposed (then each source
-// row is read in order)
-inline void PanelOf(const float* w, int64_t k_dim, int64_t n, bool transposed, int64_t p, float* panel) {
+// panel p of W (0 past n) for k < k_dim, its halves interleaved ([K, 32]) or, with `apart`, one after the other:
+// W [K, N], or [N, K] with transposed (then each source row is read in order)
+inline void PanelIn(const float* w, int64_t k_dim, int64_t n, bool transposed, int64_t p, float* panel, bool apart) {
   const int64_t col = p * kPanel, cols = std::min(kPanel, n - col);
+  const int64_t ld = apart ? kHalf : kPanel, hi = apart ? k_dim * kHalf : kHalf;
   if (cols < kPanel) std::fill(panel, panel + k_dim * kPanel, 0.0f);
-  if (transposed) {
-    for (int64_t j = 0; j < cols; ++j) {
-      const float* row = w + (col + j) * k_dim;
-      for (int64_t k = 0; k < k_dim; ++k) panel[k * kPanel + j] = row[k];
+  for (int64_t first = 0; first < cols; first += kHalf) {   // each half: columns first .. first + 15
+    float* dst = panel + (first ? hi : 0);
+    const int64_t width = std::min(kHalf, cols - first);
+    if (transposed) {
+      for (int64_t j = 0; j < width; ++j) {
+        const float* row = w + (col + first + j) * k_dim;
+        for (int64_t k = 0; k < k_dim; ++k) dst[k * ld + j] = row[k];
+      }
+    } else {
+      for (int64_t k = 0; k < k_dim; ++k) std::memcpy(dst + k * ld, w + k * n + col + first, width * sizeof(float));
     }
-  } else {
-    for (int64_t k = 0; k < k_dim; ++k) std::memcpy(panel + k * kPanel, w + k * n + col, cols * sizeof(float));
   }
+}
+
+// panel p as the float32 tiles read it (HalvesApart)
+inline void PanelOf(const float* w, int64_t k_dim, int64_t n, bool transposed, int64_t p, float* panel) {
+  PanelIn(w, k_dim, n, transposed, p, panel, HalvesApart(k_dim));
 }
 
 }  // namespace
@@ -712,8 +742,8 @@ inline void ColumnScales(const float* panel, int64_t k0, int64_t k1, float div, 
 
 }  // namespace
 
-// The low-precision packs first copy each panel to float32 [K, 32] (PanelOf), then convert it row by row: 32
-// adjacent columns per step, loops the compiler vectorizes, whichever layout the source has.
+// The low-precision packs first copy each panel to float32 [K, 32] (PanelIn, interleaved), then convert it row by
+// row: 32 adjacent columns per step, loops the compiler vectorizes, whichever layout the source has.
 void prl_cpu::PackWeightLowp(const float* w, LowpFormat format, void* packed, float* scales, int64_t k_dim,
                              int64_t n, bool transposed) {
   const int64_t panels = (n + kPanel - 1) / kPanel, k2 = (k_dim + 1) / 2;
@@ -724,7 +754,7 @@ void prl_cpu::PackWeightLowp(const float* w, LowpFormat format, void* packed, fl
     prl::ParallelFor(panels, k_dim * kPanel, [&](int, int64_t begin, int64_t end) {
       std::vector<float> buf(2 * k2 * kPanel, 0.0f);  // an odd K's last row stays 0
       for (int64_t p = begin; p < end; ++p) {
-        PanelOf(w, k_dim, n, transposed, p, buf.data());
+        PanelIn(w, k_dim, n, transposed, p, buf.data(), false);
         for (int64_t kk = 0; kk < k2; ++kk) {
           const float* even = buf.data() + 2 * kk * kPanel;
           const float* odd = even + kPanel;
@@ -741,7 +771,7 @@ void prl_cpu::PackWeightLowp(const float* w, LowpFormat format, void* packed, fl
     prl::ParallelFor(panels, k_dim * kPanel, [&](int, int64_t begin, int64_t end) {
       std::vector<float> buf(k_dim * kPanel);
       for (int64_t p = begin; p < end; ++p) {
-        PanelOf(w, k_dim, n, transposed, p, buf.data());
+        PanelIn(w, k_dim, n, transposed, p, buf.data(), false);
         float* s = scales + p * kPanel;
         ColumnScales(buf.data(), 0, k_dim, 127.0f, s);
         for (int64_t k = 0; k < k_dim; ++k) {
@@ -757,7 +787,7 @@ void prl_cpu::PackWeightLowp(const float* w, LowpFormat format, void* packed, fl
     prl::ParallelFor(panels, k_dim * kPanel, [&](int, int64_t begin, int64_t end) {
       std::vector<float> buf(2 * k2 * kPanel, 0.0f);  // an odd K's last row stays 0 (its nibble 0)
       for (int64_t p = begin; p < end; ++p) {
-        PanelOf(w, k_dim, n, transposed, p, buf.data());
+        PanelIn(w, k_dim, n, transposed, p, buf.data(), false);
         for (int64_t g = 0; g < groups; ++g) {
           const int64_t k0 = g * kQuantGroup, k1 = std::min(k_dim, k0 + kQuantGroup);
           float* s = scales + (p * groups + g) * kPanel;
@@ -866,7 +896,7 @@ void prl_cpu::PackedLinearLowp(const float* xs, const void* packed, const float*
       std::vector<float> wide(k_dim * kPanel);
       for (int64_t p = begin; p < end; ++p) {
         WidenInt4Panel(static_cast<const uint8_t*>(packed), sc, k_dim, p, wide.data());
-        OnePanel(xs, wide.data(), o, rows, k_dim, n, p, nullptr);
+        OnePanel(xs, wide.data(), o, rows, k_dim, n, p, nullptr, false);
       }
     });
     return;

@@ -12,15 +12,19 @@ from ._util import contiguous, cpu_build, fusable
 logger = logging.getLogger("paddle_rl")
 
 PANEL = 32   # columns per panel (csrc/cpu/linear.cc)
+INTERLEAVED_MAX_K = 256   # past this K a panel's two 16-column halves lie one after the other (linear.cc HalvesApart)
 
 
 def pack_weight_reference(weight, transposed: bool = False):
     """weight [K, N] (or [N, K] with `transposed`, as a tied LM head's embedding) -> [P, K, 32]: panel p holds
-    columns 32 p .. 32 p + 31, each k's 32 weights adjacent, the last panel zero-padded."""
+    columns 32 p .. 32 p + 31, the last panel zero-padded; up to K = INTERLEAVED_MAX_K each k's 32 weights adjacent,
+    past it the panel's 16-column halves one after the other, [K, 16] each (the same [K, 32] of memory)."""
     w = weight if transposed else weight.T
     n, k = w.shape
     if n % PANEL:
         w = paddle.concat([w, paddle.zeros([PANEL - n % PANEL, k], w.dtype)])
+    if k > INTERLEAVED_MAX_K:
+        return contiguous(w.reshape([-1, 2, PANEL // 2, k]).transpose([0, 1, 3, 2])).reshape([-1, k, PANEL])
     return contiguous(w.reshape([-1, PANEL, k]).transpose([0, 2, 1]))
 
 
@@ -34,8 +38,12 @@ def pack_weight(weight, transposed: bool = False):
 
 
 def packed_linear_reference(x, packed, n: int):
-    w = packed.transpose([1, 0, 2]).reshape([packed.shape[1], -1])[:, :n]
-    return paddle.matmul(x, w)
+    k = packed.shape[1]
+    if k > INTERLEAVED_MAX_K:   # [P, 2, K, 16] -> [K, P, 2, 16]
+        packed = packed.reshape([-1, 2, k, PANEL // 2]).transpose([2, 0, 1, 3])
+    else:
+        packed = packed.transpose([1, 0, 2])
+    return paddle.matmul(x, packed.reshape([k, -1])[:, :n])
 
 
 def packed_linear_fused(x, packed, n: int):
