@@ -712,7 +712,9 @@ inline void QuantizeRow(const float* v, const float* s, float lim, float* q) {
 // once, the float32 tiles multiply them from the cache: the same products, summed over k in order, the same bits.
 // int8 stays with its tiles: their half-panel (a quarter of float32's bytes) stays in the L1 cache and widens in two
 // instructions, where a widened copy is read from L2 (W3's decode shapes: int8 0.91-1.00x float32's rate that way,
-// 1.02-1.18x with its tiles, in the same processes).
+// 1.02-1.18x with its tiles, in the same processes). The widened panel stays interleaved at any K: written with its
+// halves apart (HalvesApart), W3's int4 products took 1.19-1.21x as long (the same bits; the panel is in the L2 cache
+// just written, and the widening runs in 16-column halves).
 inline void WidenInt4Panel(const uint8_t* packed, const float* scales, int64_t k_dim, int64_t p, float* dst) {
   const int64_t k2 = (k_dim + 1) / 2, groups = (k_dim + kQuantGroup - 1) / kQuantGroup;
   const uint8_t* src = packed + p * k2 * kPanel;
@@ -896,7 +898,7 @@ void prl_cpu::PackedLinearLowp(const float* xs, const void* packed, const float*
       std::vector<float> wide(k_dim * kPanel);
       for (int64_t p = begin; p < end; ++p) {
         WidenInt4Panel(static_cast<const uint8_t*>(packed), sc, k_dim, p, wide.data());
-        OnePanel(xs, wide.data(), o, rows, k_dim, n, p, nullptr, false);
+        OnePanel(xs, wide.data(), o, rows, k_dim, n, p, nullptr, false);   // interleaved: see WidenInt4Panel
       }
     });
     return;
