@@ -93,7 +93,7 @@ inline void FetchingSteps(int64_t steps, const char* fetch, int per_k, Step&& st
 }
 
 // Where a tile reads its weights: from `w`, k step after k step `ld` floats apart, its first two vectors adjacent
-// and the next two (a whole-panel tile's) `hi` floats further (16 interleaved; K 16 with the halves apart)
+// and the next two (a whole-panel tile's) `hi` floats further (16 interleaved; 16 K with the halves apart)
 struct Weights {
   const float* w;
   int64_t ld, hi;
