@@ -17,6 +17,7 @@ import paddle
 import pytest
 
 from paddle_rl import ops
+from paddle_rl.config import load_config
 from paddle_rl.models import CausalLM, ModelConfig
 from paddle_rl.models.decoder import (MLP, Attention, DecoderLayer, _MlpRecompute, attention_bias_from_mask,
                                      mlp_recompute_reruns_down)
@@ -25,6 +26,7 @@ from paddle_rl.models.logprobs import token_logprobs
 from paddle_rl.models.packing import Packing
 from paddle_rl.ops import build, kv_cache
 from paddle_rl.ops import logprob as logprob_module
+from paddle_rl.trainer.loop import StepLoop
 
 SEED = int.from_bytes(os.urandom(4), "little")
 
@@ -571,6 +573,20 @@ def test_modes(monkeypatch, caplog):
         build._State.loaded = None
         ops.configure("on")
     assert ops.available()
+
+
+def test_a_run_loads_the_kernels_in_its_setup(tmp_path, monkeypatch):
+    """A run builds and loads the fused kernels while it sets up (StepLoop), in auto mode too, not at their first
+    call inside step 1's rollout, whose time a build (~1.5 min on 2 cores after a source change) would count."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    monkeypatch.chdir(root)
+    monkeypatch.setattr(build._State, "loaded", None)   # as in a new process: nothing loaded yet
+    config = load_config("configs/tiny_arith_grpo.yaml", {"output_dir": str(tmp_path / "out"),
+                                                           "logging_dir": str(tmp_path / "logs")})
+    assert config.use_custom_ops == "auto"
+    StepLoop(config)
+    assert build._State.loaded is True and build.mode() == "auto"
+    ops.configure("on")
 
 
 # ------------------------------------------------------------------------------------------------ in the model

@@ -99,6 +99,11 @@ struct Weights {
   int64_t ld, hi;
 };
 
+// panel's weights as the tiles read them, its halves interleaved or `apart`
+inline Weights PanelWeights(const float* panel, int64_t k_dim, bool apart) {
+  return {panel, apart ? kHalf : kPanel, apart ? k_dim * kHalf : kHalf};
+}
+
 // out[m, 0 : cols] = sum_k x[m, k] w[k, 0 : cols] for the MR rows of a tile; wt: the tile's first column of a
 // panel, cols <= 8 NV; fetch (or null): lines into the L2 cache, per_k every EVERY k steps
 template <int MR, int NV, int EVERY = 1>
@@ -160,15 +165,15 @@ void OnePanel(const float* x, const float* panel, float* out, int64_t rows, int6
               const float* next, bool apart) {
   const int64_t col = p * kPanel, cols = std::min(kPanel, n - col);
   const int64_t panel_lines = k_dim * kPanel / kLineFloats;   // 2 k_dim
-  const int64_t ld = apart ? kHalf : kPanel, hi = apart ? k_dim * kHalf : kHalf;
+  const Weights whole = PanelWeights(panel, k_dim, apart);
   if (kVecs == 4 || rows <= 3) {
-    Column<kRowsWhole, 4>(x, rows, k_dim, {panel, ld, hi}, out + col, n, cols, next, panel_lines);
+    Column<kRowsWhole, 4>(x, rows, k_dim, whole, out + col, n, cols, next, panel_lines);
     return;
   }
   // each half's column fetches its half of the next panel's lines
   for (int64_t first = 0, half = 0; first < cols; first += 8 * kVecs, ++half) {
     const float* fetch = next ? next + half * k_dim * kLineFloats : nullptr;
-    Column<kRows, kVecs>(x, rows, k_dim, {apart ? panel + half * hi : panel + first, ld, hi}, out + col + first, n,
+    Column<kRows, kVecs>(x, rows, k_dim, {panel + half * whole.hi, whole.ld, whole.hi}, out + col + first, n,
                          std::min<int64_t>(8 * kVecs, cols - first), fetch, panel_lines / 2);
   }
 }
@@ -187,10 +192,11 @@ void Panels(const float* x, const float* packed, float* out, int64_t rows, int64
 // W [K, N], or [N, K] with transposed (then each source row is read in order)
 inline void PanelIn(const float* w, int64_t k_dim, int64_t n, bool transposed, int64_t p, float* panel, bool apart) {
   const int64_t col = p * kPanel, cols = std::min(kPanel, n - col);
-  const int64_t ld = apart ? kHalf : kPanel, hi = apart ? k_dim * kHalf : kHalf;
+  const Weights at = PanelWeights(panel, k_dim, apart);
+  const int64_t ld = at.ld;
   if (cols < kPanel) std::fill(panel, panel + k_dim * kPanel, 0.0f);
   for (int64_t first = 0; first < cols; first += kHalf) {   // each half: columns first .. first + 15
-    float* dst = panel + (first ? hi : 0);
+    float* dst = panel + first / kHalf * at.hi;
     const int64_t width = std::min(kHalf, cols - first);
     if (transposed) {
       for (int64_t j = 0; j < width; ++j) {

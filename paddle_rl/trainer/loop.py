@@ -62,6 +62,9 @@ class StepLoop:
         self.config = config
         self.device = select_device()  # the launcher's GPU for this rank (or the CPU), before any tensor exists
         ops.configure(config.use_custom_ops)
+        # the fused kernels built and loaded now, in the setup, not inside the first step's rollout: a source change
+        # rebuilds them (~1.5 min on 2 cores), which step 1's time/rollout would otherwise count
+        ops.available()
         ops.select_kernels(**config.kernel_switches)   # use_flash_attention, use_fused_rms_norm, ... (ops/switches.py)
         layout = build_layout(topology if topology is not None else _topology(config),
                               share_prompts=config.share_prompt_prefix, max_tokens=config.max_tokens_per_micro_batch,
