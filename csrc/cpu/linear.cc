@@ -193,7 +193,6 @@ void Panels(const float* x, const float* packed, float* out, int64_t rows, int64
 inline void PanelIn(const float* w, int64_t k_dim, int64_t n, bool transposed, int64_t p, float* panel, bool apart) {
   const int64_t col = p * kPanel, cols = std::min(kPanel, n - col);
   const Weights at = PanelWeights(panel, k_dim, apart);
-  const int64_t ld = at.ld;
   if (cols < kPanel) std::fill(panel, panel + k_dim * kPanel, 0.0f);
   for (int64_t first = 0; first < cols; first += kHalf) {   // each half: columns first .. first + 15
     float* dst = panel + first / kHalf * at.hi;
@@ -201,10 +200,10 @@ inline void PanelIn(const float* w, int64_t k_dim, int64_t n, bool transposed, i
     if (transposed) {
       for (int64_t j = 0; j < width; ++j) {
         const float* row = w + (col + first + j) * k_dim;
-        for (int64_t k = 0; k < k_dim; ++k) dst[k * ld + j] = row[k];
+        for (int64_t k = 0; k < k_dim; ++k) dst[k * at.ld + j] = row[k];
       }
     } else {
-      for (int64_t k = 0; k < k_dim; ++k) std::memcpy(dst + k * ld, w + k * n + col + first, width * sizeof(float));
+      for (int64_t k = 0; k < k_dim; ++k) std::memcpy(dst + k * at.ld, w + k * n + col + first, width * sizeof(float));
     }
   }
 }

@@ -23,9 +23,13 @@ def pack_weight_reference(weight, transposed: bool = False):
     n, k = w.shape
     if n % PANEL:
         w = paddle.concat([w, paddle.zeros([PANEL - n % PANEL, k], w.dtype)])
-    if k > INTERLEAVED_MAX_K:
-        return contiguous(w.reshape([-1, 2, PANEL // 2, k]).transpose([0, 1, 3, 2])).reshape([-1, k, PANEL])
-    return contiguous(w.reshape([-1, PANEL, k]).transpose([0, 2, 1]))
+    halves = _halves(k)   # each half [K, PANEL / halves], one after the other
+    return contiguous(w.reshape([-1, halves, PANEL // halves, k]).transpose([0, 1, 3, 2])).reshape([-1, k, PANEL])
+
+
+def _halves(k: int) -> int:
+    """How many [K, ...] column blocks a panel is stored as: 2 past INTERLEAVED_MAX_K, else 1 (interleaved)."""
+    return 2 if k > INTERLEAVED_MAX_K else 1
 
 
 def pack_weight_fused(weight, transposed: bool = False):
@@ -39,11 +43,9 @@ def pack_weight(weight, transposed: bool = False):
 
 def packed_linear_reference(x, packed, n: int):
     k = packed.shape[1]
-    if k > INTERLEAVED_MAX_K:   # [P, 2, K, 16] -> [K, P, 2, 16]
-        packed = packed.reshape([-1, 2, k, PANEL // 2]).transpose([2, 0, 1, 3])
-    else:
-        packed = packed.transpose([1, 0, 2])
-    return paddle.matmul(x, packed.reshape([k, -1])[:, :n])
+    halves = _halves(k)   # [P, halves, K, 32 / halves] -> [K, P, halves, 32 / halves]
+    w = packed.reshape([-1, halves, k, PANEL // halves]).transpose([2, 0, 1, 3])
+    return paddle.matmul(x, w.reshape([k, -1])[:, :n])
 
 
 def packed_linear_fused(x, packed, n: int):
