@@ -1,6 +1,8 @@
-// paddle_rl's fused CPU kernels (and the CUDA dispatch of csrc/cuda/*.cu when PRL_WITH_CUDA is defined),
-// compiled as one translation unit: paddle/extension.h dominates the compile time, so it is parsed once.
-#include "cpu/attention.cc"
+// paddle_rl's fused CPU kernels (and the CUDA dispatch of csrc/cuda/*.cu when PRL_WITH_CUDA is defined), in two
+// translation units that the build compiles side by side (ops/build.py CPU_UNITS): paddle/extension.h takes about
+// as long to parse as the kernels of either unit take to compile, so two units on two cores take ~0.6x the time
+// of one, and more units would cost more than they save on a 2-core machine. This unit: everything but the
+// attention kernels and rotary (paddle_rl_ops_attention.cc).
 #include "cpu/bf16_matmul.cc"
 #include "cpu/kv_cache.cc"
 #include "cpu/linear.cc"
@@ -8,8 +10,7 @@
 #include "cpu/masked_softmax.cc"
 #include "cpu/rms_norm.cc"
 #include "cpu/rollout_state.cc"
-#include "cpu/rotary.cc"
 #include "cpu/sampling.cc"
 #include "cpu/swiglu.cc"
-// last: it calls the launchers above (prl_cpu::PackedLinear of linear.cc among them)
+// after linear.cc: it calls prl_cpu::PackedLinear and the packs' format check defined there
 #include "cpu/decode_layer.cc"

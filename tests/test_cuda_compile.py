@@ -7,7 +7,7 @@ Flags: those paddle.utils.cpp_extension gives nvcc (-DPADDLE_WITH_CUDA -DEIGEN_U
 constexpr), the project's (build.CUDA_FLAGS, -DPRL_WITH_CUDA), sm_90, and -DPADDLE_NO_PYTHON: without it
 paddle/extension.h includes Paddle's Python bindings, which need the cuBLAS headers of a full CUDA toolkit.
 Paddle's headers dominate the time (about 25 s per file on 2 cores), so the default tests compile all CUDA files
-as one translation unit, beside the CPU unit (30-45 s together); the per-file compiles (what the build does;
+as one translation unit, beside the CPU units (build.CPU_UNITS); the per-file compiles (what the build does;
 3-4 minutes on 2 cores, run in parallel) are marked slow.
 
 The standalone check (csrc/cuda/test/prl_cuda_check.cu, built by tools/cuda_check.py) runs every CUDA kernel through
@@ -73,30 +73,31 @@ def _cuda_includes():
     return flags
 
 
-def _compile_cpu_unit(obj: str):
-    """The CPU unit (csrc/paddle_rl_ops.cc) with the CUDA dispatch on, as the CUDA build compiles it (-O0: only
-    its symbols matter here)."""
+def _compile_cpu_unit(unit: str, obj: str):
+    """A CPU unit (build.CPU_UNITS) with the CUDA dispatch on, as the CUDA build compiles it (-O0: only its
+    symbols matter here)."""
     cxx = shutil.which("c++") or shutil.which("g++")
     assert cxx, "no C++ compiler (c++ or g++) on PATH"
     done = subprocess.run([cxx, "-c", "-O0", "-fPIC", "-std=c++17", "-fopenmp", "-DPADDLE_WITH_CUDA",
                            "-DPADDLE_NO_PYTHON", "-DPRL_WITH_CUDA", *_includes(), *_cuda_includes(),
-                           os.path.join(build.CSRC, "paddle_rl_ops.cc"), "-o", obj], capture_output=True, text=True,
+                           os.path.join(build.CSRC, unit), "-o", obj], capture_output=True, text=True,
                           timeout=900)
     return done.returncode, done.stdout + done.stderr
 
 
 @pytest.fixture(scope="module")
 def units(tmp_path_factory):
-    """{"cuda": every CUDA source as one unit, "cpu": the CPU unit}: (return code, output, object), compiled
-    side by side."""
+    """{"cuda": every CUDA source as one unit, each CPU unit's name: that unit}: (return code, output, object),
+    compiled side by side."""
     folder = tmp_path_factory.mktemp("cuda_units")
     unit = folder / "all_cuda_sources.cu"
     unit.write_text("".join(f'#include "cuda/{name}"\n' for name in SOURCES))
-    objects = {"cuda": str(folder / "all_cuda_sources.o"), "cpu": str(folder / "paddle_rl_ops.o")}
-    with ThreadPoolExecutor(2) as pool:
-        cuda = pool.submit(_compile, str(unit), objects["cuda"])
-        cpu = pool.submit(_compile_cpu_unit, objects["cpu"])
-        return {"cuda": (*cuda.result(), objects["cuda"]), "cpu": (*cpu.result(), objects["cpu"])}
+    cuda_obj = str(folder / "all_cuda_sources.o")
+    with ThreadPoolExecutor(os.cpu_count() or 1) as pool:
+        cuda = pool.submit(_compile, str(unit), cuda_obj)
+        cpu = {name: (pool.submit(_compile_cpu_unit, name, str(folder / f"{name}.o")), str(folder / f"{name}.o"))
+               for name in build.CPU_UNITS}
+        return {"cuda": (*cuda.result(), cuda_obj), **{name: (*job.result(), obj) for name, (job, obj) in cpu.items()}}
 
 
 def _cuda_entries(obj: str, defined: bool):
@@ -133,12 +134,15 @@ def test_cuda_sources_compile_as_one_unit(units):
 def test_cpu_dispatch_matches_cuda_sources(units):
     """Each `XxxCUDA(...)` the CPU kernels call when built with CUDA is defined by csrc/cuda with that exact
     signature (else loading the library fails on a GPU machine), and each one csrc/cuda defines is called."""
-    rc, output, obj = units["cpu"]
-    assert rc == 0, "the CPU unit does not compile with -DPRL_WITH_CUDA:\n" + "\n".join(
-        _errors(output)[:20] or output.splitlines()[-20:])
+    called = set()
+    for name in build.CPU_UNITS:
+        rc, output, obj = units[name]
+        assert rc == 0, f"the CPU unit {name} does not compile with -DPRL_WITH_CUDA:\n" + "\n".join(
+            _errors(output)[:20] or output.splitlines()[-20:])
+        called |= _cuda_entries(obj, defined=False)
     assert units["cuda"][0] == 0, "the CUDA sources do not compile (test_cuda_sources_compile_as_one_unit)"
-    called, defined = _cuda_entries(obj, defined=False), _cuda_entries(units["cuda"][2], defined=True)
-    assert called, "the CPU unit calls no ...CUDA function: is the CUDA dispatch compiled in?"
+    defined = _cuda_entries(units["cuda"][2], defined=True)
+    assert called, "the CPU units call no ...CUDA function: is the CUDA dispatch compiled in?"
     assert called == defined, (f"called by csrc/cpu but not defined in csrc/cuda: {_demangled(called - defined)}; "
                                f"defined in csrc/cuda but never called: {_demangled(defined - called)}")
 

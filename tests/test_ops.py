@@ -6,6 +6,7 @@ log-prob / entropy 2e-5 and gradients 1e-4 relative to the gradient scale. The l
 the cache) once for the module.
 """
 import functools
+import json
 import logging
 import os
 import subprocess
@@ -548,6 +549,34 @@ def test_lm_head_greedy_is_the_argmax_of_each_row(rng, fused, tied):
 
 
 # ------------------------------------------------------------------------------------------------ modes and cache
+
+def test_every_kernel_source_is_built_and_registers_its_ops():
+    """Each csrc/cpu/*.cc is #included by exactly one of the translation units the build compiles
+    (build.CPU_UNITS), and the built library registers every op those sources declare (PD_BUILD_OP): a source
+    left out of the units, or one included twice, fails here."""
+    import re
+    included = {}
+    for unit in build.CPU_UNITS:
+        with open(os.path.join(build.CSRC, unit), encoding="utf-8") as f:
+            for name in re.findall(r'^#include "cpu/(\w+\.cc)"', f.read(), flags=re.M):
+                included[name] = included.get(name, 0) + 1
+    sources = sorted(n for n in os.listdir(os.path.join(build.CSRC, "cpu")) if n.endswith(".cc"))
+    assert {n: included.get(n, 0) for n in sources} == {n: 1 for n in sources}
+    declared = set()
+    for name in sources:
+        with open(os.path.join(build.CSRC, "cpu", name), encoding="utf-8") as f:
+            declared |= set(re.findall(r"^PD_BUILD_OP\((\w+)\)", f.read(), flags=re.M))
+    assert len(declared) >= 25, declared
+    assert ops.available()
+    # registered in a new process: this one registered the library when the first test loaded it
+    code = ("import json, sys; from paddle_rl.ops import build; "
+            "print(json.dumps(build._register(sys.argv[1])))")
+    done = subprocess.run([sys.executable, "-c", code, build.status()["library"]], capture_output=True, text=True,
+                          timeout=300, env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
+    assert done.returncode == 0, done.stderr[-2000:]
+    registered = set(json.loads(done.stdout.strip().splitlines()[-1]))
+    assert registered == declared
+
 
 def test_modes(monkeypatch, caplog):
     assert ops.available() and build.status()["loaded"]
