@@ -9,6 +9,7 @@ import functools
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
 import zlib
@@ -554,7 +555,6 @@ def test_every_kernel_source_is_built_and_registers_its_ops():
     """Each csrc/cpu/*.cc is #included by exactly one of the translation units the build compiles
     (build.CPU_UNITS), and the built library registers every op those sources declare (PD_BUILD_OP): a source
     left out of the units, or one included twice, fails here."""
-    import re
     included = {}
     for unit in build.CPU_UNITS:
         with open(os.path.join(build.CSRC, unit), encoding="utf-8") as f:
