@@ -130,6 +130,10 @@ void QkvRotaryBackward(const float* gq, const float* gk, const float* gv, const 
 
 }  // namespace
 
+namespace {
+constexpr int64_t kSlotsAhead = 4;   // rows between a row's cache slots being fetched and written
+}  // namespace
+
 void prl_cpu::RotaryQkvCache(const float* src, const int64_t* pos, const float* freq, float* qp, void* cache_k,
                              void* cache_v, KvDtype cache, const float* qn, const float* kn, int64_t b, int64_t l,
                              int num_heads, int num_kv_heads, int64_t d, int64_t cap, int64_t slot, float eps) {
@@ -139,16 +143,36 @@ void prl_cpu::RotaryQkvCache(const float* src, const int64_t* pos, const float* 
     T* kp = static_cast<T*>(cache_k);
     T* vp = static_cast<T*>(cache_v);
     // rows in parallel (each row's numbers are its own): a row costs ~1 us (d / 2 sines and cosines), so parts
-    // start at 16 rows
+    // start at 16 rows. A row at the position of the row before it takes that row's tables: in a decode step a
+    // prompt's samples are neighbours at one position (the same numbers, computed once instead of n times).
     prl::ParallelFor(b * l, int64_t{1} << 14, [&](int, int64_t first, int64_t last) {
       std::vector<float> c(d), sn(d), tmp(d), rotated(d);
+      bool tables = false;
+      float tables_at = 0.0f;
       for (int64_t row = first; row < last; ++row) {
         const int64_t bi = row / l, li = row % l;
         const float p = static_cast<float>(pos[row]);
-        for (int64_t i = 0; i < half; ++i) {
-          const float angle = p * freq[i];
-          c[i] = c[i + half] = std::cos(angle);
-          sn[i] = sn[i + half] = std::sin(angle);
+        if (!tables || p != tables_at) {
+          for (int64_t i = 0; i < half; ++i) {
+            const float angle = p * freq[i];
+            c[i] = c[i + half] = std::cos(angle);
+            sn[i] = sn[i + half] = std::sin(angle);
+          }
+          tables = true;
+          tables_at = p;
+        }
+        // the cache slots a few rows ahead, fetched for writing now: each row writes its keys and values far
+        // from the last row's (a row's cache is cap slots long), and waiting for those lines one store at a time
+        // was most of this kernel's time in a decode step
+        if (row + kSlotsAhead < last) {
+          const int64_t ahead = row + kSlotsAhead;
+          for (int64_t g = 0; g < num_kv_heads; ++g) {
+            const int64_t at = (((ahead / l) * num_kv_heads + g) * cap + slot + ahead % l) * d;
+            for (int64_t byte = 0; byte < d * static_cast<int64_t>(sizeof(T)); byte += 64) {
+              __builtin_prefetch(reinterpret_cast<const char*>(kp + at) + byte, 1);
+              __builtin_prefetch(reinterpret_cast<const char*>(vp + at) + byte, 1);
+            }
+          }
         }
         const float* in = src + row * width;
         for (int64_t h = 0; h < num_heads; ++h)
