@@ -135,10 +135,17 @@ def test_qkv_rotary_checks_its_inputs(rng):
 
 @pytest.mark.parametrize("qk_norm", [False, True])
 @pytest.mark.parametrize("batch,length,slot", [(4, 1, 7), (1, 1, 0), (2, 3, 5), (40, 1, 2)])   # 40 rows: split
-def test_rotary_qkv_cache_write(rng, qk_norm, batch, length, slot):
+@pytest.mark.parametrize("runs", [False, True])
+def test_rotary_qkv_cache_write(rng, qk_norm, batch, length, slot, runs):
+    """`runs`: neighbouring rows at one position in runs of 1-4 (a decode step's samples of a prompt), which take
+    the first row's sines and cosines, the position changing between runs."""
     heads, kv, d, capacity = 4, 2, 32, 12
     qkv = t(rng.standard_normal((batch, length, (heads + 2 * kv) * d)))
-    positions = paddle.to_tensor(rng.integers(0, 3000, (batch, length)))
+    positions = rng.integers(0, 3000, (batch, length))
+    if runs:
+        positions = np.repeat(rng.permutation(3000)[:batch * length], rng.integers(1, 5, batch * length))
+        positions = positions[:batch * length].reshape(batch, length)
+    positions = paddle.to_tensor(positions)
     norms = (t(rng.standard_normal(d)), t(rng.standard_normal(d))) if qk_norm else (None, None)
     cache = [t(rng.standard_normal((batch, kv, capacity, d))) for _ in range(2)]
     fused_cache = [c.clone() for c in cache]
