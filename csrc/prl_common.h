@@ -74,6 +74,10 @@ void ParallelFor(int64_t n, int64_t elements_per_item, Fn fn) {
   }
   const int64_t chunk = (n + parts - 1) / parts;
 #ifdef _OPENMP
+  if (omp_in_parallel()) {   // inside a parallel region (a decode layer's row range): the same parts, in turn
+    for (int64_t p = 0; p < parts; ++p) fn(static_cast<int>(p), p * chunk, std::min(n, (p + 1) * chunk));
+    return;
+  }
 #pragma omp parallel for num_threads(static_cast<int>(parts)) schedule(static, 1)
   for (int64_t p = 0; p < parts; ++p) fn(static_cast<int>(p), p * chunk, std::min(n, (p + 1) * chunk));
 #else

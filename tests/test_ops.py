@@ -948,18 +948,26 @@ def _decode_layer_case(rng, rows, hidden, heads, kv, d, inter, fmt, qkv_bias, o_
     return x, w, positions, caches, start
 
 
+# how the kernel splits a layer over the threads (csrc/cpu/decode_layer.cc SplitRows): each thread a share of the rows
+# through the whole layer, each step in turn, or as the sizes say ("": float32 panels of these tests' small weights
+# split the rows from ~10-20 rows on); low-precision packs always run the steps in turn
+SPLITS = ["rows", "phases", ""]
+
+
 # (rows, hidden, heads, kv, d, intermediate): the last case's rows are split over the threads in each row-wise step
+@pytest.mark.parametrize("split", SPLITS)
 @pytest.mark.parametrize("fmt", ["float32", "bfloat16", "weight_only_int8", "weight_only_int4"])
 @pytest.mark.parametrize("rows,hidden,heads,kv,d,inter,qkv_bias,o_bias,qk_norm,cache_dtype", [
     (1, 64, 4, 2, 16, 96, True, False, False, "float32"),
     (5, 48, 3, 1, 16, 40, False, True, True, "bfloat16"),
     (7, 64, 4, 4, 8, 70, True, True, False, "float16"),
     (150, 128, 4, 2, 32, 172, True, False, True, "float32")])
-def test_decode_layer_is_its_ops_bit_for_bit(rng, fmt, rows, hidden, heads, kv, d, inter, qkv_bias, o_bias, qk_norm,
-                                             cache_dtype):
+def test_decode_layer_is_its_ops_bit_for_bit(monkeypatch, rng, split, fmt, rows, hidden, heads, kv, d, inter, qkv_bias,
+                                             o_bias, qk_norm, cache_dtype):
     """The whole layer in one kernel call gives the bits of its ten op calls: the output, and the keys and values
     written into the caches (every slot; the ones it does not write unchanged), for every packed format, with and
-    without the biases and q/k norms, over float32 and 16-bit caches."""
+    without the biases and q/k norms, over float32 and 16-bit caches, however the threads split the layer."""
+    monkeypatch.setenv("PADDLE_RL_DECODE_LAYER_SPLIT", split)
     cap, slot = 9, 6
     x, w, positions, caches, start = _decode_layer_case(rng, rows, hidden, heads, kv, d, inter, fmt, qkv_bias, o_bias,
                                                         qk_norm, cache_dtype, cap, slot)
@@ -983,18 +991,21 @@ def test_decode_layer_is_its_ops_bit_for_bit(rng, fmt, rows, hidden, heads, kv, 
     np.testing.assert_array_equal(alone.numpy(), out.numpy()[-1:])
 
 
+@pytest.mark.parametrize("split", SPLITS)
 @pytest.mark.parametrize("cache_dtype,d", [("float32", 64), ("bfloat16", 16), ("float32", 12)])
-def test_decode_layer_reads_a_shared_prompt_from_its_row(rng, cache_dtype, d):
+def test_decode_layer_reads_a_shared_prompt_from_its_row(monkeypatch, rng, split, cache_dtype, d):
     """Rows that share a prompt (`shared`: its samples) read its slots from the row named: the same bits as each row
     reading its own copy, and a row whose own copy differs there is computed from the named row's (so the kernel
-    reads them there). The windows start at different slots and the shared spans end inside a block of keys (d 64:
-    the vector paths, 12: the scalar ones)."""
+    reads them there, also where another thread takes the named row: rows 3 and 0 with the rows split over 2
+    threads). The windows start at different slots and the shared spans end inside a block of keys (d 64: the vector
+    paths, 12: the scalar ones)."""
+    monkeypatch.setenv("PADDLE_RL_DECODE_LAYER_SPLIT", split)
     rows, cap, slot, prompt_end = 6, 40, 33, 13
     x, w, positions, caches, start = _decode_layer_case(rng, rows, 64, 4, 2, d, 40, "float32", True, False, False,
                                                         cache_dtype, cap, slot)
-    start = paddle.to_tensor(np.array([2, 2, 2, 5, 5, 0], dtype=np.int64))
-    source = np.array([0, 0, 0, 3, 3, 5])   # rows 0-2 share one prompt, rows 3-4 another, row 5 its own
-    ends = np.array([prompt_end, prompt_end, prompt_end, prompt_end + 7, prompt_end + 7, 9])
+    start = paddle.to_tensor(np.array([2, 2, 2, 2, 5, 0], dtype=np.int64))
+    source = np.array([0, 0, 0, 0, 4, 5])   # rows 0-3 share one prompt, rows 4 and 5 their own
+    ends = np.array([prompt_end, prompt_end, prompt_end, prompt_end, prompt_end + 7, 9])
     for c in caches:   # each row's prompt slots copied from its source row (as a prefill fans a prompt out)
         data = c.astype("float32").numpy()
         for r in range(rows):
@@ -1007,19 +1018,19 @@ def test_decode_layer_reads_a_shared_prompt_from_its_row(rng, cache_dtype, d):
     np.testing.assert_array_equal(read.numpy(), own.numpy())
     np.testing.assert_array_equal(ops.decode_layer_reference(x, w, positions, inv_freq, *[c.clone() for c in caches],
                                                              start, slot, shared).numpy(), own.numpy())
-    # rows 1 and 4 hold other numbers in the first 8 slots of their windows (whole blocks of keys read from the
+    # rows 1 and 3 hold other numbers in the first 8 slots of their windows (whole blocks of keys read from the
     # source row: a block that straddles the end of the shared span reads the row's own copy, the same numbers)
     spoiled = [c.clone() for c in caches]
     for c in spoiled:
         data = c.astype("float32").numpy()
-        for r in (1, 4):
+        for r in (1, 3):
             data[r, :, int(start[r]):int(start[r]) + 8] += 1.0
         c.set_value(paddle.to_tensor(data).astype(cache_dtype))
     got = ops.decode_layer_fused(x, w, positions, inv_freq, *[c.clone() for c in spoiled], start, slot, shared)
     np.testing.assert_array_equal(got.numpy(), own.numpy())
     alone = ops.decode_layer_fused(x, w, positions, inv_freq, *[c.clone() for c in spoiled], start, slot)
-    assert not np.array_equal(alone.numpy()[[1, 4]], own.numpy()[[1, 4]])
-    np.testing.assert_array_equal(alone.numpy()[[0, 2, 3, 5]], own.numpy()[[0, 2, 3, 5]])
+    assert not np.array_equal(alone.numpy()[[1, 3]], own.numpy()[[1, 3]])
+    np.testing.assert_array_equal(alone.numpy()[[0, 2, 4, 5]], own.numpy()[[0, 2, 4, 5]])
     with pytest.raises(Exception, match="prl_decode_layer: shared row out of range"):
         ops.decode_layer_fused(x, w, positions, inv_freq, *caches, start, slot,
                                paddle.to_tensor(np.array([[0, 1]] * (rows - 1) + [[rows, 1]], dtype=np.int64)))

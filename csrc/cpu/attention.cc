@@ -703,6 +703,20 @@ void prl_cpu::DecodeAttention(const float* qp, const void* cache_k, const void* 
   });
 }
 
+namespace prl_cpu {
+// DecodeAttention's rows [row_begin, row_end) in the calling thread (q, out, start and shared of the whole batch):
+// a decode layer's row range (decode_layer.cc). CPU only, so not among kernels.h's launchers.
+void DecodeAttentionRows(const float* qp, const void* cache_k, const void* cache_v, KvDtype cache, const int64_t* st,
+                         float* o, int64_t row_begin, int64_t row_end, int64_t heads, int64_t kv, int64_t cap,
+                         int64_t d, int64_t length, float scale, const int64_t* shared) {
+  prl::ForKvDtype(cache, [&](auto zero) {
+    using T = decltype(zero);
+    Attend(qp, static_cast<const T*>(cache_k), static_cast<const T*>(cache_v), st, shared, o, row_begin * kv,
+           row_end * kv, heads, kv, cap, d, length, scale);
+  });
+}
+}  // namespace prl_cpu
+
 #ifndef PRL_NO_PADDLE
 #ifdef PRL_WITH_CUDA
 std::vector<paddle::Tensor> DecodeAttentionCUDA(const paddle::Tensor& q, const paddle::Tensor& cache_k,

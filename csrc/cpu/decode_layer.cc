@@ -7,8 +7,8 @@
 // the same launchers run back to back in the same order on the same numbers, so the output, q and the caches are
 // the same bits, with one dispatch instead of ten (~16-35 us each alone, 50-300 us in a decode step: most of a
 // small model's step). The weights are the rollout's packed copies: float32 panels, or a low-precision pack (bfloat16,
-// weight_only_int8 / int4) with its scales. The row-wise steps (norms, bias and residual adds, rotary, SwiGLU)
-// split their rows over the threads from 16K elements on; a row's numbers never depend on the split. `shared` [B, 2]
+// weight_only_int8 / int4) with its scales. The threads take either each a share of the rows through the whole layer,
+// or each step in turn (SplitRows says which); a row's numbers never depend on the split. `shared` [B, 2]
 // (optional): row b's slots start[b] .. shared[b][1] - 1 hold the same keys and values as row shared[b][0]'s (a
 // prompt's samples) and the attention reads them there (cpu/kernels.h DecodeAttention: the same bits).
 #ifndef PRL_NO_PADDLE
@@ -16,18 +16,48 @@
 #include "../prl_lowp.h"
 #include "kernels.h"
 
+namespace prl_cpu {
+// attention.cc: DecodeAttention's rows [row_begin, row_end) in the calling thread
+void DecodeAttentionRows(const float* q, const void* cache_k, const void* cache_v, KvDtype cache, const int64_t* start,
+                         float* out, int64_t row_begin, int64_t row_end, int64_t heads, int64_t kv, int64_t cap,
+                         int64_t d, int64_t length, float scale, const int64_t* shared);
+}  // namespace prl_cpu
+
 namespace {
 
-// fn(begin, end) over rows [0, rows) of `width` elements each, in parallel parts from 16K elements on
+// fn(first, last) over rows [begin, end) of `width` elements each, in parallel parts from 16K elements on (in turn
+// inside a parallel region)
 template <typename Fn>
-void OverRowRanges(int64_t rows, int64_t width, Fn fn) {
-  prl::ParallelFor(rows, width * 16, [&](int, int64_t begin, int64_t end) { fn(begin, end); });
+void OverRowRanges(int64_t begin, int64_t end, int64_t width, Fn fn) {
+  prl::ParallelFor(end - begin, width * 16, [&](int, int64_t b, int64_t e) { fn(begin + b, begin + e); });
 }
 
-// out [rows, n] = x [rows, k_dim] W, W packed as the rollout packs it (ops/linear.py): float32 [P, K, 32], or a
-// low-precision pack named by its dtype with its scales
-void Product(const float* x, int64_t rows, int64_t k_dim, const paddle::Tensor& w,
-             const paddle::optional<paddle::Tensor>& scales, int64_t n, bool bf16_act, float* out, const char* name) {
+// How the layer's rows meet the threads. `rows`: each thread runs the whole layer on its own rows, so no thread
+// reads what another wrote (a row's keys and values are its own; the prompt slots it shares were written by the
+// prefill) and none waits for another until the end, but every thread reads all the weights. `phases`: each step
+// splits over the threads alone (the products by column panels, the row-wise steps by rows), so the weights are read
+// once, but each phase's outputs move between the cores for the next and the threads meet after every step. The
+// default takes the split that moves fewer bytes: rows where the extra reads of the weights (float32 panels:
+// `weight_bytes`, once per further thread) come to no more than the activations a phased layer passes on
+// (`row_bytes` a row). On the EPYC Zen 3, 2 threads, a layer's call in the quickstart's rollout (236 rows, 0.7 MB of
+// weights) took 0.86-0.90x as long with rows; W3's (64 rows, 14 MB) 1.05-1.07x as long, so it stays phased
+// (docs/kernels.md). PADDLE_RL_DECODE_LAYER_SPLIT=rows or phases forces one (read at each call); low-precision packs
+// always run phased. Both give the same bits: a row's numbers never depend on the split.
+bool SplitRows(int64_t rows, int64_t weight_bytes, int64_t row_bytes, bool f32) {
+  const char* env = std::getenv("PADDLE_RL_DECODE_LAYER_SPLIT");
+  const int threads = prl::NumThreads();
+  if (!f32 || threads < 2 || rows < 2) return false;
+  if (env && *env) {
+    if (std::strcmp(env, "rows") == 0) return true;
+    if (std::strcmp(env, "phases") == 0) return false;
+  }
+  return (threads - 1) * weight_bytes <= rows * row_bytes;
+}
+
+// Whether W (packed as the rollout packs it, ops/linear.py: float32 [P, K, 32], or a low-precision pack named by
+// its dtype with its scales) is one x [rows, k_dim] W -> [rows, n] can take; an error names it otherwise
+void CheckProduct(int64_t k_dim, const paddle::Tensor& w, const paddle::optional<paddle::Tensor>& scales, int64_t n,
+                  bool bf16_act, const char* name) {
   const char* op = "prl_decode_layer";
   PD_CHECK(w.is_cpu(), op, ": ", name, " must be a CPU tensor");
   const int64_t panels = prl::LowpPanels(n);
@@ -35,7 +65,6 @@ void Product(const float* x, int64_t rows, int64_t k_dim, const paddle::Tensor& 
     const auto& s = w.shape();
     PD_CHECK(s.size() == 3 && s[0] == panels && s[1] == k_dim && s[2] == prl::kLowpPanel, op, ": ", name,
              " must be float32 panels [", panels, ", ", k_dim, ", 32]");
-    prl_cpu::PackedLinear(x, w.data<float>(), out, rows, k_dim, n);
     return;
   }
   const prl::LowpFormat format = FormatOf(w, op);   // linear.cc's: the format its dtype names
@@ -48,7 +77,28 @@ void Product(const float* x, int64_t rows, int64_t k_dim, const paddle::Tensor& 
                scales->numel() == prl::LowpScaleCount(format, k_dim, n),
            op, ": ", name, ": a ", prl::LowpFormatName(format), " pack needs its ",
            prl::LowpScaleCount(format, k_dim, n), " float32 scales on the CPU");
-  prl_cpu::PackedLinearLowp(x, w.data(), scales->data<float>(), format, out, rows, k_dim, n, bf16_act);
+}
+
+// A product's weight as CheckProduct took it: float32 panels, or a low-precision pack and its scales
+struct LayerWeight {
+  const void* data;
+  const float* scales;
+  bool f32;
+  prl::LowpFormat format;
+};
+
+LayerWeight Resolve(const paddle::Tensor& w, const paddle::optional<paddle::Tensor>& scales) {
+  if (w.dtype() == paddle::DataType::FLOAT32) return {w.data<float>(), nullptr, true, prl::LowpFormat::kBF16};
+  return {w.data(), scales->data<float>(), false, FormatOf(w, "prl_decode_layer")};
+}
+
+// out [rows, n] = x [rows, k_dim] W
+void Product(const float* x, int64_t rows, int64_t k_dim, const LayerWeight& w, int64_t n, bool bf16_act, float* out) {
+  if (w.f32) {
+    prl_cpu::PackedLinear(x, static_cast<const float*>(w.data), out, rows, k_dim, n);
+    return;
+  }
+  prl_cpu::PackedLinearLowp(x, w.data, w.scales, w.format, out, rows, k_dim, n, bf16_act);
 }
 
 void CheckVector(const paddle::optional<paddle::Tensor>& t, int64_t size, const char* name) {
@@ -114,6 +164,13 @@ std::vector<paddle::Tensor> DecodeLayer(
   const prl::KvDtype kv_dtype = prl::CpuCacheDtype(cache_k, cache_v, op);
   const int64_t kv_bytes = kv_dtype == prl::KvDtype::kFloat32 ? 4 : 2;
 
+  CheckProduct(hidden, qkv_w, qkv_scales, qkv_n, bf16_act, "qkv");
+  CheckProduct(q_width, o_w, o_scales, hidden, bf16_act, "o");
+  CheckProduct(hidden, gate_up_w, gate_up_scales, 2 * intermediate, bf16_act, "gate_up");
+  CheckProduct(intermediate, down_w, down_scales, hidden, bf16_act, "down");
+  const LayerWeight wqkv = Resolve(qkv_w, qkv_scales), wo = Resolve(o_w, o_scales);
+  const LayerWeight wgu = Resolve(gate_up_w, gate_up_scales), wdown = Resolve(down_w, down_scales);
+
   // scratch for the layer's intermediates, kept by the calling thread between calls (no page faults per call)
   thread_local std::vector<float> scratch;
   const int64_t need = rows * (hidden + 1 + qkv_n + 2 * q_width + hidden + 3 * intermediate);
@@ -131,41 +188,67 @@ std::vector<paddle::Tensor> DecodeLayer(
   char* kp = static_cast<char*>(cache_k.data());
   char* vp = static_cast<char*>(cache_v.data());
   const int64_t cache_row = num_kv_heads * cap * d * kv_bytes;   // bytes of one row's cache
-
-  // attention block
-  OverRowRanges(rows, hidden, [&](int64_t b, int64_t e) {
-    prl_cpu::RmsNormForward(xp + b * hidden, in_norm.data<float>(), h + b * hidden, rstd + b, e - b, hidden, eps);
-  });
-  Product(h, rows, hidden, qkv_w, qkv_scales, qkv_n, bf16_act, qkv, "qkv");
-  if (qkv_bias) {
-    OverRowRanges(rows, qkv_n, [&](int64_t b, int64_t e) { AddRows(qkv, qkv_bias->data<float>(), qkv_n, false, b, e); });
-  }
-  OverRowRanges(rows, qkv_n * 4, [&](int64_t b, int64_t e) {
-    prl_cpu::RotaryQkvCache(qkv + b * qkv_n, pos + b, inv_freq.data<float>(), q + b * q_width, kp + b * cache_row,
-                            vp + b * cache_row, kv_dtype, q_norm ? q_norm->data<float>() : nullptr,
-                            k_norm ? k_norm->data<float>() : nullptr, e - b, 1, num_heads, num_kv_heads, d, cap, slot,
-                            qk_eps);
-  });
-  prl_cpu::DecodeAttention(q, kp, vp, kv_dtype, start.data<int64_t>(), attn, rows, num_heads, num_kv_heads, cap, d,
-                           length, scale, shared ? shared->data<int64_t>() : nullptr);
-  Product(attn, rows, q_width, o_w, o_scales, hidden, bf16_act, x1, "o");
-  OverRowRanges(rows, hidden, [&](int64_t b, int64_t e) {
-    if (o_bias) AddRows(x1, o_bias->data<float>(), hidden, false, b, e);
-    AddRows(x1, xp, hidden, true, b, e);   // the residual add: (a Wo) + x, as Paddle's add
-  });
-
-  // MLP block
-  OverRowRanges(rows, hidden, [&](int64_t b, int64_t e) {
-    prl_cpu::RmsNormForward(x1 + b * hidden, post_norm.data<float>(), h + b * hidden, rstd + b, e - b, hidden, eps);
-  });
-  Product(h, rows, hidden, gate_up_w, gate_up_scales, 2 * intermediate, bf16_act, gu, "gate_up");
-  OverRowRanges(rows, 2 * intermediate, [&](int64_t b, int64_t e) {
-    prl_cpu::SwigluForward(gu + b * 2 * intermediate, act + b * intermediate, e - b, intermediate);
-  });
+  const float* in_w = in_norm.data<float>();
+  const float* post_w = post_norm.data<float>();
+  const float* qkv_b = qkv_bias ? qkv_bias->data<float>() : nullptr;
+  const float* o_b = o_bias ? o_bias->data<float>() : nullptr;
+  const float* qn = q_norm ? q_norm->data<float>() : nullptr;
+  const float* kn = k_norm ? k_norm->data<float>() : nullptr;
+  const int64_t* st = start.data<int64_t>();
+  const int64_t* sh = shared ? shared->data<int64_t>() : nullptr;
   auto out = paddle::empty({rows, 1, hidden}, x.dtype(), x.place());
   float* o = out.data<float>();
-  Product(act, rows, intermediate, down_w, down_scales, hidden, bf16_act, o, "down");
-  OverRowRanges(rows, hidden, [&](int64_t b, int64_t e) { AddRows(o, x1, hidden, true, b, e); });
+
+  // The phases of rows [b, e): each phase's launcher splits its rows or columns over the threads, unless the caller
+  // already runs in a parallel region (then it runs its parts in this thread, prl::ParallelFor).
+  auto attention_in = [&](int64_t b, int64_t e) {   // norm, q/k/v, bias, rotary and the cache write
+    OverRowRanges(b, e, hidden, [&](int64_t i, int64_t j) {
+      prl_cpu::RmsNormForward(xp + i * hidden, in_w, h + i * hidden, rstd + i, j - i, hidden, eps);
+    });
+    Product(h + b * hidden, e - b, hidden, wqkv, qkv_n, bf16_act, qkv + b * qkv_n);
+    if (qkv_b) OverRowRanges(b, e, qkv_n, [&](int64_t i, int64_t j) { AddRows(qkv, qkv_b, qkv_n, false, i, j); });
+    OverRowRanges(b, e, qkv_n * 4, [&](int64_t i, int64_t j) {
+      prl_cpu::RotaryQkvCache(qkv + i * qkv_n, pos + i, inv_freq.data<float>(), q + i * q_width, kp + i * cache_row,
+                              vp + i * cache_row, kv_dtype, qn, kn, j - i, 1, num_heads, num_kv_heads, d, cap, slot,
+                              qk_eps);
+    });
+  };
+  auto attention_out = [&](int64_t b, int64_t e) {   // the output product, its bias and the residual add
+    Product(attn + b * q_width, e - b, q_width, wo, hidden, bf16_act, x1 + b * hidden);
+    OverRowRanges(b, e, hidden, [&](int64_t i, int64_t j) {
+      if (o_b) AddRows(x1, o_b, hidden, false, i, j);
+      AddRows(x1, xp, hidden, true, i, j);   // the residual add: (a Wo) + x, as Paddle's add
+    });
+  };
+  auto mlp = [&](int64_t b, int64_t e) {
+    OverRowRanges(b, e, hidden, [&](int64_t i, int64_t j) {
+      prl_cpu::RmsNormForward(x1 + i * hidden, post_w, h + i * hidden, rstd + i, j - i, hidden, eps);
+    });
+    Product(h + b * hidden, e - b, hidden, wgu, 2 * intermediate, bf16_act, gu + b * 2 * intermediate);
+    OverRowRanges(b, e, 2 * intermediate, [&](int64_t i, int64_t j) {
+      prl_cpu::SwigluForward(gu + i * 2 * intermediate, act + i * intermediate, j - i, intermediate);
+    });
+    Product(act + b * intermediate, e - b, intermediate, wdown, hidden, bf16_act, o + b * hidden);
+    OverRowRanges(b, e, hidden, [&](int64_t i, int64_t j) { AddRows(o, x1, hidden, true, i, j); });
+  };
+  const int64_t panel_rows = hidden * (prl::LowpPanels(qkv_n) + prl::LowpPanels(2 * intermediate)) +
+                             (q_width + intermediate) * prl::LowpPanels(hidden);
+  const int64_t weight_bytes = 4 * prl::kLowpPanel * panel_rows;   // the four products' float32 panels
+  const int64_t row_bytes = 4 * (3 * hidden + qkv_n + 2 * q_width + 3 * intermediate);   // what a row's steps write
+  if (SplitRows(rows, weight_bytes, row_bytes, wqkv.f32 && wo.f32 && wgu.f32 && wdown.f32)) {
+    prl::ParallelFor(rows, int64_t{1} << 18, [&](int, int64_t b, int64_t e) {   // a part for each thread
+      attention_in(b, e);
+      prl_cpu::DecodeAttentionRows(q, kp, vp, kv_dtype, st, attn, b, e, num_heads, num_kv_heads, cap, d, length, scale,
+                                   sh);
+      attention_out(b, e);
+      mlp(b, e);
+    });
+    return {out};
+  }
+  attention_in(0, rows);
+  prl_cpu::DecodeAttention(q, kp, vp, kv_dtype, st, attn, rows, num_heads, num_kv_heads, cap, d, length, scale, sh);
+  attention_out(0, rows);
+  mlp(0, rows);
   return {out};
 }
 
