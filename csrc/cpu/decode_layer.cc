@@ -40,7 +40,7 @@ void OverRowRanges(int64_t begin, int64_t end, int64_t width, Fn fn) {
 // default takes the split that moves fewer bytes: rows where the extra reads of the weights (float32 panels:
 // `weight_bytes`, once per further thread) come to no more than the activations a phased layer passes on
 // (`row_bytes` a row). On the EPYC Zen 3, 2 threads, a layer's call in the quickstart's rollout (236 rows, 0.7 MB of
-// weights) took 0.86-0.90x as long with rows; W3's (64 rows, 14 MB) 1.05-1.07x as long, so it stays phased
+// weights) took 0.86-0.90x as long with rows; W3's (64 rows, 14 MB) 1.01-1.11x as long, so it stays phased
 // (docs/kernels.md). PADDLE_RL_DECODE_LAYER_SPLIT=rows or phases forces one (read at each call); low-precision packs
 // always run phased. Both give the same bits: a row's numbers never depend on the split.
 bool SplitRows(int64_t rows, int64_t weight_bytes, int64_t row_bytes, bool f32) {
