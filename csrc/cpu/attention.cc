@@ -689,17 +689,25 @@ void prl_cpu::PackedAttentionBackward(const float* q, const float* k, const floa
   });
 }
 
+namespace {
+// Attend over the (row, kv head) items [begin, end) of caches of `cache` dtype, in the calling thread
+void AttendItems(const float* qp, const void* cache_k, const void* cache_v, prl::KvDtype cache, const int64_t* st,
+                 const int64_t* shared, float* o, int64_t begin, int64_t end, int64_t heads, int64_t kv, int64_t cap,
+                 int64_t d, int64_t length, float scale) {
+  prl::ForKvDtype(cache, [&](auto zero) {
+    using T = decltype(zero);
+    Attend(qp, static_cast<const T*>(cache_k), static_cast<const T*>(cache_v), st, shared, o, begin, end, heads, kv,
+           cap, d, length, scale);
+  });
+}
+}  // namespace
+
 void prl_cpu::DecodeAttention(const float* qp, const void* cache_k, const void* cache_v, KvDtype cache,
                               const int64_t* st, float* o, int64_t b, int64_t heads, int64_t kv, int64_t cap,
                               int64_t d, int64_t length, float scale, const int64_t* shared) {
   // (row, kv head) items in parallel, each part with its own scratch
-  prl::ForKvDtype(cache, [&](auto zero) {
-    using T = decltype(zero);
-    const T* kp = static_cast<const T*>(cache_k);
-    const T* vp = static_cast<const T*>(cache_v);
-    prl::ParallelFor(b * kv, 2 * heads / kv * length * d, [&](int, int64_t begin, int64_t end) {
-      Attend(qp, kp, vp, st, shared, o, begin, end, heads, kv, cap, d, length, scale);
-    });
+  prl::ParallelFor(b * kv, 2 * heads / kv * length * d, [&](int, int64_t begin, int64_t end) {
+    AttendItems(qp, cache_k, cache_v, cache, st, shared, o, begin, end, heads, kv, cap, d, length, scale);
   });
 }
 
@@ -709,11 +717,8 @@ namespace prl_cpu {
 void DecodeAttentionRows(const float* qp, const void* cache_k, const void* cache_v, KvDtype cache, const int64_t* st,
                          float* o, int64_t row_begin, int64_t row_end, int64_t heads, int64_t kv, int64_t cap,
                          int64_t d, int64_t length, float scale, const int64_t* shared) {
-  prl::ForKvDtype(cache, [&](auto zero) {
-    using T = decltype(zero);
-    Attend(qp, static_cast<const T*>(cache_k), static_cast<const T*>(cache_v), st, shared, o, row_begin * kv,
-           row_end * kv, heads, kv, cap, d, length, scale);
-  });
+  AttendItems(qp, cache_k, cache_v, cache, st, shared, o, row_begin * kv, row_end * kv, heads, kv, cap, d, length,
+              scale);
 }
 }  // namespace prl_cpu
 
