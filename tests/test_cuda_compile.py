@@ -20,7 +20,6 @@ import re
 import shlex
 import shutil
 import subprocess
-import sysconfig
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -38,8 +37,7 @@ needs_nvcc = pytest.mark.skipif(NVCC is None, reason="nvcc is not on PATH nor at
 
 
 def _includes():
-    paddle_dirs = build._cpp_extension()[1].find_paddle_includes(False)  # paddle/include, its third_party, ...
-    return [f"-I{d}" for d in (*paddle_dirs, sysconfig.get_paths()["include"], build.CSRC)]
+    return [f"-I{d}" for d in build.include_dirs()]
 
 
 def _compile(source: str, obj: str):

@@ -15,7 +15,6 @@ import os
 import re
 import shutil
 import subprocess
-import sysconfig
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -52,8 +51,7 @@ def _flags(march: str):
     """The build's compile flags (build.CXX_FLAGS, OpenMP's) for `march`, at -O0: only whether the code compiles,
     and which instructions it uses, matter here."""
     flags = [f for f in build.CXX_FLAGS if f not in ("-O3", "-march=native")]
-    paddle_dirs = build._cpp_extension()[1].find_paddle_includes(False)
-    includes = [f"-I{d}" for d in (*paddle_dirs, sysconfig.get_paths()["include"], build.CSRC)]
+    includes = [f"-I{d}" for d in build.include_dirs()]
     return ["-std=c++17", "-O0", f"-march={march}", *flags, *build._openmp_flags()[0], *includes]
 
 

@@ -17,6 +17,7 @@ import logging
 import os
 import platform
 import sys
+import sysconfig
 import threading
 
 logger = logging.getLogger("paddle_rl")
@@ -125,6 +126,12 @@ def _cpp_extension():
         from paddle.utils import cpp_extension
         from paddle.utils.cpp_extension import extension_utils
     return cpp_extension, extension_utils
+
+
+def include_dirs() -> list:
+    """The folders a compile of the units reads headers from outside the compiler's own: Paddle's (paddle/include
+    and its third_party), Python's and csrc/ (what cpp_extension passes; for compiles of the units by hand)."""
+    return [*_cpp_extension()[1].find_paddle_includes(False), sysconfig.get_paths()["include"], CSRC]
 
 
 def _register(so_path: str):
