@@ -29,8 +29,9 @@ KINDS = {
     "avx512_bf16": ("cooperlake", ("vdpbf16ps", "%zmm"), ("tdpbf16ps",)),
     # AVX-512 without AVX512-BF16 or AMX (Intel Ice Lake)
     "avx512": ("icelake-server", ("%zmm",), ("vdpbf16ps", "tdpbf16ps")),
-    # AVX2 and FMA without AVX-512 (AMD Zen 2 / Zen 3, Intel Haswell to Comet Lake)
-    "avx2": ("haswell", ("vfmadd", "%ymm"), ("%zmm", "vdpbf16ps")),
+    # AVX2 and FMA without AVX-512 (AMD Zen 2 / Zen 3, Intel Haswell to Comet Lake); at -O0 the vector types' sums
+    # are not yet fused into FMAs, so the marker is AVX2's widening of bytes into a ymm register (LoadInt8)
+    "avx2": ("haswell", ("vpmovsxbd", "%ymm"), ("%zmm", "vdpbf16ps")),
 }
 # the macros that choose the kernels' branches
 MACROS = ("__AMX_TILE__", "__AMX_BF16__", "__AVX512BF16__", "__AVX512F__", "__AVX2__", "__FMA__")
