@@ -67,8 +67,8 @@ def _compile(march: str, unit: str, obj: str):
 
 @pytest.fixture(scope="module")
 def compiled(tmp_path_factory):
-    """kind -> None (this machine's own kind, or a -march the compiler does not know: with the reason) or
-    {unit: (return code, errors)} and the assembly of paddle_rl_ops.cc; the kinds' units compiled side by side."""
+    """kind -> why it is skipped (this machine's own kind, or a -march the compiler does not know), or
+    {unit: ((return code, errors), its assembly's path)}; the kinds' units compiled side by side."""
     assert CXX, "no C++ compiler (c++ or g++) on PATH"
     native = _macros("native")
     folder = tmp_path_factory.mktemp("isa_builds")
