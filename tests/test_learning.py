@@ -86,8 +86,8 @@ def test_tiny_kk_reasoning_model_gains(config, tmp_path):
     256 samples a step (16 prompts x 16, dynamic sampling, 300 steps, both configs): held-out accuracy on 2-3 people
     (test.jsonl) gains at least GAIN_POINTS points (measured: docs/learning.md: GRPO +16.5, +15.5, +16.5
     at seeds 42, 1, 2; REINFORCE++ +12.5, +9, +12.5 at seeds 42, 1, 2, short of +15; on the current tree on an
-    AVX2 EPYC, seed 42, GRPO +13 and REINFORCE++ +2.5, which fails here: its path follows the CPU's rounding); the 4-people file
-    (test_4p.jsonl, a count never trained on) is reported beside it."""
+    AVX2 EPYC, seed 42, GRPO +13 and REINFORCE++ +2.5, which fails here: its path follows the CPU's rounding);
+    the 4-people file (test_4p.jsonl, a count never trained on) is reported beside it."""
     curve = held_out_curve(config, tmp_path, key="eval/test/accuracy")
     with open(os.path.join(ROOT, config)) as f:
         steps = yaml.safe_load(f)["max_steps"]  # 300 for both
